@@ -1,0 +1,43 @@
+# kvpipe — the two commands of the quick start are `make run` and `make test`.
+# Both build .venv from nothing on a fresh machine; nothing installed by hand is assumed.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+# Re-install when pyproject.toml changes.
+HASH   := $(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: run test lint typecheck unit bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.base-$(HASH): $(BIN)/python
+	$(PIP) install --quiet -e .
+	rm -f $(VENV)/.base-*; touch $@
+
+$(VENV)/.test-$(HASH): $(BIN)/python
+	$(PIP) install --quiet -e '.[test]'
+	rm -f $(VENV)/.test-* $(VENV)/.base-*; touch $@ $(VENV)/.base-$(HASH)
+
+## run: the end-to-end offload -> reload demo on the embedded default store
+run: $(VENV)/.base-$(HASH)
+	$(BIN)/kvpipe demo
+
+## test: lint, type-check and the whole test suite
+test: $(VENV)/.test-$(HASH)
+	$(BIN)/ruff check kvpipe tests
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.test-$(HASH)
+	$(BIN)/ruff check kvpipe tests
+	$(BIN)/ruff format --check kvpipe tests
+
+unit: $(VENV)/.test-$(HASH)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,74 @@
+"""kvpipe: move LLM KV-cache blocks between an inference server's cache and storage.
+
+Supervised anyio actors gather blocks into bounded staging, write them to a backend in
+sliced, deadline-bounded calls that always leave a contiguous stored prefix, and read them
+back verified. See ``docs/architecture.md`` and ``docs/embedding.md``.
+"""
+
+from ._cache import KVCache as KVCache
+from ._cache import create_kv_cache as create_kv_cache
+from ._config import PipelineConfig as PipelineConfig
+from ._errors import ActorCrashed as ActorCrashed
+from ._errors import BackendError as BackendError
+from ._errors import ConfigError as ConfigError
+from ._errors import IncompleteRead as IncompleteRead
+from ._errors import KVPipeError as KVPipeError
+from ._errors import LayoutError as LayoutError
+from ._errors import OperationTimeout as OperationTimeout
+from ._errors import PipelineClosed as PipelineClosed
+from ._errors import RequestError as RequestError
+from ._errors import Unsupported as Unsupported
+from ._layout import CacheLayout as CacheLayout
+from ._results import BlockLocation as BlockLocation
+from ._results import Holder as Holder
+from ._results import PipelineStatistics as PipelineStatistics
+from ._results import ReadResult as ReadResult
+from ._results import Residency as Residency
+from ._results import ResidencyEntry as ResidencyEntry
+from ._results import SliceOutcome as SliceOutcome
+from ._results import WriteResult as WriteResult
+from .actors import PipelineHooks as PipelineHooks
+from .backends import BlockStatus as BlockStatus
+from .backends import GetBatch as GetBatch
+from .backends import KeyBatch as KeyBatch
+from .backends import MemoryStore as MemoryStore
+from .backends import PutBatch as PutBatch
+from .backends import StorageBackend as StorageBackend
+from .pipeline import Pipeline as Pipeline
+from .pipeline import open_pipeline as open_pipeline
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "ActorCrashed",
+    "BackendError",
+    "BlockLocation",
+    "BlockStatus",
+    "CacheLayout",
+    "ConfigError",
+    "GetBatch",
+    "Holder",
+    "IncompleteRead",
+    "KVCache",
+    "KVPipeError",
+    "KeyBatch",
+    "LayoutError",
+    "MemoryStore",
+    "OperationTimeout",
+    "Pipeline",
+    "PipelineClosed",
+    "PipelineConfig",
+    "PipelineHooks",
+    "PipelineStatistics",
+    "PutBatch",
+    "ReadResult",
+    "RequestError",
+    "Residency",
+    "ResidencyEntry",
+    "SliceOutcome",
+    "StorageBackend",
+    "Unsupported",
+    "WriteResult",
+    "create_kv_cache",
+    "open_pipeline",
+)

@@ -1,0 +1,73 @@
+"""The format of one stored block value: the payload, then a 48-byte trailer.
+
+::
+
+    payload   layout.block_nbytes bytes: every (layer, role) block in contract order
+    trailer   magic "KVPB" | version u16 | flags u16 | payload length u64
+              | BLAKE2b-128 of the key (16 B) | XXH3-64 of the payload u64 | reserved (8 B)
+
+The trailer makes every block self-verifying end to end, whatever the backend: a read checks
+that the value is as long as expected, belongs to the key it was fetched under (a store that
+returns the wrong object is caught) and, with checksums on, that no byte changed. A block that
+fails any check is never scattered into the cache.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+__all__ = ("TRAILER_NBYTES", "check_block", "seal_block", "value_nbytes")
+
+_TRAILER: Final = struct.Struct("<4sHHQ16sQ8x")
+TRAILER_NBYTES: Final = _TRAILER.size
+MAGIC: Final = b"KVPB"
+VERSION: Final = 1
+FLAG_CHECKSUM: Final = 1
+
+Bytes = npt.NDArray[np.uint8]
+
+
+def value_nbytes(payload_nbytes: int) -> int:
+    """Bytes of a stored value for a payload of ``payload_nbytes``."""
+    return payload_nbytes + TRAILER_NBYTES
+
+
+def seal_block(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: bool) -> None:
+    """Write the trailer of ``value`` (whose payload is already in place)."""
+    payload = value[:payload_nbytes]
+    digest = xxhash.xxh3_64_intdigest(payload.data) if checksum else 0
+    flags = FLAG_CHECKSUM if checksum else 0
+    trailer = _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, key_digest, digest)
+    value[payload_nbytes : payload_nbytes + TRAILER_NBYTES] = np.frombuffer(trailer, np.uint8)
+
+
+def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bool) -> str | None:
+    """Check a fetched value; ``None`` when it is sound, else why it is not.
+
+    Args:
+        value: The value's bytes (at least ``payload_nbytes + TRAILER_NBYTES`` long).
+        payload_nbytes: The payload size the layout expects.
+        key_digest: Digest of the key it was fetched under.
+        verify: Also recompute the payload checksum, when the writer recorded one.
+    """
+    if len(value) < payload_nbytes + TRAILER_NBYTES:
+        return "value shorter than a block"
+    raw = value[payload_nbytes : payload_nbytes + TRAILER_NBYTES].tobytes()
+    magic, version, flags, length, kdigest, digest = _TRAILER.unpack(raw)
+    if magic != MAGIC:
+        return "bad magic"
+    if version != VERSION:
+        return f"unknown format version {version}"
+    if length != payload_nbytes:
+        return f"payload length {length}, expected {payload_nbytes}"
+    if kdigest != key_digest:
+        return "value belongs to another key"
+    if verify and flags & FLAG_CHECKSUM:
+        if xxhash.xxh3_64_intdigest(value[:payload_nbytes].data) != digest:
+            return "checksum mismatch"
+    return None

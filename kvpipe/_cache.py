@@ -1,0 +1,269 @@
+"""KV caches: the caller's tensors, seen by kvpipe as rows of bytes per block.
+
+A :class:`KVCache` wraps one tensor per ``(role, layer)`` in the layout's contract order. It
+keeps the caller's tensors alive and, for the host path, a ``uint8`` view of each one shaped
+``[num_blocks, role_block_nbytes]`` that aliases the tensor's memory (no copy).
+
+Accepted tensors: numpy arrays, Paddle CPU tensors, and any CPU tensor numpy can import
+through DLPack or that exposes ``data_ptr()`` (PyTorch). Device tensors need the device path
+(:mod:`kvpipe.cuda`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, cast, final
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import LayoutError, Unsupported
+from ._layout import CacheLayout, RoleSpec, numpy_dtype
+
+__all__ = ("KVCache", "create_kv_cache")
+
+ByteRows = npt.NDArray[np.uint8]
+
+
+def _dtype_name(obj: Any) -> str:
+    """``paddle.bfloat16`` / ``torch.bfloat16`` / numpy dtype → ``bfloat16``."""
+    return str(obj).rsplit(".", 1)[-1]
+
+
+def _check_shape(spec: RoleSpec, layer: int, shape: tuple[int, ...], num_blocks: int) -> None:
+    want = (num_blocks, *spec.block_shape)
+    if shape != want:
+        raise LayoutError(f"{spec.name}[{layer}]: shape {list(shape)}, expected {list(want)}")
+
+
+def _numpy_rows(spec: RoleSpec, layer: int, arr: npt.NDArray[Any], num_blocks: int) -> ByteRows:
+    if arr.dtype != numpy_dtype(spec.dtype):
+        raise LayoutError(f"{spec.name}[{layer}]: dtype {arr.dtype}, expected {spec.dtype}")
+    _check_shape(spec, layer, tuple(arr.shape), num_blocks)
+    if not arr.flags.c_contiguous:
+        raise LayoutError(f"{spec.name}[{layer}]: tensor is not C-contiguous")
+    if not arr.flags.writeable:
+        raise LayoutError(f"{spec.name}[{layer}]: tensor is read-only")
+    rows: ByteRows = arr.reshape(num_blocks, -1).view(np.uint8)
+    return rows
+
+
+def _pointer_rows(
+    spec: RoleSpec, layer: int, ptr: int, shape: tuple[int, ...], dtype: str, num_blocks: int
+) -> ByteRows:
+    if dtype != spec.dtype:
+        raise LayoutError(f"{spec.name}[{layer}]: dtype {dtype}, expected {spec.dtype}")
+    _check_shape(spec, layer, shape, num_blocks)
+    nbytes = num_blocks * spec.block_nbytes
+    if nbytes == 0:
+        return np.empty((num_blocks, 0), dtype=np.uint8)
+    raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    rows: ByteRows = np.ctypeslib.as_array(raw).reshape(num_blocks, spec.block_nbytes)
+    return rows
+
+
+def _paddle_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
+    if not t.place.is_cpu_place():
+        raise Unsupported(
+            f"{spec.name}[{layer}] is a Paddle tensor on {t.place}; device caches need the "
+            "CUDA device path, which is not available in this build"
+        )
+    if not t.is_contiguous():
+        raise LayoutError(f"{spec.name}[{layer}]: tensor is not contiguous")
+    shape = tuple(int(d) for d in t.shape)
+    return _pointer_rows(spec, layer, int(t.data_ptr()), shape, _dtype_name(t.dtype), num_blocks)
+
+
+def _generic_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
+    device = getattr(t, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise Unsupported(f"{spec.name}[{layer}] lives on {device}; only CPU tensors here")
+    if hasattr(t, "data_ptr") and hasattr(t, "is_contiguous"):
+        if not t.is_contiguous():
+            raise LayoutError(f"{spec.name}[{layer}]: tensor is not contiguous")
+        shape = tuple(int(d) for d in t.shape)
+        return _pointer_rows(
+            spec, layer, int(t.data_ptr()), shape, _dtype_name(t.dtype), num_blocks
+        )
+    if hasattr(t, "__dlpack__") or hasattr(t, "__array_interface__"):
+        try:
+            arr = np.from_dlpack(t) if hasattr(t, "__dlpack__") else np.asarray(t)
+        except (RuntimeError, TypeError, BufferError) as exc:
+            raise LayoutError(f"{spec.name}[{layer}]: cannot import tensor: {exc}") from exc
+        return _numpy_rows(spec, layer, arr, num_blocks)
+    raise LayoutError(f"{spec.name}[{layer}]: unsupported tensor type {type(t).__name__}")
+
+
+def _rows_for(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
+    if isinstance(t, np.ndarray):
+        return _numpy_rows(spec, layer, t, num_blocks)
+    if type(t).__module__.startswith("paddle"):
+        return _paddle_rows(spec, layer, t, num_blocks)
+    return _generic_rows(spec, layer, t, num_blocks)
+
+
+def _leading_dim(t: Any) -> int:
+    shape = getattr(t, "shape", None)
+    if shape is None or len(shape) == 0:
+        raise LayoutError(f"tensor of type {type(t).__name__} has no shape")
+    return int(shape[0])
+
+
+@final
+class KVCache:
+    """The caller's KV cache: one tensor per ``(role, layer)``, in contract order.
+
+    Build one with :func:`create_kv_cache` or :meth:`from_tensors`. kvpipe never resizes or
+    reallocates the tensors; it reads and writes whole blocks of them.
+    """
+
+    __slots__ = ("_framework", "_layout", "_num_blocks", "_order", "_rows", "_tensors")
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        tensors: Sequence[Any],
+        rows: Sequence[ByteRows],
+        framework: str,
+    ) -> None:
+        self._layout = layout
+        self._tensors = tuple(tensors)
+        self._rows = tuple(rows)
+        self._framework = framework
+        self._order = {rl: i for i, rl in enumerate(layout.tensor_order())}
+        self._num_blocks = int(self._rows[0].shape[0]) if self._rows else 0
+
+    @classmethod
+    def from_tensors(
+        cls,
+        layout: CacheLayout,
+        tensors: Sequence[Any] | Mapping[tuple[str, int], Any],
+    ) -> KVCache:
+        """Wrap caller-owned tensors (numpy, Paddle CPU, DLPack) without copying them.
+
+        Args:
+            layout: The layout the tensors follow.
+            tensors: Either a sequence in contract order (layer-major; roles key, value,
+                key_scale, value_scale, indexer) or a mapping ``{(role, layer): tensor}``.
+
+        Raises:
+            LayoutError: A tensor is missing, extra, or has the wrong dtype, shape,
+                contiguity, or number of blocks.
+            Unsupported: A tensor lives on a device this build cannot reach.
+        """
+        order = layout.tensor_order()
+        if isinstance(tensors, Mapping):
+            extra = set(tensors) - set(order)
+            if extra:
+                raise LayoutError(f"unexpected tensors for this layout: {sorted(extra)}")
+            missing = [rl for rl in order if rl not in tensors]
+            if missing:
+                raise LayoutError(f"missing tensors: {missing[:4]}")
+            seq = [tensors[rl] for rl in order]
+        else:
+            seq = list(tensors)
+            if len(seq) != len(order):
+                raise LayoutError(
+                    f"expected {len(order)} tensors in contract order, got {len(seq)}"
+                )
+        num_blocks = _leading_dim(seq[0])
+        if num_blocks <= 0:
+            raise LayoutError("a cache needs at least one block")
+        rows = [
+            _rows_for(layout.role(role), layer, t, num_blocks)
+            for (role, layer), t in zip(order, seq, strict=True)
+        ]
+        framework = "paddle" if type(seq[0]).__module__.startswith("paddle") else "numpy"
+        return cls(layout, seq, rows, framework)
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The layout of this cache."""
+        return self._layout
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per tensor."""
+        return self._num_blocks
+
+    @property
+    def framework(self) -> str:
+        """``"numpy"`` or ``"paddle"``."""
+        return self._framework
+
+    @property
+    def byte_rows(self) -> tuple[ByteRows, ...]:
+        """``uint8`` views ``[num_blocks, role_block_nbytes]`` aliasing each tensor, in order."""
+        return self._rows
+
+    def tensors(self) -> list[Any]:
+        """The tensors in contract order (layer-major, roles in ``ROLE_ORDER``)."""
+        return list(self._tensors)
+
+    def __getitem__(self, key: tuple[str, int]) -> Any:
+        try:
+            return self._tensors[self._order[key]]
+        except KeyError:
+            raise KeyError(f"no tensor {key!r}; layout roles are {self._layout.roles}") from None
+
+    def names(self, rank: int = 0, device_id: int = 0) -> list[str]:
+        """Conventional names, in contract order (``key_caches_{l}_rank{r}.device{d}``...)."""
+        return [
+            CacheLayout.tensor_name(role, layer, rank, device_id)
+            for role, layer in self._layout.tensor_order()
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache({self._layout.kind}, layers={self._layout.num_layers}, "
+            f"blocks={self._num_blocks}, framework={self._framework})"
+        )
+
+
+def create_kv_cache(
+    layout: CacheLayout,
+    num_blocks: int,
+    framework: Literal["numpy", "paddle"] = "numpy",
+    device: str = "cpu",
+) -> KVCache:
+    """Allocate a zeroed cache for ``layout`` with ``num_blocks`` blocks per tensor.
+
+    Args:
+        layout: The layout to allocate.
+        num_blocks: Blocks per tensor (> 0).
+        framework: ``"numpy"`` or ``"paddle"`` (needs the ``paddle`` extra).
+        device: ``"cpu"``; device caches come with the CUDA device path.
+
+    Raises:
+        LayoutError: ``num_blocks`` is not positive or ``framework`` is unknown.
+        Unsupported: ``device`` is not ``"cpu"``, or Paddle is not installed.
+    """
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    if device != "cpu":
+        raise Unsupported(f"device {device!r}: only 'cpu' caches are available in this build")
+    order = layout.tensor_order()
+    if framework == "numpy":
+        arrays = [
+            np.zeros(
+                (num_blocks, *layout.role(role).block_shape), numpy_dtype(layout.role(role).dtype)
+            )
+            for role, _ in order
+        ]
+        return KVCache.from_tensors(layout, arrays)
+    if framework == "paddle":
+        try:
+            import paddle
+        except ImportError as exc:
+            raise Unsupported("framework='paddle' needs `pip install kvpipe[paddle]`") from exc
+        tensors = [
+            paddle.zeros(
+                [num_blocks, *layout.role(role).block_shape],
+                dtype=cast(Any, layout.role(role).dtype),
+                device="cpu",
+            )
+            for role, _ in order
+        ]
+        return KVCache.from_tensors(layout, tensors)
+    raise LayoutError(f"unknown framework {framework!r}; expected 'numpy' or 'paddle'")

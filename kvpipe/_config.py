@@ -1,0 +1,141 @@
+"""Pipeline configuration, validated once at construction (never re-read per call)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, final
+
+from ._errors import ConfigError
+
+__all__ = ("PipelineConfig",)
+
+#: FastDeploy's AttentionStore variables, accepted when the KVPIPE_ ones are unset.
+_FALLBACK_ENV: Final = {
+    "slice_block_num": "AS_WRITE_SLICE_BLOCK_NUM",
+    "slice_timeout": "AS_WRITE_SLICE_TIMEOUT",
+    "total_timeout": "AS_WRITE_TOTAL_TIMEOUT",
+}
+
+_TRUE: Final = {"1", "true", "yes", "on"}
+_FALSE: Final = {"0", "false", "no", "off"}
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """Settings of one pipeline. Invalid values raise :class:`kvpipe.ConfigError`.
+
+    Attributes:
+        slice_block_num: Blocks per slice (one backend call each). ``>= 1``.
+        slice_timeout: Seconds one slice may take; a slice gets
+            ``min(slice_timeout, time left of the request)``.
+        total_timeout: Seconds a whole write or read may take, from the call.
+        lookup_timeout: Seconds a ``lookup`` / ``locate`` / ``flush_index`` may take.
+        staging_bytes: Bytes of host staging memory (the bounded pool every slice borrows
+            from). A slice larger than the pool is cut to fit (logged at open).
+        queue_depth: Capacity of every channel between actors.
+        copy_threads: Worker threads for gather/scatter copies on the host path.
+        io_threads: Worker threads available to backends for blocking I/O.
+        node_id: This node's name in the residency index (``flush_index``).
+        max_restarts: Crashes of one actor tolerated within ``restart_window`` seconds;
+            one more closes the pipeline.
+        restart_window: The window of ``max_restarts``, in seconds.
+        deadline_slack: Seconds past a request's deadline after which the caller stops
+            waiting for the actors and takes the result as it stands. A safety net: the
+            actors themselves end every slice by the deadline.
+        verify_checksums: Write a checksum into every block and verify it on read.
+        close_timeout: Seconds ``aclose`` waits for in-flight requests and worker threads.
+    """
+
+    slice_block_num: int = 500
+    slice_timeout: float = 10.0
+    total_timeout: float = 30.0
+    lookup_timeout: float = 5.0
+    staging_bytes: int = 1 << 30
+    queue_depth: int = 64
+    copy_threads: int = 2
+    io_threads: int = 8
+    node_id: str = field(default_factory=socket.gethostname)
+    max_restarts: int = 3
+    restart_window: float = 60.0
+    deadline_slack: float = 0.25
+    verify_checksums: bool = True
+    close_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ConfigError(f.name, f"must be an int >= 1, got {value!r}")
+            elif f.type == "float":
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ConfigError(f.name, f"must be a number, got {value!r}")
+                if not math.isfinite(value) or value <= 0:
+                    raise ConfigError(f.name, f"must be finite and > 0, got {value!r}")
+            elif f.type == "bool":
+                if not isinstance(value, bool):
+                    raise ConfigError(f.name, f"must be a bool, got {value!r}")
+            elif f.type == "str" and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f.name, f"must be a non-empty string, got {value!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> PipelineConfig:
+        """Build a config from ``KVPIPE_<FIELD>`` environment variables.
+
+        ``KVPIPE_SLICE_BLOCK_NUM``, ``KVPIPE_SLICE_TIMEOUT`` and ``KVPIPE_TOTAL_TIMEOUT`` fall
+        back to FastDeploy's ``AS_WRITE_SLICE_BLOCK_NUM`` / ``AS_WRITE_SLICE_TIMEOUT`` /
+        ``AS_WRITE_TOTAL_TIMEOUT``. Keyword overrides win over the environment.
+
+        Args:
+            environ: The environment to read (default ``os.environ``).
+            **overrides: Field values that take precedence.
+
+        Raises:
+            ConfigError: A variable does not parse or is out of range; ``field`` names the
+                variable.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            names = [f"KVPIPE_{f.name.upper()}"]
+            if f.name in _FALLBACK_ENV:
+                names.append(_FALLBACK_ENV[f.name])
+            for name in names:
+                raw = env.get(name)
+                if raw is None or raw.strip() == "":
+                    continue
+                values[f.name] = _parse(name, str(f.type), raw.strip())
+                try:
+                    cls(**{f.name: values[f.name]})
+                except ConfigError as exc:
+                    raise ConfigError(name, str(exc).split(": ", 1)[1]) from None
+                break
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> PipelineConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _parse(name: str, kind: str, raw: str) -> Any:
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigError(name, f"{raw!r} is not a valid {kind}") from None
+    if kind == "bool":
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ConfigError(name, f"{raw!r} is not a boolean (use 1/0, true/false)")
+    return raw

@@ -1,0 +1,275 @@
+"""The bounded staging pool and the worker-thread runner that respects it.
+
+Staging is one host buffer cut into equal slots (one stored block value each). A slice leases
+the slots it needs; the lease is reference-counted and its slots go back to the pool only
+when every holder has let go — including a worker thread whose caller stopped waiting for it
+on a timeout (:meth:`ThreadRunner.run` keeps its own reference until the thread returns).
+
+Waiters are served first come, first served, so a large slice is not starved by small ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, final
+
+import anyio
+import anyio.abc
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ("StagingLease", "StagingPool", "ThreadRunner")
+
+log = logging.getLogger("kvpipe.staging")
+
+T = TypeVar("T")
+Rows = npt.NDArray[np.uint8]
+_ALIGN = 64
+
+
+@dataclass(eq=False)
+class _Waiter:
+    count: int
+    event: anyio.Event = field(default_factory=anyio.Event)
+    slots: list[int] | None = None
+
+
+@final
+class StagingPool:
+    """A fixed number of equal slots of host memory.
+
+    Args:
+        slot_nbytes: Bytes one slot must hold (a stored block value).
+        capacity_slots: Number of slots.
+    """
+
+    def __init__(self, slot_nbytes: int, capacity_slots: int) -> None:
+        if slot_nbytes < 1 or capacity_slots < 1:
+            raise ValueError("a staging pool needs at least one slot of at least one byte")
+        self.slot_nbytes = slot_nbytes
+        self.stride = -(-slot_nbytes // _ALIGN) * _ALIGN
+        self.capacity = capacity_slots
+        # np.empty: pages are touched (and so resident) only as slots are first used.
+        self.buffer: Rows = np.empty((capacity_slots, self.stride), dtype=np.uint8)
+        self._free = list(range(capacity_slots))
+        self._waiters: deque[_Waiter] = deque()
+        self._leases = 0
+
+    @property
+    def in_use(self) -> int:
+        """Slots leased now."""
+        return self.capacity - len(self._free)
+
+    @property
+    def waiters(self) -> int:
+        """Tasks waiting for slots."""
+        return len(self._waiters)
+
+    @property
+    def leases(self) -> int:
+        """Leases not yet fully released."""
+        return self._leases
+
+    async def acquire(self, count: int) -> StagingLease:
+        """Lease ``count`` slots, waiting (first come, first served) until they are free.
+
+        Cancellation: a cancelled wait takes nothing from the pool; wrap the call in a cancel
+        scope to bound the wait.
+
+        Raises:
+            ValueError: ``count`` is not in ``[1, capacity]``.
+        """
+        if not 1 <= count <= self.capacity:
+            raise ValueError(f"cannot lease {count} of {self.capacity} staging slots")
+        if not self._waiters and len(self._free) >= count:
+            await anyio.lowlevel.checkpoint()
+            if not self._waiters and len(self._free) >= count:
+                return self._lease(self._take(count))
+        waiter = _Waiter(count)
+        self._waiters.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.slots is not None:
+                self._give_back(waiter.slots)
+            else:
+                self._waiters.remove(waiter)
+                self._serve()
+            raise
+        assert waiter.slots is not None
+        return self._lease(waiter.slots)
+
+    def _take(self, count: int) -> list[int]:
+        return [heapq.heappop(self._free) for _ in range(count)]
+
+    def _lease(self, slots: list[int]) -> StagingLease:
+        self._leases += 1
+        return StagingLease(self, sorted(slots))
+
+    def _give_back(self, slots: list[int]) -> None:
+        for s in slots:
+            heapq.heappush(self._free, s)
+        self._serve()
+
+    def _released(self, slots: list[int]) -> None:
+        self._leases -= 1
+        self._give_back(slots)
+
+    def _serve(self) -> None:
+        while self._waiters and len(self._free) >= self._waiters[0].count:
+            waiter = self._waiters.popleft()
+            waiter.slots = self._take(waiter.count)
+            waiter.event.set()
+
+    def slot(self, index: int) -> Rows:
+        """The bytes of one slot (``slot_nbytes`` long)."""
+        row: Rows = self.buffer[index, : self.slot_nbytes]
+        return row
+
+
+@final
+class StagingLease:
+    """Slots leased from a :class:`StagingPool`, reference-counted.
+
+    The creator holds one reference; :meth:`retain` adds one, :meth:`release` drops one; the
+    slots return to the pool when the count reaches zero. Only the event loop's thread may
+    call these.
+    """
+
+    __slots__ = ("_pool", "_refs", "slots")
+
+    def __init__(self, pool: StagingPool, slots: list[int]) -> None:
+        self._pool = pool
+        self._refs = 1
+        self.slots = tuple(slots)
+
+    @property
+    def pool(self) -> StagingPool:
+        """The pool the slots belong to."""
+        return self._pool
+
+    @property
+    def released(self) -> bool:
+        """Whether every reference has been released."""
+        return self._refs == 0
+
+    def retain(self) -> None:
+        """Add a reference."""
+        if self._refs == 0:
+            raise RuntimeError("retain() on a released staging lease")
+        self._refs += 1
+
+    def release(self) -> None:
+        """Drop a reference; the last one returns the slots to the pool."""
+        if self._refs == 0:
+            raise RuntimeError("staging lease released twice")
+        self._refs -= 1
+        if self._refs == 0:
+            self._pool._released(list(self.slots))
+
+    def view(self, i: int) -> Rows:
+        """The bytes of the ``i``-th leased slot."""
+        return self._pool.slot(self.slots[i])
+
+    def memoryviews(self, count: int | None = None) -> list[memoryview]:
+        """Writable memoryviews of the first ``count`` leased slots (all by default)."""
+        n = len(self.slots) if count is None else count
+        return [self.view(i).data for i in range(n)]
+
+
+@final
+class ThreadRunner:
+    """Runs blocking functions in worker threads, holding staging until they return.
+
+    A caller waiting in :meth:`run` may be cancelled (a slice timeout); the thread cannot be,
+    so the runner keeps its own reference on the lease and returns it when the thread ends.
+    Use as an async context manager; leaving it waits (bounded) for running threads.
+    """
+
+    def __init__(self, close_timeout: float = 10.0) -> None:
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._running = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._close_timeout = close_timeout
+
+    @property
+    def running(self) -> int:
+        """Threads running now (including ones whose caller gave up)."""
+        return self._running
+
+    async def __aenter__(self) -> ThreadRunner:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        assert self._tg is not None
+        with anyio.move_on_after(self._close_timeout, shield=True) as scope:
+            await self._idle.wait()
+        if scope.cancelled_caught:
+            log.error(
+                "%d worker thread(s) still running after %.1f s at close; abandoning them",
+                self._running,
+                self._close_timeout,
+            )
+            self._tg.cancel_scope.cancel()
+        tg, self._tg = self._tg, None
+        await tg.__aexit__(None, None, None)
+
+    async def run(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        hold: StagingLease | None = None,
+        limiter: anyio.CapacityLimiter | None = None,
+    ) -> T:
+        """Call ``fn(*args)`` in a worker thread and return its result.
+
+        Cancellation: cancelling the caller stops the wait at once; the thread runs on, and
+        ``hold`` stays leased until it returns. Exceptions from ``fn`` propagate.
+
+        Raises:
+            RuntimeError: The runner is not running.
+        """
+        if self._tg is None:
+            raise RuntimeError("ThreadRunner is not running")
+        done = anyio.Event()
+        box: list[Any] = []
+        if hold is not None:
+            hold.retain()
+        self._running += 1
+        self._idle = anyio.Event() if self._running == 1 else self._idle
+
+        async def runner() -> None:
+            try:
+                box.append(
+                    (
+                        True,
+                        await anyio.to_thread.run_sync(
+                            fn, *args, limiter=limiter, abandon_on_cancel=True
+                        ),
+                    )
+                )
+            except Exception as exc:
+                box.append((False, exc))
+            finally:
+                if hold is not None:
+                    hold.release()
+                self._running -= 1
+                if self._running == 0:
+                    self._idle.set()
+                done.set()
+
+        self._tg.start_soon(runner)
+        await done.wait()
+        if not box:
+            raise RuntimeError("worker thread abandoned: the runner closed while it ran")
+        ok, value = box[0]
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise value

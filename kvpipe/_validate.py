@@ -1,0 +1,122 @@
+"""Validation of requests, before anything is queued (pure)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, final
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import RequestError
+from ._keys import Tokens, as_tokens
+
+__all__ = ("CheckedRequest", "check_request", "check_timeout", "check_tokens")
+
+IntArray = npt.NDArray[np.int64]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A validated write or read request.
+
+    Attributes:
+        tokens: Token ids as int64.
+        block_ids: Cache block per sequence block (``end_block`` of them).
+        start_block: First block to move.
+        end_block: One past the last block to move.
+    """
+
+    tokens: Tokens
+    block_ids: IntArray
+    start_block: int
+    end_block: int
+
+
+def check_tokens(token_ids: Any) -> Tokens:
+    """Token ids as a non-empty 1-D int64 array of non-negative values.
+
+    Raises:
+        RequestError: Anything else.
+    """
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise RequestError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if len(arr) == 0:
+        raise RequestError("token_ids is empty")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise RequestError(f"token_ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise RequestError("token_ids has values above the int64 range")
+    tokens = as_tokens(arr)
+    if int(tokens.min()) < 0:
+        raise RequestError(f"token_ids has a negative id at index {int(np.argmin(tokens))}")
+    return tokens
+
+
+def check_timeout(timeout: float | None, default: float) -> float:
+    """A per-call timeout override, or the default.
+
+    Raises:
+        RequestError: Not a finite positive number.
+    """
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise RequestError(f"timeout must be a number, got {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise RequestError(f"timeout must be finite and > 0, got {timeout!r}")
+    return float(timeout)
+
+
+def check_request(
+    token_ids: Any,
+    block_ids: Any,
+    start_block: int,
+    include_partial: bool,
+    block_size: int,
+    num_cache_blocks: int,
+) -> CheckedRequest:
+    """Validate a write or read.
+
+    ``block_ids`` must name a cache block for every sequence block that is moved: at least
+    the full blocks (plus the partial one with ``include_partial``), at most one per block
+    the tokens occupy. Ids must be in range and distinct.
+
+    Raises:
+        RequestError: What was wrong, naming the argument.
+    """
+    tokens = check_tokens(token_ids)
+    if not isinstance(include_partial, bool):
+        raise RequestError(f"include_partial must be a bool, got {include_partial!r}")
+    full = len(tokens) // block_size
+    occupied = -(-len(tokens) // block_size)
+    end = occupied if include_partial else full
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1:
+        raise RequestError(f"block_ids must be 1-D, got shape {ids.shape}")
+    if len(ids) and (ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer)):
+        raise RequestError(f"block_ids must be integers, got dtype {ids.dtype}")
+    if not end <= len(ids) <= occupied:
+        raise RequestError(
+            f"{len(tokens)} tokens make {full} full block(s)"
+            + (" and a partial one" if occupied > full else "")
+            + f"; block_ids has {len(ids)} (expected {end}"
+            + (f" to {occupied})" if occupied > end else ")")
+        )
+    if isinstance(start_block, bool) or not isinstance(start_block, int | np.integer):
+        raise RequestError(f"start_block must be an int, got {start_block!r}")
+    start = int(start_block)
+    if not 0 <= start <= end:
+        raise RequestError(f"start_block {start} is outside [0, {end}]")
+    moved = ids[start:end].astype(np.int64)
+    if len(moved):
+        lo, hi = int(moved.min()), int(moved.max())
+        if lo < 0 or hi >= num_cache_blocks:
+            bad = lo if lo < 0 else hi
+            raise RequestError(f"block id {bad} is outside the cache's [0, {num_cache_blocks})")
+        if len(np.unique(moved)) != len(moved):
+            raise RequestError("block_ids repeats a cache block within the blocks to move")
+    return CheckedRequest(tokens, ids[:end].astype(np.int64), start, end)

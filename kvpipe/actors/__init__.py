@@ -1,0 +1,27 @@
+"""The pipeline's actors, one per module, and their supervisor.
+
+``scheduler`` → ``slicer`` → (write) ``swapper`` → ``writer``; (read) ``reader`` → ``swapper``.
+"""
+
+from ._base import Actor, ActorContext, Metrics, PipelineHooks, SliceJob
+from .reader import Reader
+from .scheduler import Scheduler
+from .slicer import Slicer
+from .supervisor import ChildSpec, Supervisor
+from .swapper import Swapper
+from .writer import Writer
+
+__all__ = (
+    "Actor",
+    "ActorContext",
+    "ChildSpec",
+    "Metrics",
+    "PipelineHooks",
+    "Reader",
+    "Scheduler",
+    "SliceJob",
+    "Slicer",
+    "Supervisor",
+    "Swapper",
+    "Writer",
+)

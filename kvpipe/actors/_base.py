@@ -1,0 +1,217 @@
+"""What every actor shares: its context, the message between stages, and the actor loop.
+
+An actor's loop only receives, calls and sends. Each message is handled in its own task (up
+to the actor's concurrency) so one slow store call does not hold up other requests; the
+requests an actor is handling are tracked so that, if it crashes, the supervisor fails
+exactly those.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .._cache import KVCache
+from .._config import PipelineConfig
+from .._errors import BackendError, KVPipeError
+from .._keys import Scope, key_digest
+from .._layout import CacheLayout
+from .._plan import CopySegment, SliceSpec
+from .._staging import StagingLease, StagingPool, ThreadRunner
+from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
+from ._state import ReadState, RequestState, WriteState, describe_error
+
+__all__ = (
+    "Actor",
+    "ActorContext",
+    "Metrics",
+    "PipelineHooks",
+    "SliceJob",
+    "backend_call",
+)
+
+M = TypeVar("M")
+T = TypeVar("T")
+log = logging.getLogger("kvpipe.actors")
+
+
+class PipelineHooks:
+    """Test and fault-injection seam: called by every actor before it handles a message.
+
+    Subclass and pass to ``open_pipeline(hooks=...)``. An exception raised from
+    :meth:`on_message` is an actor crash (the supervisor restarts the actor and fails the
+    requests it held); use it to test crash handling.
+    """
+
+    def on_message(self, actor: str, request_id: str) -> None:
+        """Called in ``actor`` before it handles a message of ``request_id``."""
+
+
+@dataclass
+class Metrics:
+    """Counters the actors update (in the event loop's thread only)."""
+
+    counters: Counter[str] = field(default_factory=Counter)
+    slices: Counter[str] = field(default_factory=Counter)
+    restarts: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(eq=False)
+class SliceJob:
+    """One slice of a request travelling between stages, with the staging it owns.
+
+    Whoever holds a job owns its lease: it passes the job on or releases the lease.
+
+    Attributes:
+        state: The request.
+        spec: Which blocks.
+        lease: Staging slots, one per block, in order.
+        valid: Read path: leading blocks verified and to be scattered.
+    """
+
+    state: WriteState | ReadState
+    spec: SliceSpec
+    lease: StagingLease
+    valid: int = 0
+
+
+@dataclass(eq=False)
+class ActorContext:
+    """Everything the actors of one pipeline share."""
+
+    config: PipelineConfig
+    cache: KVCache
+    layout: CacheLayout
+    scope: Scope
+    backend: StorageBackend
+    pool: StagingPool
+    runner: ThreadRunner
+    segments: tuple[CopySegment, ...]
+    payload_nbytes: int
+    value_nbytes: int
+    slice_blocks: int
+    copy_limiter: anyio.CapacityLimiter
+    io_limiter: anyio.CapacityLimiter
+    hooks: PipelineHooks
+    outboxes: dict[str, MemoryObjectSendStream[Any]]
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def keys_of(self, state: WriteState | ReadState, spec: SliceSpec) -> tuple[str, ...]:
+        """The keys of a slice's blocks."""
+        assert state.keys is not None
+        return state.keys.keys[spec.first_block : spec.end_block]
+
+    def digests_of(self, state: WriteState | ReadState, spec: SliceSpec) -> list[bytes]:
+        """Digests of a slice's keys (for block trailers)."""
+        return [key_digest(k) for k in self.keys_of(state, spec)]
+
+    def key_batch(self, request_id: str, keys: Sequence[str], first: int, tokens: Any) -> KeyBatch:
+        """A key-only batch of consecutive blocks."""
+        end = min((first + len(keys)) * self.layout.block_size, len(tokens))
+        return KeyBatch(self.scope, request_id, keys, first, tokens[:end])
+
+    def staged_batch(self, job: SliceJob, kind: type[PutBatch] | type[GetBatch]) -> Any:
+        """The put or get batch of a slice job, over its staging lease."""
+        state, spec = job.state, job.spec
+        return kind(
+            self.scope,
+            state.request_id,
+            self.keys_of(state, spec),
+            spec.first_block,
+            state.tokens[: spec.token_end],
+            lease=job.lease,
+            value_nbytes=self.value_nbytes,
+            runner=self.runner,
+            limiter=self.io_limiter,
+        )
+
+
+async def backend_call(
+    backend: StorageBackend, op: str, fn: Callable[..., Awaitable[T]], *args: Any
+) -> T:
+    """Call a backend method, translating any exception into :class:`BackendError`."""
+    try:
+        return await fn(*args)
+    except KVPipeError:
+        raise
+    except Exception as exc:
+        raise BackendError(backend.name, op, describe_error(exc)) from exc
+
+
+def check_statuses(
+    backend: StorageBackend, op: str, statuses: Sequence[Any], n: int
+) -> list[BlockStatus]:
+    """Validate a per-block result: ``n`` items, each a :class:`BlockStatus`."""
+    out = list(statuses)
+    if len(out) != n or not all(isinstance(s, BlockStatus) for s in out):
+        raise BackendError(backend.name, op, f"returned {len(out)} statuses for {n} blocks")
+    return out
+
+
+class Actor(abc.ABC, Generic[M]):
+    """An actor: a loop over its inbox that handles each message in its own task.
+
+    Args:
+        ctx: The shared context.
+        inbox: The receiving end of its channel (it outlives the actor across restarts).
+        concurrency: How many messages it handles at once (``None``: unbounded — only for
+            actors whose messages each hold staging, which bounds them).
+    """
+
+    name: ClassVar[str] = "actor"
+
+    def __init__(
+        self,
+        ctx: ActorContext,
+        inbox: MemoryObjectReceiveStream[M],
+        concurrency: int | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.inbox = inbox
+        self._limiter = anyio.Semaphore(concurrency) if concurrency else None
+        self._held: Counter[RequestState] = Counter()
+
+    def held_requests(self) -> list[RequestState]:
+        """Requests this actor is handling now."""
+        return [s for s, n in self._held.items() if n > 0]
+
+    async def run(self) -> None:
+        """Receive and handle messages until the inbox is closed."""
+        async with anyio.create_task_group() as tg:
+            async for msg in self.inbox:
+                if self._limiter is not None:
+                    await self._limiter.acquire()
+                tg.start_soon(self._dispatch, msg)
+
+    async def _dispatch(self, msg: M) -> None:
+        state = self.state_of(msg)
+        self._held[state] += 1
+        try:
+            self.ctx.hooks.on_message(self.name, state.request_id)
+            await self.handle(msg)
+        finally:
+            self._held[state] -= 1
+            if self._held[state] <= 0:
+                del self._held[state]
+            if self._limiter is not None:
+                self._limiter.release()
+
+    async def send(self, stage: str, msg: Any) -> None:
+        """Send ``msg`` to the inbox of ``stage`` (waits while it is full)."""
+        await self.ctx.outboxes[stage].send(msg)
+
+    @staticmethod
+    @abc.abstractmethod
+    def state_of(msg: M) -> RequestState:
+        """The request a message belongs to."""
+
+    @abc.abstractmethod
+    async def handle(self, msg: M) -> None:
+        """Handle one message: receive → call → send."""

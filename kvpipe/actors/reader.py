@@ -1,0 +1,137 @@
+"""The backend reader: fetches a slice into staging and verifies every block.
+
+Each slice runs in its own cancel scope (``min(now + slice_timeout, request deadline)``).
+Fetched blocks are checked (trailer, key, checksum) in a worker thread; only the leading run
+of sound blocks goes on to the swapper to be scattered. A block that failed verification is
+deleted from the store so later lookups stop before it. Slices of one read are fetched
+concurrently; once one stops short, later slices are cancelled and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+
+from .._errors import BackendError
+from .._hostcopy import verify_slots
+from .._plan import leading_run
+from .._results import ReadStopReason
+from ..backends._base import BlockStatus, GetBatch
+from ._base import Actor, SliceJob, backend_call, check_statuses
+from ._state import ReadState, RequestState, describe_error
+
+__all__ = ("Reader",)
+
+log = logging.getLogger("kvpipe.reader")
+
+
+class Reader(Actor[SliceJob]):
+    """Fetches and verifies read slices (see the module docstring)."""
+
+    name = "reader"
+
+    @staticmethod
+    def state_of(msg: SliceJob) -> RequestState:
+        return msg.state
+
+    async def handle(self, msg: SliceJob) -> None:
+        owned = True
+        corrupt: list[str] = []
+        try:
+            corrupt = await self._fetch(msg)
+            if msg.valid:
+                state = msg.state
+                with anyio.move_on_at(state.deadline):
+                    await self.send("swapper", msg)
+                    owned = False
+                if owned:
+                    assert isinstance(state, ReadState)
+                    state.stop_at(msg.spec.first_block, "total_timeout", [msg.spec.first_block])
+                    state.resolve(msg.spec.index, 0)
+        finally:
+            if owned:
+                msg.lease.release()
+        if corrupt:
+            await self._delete_corrupt(msg.state.request_id, corrupt)
+
+    async def _fetch(self, job: SliceJob) -> list[str]:
+        """Fetch and verify; sets ``job.valid``; returns keys of blocks that failed checks."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        assert isinstance(state, ReadState)
+        first = spec.first_block
+        if state.stopped_before(first):
+            state.resolve(spec.index, 0)
+            return []
+        started = anyio.current_time()
+        deadline = min(started + ctx.config.slice_timeout, state.deadline)
+        batch = ctx.staged_batch(job, GetBatch)
+        statuses: list[BlockStatus] | None = None
+        error: BackendError | None = None
+        with anyio.CancelScope(deadline=deadline) as scope:
+            state.scopes[spec.index] = scope
+            try:
+                raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
+                statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
+            except BackendError as exc:
+                error = exc
+        state.scopes.pop(spec.index, None)
+        if state.stopped_before(first):
+            state.resolve(spec.index, 0)
+            return []
+        everything = list(range(first, spec.end_block))
+        if statuses is None:
+            reason: ReadStopReason
+            if error is not None:
+                reason, detail = "backend_error", describe_error(error)
+            else:
+                reason = "total_timeout" if deadline >= state.deadline else "slice_timeout"
+                detail = f"slice {spec.index} ran out of time"
+            ctx.metrics.slices[f"read_{reason}"] += 1
+            state.stop_at(first, reason, everything, detail)
+            state.resolve(spec.index, 0)
+            return []
+        fetched = leading_run(s is BlockStatus.OK for s in statuses)
+        checks = await ctx.runner.run(
+            verify_slots,
+            ctx.pool.buffer,
+            job.lease.slots[:fetched],
+            ctx.payload_nbytes,
+            ctx.digests_of(state, spec)[:fetched],
+            ctx.config.verify_checksums,
+            hold=job.lease,
+            limiter=ctx.copy_limiter,
+        )
+        valid = leading_run(c is None for c in checks)
+        failed = [first + i for i, s in enumerate(statuses) if s is not BlockStatus.OK]
+        failed += [first + i for i, c in enumerate(checks) if c is not None]
+        corrupt = [batch.keys[i] for i, c in enumerate(checks) if c is not None]
+        if valid < spec.count:
+            bad = valid
+            why = checks[bad] if bad < fetched else statuses[bad].value
+            detail = f"block {first + bad}: {why}"
+            log.warning(
+                "read %s: block %d failed (%s); loading stops there",
+                state.request_id,
+                first + bad,
+                why,
+            )
+            state.stop_at(first + valid, "failed_block", sorted(failed), detail)
+            ctx.metrics.counters["blocks_failed_verify"] += len(corrupt)
+        ctx.metrics.slices["read_complete" if valid == spec.count else "read_incomplete"] += 1
+        job.valid = valid
+        if valid == 0:
+            state.resolve(spec.index, 0)
+        return corrupt
+
+    async def _delete_corrupt(self, request_id: str, keys: list[str]) -> None:
+        """Remove blocks that failed verification (best effort, bounded)."""
+        ctx = self.ctx
+        with anyio.move_on_after(ctx.config.slice_timeout):
+            try:
+                await backend_call(ctx.backend, "delete", ctx.backend.delete, keys)
+                ctx.metrics.counters["corrupt_blocks_deleted"] += len(keys)
+            except BackendError as exc:
+                log.warning(
+                    "read %s: could not delete %d corrupt blocks: %s", request_id, len(keys), exc
+                )

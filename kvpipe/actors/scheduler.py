@@ -1,0 +1,201 @@
+"""The scheduler: admission, keys, deduplication, and the small index calls.
+
+For a write it computes the keys, skips the leading blocks already stored, cuts the rest into
+slices and hands the request to the slicer. For a read it counts the leading stored blocks
+(stop at the first miss) and hands those to the slicer. ``lookup``, ``locate`` and
+``flush_index`` are answered here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import anyio
+
+from .._errors import BackendError, OperationTimeout
+from .._keys import BlockKeys, Tokens, block_keys
+from .._plan import leading_run, plan_slices
+from .._results import BlockLocation, Holder, Residency, ResidencyEntry
+from ._base import Actor, ActorContext, backend_call
+from ._state import CallState, ReadState, RequestState, WriteState, describe_error
+
+__all__ = ("Scheduler", "probe_leading")
+
+log = logging.getLogger("kvpipe.scheduler")
+
+#: Sequences longer than this have their keys hashed in a worker thread.
+_THREAD_KEYS_TOKENS = 32768
+
+
+async def probe_leading(
+    ctx: ActorContext, request_id: str, keys: Sequence[str], first: int, tokens: Tokens
+) -> int:
+    """How many of ``keys`` (blocks ``first``...) are stored, counting from the first one.
+
+    Asks the backend a chunk at a time and stops at the first chunk with a miss.
+
+    Raises:
+        BackendError: The backend failed an ``exists`` call.
+    """
+    found = 0
+    step = ctx.slice_blocks
+    for lo in range(0, len(keys), step):
+        chunk = keys[lo : lo + step]
+        batch = ctx.key_batch(request_id, chunk, first + lo, tokens)
+        flags = await backend_call(ctx.backend, "exists", ctx.backend.exists, batch)
+        if len(flags) != len(chunk):
+            raise BackendError(
+                ctx.backend.name, "exists", f"{len(flags)} answers for {len(chunk)} keys"
+            )
+        run = leading_run(bool(f) for f in flags)
+        found += run
+        if run < len(chunk):
+            break
+    return found
+
+
+class Scheduler(Actor[RequestState]):
+    """Admission and planning (see the module docstring)."""
+
+    name = "scheduler"
+
+    @staticmethod
+    def state_of(msg: RequestState) -> RequestState:
+        return msg
+
+    async def handle(self, msg: RequestState) -> None:
+        if msg.done:
+            return
+        assert isinstance(msg, WriteState | ReadState | CallState)
+        msg.keys = await self._keys(msg.tokens, msg.include_partial)
+        if isinstance(msg, WriteState):
+            await self._write(msg)
+        elif isinstance(msg, ReadState):
+            await self._read(msg)
+        else:
+            await self._call(msg)
+
+    async def _keys(self, tokens: Tokens, include_partial: bool) -> BlockKeys:
+        ctx = self.ctx
+        args = (ctx.scope, tokens, ctx.layout.block_size, include_partial)
+        if len(tokens) <= _THREAD_KEYS_TOKENS:
+            return block_keys(*args)
+        return await ctx.runner.run(block_keys, *args, limiter=ctx.copy_limiter)
+
+    async def _write(self, state: WriteState) -> None:
+        ctx = self.ctx
+        assert state.keys is not None
+        keys = state.keys.keys[state.start_block : state.end_block]
+        with anyio.move_on_at(state.deadline) as scope:
+            try:
+                state.skipped = await probe_leading(
+                    ctx, state.request_id, keys, state.start_block, state.tokens
+                )
+            except BackendError as exc:
+                # Deduplication is an optimisation: without it every block is rewritten.
+                ctx.metrics.counters["probe_errors"] += 1
+                log.warning(
+                    "write %s: dedup probe failed, writing all blocks: %s", state.request_id, exc
+                )
+            ctx.metrics.counters["blocks_skipped"] += state.skipped
+            if state.skipped == state.requested:
+                state.finish_now(anyio.current_time())
+                return
+            state.slices = plan_slices(
+                state.start_block + state.skipped,
+                state.end_block,
+                ctx.slice_blocks,
+                ctx.layout.block_size,
+                len(state.tokens),
+            )
+            await self.send("slicer", state)
+        if scope.cancelled_caught:
+            state.stop("total_timeout", "deadline passed before the first slice was sent")
+
+    async def _read(self, state: ReadState) -> None:
+        ctx = self.ctx
+        assert state.keys is not None
+        keys = state.keys.keys[state.start_block : state.end_block]
+        with anyio.move_on_at(state.deadline) as scope:
+            try:
+                available = await probe_leading(
+                    ctx, state.request_id, keys, state.start_block, state.tokens
+                )
+            except BackendError as exc:
+                ctx.metrics.counters["probe_errors"] += 1
+                state.stop_at(state.start_block, "backend_error", [], describe_error(exc))
+                state.plan(())
+                return
+            if available < state.requested:
+                first_missing = state.start_block + available
+                state.stop_at(first_missing, "not_stored", [first_missing])
+            state.plan(
+                plan_slices(
+                    state.start_block,
+                    state.start_block + available,
+                    ctx.slice_blocks,
+                    ctx.layout.block_size,
+                    len(state.tokens),
+                )
+            )
+            if state.slices:
+                await self.send("slicer", state)
+        if scope.cancelled_caught:
+            state.abort("total_timeout", "deadline passed before the first slice was fetched")
+
+    async def _call(self, state: CallState) -> None:
+        assert state.keys is not None
+        with anyio.move_on_at(state.deadline) as scope:
+            try:
+                if state.op == "lookup":
+                    state.succeed(
+                        await probe_leading(
+                            self.ctx, state.request_id, state.keys.keys, 0, state.tokens
+                        )
+                    )
+                elif state.op == "flush":
+                    state.succeed(await self._flush(state))
+                else:
+                    state.succeed(await self._locate(state))
+            except BackendError as exc:
+                state.fail(exc)
+        if scope.cancelled_caught:
+            state.fail(OperationTimeout(f"{state.op} {state.request_id} timed out"))
+
+    async def _flush(self, state: CallState) -> int:
+        ctx = self.ctx
+        assert state.keys is not None
+        residency: Residency = state.params["residency"]
+        start = int(state.params["start_block"])
+        now = time.time()
+        keys = state.keys.keys[start:]
+        for lo in range(0, len(keys), ctx.slice_blocks):
+            entries = [
+                ResidencyEntry(k, ctx.config.node_id, residency, now)
+                for k in keys[lo : lo + ctx.slice_blocks]
+            ]
+            await backend_call(ctx.backend, "put_residency", ctx.backend.put_residency, entries)
+        ctx.metrics.counters["blocks_flushed"] += len(keys)
+        return len(keys)
+
+    async def _locate(self, state: CallState) -> list[BlockLocation]:
+        ctx = self.ctx
+        assert state.keys is not None
+        keys = state.keys.keys
+        out: list[BlockLocation] = []
+        for lo in range(0, len(keys), ctx.slice_blocks):
+            chunk = keys[lo : lo + ctx.slice_blocks]
+            records = await backend_call(
+                ctx.backend, "get_residency", ctx.backend.get_residency, chunk
+            )
+            for i, (key, entries) in enumerate(zip(chunk, records, strict=True)):
+                if not entries:
+                    return out
+                holders = tuple(
+                    Holder(e.node_id, e.residency, e.updated_at)
+                    for e in sorted(entries, key=lambda e: e.node_id)
+                )
+                out.append(BlockLocation(lo + i, key, holders))
+        return out

@@ -1,0 +1,52 @@
+"""The slicer: leases staging for each slice of a request, in order, and sends it on.
+
+Write slices go to the swapper (to be gathered), read slices to the reader (to be fetched).
+Staging is leased here, before the swapper, so the swapper never waits for memory and the
+read and write paths cannot deadlock on the pool. A request that has stopped gets no further
+slices.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from ._base import Actor, SliceJob
+from ._state import ReadState, RequestState, WriteState
+
+__all__ = ("Slicer",)
+
+
+class Slicer(Actor[WriteState | ReadState]):
+    """Cuts planned requests into staged slice jobs (see the module docstring)."""
+
+    name = "slicer"
+
+    @staticmethod
+    def state_of(msg: WriteState | ReadState) -> RequestState:
+        return msg
+
+    async def handle(self, msg: WriteState | ReadState) -> None:
+        stage = "swapper" if isinstance(msg, WriteState) else "reader"
+        for spec in msg.slices:
+            if isinstance(msg, WriteState):
+                if msg.done:
+                    return
+            elif msg.stopped_before(spec.first_block):
+                msg.resolve(spec.index, 0)
+                continue
+            sent = False
+            with anyio.move_on_at(msg.deadline):
+                lease = await self.ctx.pool.acquire(spec.count)
+                try:
+                    await self.send(stage, SliceJob(msg, spec, lease))
+                    sent = True
+                finally:
+                    if not sent:
+                        lease.release()
+            if not sent:
+                detail = "deadline passed waiting for staging or a full queue"
+                if isinstance(msg, WriteState):
+                    msg.stop("total_timeout", detail)
+                    return
+                msg.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
+                msg.resolve(spec.index, 0)

@@ -1,0 +1,96 @@
+"""The swapper: copies between the caller's cache and staging.
+
+Write path: gather a slice's blocks (all layers and roles) into its staging slots and seal
+each with its trailer, then pass it to the writer. Read path: scatter the verified leading
+blocks of a fetched slice into the caller's cache blocks.
+
+On the host the copies run in worker threads (numpy releases the GIL). A copy is never
+abandoned half-way: the copy call is shielded from cancellation (it takes milliseconds), so
+when a read ends nothing is still writing into the caller's cache.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from .._hostcopy import gather_sealed, scatter
+from .._plan import copy_plan
+from ._base import Actor, SliceJob
+from ._state import ReadState, RequestState
+
+__all__ = ("Swapper",)
+
+
+class Swapper(Actor[SliceJob]):
+    """Gathers write slices and scatters read slices (see the module docstring)."""
+
+    name = "swapper"
+
+    @staticmethod
+    def state_of(msg: SliceJob) -> RequestState:
+        return msg.state
+
+    async def handle(self, msg: SliceJob) -> None:
+        owned = True
+        try:
+            if isinstance(msg.state, ReadState):
+                await self._scatter(msg)
+            else:
+                owned = not await self._gather(msg)
+        finally:
+            if owned:
+                msg.lease.release()
+
+    async def _gather(self, job: SliceJob) -> bool:
+        """Gather and pass on; ``True`` when the writer took the job."""
+        ctx, state, spec = self.ctx, job.state, job.spec
+        if state.done:
+            return False
+        plan = copy_plan(
+            ctx.segments, state.block_ids[spec.first_block : spec.end_block], job.lease.slots
+        )
+        args = (
+            plan,
+            ctx.cache.byte_rows,
+            ctx.pool.buffer,
+            job.lease.slots,
+            ctx.digests_of(state, spec),
+            ctx.config.verify_checksums,
+        )
+        with anyio.CancelScope(shield=True):
+            await ctx.runner.run(gather_sealed, *args, hold=job.lease, limiter=ctx.copy_limiter)
+        ctx.metrics.counters["bytes_gathered"] += plan.nbytes
+        with anyio.move_on_at(state.deadline):
+            await self.send("writer", job)
+            return True
+        state.stop("total_timeout", "deadline passed waiting for the writer")  # type: ignore[union-attr]
+        return False
+
+    async def _scatter(self, job: SliceJob) -> None:
+        ctx, spec = self.ctx, job.spec
+        state = job.state
+        assert isinstance(state, ReadState)
+        if job.valid == 0 or not state.scatter_begin():
+            state.resolve(spec.index, 0)
+            return
+        try:
+            first = spec.first_block
+            plan = copy_plan(
+                ctx.segments,
+                state.block_ids[first : first + job.valid],
+                job.lease.slots[: job.valid],
+            )
+            with anyio.CancelScope(shield=True):
+                await ctx.runner.run(
+                    scatter,
+                    plan,
+                    ctx.pool.buffer,
+                    ctx.cache.byte_rows,
+                    hold=job.lease,
+                    limiter=ctx.copy_limiter,
+                )
+            ctx.metrics.counters["blocks_read"] += job.valid
+            ctx.metrics.counters["bytes_read"] += plan.nbytes
+            state.resolve(spec.index, job.valid)
+        finally:
+            state.scatter_end()

@@ -1,0 +1,151 @@
+"""The backend writer: sends each gathered slice to the store, strictly in order.
+
+Each slice runs in its own cancel scope with deadline ``min(now + slice_timeout, request
+deadline)``. Only the leading run of blocks the backend reports stored counts. The first slice
+that stores fewer blocks than it carries, times out or fails ends the request: no later slice
+of it is sent. Blocks the backend reported stored after a failed one are deleted, so nothing
+past the counted prefix is left behind by this write.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+
+from .._errors import BackendError
+from .._plan import leading_run
+from .._results import SliceOutcome, SliceStatus
+from ..backends._base import BlockStatus, PutBatch
+from ._base import Actor, SliceJob, backend_call, check_statuses
+from ._state import RequestState, WriteState, describe_error
+
+__all__ = ("Writer",)
+
+log = logging.getLogger("kvpipe.writer")
+
+
+class Writer(Actor[SliceJob]):
+    """Writes slices (see the module docstring)."""
+
+    name = "writer"
+
+    @staticmethod
+    def state_of(msg: SliceJob) -> RequestState:
+        return msg.state
+
+    async def handle(self, msg: SliceJob) -> None:
+        strays: list[str] = []
+        try:
+            strays = await self._write(msg)
+        finally:
+            msg.lease.release()
+        if strays:
+            await self._delete_strays(msg.state.request_id, strays)
+
+    async def _write(self, job: SliceJob) -> list[str]:
+        ctx, spec, state = self.ctx, job.spec, job.state
+        assert isinstance(state, WriteState)
+        with anyio.move_on_at(state.deadline):
+            if not await state.wait_turn(spec.index):
+                return []
+        if state.done:
+            return []
+        if anyio.current_time() >= state.deadline:
+            state.stop("total_timeout", "deadline passed before the slice was sent")
+            return []
+        started = anyio.current_time()
+        deadline = min(started + ctx.config.slice_timeout, state.deadline)
+        batch = ctx.staged_batch(job, PutBatch)
+        statuses: list[BlockStatus] | None = None
+        error: BackendError | None = None
+        with anyio.CancelScope(deadline=deadline) as scope:
+            state.scopes[spec.index] = scope
+            try:
+                raw = await backend_call(ctx.backend, "put_blocks", ctx.backend.put_blocks, batch)
+                statuses = check_statuses(ctx.backend, "put_blocks", raw, spec.count)
+            except BackendError as exc:
+                error = exc
+        state.scopes.pop(spec.index, None)
+        if state.done:
+            return []
+        elapsed = anyio.current_time() - started
+        written = 0
+        detail: str | None = None
+        outcome: SliceStatus
+        if scope.cancelled_caught or (statuses is None and error is None):
+            outcome = "total_timeout" if deadline >= state.deadline else "slice_timeout"
+            detail = f"slice {spec.index} ran out of time after {elapsed:.3f} s"
+        elif error is not None:
+            outcome = "backend_error"
+            detail = describe_error(error)
+        else:
+            assert statuses is not None
+            written = leading_run(s is BlockStatus.OK for s in statuses)
+            outcome = "complete" if written == spec.count else "incomplete"
+            if written < spec.count:
+                detail = f"block {spec.first_block + written}: {statuses[written].value}"
+        self._account(
+            state, spec.index, spec.first_block, spec.count, written, elapsed, outcome, detail
+        )
+        state.slice_done(
+            SliceOutcome(spec.index, spec.first_block, spec.count, written, elapsed, outcome),
+            detail,
+        )
+        if statuses is None:
+            return []
+        keys = batch.keys
+        return [keys[i] for i in range(written + 1, spec.count) if statuses[i] is BlockStatus.OK]
+
+    def _account(
+        self,
+        state: WriteState,
+        index: int,
+        first: int,
+        count: int,
+        written: int,
+        elapsed: float,
+        outcome: str,
+        detail: str | None,
+    ) -> None:
+        m = self.ctx.metrics
+        m.slices[outcome] += 1
+        m.counters["blocks_written"] += written
+        m.counters["bytes_written"] += written * self.ctx.payload_nbytes
+        if outcome == "complete":
+            log.debug(
+                "write %s slice %d: %d blocks from %d in %.4f s",
+                state.request_id,
+                index,
+                count,
+                first,
+                elapsed,
+            )
+        else:
+            log.warning(
+                "write %s stopped at slice %d (blocks %d-%d): %d of %d written, %s (%s); "
+                "%d blocks stored in total",
+                state.request_id,
+                index,
+                first,
+                first + count - 1,
+                written,
+                count,
+                outcome,
+                detail,
+                state.skipped + state.written + written,
+            )
+
+    async def _delete_strays(self, request_id: str, keys: list[str]) -> None:
+        """Remove blocks stored past the counted prefix (best effort, bounded)."""
+        ctx = self.ctx
+        with anyio.move_on_after(ctx.config.slice_timeout):
+            try:
+                await backend_call(ctx.backend, "delete", ctx.backend.delete, keys)
+                ctx.metrics.counters["stray_blocks_deleted"] += len(keys)
+                return
+            except BackendError as exc:
+                log.warning(
+                    "write %s: could not delete %d stray blocks: %s", request_id, len(keys), exc
+                )
+        ctx.metrics.counters["stray_delete_failures"] += 1

@@ -1,0 +1,14 @@
+"""Storage backends: the contract and the built-in stores."""
+
+from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from .memory import MemoryStore
+
+__all__ = (
+    "BlockStatus",
+    "GetBatch",
+    "KeyBatch",
+    "MemoryStore",
+    "PutBatch",
+    "StorageBackend",
+    "validate_key",
+)

@@ -1,0 +1,244 @@
+"""The storage backend contract: one abstract class every backend implements.
+
+A backend stores opaque block values under string keys, answers which keys exist, and keeps
+the residency index of ``flush_index``. It reports **per-block** results; the pipeline, not
+the backend, decides what counts (the leading run of successes). See ``docs/backends.md``.
+
+Every batch carries, besides its keys, the request id, the sequence index of its first block
+and the token prefix up to the end of its last block, so that a token-indexed store (in the
+style of FastDeploy's AttentionStore SDK) can be wrapped as well as a key-value one.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
+
+import anyio
+
+from .._keys import Scope, Tokens
+from .._results import ResidencyEntry
+from .._staging import StagingLease, ThreadRunner
+
+__all__ = (
+    "BlockStatus",
+    "GetBatch",
+    "KeyBatch",
+    "PutBatch",
+    "StorageBackend",
+    "validate_key",
+)
+
+T = TypeVar("T")
+_KEY_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,511}$")
+
+
+def validate_key(key: str) -> str:
+    """Check that a key is 1–512 characters of ``[A-Za-z0-9._@:-]`` (kvpipe's own keys are).
+
+    Backends that map keys to paths or vendor names call this on every key they receive.
+
+    Raises:
+        ValueError: The key has another character, is empty, or is too long.
+    """
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise ValueError(f"invalid block key {key!r}")
+    return key
+
+
+class BlockStatus(enum.Enum):
+    """A backend's verdict on one block of a batch."""
+
+    OK = "ok"  #: stored (put) / fetched into the buffer (get)
+    MISSING = "missing"  #: get: no such key
+    FAILED = "failed"  #: the operation failed for this block
+    CORRUPT = "corrupt"  #: get: the stored value failed the backend's own checks
+    NO_SPACE = "no_space"  #: put: the store is full
+
+
+class KeyBatch:
+    """A batch of consecutive blocks of one request.
+
+    Attributes:
+        scope: Namespace, layout fingerprint, rank and world size.
+        request_id: The request these blocks belong to.
+        keys: One key per block, in sequence order.
+        first_block: Sequence index of ``keys[0]``.
+        token_prefix: Token ids from the start of the sequence to the end of the last block
+            of the batch (read-only int64).
+    """
+
+    __slots__ = ("first_block", "keys", "request_id", "scope", "token_prefix")
+
+    def __init__(
+        self,
+        scope: Scope,
+        request_id: str,
+        keys: Sequence[str],
+        first_block: int,
+        token_prefix: Tokens,
+    ) -> None:
+        self.scope = scope
+        self.request_id = request_id
+        self.keys = tuple(keys)
+        self.first_block = first_block
+        self.token_prefix = token_prefix
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(request={self.request_id!r}, blocks="
+            f"[{self.first_block}, {self.first_block + len(self.keys)}))"
+        )
+
+
+class _StagedBatch(KeyBatch):
+    __slots__ = ("_lease", "_limiter", "_runner", "value_nbytes")
+
+    def __init__(
+        self,
+        scope: Scope,
+        request_id: str,
+        keys: Sequence[str],
+        first_block: int,
+        token_prefix: Tokens,
+        *,
+        lease: StagingLease,
+        value_nbytes: int,
+        runner: ThreadRunner,
+        limiter: anyio.CapacityLimiter | None,
+    ) -> None:
+        super().__init__(scope, request_id, keys, first_block, token_prefix)
+        self._lease = lease
+        self._runner = runner
+        self._limiter = limiter
+        self.value_nbytes = value_nbytes
+
+    def buffer_addresses(self) -> list[int]:
+        """Addresses of each block's staging buffer (for registered-memory transports)."""
+        base = self._lease.pool.buffer.ctypes.data
+        stride = self._lease.pool.stride
+        return [base + slot * stride for slot in self._lease.slots[: len(self.keys)]]
+
+    async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking ``fn(*args)`` (I/O on this batch's buffers) in a worker thread.
+
+        Cancellation: a cancelled caller stops waiting at once; the thread runs on and this
+        batch's staging memory stays leased until it returns, so ``fn`` may keep using the
+        buffers. Exceptions from ``fn`` propagate.
+        """
+        return await self._runner.run(fn, *args, hold=self._lease, limiter=self._limiter)
+
+
+class PutBatch(_StagedBatch):
+    """Blocks to store: :attr:`values` holds one read-only value per key."""
+
+    __slots__ = ()
+
+    @property
+    def values(self) -> list[memoryview]:
+        """One read-only ``value_nbytes``-long buffer per key (views of staging memory)."""
+        return [m.toreadonly() for m in self._lease.memoryviews(len(self.keys))]
+
+
+class GetBatch(_StagedBatch):
+    """Blocks to fetch: write each value into :attr:`buffers` (``value_nbytes`` each)."""
+
+    __slots__ = ()
+
+    @property
+    def buffers(self) -> list[memoryview]:
+        """One writable ``value_nbytes``-long buffer per key (views of staging memory)."""
+        return self._lease.memoryviews(len(self.keys))
+
+
+class StorageBackend(abc.ABC):
+    """What kvpipe needs from a store.
+
+    Implementations must be safe to call concurrently from many tasks of one event loop and
+    must honour cancellation: kvpipe runs every call in a cancel scope (slice and total
+    timeouts) and treats a cancelled call as not done. Blocking work belongs in worker
+    threads (:meth:`PutBatch.run_sync`), never on the event loop.
+
+    Exceptions: an exception from any method fails the whole call; kvpipe wraps it in
+    :class:`kvpipe.BackendError` (chained) and counts no block of the batch as done.
+    """
+
+    #: A short name for logs and statistics.
+    name: str = "backend"
+
+    @abc.abstractmethod
+    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+        """Store ``batch.values[i]`` under ``batch.keys[i]``.
+
+        Returns:
+            One status per key: ``OK`` when the block is durably stored (per the backend's
+            own durability) and readable, otherwise ``FAILED`` or ``NO_SPACE``. A value
+            must become visible to readers all at once, never torn.
+
+        Cancellation: a block whose put was cancelled may or may not end up stored; kvpipe
+            counts it as not stored.
+        """
+
+    @abc.abstractmethod
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        """Fetch the value of ``batch.keys[i]`` into ``batch.buffers[i]``.
+
+        Returns:
+            One status per key: ``OK`` (buffer filled), ``MISSING``, ``CORRUPT`` or
+            ``FAILED``.
+
+        Cancellation: buffers may be partly written; kvpipe discards the whole batch.
+        """
+
+    @abc.abstractmethod
+    async def exists(self, batch: KeyBatch) -> Sequence[bool]:
+        """Whether each key is stored (one bool per key).
+
+        kvpipe counts only the leading run of ``True``; a backend may stop checking after
+        the first missing key and answer ``False`` for the rest.
+        """
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove these keys (missing keys are ignored)."""
+
+    @abc.abstractmethod
+    async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
+        """Record, per entry, where ``entry.node_id`` holds ``entry.key`` (replacing that
+        node's previous record for the key). Other nodes sharing the store must see it."""
+
+    @abc.abstractmethod
+    async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
+        """Every node's record for each key (an empty sequence when there is none)."""
+
+    async def register_staging(self, buffer: memoryview) -> None:  # noqa: B027
+        """Called once when a pipeline opens, with its whole staging buffer.
+
+        Backends with registered-memory transports (Mooncake) register it here. Default:
+        nothing.
+        """
+
+    async def unregister_staging(self, buffer: memoryview) -> None:  # noqa: B027
+        """Called once when the pipeline closes. Default: nothing."""
+
+    def statistics(self) -> Mapping[str, float]:
+        """Backend counters for :meth:`Pipeline.statistics` (default: none)."""
+        return {}
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Release the backend's resources. Default: nothing."""
+
+    async def __aenter__(self: _B) -> _B:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+_B = TypeVar("_B", bound=StorageBackend)

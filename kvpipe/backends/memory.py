@@ -1,0 +1,129 @@
+"""The in-process memory store: a dictionary of immutable ``bytes``, optionally bounded."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import final
+
+import anyio
+
+from .._results import ResidencyEntry
+from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+
+__all__ = ("MemoryStore",)
+
+#: Copies smaller than this run on the event loop; larger ones in a worker thread.
+_INLINE_BYTES = 256 * 1024
+
+
+@final
+class MemoryStore(StorageBackend):
+    """Blocks kept in this process's memory. Shared by pipelines of one process only.
+
+    Args:
+        capacity_bytes: When set, a put that would exceed it reports ``NO_SPACE`` for the
+            blocks that do not fit (nothing is evicted).
+    """
+
+    name = "memory"
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
+        self._capacity = capacity_bytes
+        self._data: dict[str, bytes] = {}
+        self._residency: dict[str, dict[str, ResidencyEntry]] = {}
+        self._bytes = 0
+        self._counters = {"puts": 0, "gets": 0, "blocks_put": 0, "blocks_got": 0, "no_space": 0}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of block values held."""
+        return self._bytes
+
+    def keys(self) -> list[str]:
+        """Every stored key (for tests and tools)."""
+        return list(self._data)
+
+    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+        """Copy every value out of staging and store it (see :class:`StorageBackend`).
+
+        Cancellation: nothing of a cancelled call is stored.
+        """
+        for key in batch.keys:
+            validate_key(key)
+        values = batch.values
+        if len(values) * batch.value_nbytes <= _INLINE_BYTES:
+            copies = [bytes(v) for v in values]
+            await anyio.lowlevel.checkpoint()
+        else:
+            copies = await batch.run_sync(lambda: [bytes(v) for v in values])
+        self._counters["puts"] += 1
+        statuses = []
+        for key, value in zip(batch.keys, copies, strict=True):
+            old = len(self._data.get(key, b""))
+            if self._capacity is not None and self._bytes - old + len(value) > self._capacity:
+                statuses.append(BlockStatus.NO_SPACE)
+                self._counters["no_space"] += 1
+                continue
+            self._data[key] = value
+            self._bytes += len(value) - old
+            statuses.append(BlockStatus.OK)
+        self._counters["blocks_put"] += statuses.count(BlockStatus.OK)
+        return statuses
+
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        """Copy stored values into the batch's buffers (see :class:`StorageBackend`)."""
+        found = [self._data.get(key) for key in batch.keys]
+        buffers = batch.buffers
+
+        def copy() -> list[BlockStatus]:
+            out = []
+            for value, buf in zip(found, buffers, strict=True):
+                if value is None:
+                    out.append(BlockStatus.MISSING)
+                elif len(value) > len(buf):
+                    out.append(BlockStatus.CORRUPT)
+                else:
+                    buf[: len(value)] = value
+                    out.append(BlockStatus.OK)
+            return out
+
+        nbytes = sum(len(v) for v in found if v is not None)
+        if nbytes <= _INLINE_BYTES:
+            statuses = copy()
+            await anyio.lowlevel.checkpoint()
+        else:
+            statuses = await batch.run_sync(copy)
+        self._counters["gets"] += 1
+        self._counters["blocks_got"] += statuses.count(BlockStatus.OK)
+        return statuses
+
+    async def exists(self, batch: KeyBatch) -> Sequence[bool]:
+        """Whether each key is stored."""
+        await anyio.lowlevel.checkpoint()
+        return [key in self._data for key in batch.keys]
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove keys (missing ones are ignored)."""
+        await anyio.lowlevel.checkpoint()
+        for key in keys:
+            value = self._data.pop(key, None)
+            if value is not None:
+                self._bytes -= len(value)
+
+    async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
+        """Record where each entry's node holds its block."""
+        await anyio.lowlevel.checkpoint()
+        for e in entries:
+            validate_key(e.key)
+            self._residency.setdefault(e.key, {})[e.node_id] = e
+
+    async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
+        """Every node's record for each key."""
+        await anyio.lowlevel.checkpoint()
+        return [tuple(self._residency.get(key, {}).values()) for key in keys]
+
+    def statistics(self) -> Mapping[str, float]:
+        """Blocks, bytes, and call counters."""
+        return {"blocks": len(self._data), "bytes": self._bytes, **self._counters}

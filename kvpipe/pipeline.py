@@ -1,0 +1,579 @@
+"""The public pipeline: ``open_pipeline`` and the calls an inference server makes.
+
+Every call validates its arguments first (``RequestError`` before anything is queued), then
+hands a request to the scheduler actor and waits for its outcome. No call blocks the event
+loop; every call returns by its deadline (plus ``deadline_slack`` at worst).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Literal, final
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._blockformat import value_nbytes
+from ._cache import KVCache
+from ._config import PipelineConfig
+from ._errors import (
+    ConfigError,
+    IncompleteRead,
+    KVPipeError,
+    OperationTimeout,
+    PipelineClosed,
+    RequestError,
+)
+from ._keys import Scope
+from ._plan import layout_segments
+from ._results import BlockLocation, PipelineStatistics, ReadResult, Residency, WriteResult
+from ._staging import StagingPool, ThreadRunner
+from ._validate import check_request, check_timeout, check_tokens
+from .actors import (
+    ActorContext,
+    ChildSpec,
+    PipelineHooks,
+    Reader,
+    Scheduler,
+    Slicer,
+    Supervisor,
+    Swapper,
+    Writer,
+)
+from .actors._state import CallState, ReadState, RequestState, WriteState
+from .backends import StorageBackend
+from .cuda import probe_device
+
+__all__ = ("Pipeline", "open_pipeline")
+
+log = logging.getLogger("kvpipe.pipeline")
+_STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
+_ids = itertools.count(1)
+
+
+def _new_id(kind: str) -> str:
+    return f"{kind}-{os.getpid()}-{next(_ids)}"
+
+
+@final
+class Pipeline:
+    """A running pipeline over one cache and one store. Get one from :func:`open_pipeline`."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        store: StorageBackend,
+        *,
+        config: PipelineConfig | None = None,
+        namespace: str = "default",
+        rank: int = 0,
+        world_size: int = 1,
+        hooks: PipelineHooks | None = None,
+    ) -> None:
+        if not isinstance(cache, KVCache):
+            raise ConfigError("cache", f"expected a kvpipe.KVCache, got {type(cache).__name__}")
+        if not isinstance(store, StorageBackend):
+            raise ConfigError(
+                "store", f"expected a kvpipe.StorageBackend, got {type(store).__name__}"
+            )
+        self.config = config if config is not None else PipelineConfig()
+        if not isinstance(self.config, PipelineConfig):
+            raise ConfigError("config", "expected a kvpipe.PipelineConfig")
+        self.cache = cache
+        self.store = store
+        self.layout = cache.layout
+        self.scope = Scope(namespace, self.layout.fingerprint, rank, world_size)
+        payload = self.layout.block_nbytes
+        pool_slots = self.config.staging_bytes // (-(-value_nbytes(payload) // 64) * 64)
+        if pool_slots < 1:
+            raise ConfigError(
+                "staging_bytes",
+                f"{self.config.staging_bytes} B cannot hold one block value of "
+                f"{value_nbytes(payload)} B",
+            )
+        self._pool = StagingPool(value_nbytes(payload), pool_slots)
+        self.slice_blocks = min(self.config.slice_block_num, pool_slots)
+        if self.slice_blocks < self.config.slice_block_num:
+            log.warning(
+                "slice_block_num=%d blocks of %d B do not fit staging_bytes=%d; slices are cut "
+                "to %d blocks",
+                self.config.slice_block_num,
+                payload,
+                self.config.staging_bytes,
+                self.slice_blocks,
+            )
+        self._hooks = hooks if hooks is not None else PipelineHooks()
+        self._device = probe_device()
+        self._in_flight: set[RequestState] = set()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._open = False
+        self._closed_reason: str | None = None
+        self._inboxes: dict[str, MemoryObjectReceiveStream[Any]] = {}
+        self._outboxes: dict[str, MemoryObjectSendStream[Any]] = {}
+        self._ctx: ActorContext | None = None
+        self._supervisor: Supervisor | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def _start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
+        cfg = self.config
+        for stage in _STAGES:
+            send, recv = anyio.create_memory_object_stream[Any](cfg.queue_depth)
+            self._outboxes[stage], self._inboxes[stage] = send, recv
+        ctx = ActorContext(
+            config=cfg,
+            cache=self.cache,
+            layout=self.layout,
+            scope=self.scope,
+            backend=self.store,
+            pool=self._pool,
+            runner=runner,
+            segments=layout_segments(self.layout),
+            payload_nbytes=self.layout.block_nbytes,
+            value_nbytes=self._pool.slot_nbytes,
+            slice_blocks=self.slice_blocks,
+            copy_limiter=anyio.CapacityLimiter(cfg.copy_threads),
+            io_limiter=anyio.CapacityLimiter(cfg.io_threads),
+            hooks=self._hooks,
+            outboxes=self._outboxes,
+        )
+        self._ctx = ctx
+        inbox = self._inboxes
+        children = [
+            ChildSpec("scheduler", lambda: Scheduler(ctx, inbox["scheduler"], cfg.queue_depth)),
+            ChildSpec("slicer", lambda: Slicer(ctx, inbox["slicer"], cfg.queue_depth)),
+            ChildSpec("swapper", lambda: Swapper(ctx, inbox["swapper"], cfg.copy_threads)),
+            ChildSpec("writer", lambda: Writer(ctx, inbox["writer"])),
+            ChildSpec("reader", lambda: Reader(ctx, inbox["reader"])),
+        ]
+        self._supervisor = Supervisor(
+            children,
+            max_restarts=cfg.max_restarts,
+            window=cfg.restart_window,
+            metrics=ctx.metrics,
+            on_escalate=self._escalate,
+        )
+        try:
+            await self.store.register_staging(self._pool.buffer.data.cast("B"))
+        except Exception as exc:
+            raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
+        tg.start_soon(self._supervisor.run, name="kvpipe-supervisor")
+        self._open = True
+        log.info(
+            "pipeline open: %s; namespace=%s rank=%d/%d; store=%s; staging %d slots x %d B; "
+            "slices of %d blocks; device path: %s (%s)",
+            self.layout.describe(),
+            self.scope.namespace,
+            self.scope.rank,
+            self.scope.world_size,
+            self.store.name,
+            self._pool.capacity,
+            self._pool.stride,
+            self.slice_blocks,
+            "host",
+            self._device.note,
+        )
+
+    def _escalate(self, actor: str, exc: BaseException) -> None:
+        self._open = False
+        self._closed_reason = f"actor {actor!r} crashed repeatedly: {exc!r}"
+        error = PipelineClosed(f"pipeline closed: {self._closed_reason}")
+        for state in list(self._in_flight):
+            state.fail(error)
+
+    async def aclose(self) -> None:
+        """Stop accepting requests, let in-flight ones finish (each by its deadline, at most
+        ``close_timeout``), stop the actors and return all staging.
+
+        Cancellation: shielded — closing always completes.
+        """
+        with anyio.CancelScope(shield=True):
+            if self._ctx is None:
+                return
+            self._open = False
+            self._closed_reason = self._closed_reason or "closed"
+            with anyio.move_on_after(self.config.close_timeout):
+                await self._idle.wait()
+            error = PipelineClosed("pipeline closed")
+            for state in list(self._in_flight):
+                state.fail(error)
+            if self._supervisor is not None:
+                self._supervisor.stop()
+            for send in self._outboxes.values():
+                send.close()
+            await anyio.lowlevel.checkpoint()
+            for recv in self._inboxes.values():
+                self._drain(recv)
+                recv.close()
+            try:
+                await self.store.unregister_staging(self._pool.buffer.data.cast("B"))
+            except Exception as exc:
+                log.warning("unregistering staging from %s failed: %r", self.store.name, exc)
+            self._ctx = None
+
+    @staticmethod
+    def _drain(recv: MemoryObjectReceiveStream[Any]) -> None:
+        while True:
+            try:
+                item = recv.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            lease = getattr(item, "lease", None)
+            if lease is not None and not lease.released:
+                lease.release()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the pipeline no longer accepts requests."""
+        return not self._open
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def write(
+        self,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        start_block: int = 0,
+        include_partial: bool = False,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> WriteResult:
+        """Store blocks ``start_block ..`` of a sequence from the cache.
+
+        Leading blocks already stored are skipped; the rest go to the store in slices, in
+        order, stopping at the first slice that does not store completely — so what is stored
+        is always a contiguous prefix, and the result says exactly how much.
+
+        Args:
+            token_ids: The sequence's token ids (1-D ints).
+            block_ids: ``block_ids[i]`` is the cache block holding sequence block ``i``.
+            start_block: First sequence block to write.
+            include_partial: Also write the partial last block (key ``...:partial:N``).
+            timeout: Total seconds for the call (default ``config.total_timeout``).
+            request_id: An id for logs and results (generated when ``None``).
+
+        Returns:
+            A :class:`WriteResult`; timeouts and backend failures are reported in it, not
+            raised.
+
+        Raises:
+            RequestError: Bad arguments (nothing was queued).
+            PipelineClosed: The pipeline is closed or closed during the call.
+
+        Cancellation and timeouts: each slice gets ``min(slice_timeout, time left)``; the
+            call returns by its total deadline. If the calling task is cancelled, no further
+            slice is sent, the slice in flight is cancelled, and what was already stored stays
+            stored (a contiguous prefix).
+        """
+        req = check_request(
+            token_ids,
+            block_ids,
+            start_block,
+            include_partial,
+            self.layout.block_size,
+            self.cache.num_blocks,
+        )
+        total = check_timeout(timeout, self.config.total_timeout)
+        now = anyio.current_time()
+        state = WriteState(
+            request_id or _new_id("write"),
+            now + total,
+            now,
+            req.tokens,
+            req.block_ids,
+            req.start_block,
+            req.end_block,
+            include_partial,
+        )
+        await self._run(state)
+        assert state.result is not None
+        return state.result
+
+    async def read(
+        self,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        start_block: int = 0,
+        include_partial: bool = False,
+        require_all: bool = False,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> ReadResult:
+        """Load stored blocks ``start_block ..`` of a sequence into the cache.
+
+        Counts the leading stored blocks (stopping at the first miss), fetches them into
+        staging, verifies each (trailer, key, checksum) and scatters the leading sound run
+        into ``block_ids``. Blocks past ``loaded`` may hold anything.
+
+        Args:
+            token_ids: The sequence's token ids.
+            block_ids: ``block_ids[i]`` is the cache block to fill with sequence block ``i``.
+            start_block: First sequence block to load.
+            include_partial: Also load the partial last block.
+            require_all: Raise :class:`IncompleteRead` unless every block loaded.
+            timeout: Total seconds for the call (default ``config.total_timeout``).
+            request_id: An id for logs and results.
+
+        Returns:
+            A :class:`ReadResult`.
+
+        Raises:
+            RequestError: Bad arguments.
+            IncompleteRead: ``require_all`` and not every block loaded.
+            PipelineClosed: The pipeline is closed or closed during the call.
+
+        Cancellation and timeouts: fetches in flight are cancelled at the deadline or when
+            the caller is cancelled; the call returns only after any copy into the cache has
+            finished, so nothing writes into ``block_ids`` after it returns.
+        """
+        req = check_request(
+            token_ids,
+            block_ids,
+            start_block,
+            include_partial,
+            self.layout.block_size,
+            self.cache.num_blocks,
+        )
+        total = check_timeout(timeout, self.config.total_timeout)
+        now = anyio.current_time()
+        state = ReadState(
+            request_id or _new_id("read"),
+            now + total,
+            now,
+            req.tokens,
+            req.block_ids,
+            req.start_block,
+            req.end_block,
+            include_partial,
+            require_all=require_all,
+        )
+        await self._run(state)
+        result = state.result
+        assert result is not None
+        if require_all and not result.complete:
+            raise IncompleteRead(
+                f"read {result.request_id}: loaded {result.loaded} of {result.requested} "
+                f"blocks ({result.stop_reason}; failed blocks {list(result.failed_blocks)[:8]})",
+                result,
+                result.failed_blocks,
+            )
+        return result
+
+    async def lookup(
+        self, token_ids: Any, *, include_partial: bool = False, timeout: float | None = None
+    ) -> int:
+        """How many leading blocks of the sequence are stored, from block 0.
+
+        Raises:
+            RequestError: Bad token ids.
+            BackendError: The store failed the query.
+            OperationTimeout: No answer within ``timeout`` (default ``config.lookup_timeout``).
+            PipelineClosed: The pipeline is closed.
+
+        Cancellation: cancelling the caller abandons the query; nothing changes in the store.
+        """
+        value = await self._call("lookup", token_ids, include_partial, timeout)
+        return int(value)
+
+    async def flush_index(
+        self,
+        token_ids: Any,
+        *,
+        start_block: int = 0,
+        residency: Residency = Residency.GPU,
+        include_partial: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Record that this node (``config.node_id``) holds blocks ``start_block ..`` in
+        ``residency`` — without moving data. Returns how many blocks were recorded.
+
+        Raises:
+            RequestError: Bad arguments.
+            BackendError: The store failed to record them.
+            OperationTimeout: Not recorded within ``timeout`` (some records may be).
+            PipelineClosed: The pipeline is closed.
+
+        Cancellation: some records may have been written; flushing again is idempotent.
+        """
+        if not isinstance(residency, Residency):
+            raise RequestError(f"residency must be a kvpipe.Residency, got {residency!r}")
+        tokens = check_tokens(token_ids)
+        n = (
+            -(-len(tokens) // self.layout.block_size)
+            if include_partial
+            else (len(tokens) // self.layout.block_size)
+        )
+        if (
+            isinstance(start_block, bool)
+            or not isinstance(start_block, int)
+            or not 0 <= start_block <= n
+        ):
+            raise RequestError(f"start_block {start_block!r} is outside [0, {n}]")
+        value = await self._call(
+            "flush", tokens, include_partial, timeout, start_block=start_block, residency=residency
+        )
+        return int(value)
+
+    async def locate(
+        self, token_ids: Any, *, include_partial: bool = False, timeout: float | None = None
+    ) -> list[BlockLocation]:
+        """Where each leading block resides, per the flush-only index (stops at the first
+        block no node has a record for).
+
+        Raises:
+            RequestError, BackendError, OperationTimeout, PipelineClosed: as for
+            :meth:`lookup`.
+        """
+        value = await self._call("locate", token_ids, include_partial, timeout)
+        return list(value)
+
+    async def _call(
+        self,
+        op: Literal["lookup", "locate", "flush"],
+        token_ids: Any,
+        include_partial: bool,
+        timeout: float | None,
+        **params: Any,
+    ) -> Any:
+        tokens = check_tokens(token_ids)
+        limit = check_timeout(timeout, self.config.lookup_timeout)
+        now = anyio.current_time()
+        state = CallState(_new_id(op), now + limit, now, op, tokens, include_partial, **params)
+        await self._run(state)
+        return state.value
+
+    # -- the common path ---------------------------------------------------------------------
+
+    async def _run(self, state: RequestState) -> None:
+        """Submit ``state`` and wait for its end, by its deadline plus the slack."""
+        if not self._open:
+            raise PipelineClosed(f"pipeline is not open ({self._closed_reason or 'not started'})")
+        self._in_flight.add(state)
+        self._idle = anyio.Event() if len(self._in_flight) == 1 else self._idle
+        try:
+            with anyio.move_on_at(state.deadline + self.config.deadline_slack):
+                try:
+                    await self._outboxes["scheduler"].send(state)
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    raise PipelineClosed("pipeline closed") from None
+                await state.wait()
+            if not state.done:
+                self._expire(state)
+                with anyio.CancelScope(shield=True):
+                    await state.wait()
+        except anyio.get_cancelled_exc_class():
+            self._cancel(state)
+            if isinstance(state, ReadState):
+                with anyio.CancelScope(shield=True):
+                    await state.wait()
+            raise
+        finally:
+            self._in_flight.discard(state)
+            if not self._in_flight:
+                self._idle.set()
+        if state.error is not None:
+            raise state.error
+
+    def _expire(self, state: RequestState) -> None:
+        if self._ctx is not None:
+            self._ctx.metrics.counters["deadline_guard_expired"] += 1
+        log.warning(
+            "request %s: no outcome by its deadline; ending it as timed out", state.request_id
+        )
+        if isinstance(state, WriteState):
+            state.stop("total_timeout", "deadline passed")
+        elif isinstance(state, ReadState):
+            state.abort("total_timeout", "deadline passed")
+        else:
+            state.fail(OperationTimeout(f"{state.request_id} timed out"))
+
+    @staticmethod
+    def _cancel(state: RequestState) -> None:
+        if isinstance(state, WriteState):
+            state.stop("cancelled", "caller cancelled")
+        elif isinstance(state, ReadState):
+            state.abort("cancelled", "caller cancelled")
+        else:
+            state.fail(KVPipeError("caller cancelled"))
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def statistics(self) -> PipelineStatistics:
+        """An immutable snapshot of queues, in-flight requests, restarts, counters, staging."""
+        ctx = self._ctx
+        metrics = ctx.metrics if ctx is not None else None
+        kinds = Counter(s.kind if not isinstance(s, CallState) else s.op for s in self._in_flight)
+        return PipelineStatistics(
+            open=self._open,
+            device_path="host",
+            device_note=self._device.note,
+            in_flight=dict(kinds),
+            queue_depths={
+                stage: recv.statistics().current_buffer_used
+                for stage, recv in self._inboxes.items()
+            },
+            queue_capacity=self.config.queue_depth,
+            restarts=dict(metrics.restarts) if metrics else {},
+            slices=dict(metrics.slices) if metrics else {},
+            counters=dict(metrics.counters) if metrics else {},
+            staging_capacity_bytes=self._pool.capacity * self._pool.stride,
+            staging_in_use_bytes=self._pool.in_use * self._pool.stride,
+            staging_waiters=self._pool.waiters,
+            slice_blocks=self.slice_blocks,
+            backend=dict(self.store.statistics()),
+        )
+
+
+@asynccontextmanager
+async def open_pipeline(
+    cache: KVCache,
+    store: StorageBackend,
+    *,
+    config: PipelineConfig | None = None,
+    namespace: str = "default",
+    rank: int = 0,
+    world_size: int = 1,
+    hooks: PipelineHooks | None = None,
+) -> AsyncIterator[Pipeline]:
+    """Start a pipeline's actors over ``cache`` and ``store``; stop them on exit.
+
+    Args:
+        cache: The KV cache blocks are moved from and into.
+        store: The storage backend (kvpipe does not close it).
+        config: Settings (default ``PipelineConfig()``).
+        namespace: Scopes every key (a model / deployment name).
+        rank: Tensor-parallel rank of this process.
+        world_size: Tensor-parallel world size.
+        hooks: Fault-injection seam for tests (see :class:`PipelineHooks`).
+
+    Raises:
+        ConfigError: A bad argument, or staging too small for one block.
+
+    Cancellation: leaving the block (normally, by an exception or by cancellation) closes the
+        pipeline: in-flight requests get until their deadlines (at most ``close_timeout``),
+        then the actors stop and staging is returned.
+    """
+    pipe = Pipeline(
+        cache,
+        store,
+        config=config,
+        namespace=namespace,
+        rank=rank,
+        world_size=world_size,
+        hooks=hooks,
+    )
+    async with ThreadRunner(pipe.config.close_timeout) as runner, anyio.create_task_group() as tg:
+        await pipe._start(tg, runner)
+        try:
+            yield pipe
+        finally:
+            await pipe.aclose()

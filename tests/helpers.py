@@ -1,0 +1,32 @@
+"""Helpers shared by the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kvpipe
+
+
+def fill_random(cache: kvpipe.KVCache, seed: int = 0) -> None:
+    """Fill every tensor of a cache with random bytes."""
+    rng = np.random.default_rng(seed)
+    for rows in cache.byte_rows:
+        rows[:] = rng.integers(0, 256, size=rows.shape, dtype=np.uint8)
+
+
+LAYOUTS = {
+    "gqa": lambda: kvpipe.CacheLayout.gqa(
+        num_layers=3, num_kv_heads=2, head_dim=32, block_size=16, dtype="bfloat16"
+    ),
+    "gqa_fp8": lambda: kvpipe.CacheLayout.gqa(
+        num_layers=3, num_kv_heads=2, head_dim=32, block_size=16, fp8_scales=True
+    ),
+    "mla": lambda: kvpipe.CacheLayout.mla(
+        num_layers=3, kv_lora_rank=64, rope_dim=16, block_size=16, dtype="bfloat16"
+    ),
+    "dsa": lambda: kvpipe.CacheLayout.dsa(
+        num_layers=3, kv_lora_rank=512, rope_dim=64, index_head_dim=128, quant_block=128,
+        block_size=16,
+    ),
+}
+
