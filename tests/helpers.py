@@ -25,8 +25,11 @@ LAYOUTS = {
         num_layers=3, kv_lora_rank=64, rope_dim=16, block_size=16, dtype="bfloat16"
     ),
     "dsa": lambda: kvpipe.CacheLayout.dsa(
-        num_layers=3, kv_lora_rank=512, rope_dim=64, index_head_dim=128, quant_block=128,
+        num_layers=3,
+        kv_lora_rank=512,
+        rope_dim=64,
+        index_head_dim=128,
+        quant_block=128,
         block_size=16,
     ),
 }
-

@@ -9,9 +9,12 @@ import kvpipe
 from tests.helpers import fill_random
 
 
-def _equal_blocks(a: kvpipe.KVCache, a_ids: np.ndarray, b: kvpipe.KVCache, b_ids: np.ndarray) -> bool:
+def _equal_blocks(
+    a: kvpipe.KVCache, a_ids: np.ndarray, b: kvpipe.KVCache, b_ids: np.ndarray
+) -> bool:
     return all(
-        np.array_equal(ra[a_ids], rb[b_ids]) for ra, rb in zip(a.byte_rows, b.byte_rows, strict=True)
+        np.array_equal(ra[a_ids], rb[b_ids])
+        for ra, rb in zip(a.byte_rows, b.byte_rows, strict=True)
     )
 
 

@@ -37,6 +37,9 @@ __all__ = (
     "backend_call",
 )
 
+#: Copies up to this many bytes run on the event loop (a thread hop costs ~100 µs).
+INLINE_COPY_BYTES = 256 * 1024
+
 M = TypeVar("M")
 T = TypeVar("T")
 log = logging.getLogger("kvpipe.actors")
@@ -102,6 +105,15 @@ class ActorContext:
     hooks: PipelineHooks
     outboxes: dict[str, MemoryObjectSendStream[Any]]
     metrics: Metrics = field(default_factory=Metrics)
+
+    async def run_copy(
+        self, nbytes: int, fn: Callable[..., T], *args: Any, hold: StagingLease
+    ) -> T:
+        """Run a copy or verification: inline when small, else in a copy worker thread."""
+        if nbytes <= INLINE_COPY_BYTES:
+            await anyio.lowlevel.checkpoint()
+            return fn(*args)
+        return await self.runner.run(fn, *args, hold=hold, limiter=self.copy_limiter)
 
     def keys_of(self, state: WriteState | ReadState, spec: SliceSpec) -> tuple[str, ...]:
         """The keys of a slice's blocks."""
@@ -194,14 +206,21 @@ class Actor(abc.ABC, Generic[M]):
         state = self.state_of(msg)
         self._held[state] += 1
         try:
-            self.ctx.hooks.on_message(self.name, state.request_id)
+            try:
+                self.ctx.hooks.on_message(self.name, state.request_id)
+            except BaseException:
+                self.discard(msg)
+                raise
             await self.handle(msg)
         finally:
-            self._held[state] -= 1
-            if self._held[state] <= 0:
-                del self._held[state]
             if self._limiter is not None:
                 self._limiter.release()
+        # Only a normal return lets go of the request: if the handler raised, or was
+        # cancelled because a sibling raised, the actor is crashing while holding it, and
+        # the supervisor must fail it.
+        self._held[state] -= 1
+        if self._held[state] <= 0:
+            del self._held[state]
 
     async def send(self, stage: str, msg: Any) -> None:
         """Send ``msg`` to the inbox of ``stage`` (waits while it is full)."""
@@ -214,4 +233,14 @@ class Actor(abc.ABC, Generic[M]):
 
     @abc.abstractmethod
     async def handle(self, msg: M) -> None:
-        """Handle one message: receive → call → send."""
+        """Handle one message: receive → call → send.
+
+        The handler owns what the message carries (its staging lease) from the moment it is
+        called: it passes it on or releases it, also when it fails or is cancelled.
+        """
+
+    def discard(self, msg: M) -> None:
+        """Release what a message carries when it will not be handled at all."""
+        lease = getattr(msg, "lease", None)
+        if lease is not None:
+            lease.release()

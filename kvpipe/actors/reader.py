@@ -92,7 +92,8 @@ class Reader(Actor[SliceJob]):
             state.resolve(spec.index, 0)
             return []
         fetched = leading_run(s is BlockStatus.OK for s in statuses)
-        checks = await ctx.runner.run(
+        checks = await ctx.run_copy(
+            fetched * ctx.payload_nbytes if ctx.config.verify_checksums else 0,
             verify_slots,
             ctx.pool.buffer,
             job.lease.slots[:fetched],
@@ -100,7 +101,6 @@ class Reader(Actor[SliceJob]):
             ctx.digests_of(state, spec)[:fetched],
             ctx.config.verify_checksums,
             hold=job.lease,
-            limiter=ctx.copy_limiter,
         )
         valid = leading_run(c is None for c in checks)
         failed = [first + i for i, s in enumerate(statuses) if s is not BlockStatus.OK]

@@ -16,7 +16,7 @@ import anyio
 from .._hostcopy import gather_sealed, scatter
 from .._plan import copy_plan
 from ._base import Actor, SliceJob
-from ._state import ReadState, RequestState
+from ._state import ReadState, RequestState, WriteState
 
 __all__ = ("Swapper",)
 
@@ -58,12 +58,13 @@ class Swapper(Actor[SliceJob]):
             ctx.config.verify_checksums,
         )
         with anyio.CancelScope(shield=True):
-            await ctx.runner.run(gather_sealed, *args, hold=job.lease, limiter=ctx.copy_limiter)
+            await ctx.run_copy(plan.nbytes, gather_sealed, *args, hold=job.lease)
         ctx.metrics.counters["bytes_gathered"] += plan.nbytes
         with anyio.move_on_at(state.deadline):
             await self.send("writer", job)
             return True
-        state.stop("total_timeout", "deadline passed waiting for the writer")  # type: ignore[union-attr]
+        assert isinstance(state, WriteState)
+        state.stop("total_timeout", "deadline passed waiting for the writer")
         return False
 
     async def _scatter(self, job: SliceJob) -> None:
@@ -81,13 +82,8 @@ class Swapper(Actor[SliceJob]):
                 job.lease.slots[: job.valid],
             )
             with anyio.CancelScope(shield=True):
-                await ctx.runner.run(
-                    scatter,
-                    plan,
-                    ctx.pool.buffer,
-                    ctx.cache.byte_rows,
-                    hold=job.lease,
-                    limiter=ctx.copy_limiter,
+                await ctx.run_copy(
+                    plan.nbytes, scatter, plan, ctx.pool.buffer, ctx.cache.byte_rows, hold=job.lease
                 )
             ctx.metrics.counters["blocks_read"] += job.valid
             ctx.metrics.counters["bytes_read"] += plan.nbytes

@@ -1,0 +1,130 @@
+"""The ``kvpipe`` command line.
+
+``kvpipe [--log-level LEVEL] COMMAND ...``. Each subcommand lives in a sibling module that
+exposes a :class:`~kvpipe.cli._console.Command` named ``COMMAND``; adding one (``store-info``,
+``bench``, ``faults``) is an import and an entry in :data:`COMMANDS`.
+
+Exit codes: 0 success, 1 the command ran and failed (e.g. the demo's verification), 2 a
+usage or configuration error (reported in one line, without a traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from rich.console import Console
+
+from .. import ConfigError, KVPipeError, LayoutError, RequestError, Unsupported, __version__
+from ._console import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Command,
+    CommandIO,
+    HelpFormatter,
+    UsageError,
+    logging_to,
+)
+from .demo import COMMAND as DEMO
+
+__all__ = ("COMMANDS", "build_parser", "main")
+
+#: Every subcommand, in ``--help`` order.
+COMMANDS: tuple[Command, ...] = (DEMO,)
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Errors that mean "you asked for something invalid", not "it ran and failed".
+_USAGE_ERRORS = (UsageError, ConfigError, RequestError, LayoutError, Unsupported)
+_EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kvpipe`` with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="kvpipe",
+        description="Move LLM KV-cache blocks between an inference server's cache and storage.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvpipe {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=_LEVELS,
+        help="level of kvpipe's log messages, written to stderr",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        p = sub.add_parser(
+            command.name, help=command.help, description=command.help, formatter_class=HelpFormatter
+        )
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
+    return parser
+
+
+def _backend_options() -> dict[str, Any]:
+    """Run on uvloop when it is installed, else on asyncio's own loop."""
+    try:
+        importlib.import_module("uvloop")
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (possibly nested) exception groups, depth first."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _reportable(exc: BaseException) -> Exception | None:
+    """The error to report in one line, when every leaf of ``exc`` is one of ours."""
+    leaves = _leaves(exc)
+    if all(isinstance(e, KVPipeError | UsageError) for e in leaves):
+        first = leaves[0]
+        assert isinstance(first, Exception)
+        return first
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvpipe`` command line.
+
+    Args:
+        argv: Arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 ok, 1 failed, 2 usage or configuration error, 130 interrupted.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or an argparse usage error
+        return (
+            exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_USAGE)
+        )
+    io = CommandIO(out=Console(), err=Console(stderr=True))
+    prog = f"kvpipe {args.command}"
+    try:
+        with logging_to(io.err, args.log_level):
+            code: int = anyio.run(
+                args.run, args, io, backend="asyncio", backend_options=_backend_options()
+            )
+        return code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return _EXIT_INTERRUPTED
+    except Exception as exc:
+        error = _reportable(exc)
+        if error is None:
+            raise
+        kind = "error" if isinstance(error, _USAGE_ERRORS) else "failed"
+        print(f"{prog}: {kind}: {error}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(error, _USAGE_ERRORS) else EXIT_FAILED

@@ -1,0 +1,197 @@
+"""What every ``kvpipe`` subcommand shares: consoles, logging, progress bars, formatting.
+
+A subcommand is a :class:`Command`: a name, a help line, a function that adds its arguments
+to its parser, and an async ``run`` that returns the exit code. ``kvpipe.cli.main`` parses
+the command line, sets up logging and runs the command on the event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Final, final
+
+from rich.console import Console
+from rich.filesize import decimal
+from rich.logging import RichHandler
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+__all__ = (
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "Command",
+    "HelpFormatter",
+    "CommandIO",
+    "UsageError",
+    "block_progress",
+    "block_range",
+    "format_bytes",
+    "format_counts",
+    "format_rate",
+    "logging_to",
+    "summary_table",
+)
+
+#: Exit codes of every subcommand.
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+
+
+class UsageError(Exception):
+    """A command-line argument is invalid in a way argparse alone cannot tell (exit 2)."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` after an option's help, unless it has no meaningful default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class CommandIO:
+    """Where a command writes.
+
+    Attributes:
+        out: Results (summaries, tables, JSON) — standard output.
+        err: Progress bars and logs — standard error, so ``out`` stays clean to pipe.
+    """
+
+    out: Console
+    err: Console
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One ``kvpipe`` subcommand.
+
+    Attributes:
+        name: The subcommand's name on the command line.
+        help: One line for ``kvpipe --help``.
+        add_arguments: Adds the subcommand's options to its parser.
+        run: Runs it on the event loop; returns the exit code. May raise
+            :class:`UsageError` or a ``kvpipe.KVPipeError``; ``main`` turns those into a
+            one-line message and an exit code.
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, CommandIO], Awaitable[int]]
+
+
+@contextmanager
+def logging_to(console: Console, level: str) -> Iterator[None]:
+    """Send the ``kvpipe`` logger's records at ``level`` and above to ``console``.
+
+    The logger's previous level, handlers and propagation are restored on exit, so running
+    ``main`` in-process (tests, notebooks) leaves logging as it found it.
+    """
+    logger = logging.getLogger("kvpipe")
+    saved = (logger.level, list(logger.handlers), logger.propagate)
+    handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logger.handlers = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.setLevel(saved[0])
+        logger.handlers = saved[1]
+        logger.propagate = saved[2]
+        handler.close()
+
+
+def block_range(text: str) -> tuple[int, int]:
+    """An argparse type: ``"20-32"`` or ``"24"`` → inclusive ``(lo, hi)``, ``1 <= lo <= hi``."""
+    lo_s, sep, hi_s = text.partition("-")
+    try:
+        lo, hi = int(lo_s), int(hi_s if sep else lo_s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def format_counts(counts: Mapping[str, float]) -> str:
+    """``{"complete": 3, "incomplete": 1}`` → ``"complete 3, incomplete 1"`` (``"-"`` if empty)."""
+    return (
+        ", ".join(
+            f"{k} {v:,.0f}" if float(v).is_integer() else f"{k} {v:,.3g}" for k, v in counts.items()
+        )
+        or "-"
+    )
+
+
+def summary_table(title: str, columns: Iterable[str], rows: Iterable[Iterable[object]]) -> Table:
+    """A table whose first column names each row and whose other columns are right-aligned."""
+    table = Table(title=title, title_justify="left")
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    return table
+
+
+def format_bytes(nbytes: float) -> str:
+    """``1234567`` → ``"1.2 MB"`` (decimal units, as rates are)."""
+    return str(decimal(int(nbytes)))
+
+
+def format_rate(nbytes: float, seconds: float) -> str:
+    """Bytes over seconds as ``"1.23 GB/s"`` (``"-"`` when nothing was timed)."""
+    if seconds <= 0:
+        return "-"
+    return f"{nbytes / seconds / 1e9:.2f} GB/s"
+
+
+class _ByteRateColumn(ProgressColumn):
+    """Average GB/s of a task since it started, from its ``nbytes`` field."""
+
+    def render(self, task: Task) -> Text:
+        nbytes = float(task.fields.get("nbytes", 0))
+        return Text(format_rate(nbytes, task.elapsed or 0.0), style="progress.data.speed")
+
+
+def block_progress(console: Console, *, disable: bool) -> Progress:
+    """A progress display of blocks done / total with the GB/s actually moved.
+
+    Tasks carry an ``nbytes`` field (bytes moved so far): ``progress.update(task,
+    advance=blocks, nbytes=total_moved)``.
+
+    Args:
+        console: Where to draw (standard error).
+        disable: Draw nothing — set it when the console is not a terminal, so logs and
+            captured output are not filled with redraws.
+    """
+    return Progress(
+        TextColumn("[bold]{task.description:<6}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("blocks"),
+        _ByteRateColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=disable,
+    )

@@ -1,0 +1,399 @@
+"""``kvpipe demo``: offload → reload on a real-model-shaped layout, every byte verified.
+
+Playing an inference server, it fills a source cache with seeded random bytes; every request
+starts with the same system prompt (``--shared-prefix-blocks``, held once in the cache as a
+prefix cache holds it) and every third one ends in a partial block. It writes them through
+one pipeline, ``--concurrency`` at a time — the first alone, so the others find the prefix
+stored and skip it (deduplication) — then, through a second pipeline over the same store,
+reads each back into a fresh cache at shuffled block ids from a free list (zeroed when taken,
+returned once verified), compares every byte, and prints a summary (``--json``: as JSON).
+Exit code 1 when a block differs or any write or read stopped short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, final
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+from anyio.to_thread import run_sync
+from rich.console import Console
+from rich.progress import Progress, TaskID
+
+import kvpipe
+
+from . import _console as ui
+
+__all__ = ("COMMAND", "PRESETS", "STORES", "DemoRequest", "Workload", "plan_workload")
+
+IdArray = npt.NDArray[np.int64]
+_VOCAB: Final = 128_256  # Llama 3's vocabulary; token ids are drawn below it
+_TIMEOUT_OUTCOMES: Final = ("slice_timeout", "total_timeout")
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A layout (a :class:`kvpipe.CacheLayout` constructor and its arguments) and a default
+    workload for it: blocks per request (inclusive range) and shared prefix blocks."""
+
+    build: Callable[..., kvpipe.CacheLayout]
+    params: Mapping[str, int]
+    blocks_per_request: tuple[int, int]
+    shared_prefix_blocks: int
+
+    def layout(self) -> kvpipe.CacheLayout:
+        """The layout (bfloat16 for GQA and MLA; DSA is uint8 by construction)."""
+        return self.build(**self.params)
+
+
+_L = kvpipe.CacheLayout
+_LLAMA3_8B: Final = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
+_TINY: Final = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 4}
+_DEEPSEEK: Final = {"num_layers": 61, "kv_lora_rank": 512, "rope_dim": 64, "block_size": 64}
+#: ``--layout`` choices. ``llama3-8b`` blocks are 2 MiB (32 layers x 8 kv heads x 16 tokens
+#: x 128 x bf16 x key and value).
+PRESETS: Final[Mapping[str, Preset]] = {
+    "llama3-8b": Preset(_L.gqa, _LLAMA3_8B, (20, 32), 16),
+    "deepseek-mla": Preset(_L.mla, _DEEPSEEK, (10, 16), 8),
+    "deepseek-dsa": Preset(
+        _L.dsa, _DEEPSEEK | {"index_head_dim": 128, "quant_block": 128}, (10, 16), 8
+    ),
+    "tiny": Preset(_L.gqa, _TINY, (6, 12), 4),
+}
+
+#: ``--store`` choices: how to open each store.
+STORES: Final[Mapping[str, Callable[[], kvpipe.StorageBackend]]] = {"memory": kvpipe.MemoryStore}
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class DemoRequest:
+    """One request: its tokens, where its blocks sit in the source cache, partial or not."""
+
+    index: int
+    tokens: IdArray
+    src_ids: IdArray
+    partial: bool
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The requests, and the cache sizes they need."""
+
+    requests: tuple[DemoRequest, ...]
+    shared_prefix_blocks: int
+    src_blocks: int
+    dst_blocks: int
+
+    @property
+    def blocks_requested(self) -> int:
+        """Blocks over all requests (partial ones included)."""
+        return sum(len(r.src_ids) for r in self.requests)
+
+
+def plan_workload(
+    layout: kvpipe.CacheLayout,
+    *,
+    requests: int,
+    blocks_per_request: tuple[int, int],
+    shared_prefix_blocks: int,
+    concurrency: int,
+    seed: int,
+) -> Workload:
+    """Draw the requests (seeded): a shared prefix, then each request's own blocks.
+
+    Args:
+        layout: The cache layout (its block size sets the token counts).
+        requests: Number of requests.
+        blocks_per_request: Inclusive range of blocks per request, partial block included.
+        shared_prefix_blocks: Full blocks every request starts with (the system prompt).
+        concurrency: Requests in flight at once (sizes the destination cache).
+        seed: Seed of the random draws.
+
+    Raises:
+        ui.UsageError: The numbers do not make a workload.
+    """
+    lo, hi = blocks_per_request
+    shared = shared_prefix_blocks
+    if requests < 1:
+        raise ui.UsageError(f"--requests must be >= 1, got {requests}")
+    if concurrency < 1:
+        raise ui.UsageError(f"--concurrency must be >= 1, got {concurrency}")
+    if not 0 <= shared < lo:
+        raise ui.UsageError(
+            f"--shared-prefix-blocks must be in [0, {lo}) so that every request has blocks "
+            f"of its own (--blocks-per-request {lo}-{hi}), got {shared}"
+        )
+    bs = layout.block_size
+    rng = np.random.default_rng(seed)
+    sizes = [int(n) for n in rng.integers(lo, hi + 1, size=requests)]
+    src_blocks = shared + sum(sizes) - requests * shared
+    ids = rng.permutation(src_blocks).astype(np.int64)
+    prefix = rng.integers(0, _VOCAB, size=shared * bs, dtype=np.int64)
+    out, next_id = [], shared
+    for i, size in enumerate(sizes):
+        partial = bs > 1 and i % 3 == 1
+        tail = int(rng.integers(1, bs)) if partial else 0
+        suffix = rng.integers(0, _VOCAB, size=(size - partial - shared) * bs + tail, dtype=np.int64)
+        suffix[0] = i  # no two requests share a block past the prefix, whatever the draws
+        own = ids[next_id : next_id + size - shared]
+        next_id += size - shared
+        tokens = np.concatenate([prefix, suffix])
+        out.append(DemoRequest(i, tokens, np.concatenate([ids[:shared], own]), partial))
+    return Workload(tuple(out), shared, src_blocks, concurrency * hi)
+
+
+def fill_random(cache: kvpipe.KVCache, seed: int) -> None:
+    """Fill every block of every tensor with seeded random bytes."""
+    rng = np.random.default_rng([seed, 1])
+    for rows in cache.byte_rows:
+        rows[:] = np.frombuffer(rng.bytes(rows.size), np.uint8).reshape(rows.shape)
+
+
+def count_equal(a: kvpipe.KVCache, a_ids: IdArray, b: kvpipe.KVCache, b_ids: IdArray) -> int:
+    """How many blocks ``b[b_ids[i]]`` equal ``a[a_ids[i]]`` byte for byte, in every tensor."""
+    equal = np.ones(len(a_ids), dtype=bool)
+    for rows_a, rows_b in zip(a.byte_rows, b.byte_rows, strict=True):
+        equal &= (rows_a[a_ids] == rows_b[b_ids]).all(axis=1)
+    return int(equal.sum())
+
+
+def _zero_blocks(cache: kvpipe.KVCache, ids: IdArray) -> None:
+    for rows in cache.byte_rows:
+        rows[ids] = 0
+
+
+@final
+@dataclass(slots=True)
+class _Phase:
+    """What one phase (write or read) did; ``moved`` counts blocks written or loaded."""
+
+    progress: Progress
+    task: TaskID
+    block_nbytes: int
+    results: list[kvpipe.WriteResult | kvpipe.ReadResult] = field(default_factory=list)
+    moved: int = 0
+    verified: int = 0
+    seconds: float = 0.0
+
+    def done(self, result: kvpipe.WriteResult | kvpipe.ReadResult, moved: int) -> None:
+        self.results.append(result)
+        self.moved += moved
+        nbytes = self.moved * self.block_nbytes
+        self.progress.update(self.task, advance=result.requested, nbytes=nbytes)
+
+    def summary(self, stats: kvpipe.PipelineStatistics) -> dict[str, Any]:
+        slices = {k: v for k, v in sorted(stats.slices.items()) if v}
+        reasons = Counter(r.stop_reason for r in self.results if r.stop_reason is not None)
+        nbytes = self.moved * self.block_nbytes
+        return {
+            "blocks": self.moved,
+            "bytes": nbytes,
+            "seconds": round(self.seconds, 4),
+            "gbps": round(nbytes / self.seconds / 1e9, 3) if self.seconds > 0 else 0.0,
+            "slices": slices,
+            "timeouts": sum(n for k, n in slices.items() if k.endswith(_TIMEOUT_OUTCOMES)),
+            "restarts": sum(stats.restarts.values()),
+            "incomplete": sum(not r.complete for r in self.results),
+            "stop_reasons": dict(sorted(reasons.items())),
+        }
+
+
+async def _each(
+    requests: Sequence[DemoRequest],
+    concurrency: int,
+    fn: Callable[[DemoRequest], Awaitable[None]],
+) -> None:
+    """Run ``fn`` on every request, at most ``concurrency`` at a time."""
+    limit = anyio.Semaphore(concurrency)
+
+    async def one(req: DemoRequest) -> None:
+        async with limit:
+            await fn(req)
+
+    async with anyio.create_task_group() as tg:
+        for req in requests:
+            tg.start_soon(one, req)
+
+
+async def _write_all(pipe: kvpipe.Pipeline, work: Workload, phase: _Phase, n: int) -> None:
+    async def write(req: DemoRequest) -> None:
+        res = await pipe.write(
+            req.tokens, req.src_ids, include_partial=req.partial, request_id=f"w{req.index}"
+        )
+        phase.done(res, res.written)
+
+    first, *rest = work.requests
+    await write(first)  # it stores the system prompt; the rest find it stored
+    await _each(rest, n, write)
+
+
+async def _read_all(
+    pipe: kvpipe.Pipeline, work: Workload, src: kvpipe.KVCache, phase: _Phase, n: int, seed: int
+) -> None:
+    dst = pipe.cache
+    free = [int(b) for b in np.random.default_rng([seed, 2]).permutation(dst.num_blocks)]
+
+    async def read(req: DemoRequest) -> None:
+        # _each admits `n` requests at once, and the cache holds `n` of the largest
+        ids = np.array(free[: len(req.src_ids)], dtype=np.int64)
+        del free[: len(ids)]
+        try:
+            await run_sync(_zero_blocks, dst, ids)
+            res = await pipe.read(
+                req.tokens, ids, include_partial=req.partial, request_id=f"r{req.index}"
+            )
+            phase.verified += await run_sync(count_equal, src, req.src_ids, dst, ids)
+        finally:
+            free.extend(int(b) for b in ids)
+        phase.done(res, res.loaded)
+
+    await _each(work.requests, n, read)
+
+
+async def _timed(phase: _Phase, pipe: kvpipe.Pipeline, job: Awaitable[None]) -> dict[str, Any]:
+    started = time.perf_counter()
+    await job
+    phase.seconds = time.perf_counter() - started
+    return phase.summary(pipe.statistics())  # before the pipeline closes
+
+
+def _render(s: Mapping[str, Any], console: Console) -> None:
+    w, r, n = s["writes"], s["reads"], s["blocks_requested"]
+    rates = (ui.format_rate(w["bytes"], w["seconds"]), ui.format_rate(r["bytes"], r["seconds"]))
+    rows = (
+        ("requests", s["requests"], s["requests"]),
+        ("blocks requested", n, n),
+        ("blocks moved", f"{w['blocks']} written", f"{r['blocks']} loaded"),
+        ("skipped by dedup", s["skipped"], "-"),
+        ("verified byte for byte", "-", f"{s['verified']} / {n}"),
+        ("bytes moved", ui.format_bytes(w["bytes"]), ui.format_bytes(r["bytes"])),
+        ("wall time", f"{w['seconds']:.3f} s", f"{r['seconds']:.3f} s"),
+        ("throughput", *rates),
+        ("slices", ui.format_counts(w["slices"]), ui.format_counts(r["slices"])),
+        ("timeouts", w["timeouts"], r["timeouts"]),
+        ("actor restarts", w["restarts"], r["restarts"]),
+        ("incomplete requests", w["incomplete"], r["incomplete"]),
+    )
+    title = f"kvpipe demo: {s['layout']}, {s['store']} store"
+    console.print(ui.summary_table(title, ("", "write", "read"), rows))
+    console.print(f"store: {ui.format_counts(s['store_statistics'])}", highlight=False)
+    if s["ok"]:
+        console.print(f"[green]OK[/]: all {n} blocks verified, {s['seconds']:.2f} s in all")
+    else:
+        console.print(
+            f"[red]FAILED[/]: {s['mismatched']} of {n} blocks differ or did not load; "
+            f"stopped writes: {ui.format_counts(w['stop_reasons'])}; "
+            f"stopped reads: {ui.format_counts(r['stop_reasons'])}",
+            highlight=False,
+        )
+
+
+async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
+    """Run the demo (see the module docstring); 0 when every block verified, else 1."""
+    started = time.perf_counter()
+    preset = PRESETS[args.layout]
+    layout = preset.layout()
+    nbytes = layout.block_nbytes
+    config = kvpipe.PipelineConfig.from_env(
+        slice_block_num=args.slice_block_num, staging_bytes=args.staging_mib << 20
+    )
+    shared = args.shared_prefix_blocks
+    work = plan_workload(
+        layout,
+        requests=args.requests,
+        blocks_per_request=args.blocks_per_request or preset.blocks_per_request,
+        shared_prefix_blocks=preset.shared_prefix_blocks if shared is None else shared,
+        concurrency=args.concurrency,
+        seed=args.seed,
+    )
+    if not args.json:
+        io.out.print(
+            f"{args.layout}: {layout.describe()}\n{len(work.requests)} requests, "
+            f"{work.blocks_requested} blocks of which {work.src_blocks} distinct "
+            f"({ui.format_bytes(work.src_blocks * nbytes)}); {args.concurrency} at a time; "
+            f"slices of {config.slice_block_num} blocks",
+            highlight=False,
+        )
+    src = kvpipe.create_kv_cache(layout, work.src_blocks)
+    await run_sync(fill_random, src, args.seed)
+    dst = kvpipe.create_kv_cache(layout, work.dst_blocks)
+    store = STORES[args.store]()
+    namespace, n = f"kvpipe-demo-{args.layout}", args.concurrency
+    with ui.block_progress(io.err, disable=args.json or not io.err.is_terminal) as progress:
+        total = work.blocks_requested
+        wp = _Phase(progress, progress.add_task("write", total=total, nbytes=0), nbytes)
+        async with kvpipe.open_pipeline(src, store, config=config, namespace=namespace) as pipe:
+            writes = await _timed(wp, pipe, _write_all(pipe, work, wp, n))
+        rp = _Phase(progress, progress.add_task("read", total=total, nbytes=0), nbytes)
+        async with kvpipe.open_pipeline(dst, store, config=config, namespace=namespace) as pipe:
+            reads = await _timed(rp, pipe, _read_all(pipe, work, src, rp, n, args.seed))
+    requested = work.blocks_requested
+    summary = {
+        "ok": rp.verified == requested and not writes["incomplete"] and not reads["incomplete"],
+        "layout": args.layout,
+        "layout_description": layout.describe(),
+        "block_bytes": nbytes,
+        "store": args.store,
+        "requests": len(work.requests),
+        "partial_requests": sum(q.partial for q in work.requests),
+        "shared_prefix_blocks": work.shared_prefix_blocks,
+        "distinct_blocks": work.src_blocks,
+        "blocks_requested": requested,
+        "written": wp.moved,
+        "skipped": sum(r.skipped for r in wp.results if isinstance(r, kvpipe.WriteResult)),
+        "read": rp.moved,
+        "verified": rp.verified,
+        "mismatched": requested - rp.verified,
+        "writes": writes,
+        "reads": reads,
+        "store_statistics": dict(store.statistics()),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2), file=io.out.file)
+    else:
+        _render(summary, io.out)
+    return ui.EXIT_OK if summary["ok"] else ui.EXIT_FAILED
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``kvpipe demo``."""
+    add = parser.add_argument
+    add("--layout", choices=sorted(PRESETS), default="llama3-8b", help="model-shaped layout")
+    add("--store", choices=sorted(STORES), default="memory", help="where blocks are stored")
+    add("--requests", type=int, default=24, metavar="N", help="requests to write and read")
+    add(
+        "--blocks-per-request",
+        type=ui.block_range,
+        metavar="LO-HI",
+        help="blocks per request, the partial one included (default: per layout; 20-32)",
+    )
+    add(
+        "--shared-prefix-blocks",
+        type=int,
+        metavar="N",
+        help="blocks of system prompt every request starts with (default: per layout; 16)",
+    )
+    add("--concurrency", type=int, default=4, metavar="N", help="requests in flight at once")
+    add("--slice-block-num", type=int, default=16, metavar="N", help="blocks per slice")
+    add("--staging-mib", type=int, default=256, metavar="MIB", help="staging per pipeline")
+    add("--seed", type=int, default=0, help="seed of the workload and of the cache contents")
+    add("--json", action="store_true", help="print the summary as JSON, without progress bars")
+
+
+COMMAND: Final = ui.Command(
+    name="demo",
+    help="offload KV blocks of a model-shaped layout to a store and reload them, verified",
+    add_arguments=add_arguments,
+    run=run,
+)

@@ -1,0 +1,99 @@
+"""The reader alone: fetch, verify, stop at the first bad block, delete corrupt ones."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kvpipe
+from kvpipe._plan import plan_slices
+from kvpipe.actors import Reader, SliceJob, Swapper
+from tests.actors.harness import BLOCK, Harness, harness
+from tests.fakes import Act, ScriptedStore
+
+TOKENS = np.arange(8 * BLOCK)
+
+
+async def _store_all(h: Harness) -> None:
+    state = h.write_state(TOKENS, np.arange(8))
+    swapper = Swapper(h.ctx, h.inboxes["swapper"])
+    for spec in state.slices:
+        await swapper.handle(SliceJob(state, spec, await h.ctx.pool.acquire(spec.count)))
+    from kvpipe.actors import Writer
+
+    writer = Writer(h.ctx, h.inboxes["writer"])
+    for job in h.sent("writer"):
+        await writer.handle(job)
+    assert state.result is not None and state.result.complete
+
+
+async def _read_slice(h: Harness, index: int = 0):  # type: ignore[no-untyped-def]
+    state = h.read_state(TOKENS, np.arange(30, 38))
+    state.plan(plan_slices(0, 8, 8, BLOCK, len(TOKENS)))
+    spec = state.slices[index]
+    job = SliceJob(state, spec, await h.ctx.pool.acquire(spec.count))
+    await Reader(h.ctx, h.inboxes["reader"]).handle(job)
+    return state, job
+
+
+async def test_sound_blocks_go_to_the_swapper() -> None:
+    store = ScriptedStore()
+    async with harness(store, slice_blocks=8) as h:
+        await _store_all(h)
+        _state, job = await _read_slice(h)
+        assert h.sent("swapper") == [job] and job.valid == 8
+        job.lease.release()
+
+
+async def test_a_corrupt_block_stops_loading_and_is_deleted() -> None:
+    store = ScriptedStore(gets={0: Act(corrupt=[3])})
+    async with harness(store, slice_blocks=8) as h:
+        await _store_all(h)
+        state, job = await _read_slice(h)
+        assert job.valid == 3
+        assert state.stop_block == 3 and state.stop_reason == "failed_block"
+        assert 3 in state.failed
+        assert store.deleted == [store.calls_of("get")[0].keys[3]]
+        assert h.ctx.metrics.counters["blocks_failed_verify"] == 1
+        job.lease.release()
+
+
+async def test_a_block_the_store_returns_for_another_key_is_rejected() -> None:
+    class Swapping(ScriptedStore):
+        async def get_blocks(self, batch):  # type: ignore[no-untyped-def]
+            statuses = await super().get_blocks(batch)
+            bufs = batch.buffers
+            tmp = bytes(bufs[1])
+            bufs[1][:] = bufs[2]
+            bufs[2][:] = tmp
+            return statuses
+
+    store = Swapping()
+    async with harness(store, slice_blocks=8) as h:
+        await _store_all(h)
+        state, job = await _read_slice(h)
+        assert job.valid == 1
+        assert state.stop_reason == "failed_block"
+        assert "another key" in (state.stop_detail or "")
+        job.lease.release()
+
+
+async def test_missing_block_reported_by_the_store() -> None:
+    store = ScriptedStore(gets={0: Act(fail=[0])})
+    async with harness(store, slice_blocks=8) as h:
+        await _store_all(h)
+        state, job = await _read_slice(h)
+        assert job.valid == 0 and state.done
+        assert state.result is not None
+        assert (state.result.loaded, state.result.failed_blocks) == (0, (0,))
+        assert h.sent("swapper") == []
+        assert h.ctx.pool.in_use == 0
+
+
+async def test_unverified_reads_still_check_the_key(monkeypatch: object) -> None:
+    store = ScriptedStore(gets={0: Act(corrupt=[2])})
+    config = kvpipe.PipelineConfig(slice_block_num=8, verify_checksums=False)
+    async with harness(store, slice_blocks=8, config=config) as h:
+        await _store_all(h)
+        _state, job = await _read_slice(h)
+        assert job.valid == 8  # byte 7 of the payload flipped: not detectable without checksums
+        job.lease.release()

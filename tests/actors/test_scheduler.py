@@ -1,0 +1,147 @@
+"""The scheduler alone: keys, dedup, planning, and the index calls."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe._keys import as_tokens
+from kvpipe.actors import Scheduler
+from kvpipe.actors._state import CallState
+from tests.actors.harness import BLOCK, harness
+from tests.fakes import Act, ScriptedStore
+
+TOKENS = np.arange(10 * BLOCK)
+
+
+async def _store_first(store: kvpipe.MemoryStore, h_keys: tuple[str, ...], n: int) -> None:
+    store._data.update({k: b"x" for k in h_keys[:n]})
+
+
+async def test_write_skips_the_stored_leading_blocks_and_plans_the_rest() -> None:
+    store = kvpipe.MemoryStore()
+    async with harness(store, slice_blocks=4) as h:
+        state = h.write_state(TOKENS, np.arange(10))
+        state.keys = None
+        sched = Scheduler(h.ctx, h.inboxes["scheduler"])
+        probe = h.write_state(TOKENS, np.arange(10))
+        assert probe.keys is not None
+        await _store_first(store, probe.keys.keys, 3)
+        store._data[probe.keys.keys[5]] = b"x"  # a non-leading hit does not count
+        await sched.handle(state)
+        assert state.skipped == 3
+        assert [(s.first_block, s.count) for s in state.slices] == [(3, 4), (7, 3)]
+        assert h.sent("slicer") == [state]
+        assert not state.done
+
+
+async def test_write_of_an_entirely_stored_prefix_finishes_without_slices() -> None:
+    store = kvpipe.MemoryStore()
+    async with harness(store) as h:
+        state = h.write_state(TOKENS, np.arange(10))
+        assert state.keys is not None
+        await _store_first(store, state.keys.keys, 10)
+        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+        assert state.done and state.result is not None
+        assert (state.result.skipped, state.result.written, state.result.complete) == (10, 0, True)
+        assert h.sent("slicer") == []
+
+
+async def test_dedup_probe_stops_at_the_first_chunk_with_a_miss() -> None:
+    store = ScriptedStore()
+    async with harness(store, slice_blocks=2) as h:
+        state = h.write_state(TOKENS, np.arange(10))
+        assert state.keys is not None
+        store.inner._data.update({k: b"x" for k in state.keys.keys[:3]})
+        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+        # chunks of 2: [0,1] all there, [2,3] has a miss → stop; 3 probes would be wasteful
+        assert [c.first_block for c in store.calls_of("exists")] == [0, 2]
+        assert state.skipped == 3
+
+
+async def test_failed_dedup_probe_writes_everything() -> None:
+    store = ScriptedStore(exists={0: Act(error=OSError("down"))})
+    async with harness(store) as h:
+        state = h.write_state(TOKENS, np.arange(10))
+        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+        assert state.skipped == 0 and len(state.slices) == 3
+        assert h.ctx.metrics.counters["probe_errors"] == 1
+
+
+async def test_read_stops_at_the_first_block_not_stored() -> None:
+    store = kvpipe.MemoryStore()
+    async with harness(store) as h:
+        state = h.read_state(TOKENS, np.arange(10))
+        assert state.keys is not None
+        store._data.update({k: b"x" for k in state.keys.keys[:6]})
+        store._data[state.keys.keys[7]] = b"x"
+        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+        assert [(s.first_block, s.count) for s in state.slices] == [(0, 4), (4, 2)]
+        assert state.stop_block == 6 and state.stop_reason == "not_stored"
+        assert h.sent("slicer") == [state]
+
+
+async def test_read_with_nothing_stored_ends_at_once() -> None:
+    async with harness(kvpipe.MemoryStore()) as h:
+        state = h.read_state(TOKENS, np.arange(10))
+        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+        assert state.done and state.result is not None
+        assert (state.result.loaded, state.result.stop_reason) == (0, "not_stored")
+        assert state.result.failed_blocks == (0,)
+        assert h.sent("slicer") == []
+
+
+async def test_flush_and_locate_record_this_node() -> None:
+    store = kvpipe.MemoryStore()
+    config = kvpipe.PipelineConfig(node_id="node-a", slice_block_num=4)
+    async with harness(store, config=config) as h:
+        sched = Scheduler(h.ctx, h.inboxes["scheduler"])
+        now = anyio.current_time()
+        flush = CallState(
+            "f",
+            now + 5,
+            now,
+            "flush",
+            as_tokens(TOKENS),
+            False,
+            start_block=2,
+            residency=kvpipe.Residency.CPU,
+        )
+        await sched.handle(flush)
+        assert flush.value == 8
+        locate = CallState("l", now + 5, now, "locate", as_tokens(TOKENS), False)
+        await sched.handle(locate)
+        assert locate.value == []  # block 0 has no record: nothing leads
+        flush0 = CallState(
+            "f0",
+            now + 5,
+            now,
+            "flush",
+            as_tokens(TOKENS),
+            False,
+            start_block=0,
+            residency=kvpipe.Residency.GPU,
+        )
+        await sched.handle(flush0)
+        locate = CallState("l2", now + 5, now, "locate", as_tokens(TOKENS), False)
+        await sched.handle(locate)
+        assert [loc.block for loc in locate.value] == list(range(10))
+        assert all(loc.held_by("node-a") is kvpipe.Residency.GPU for loc in locate.value)
+        assert locate.value[3].held_by("node-b") is None
+
+
+@pytest.mark.parametrize("op", ["lookup", "locate"])
+async def test_backend_errors_reach_index_callers(op: str) -> None:
+    class Broken(ScriptedStore):
+        async def get_residency(self, keys):  # type: ignore[no-untyped-def]
+            raise OSError("no index")
+
+    store = Broken(exists={0: Act(error=OSError("no index"))})
+    async with harness(store) as h:
+        now = anyio.current_time()
+        state = CallState("c", now + 5, now, op, as_tokens(TOKENS), False)  # type: ignore[arg-type]
+        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+        assert isinstance(state.error, kvpipe.BackendError)
+        assert "no index" in str(state.error)

@@ -1,0 +1,70 @@
+"""The swapper alone: gathers into sealed staging slots, scatters verified blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kvpipe
+from kvpipe._blockformat import check_block
+from kvpipe._keys import key_digest
+from kvpipe.actors import SliceJob, Swapper
+from tests.actors.harness import BLOCK, harness
+
+TOKENS = np.arange(6 * BLOCK)
+
+
+async def test_gather_packs_every_layer_and_role_and_seals_each_block() -> None:
+    async with harness(kvpipe.MemoryStore(), slice_blocks=6) as h:
+        ids = np.array([9, 3, 4, 5, 40, 0])
+        state = h.write_state(TOKENS, ids)
+        spec = state.slices[0]
+        lease = await h.ctx.pool.acquire(spec.count)
+        await Swapper(h.ctx, h.inboxes["swapper"]).handle(SliceJob(state, spec, lease))
+        (job,) = h.sent("writer")
+        assert state.keys is not None
+        for i, block in enumerate(ids):
+            value = job.lease.view(i)
+            expected = np.concatenate([rows[block] for rows in h.ctx.cache.byte_rows])
+            assert np.array_equal(value[: h.ctx.payload_nbytes], expected)
+            assert (
+                check_block(value, h.ctx.payload_nbytes, key_digest(state.keys.keys[i]), True)
+                is None
+            )
+        job.lease.release()
+
+
+async def test_scatter_writes_only_the_valid_leading_blocks() -> None:
+    async with harness(kvpipe.MemoryStore(), slice_blocks=6) as h:
+        state = h.read_state(TOKENS, np.array([50, 51, 52, 53, 54, 55]))
+        from kvpipe._plan import plan_slices
+
+        state.plan(plan_slices(0, 6, 6, BLOCK, len(TOKENS)))
+        lease = await h.ctx.pool.acquire(6)
+        for i in range(6):
+            lease.view(i)[: h.ctx.payload_nbytes] = i + 1
+        before = [rows.copy() for rows in h.ctx.cache.byte_rows]
+        await Swapper(h.ctx, h.inboxes["swapper"]).handle(
+            SliceJob(state, state.slices[0], lease, valid=4)
+        )
+        for rows, old in zip(h.ctx.cache.byte_rows, before, strict=True):
+            for i in range(4):
+                assert (rows[50 + i] == i + 1).all()
+            assert np.array_equal(rows[54:56], old[54:56])
+        assert state.done and state.result is not None and state.result.loaded == 4
+        assert h.ctx.pool.in_use == 0
+
+
+async def test_a_finished_read_is_never_scattered() -> None:
+    async with harness(kvpipe.MemoryStore(), slice_blocks=6) as h:
+        state = h.read_state(TOKENS, np.arange(50, 56))
+        from kvpipe._plan import plan_slices
+
+        state.plan(plan_slices(0, 6, 6, BLOCK, len(TOKENS)))
+        state.abort("cancelled")
+        lease = await h.ctx.pool.acquire(6)
+        before = [rows.copy() for rows in h.ctx.cache.byte_rows]
+        await Swapper(h.ctx, h.inboxes["swapper"]).handle(
+            SliceJob(state, state.slices[0], lease, valid=6)
+        )
+        assert all(np.array_equal(a, b) for a, b in zip(before, h.ctx.cache.byte_rows, strict=True))
+        assert h.ctx.pool.in_use == 0

@@ -1,0 +1,71 @@
+"""The writer alone: order, per-slice results, stop at the first incomplete slice."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+
+from kvpipe.actors import SliceJob, Swapper, Writer
+from tests.actors.harness import BLOCK, Harness, harness
+from tests.fakes import Act, ScriptedStore
+
+TOKENS = np.arange(12 * BLOCK)
+
+
+async def _gathered_jobs(h: Harness, state) -> list[SliceJob]:  # type: ignore[no-untyped-def]
+    swapper = Swapper(h.ctx, h.inboxes["swapper"])
+    for spec in state.slices:
+        lease = await h.ctx.pool.acquire(spec.count)
+        await swapper.handle(SliceJob(state, spec, lease))
+    return h.sent("writer")
+
+
+async def test_slices_are_written_in_order_even_when_they_arrive_out_of_order() -> None:
+    store = ScriptedStore()
+    async with harness(store, slice_blocks=4) as h:
+        state = h.write_state(TOKENS, np.arange(12))
+        jobs = await _gathered_jobs(h, state)
+        writer = Writer(h.ctx, h.inboxes["writer"])
+        async with anyio.create_task_group() as tg:
+            for job in reversed(jobs):
+                tg.start_soon(writer.handle, job)
+        assert [c.first_block for c in store.calls_of("put")] == [0, 4, 8]
+        assert state.done and state.result is not None
+        assert (state.result.written, state.result.complete) == (12, True)
+        assert [c.token_prefix_len for c in store.calls_of("put")] == [16, 32, 48]
+        assert h.ctx.pool.in_use == 0
+
+
+async def test_first_incomplete_slice_stops_the_request() -> None:
+    store = ScriptedStore(puts={1: Act(fail=[0])})
+    async with harness(store, slice_blocks=4) as h:
+        state = h.write_state(TOKENS, np.arange(12))
+        jobs = await _gathered_jobs(h, state)
+        writer = Writer(h.ctx, h.inboxes["writer"])
+        async with anyio.create_task_group() as tg:
+            for job in jobs:
+                tg.start_soon(writer.handle, job)
+        assert [c.first_block for c in store.calls_of("put")] == [0, 4]
+        assert state.result is not None
+        assert (state.result.written, state.result.stop_reason) == (4, "incomplete_slice")
+        # blocks 5, 6, 7 were reported stored after the failed block 4: deleted
+        assert store.deleted == list(store.calls_of("put")[1].keys[1:])
+        assert h.ctx.pool.in_use == 0
+        assert h.ctx.metrics.slices == {"complete": 1, "incomplete": 1}
+
+
+async def test_a_wrong_number_of_statuses_is_a_backend_error() -> None:
+    class Short(ScriptedStore):
+        async def put_blocks(self, batch):  # type: ignore[no-untyped-def]
+            return list(await super().put_blocks(batch))[:-1]
+
+    store = Short()
+    async with harness(store, slice_blocks=4) as h:
+        state = h.write_state(TOKENS, np.arange(12))
+        jobs = await _gathered_jobs(h, state)
+        writer = Writer(h.ctx, h.inboxes["writer"])
+        for job in jobs:
+            await writer.handle(job)
+        assert state.result is not None
+        assert (state.result.written, state.result.stop_reason) == (0, "backend_error")
+        assert "statuses" in (state.result.error or "")

@@ -1,0 +1,110 @@
+"""Supervision end to end: a crashed actor fails only its requests; repeated crashes close."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+import kvpipe
+from tests.fakes import Act, CrashHooks, ScriptedStore
+from tests.helpers import fill_random
+
+TOKENS = np.arange(64)  # 4 blocks of 16
+IDS = np.arange(4)
+
+
+def _cache() -> kvpipe.KVCache:
+    layout = kvpipe.CacheLayout.mla(num_layers=2, kv_lora_rank=32, rope_dim=8, block_size=16)
+    cache = kvpipe.create_kv_cache(layout, 32)
+    fill_random(cache)
+    return cache
+
+
+@pytest.mark.parametrize("actor", ["scheduler", "slicer", "swapper", "writer"])
+async def test_write_crash_fails_that_request_then_next_one_succeeds(actor: str) -> None:
+    hooks = CrashHooks(actor, ["victim"])
+    store = kvpipe.MemoryStore()
+    config = kvpipe.PipelineConfig(slice_block_num=2)
+    async with kvpipe.open_pipeline(_cache(), store, config=config, hooks=hooks) as pipe:
+        w = await pipe.write(TOKENS, IDS, request_id="victim")
+        assert (w.stop_reason, w.complete) == ("actor_crashed", False)
+        assert w.error is not None and actor in w.error
+        assert pipe.statistics().restarts == {actor: 1}
+        ok = await pipe.write(TOKENS, IDS, request_id="next")
+        assert ok.complete and ok.skipped + ok.written == 4
+        assert await pipe.lookup(TOKENS) == 4
+        stats = pipe.statistics()
+        assert stats.open and stats.staging_in_use_bytes == 0 and stats.in_flight == {}
+
+
+@pytest.mark.parametrize("actor", ["scheduler", "slicer", "reader", "swapper"])
+async def test_read_crash_fails_that_request_then_next_one_succeeds(actor: str) -> None:
+    store = kvpipe.MemoryStore()
+    src = _cache()
+    async with kvpipe.open_pipeline(src, store) as pipe:
+        assert (await pipe.write(TOKENS, IDS)).complete
+    dst = kvpipe.create_kv_cache(src.layout, 32)
+    hooks = CrashHooks(actor, ["victim"])
+    async with kvpipe.open_pipeline(dst, store, hooks=hooks) as pipe:
+        r = await pipe.read(TOKENS, np.arange(10, 14), request_id="victim")
+        assert (r.stop_reason, r.complete) == ("actor_crashed", False)
+        with pytest.raises(kvpipe.IncompleteRead):
+            hooks.request_ids.append("victim2")
+            await pipe.read(TOKENS, np.arange(10, 14), request_id="victim2", require_all=True)
+        r = await pipe.read(TOKENS, np.arange(10, 14), require_all=True)
+        assert r.loaded == 4
+    for a, b in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a[0:4], b[10:14])
+
+
+async def test_lookup_crash_raises_actor_crashed() -> None:
+    hooks = CrashHooks("scheduler", [])
+    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), hooks=hooks) as pipe:
+        original = hooks.on_message
+
+        def crash_any(actor: str, request_id: str) -> None:
+            if request_id.startswith("lookup") and not getattr(crash_any, "done", False):
+                crash_any.done = True  # type: ignore[attr-defined]
+                raise RuntimeError("boom")
+            original(actor, request_id)
+
+        hooks.on_message = crash_any  # type: ignore[method-assign]
+        with pytest.raises(kvpipe.ActorCrashed) as info:
+            await pipe.lookup(TOKENS)
+        assert info.value.actor == "scheduler"
+        assert await pipe.lookup(TOKENS) == 0
+
+
+async def test_repeated_crashes_close_the_pipeline_and_release_every_waiter() -> None:
+    """Past max_restarts within the window, every waiting caller gets PipelineClosed."""
+    hooks = CrashHooks("writer", ["c1", "c2", "c3"])
+    # Another request hangs in the scheduler (its dedup probe never returns) while the writer
+    # crashes: it was not held by the writer, yet it must be released when the pipeline closes.
+    store = ScriptedStore(exists={0: Act(hang=True)})
+    config = kvpipe.PipelineConfig(max_restarts=2, total_timeout=3600, slice_timeout=3600)
+    other = np.arange(1000, 1064)
+    async with kvpipe.open_pipeline(_cache(), store, config=config, hooks=hooks) as pipe:
+        outcomes: dict[str, object] = {}
+
+        async def hang() -> None:
+            try:
+                outcomes["hang"] = await pipe.write(other, np.arange(20, 24), request_id="hang")
+            except kvpipe.PipelineClosed as exc:
+                outcomes["hang"] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hang)
+            await store.wait_calls("exists")
+            for rid in ("c1", "c2"):
+                w = await pipe.write(TOKENS, IDS, request_id=rid)
+                assert w.stop_reason == "actor_crashed"
+            with pytest.raises(kvpipe.PipelineClosed):
+                await pipe.write(TOKENS, IDS, request_id="c3")
+        assert isinstance(outcomes["hang"], kvpipe.PipelineClosed)
+        assert pipe.closed
+        with pytest.raises(kvpipe.PipelineClosed):
+            await pipe.write(TOKENS, IDS)
+        with pytest.raises(kvpipe.PipelineClosed):
+            await pipe.lookup(TOKENS)
+        assert pipe.statistics().restarts == {"writer": 3}

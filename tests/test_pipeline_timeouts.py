@@ -1,0 +1,186 @@
+"""Deadlines in virtual time (trio's MockClock through anyio): exact, never overrun."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+import trio.testing
+
+import kvpipe
+from tests.fakes import Act, ScriptedStore
+from tests.helpers import fill_random
+
+BLOCK = 4
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, object]]:
+    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+
+def _cache() -> kvpipe.KVCache:
+    layout = kvpipe.CacheLayout.gqa(
+        num_layers=2, num_kv_heads=1, head_dim=8, block_size=BLOCK, dtype="float16"
+    )
+    cache = kvpipe.create_kv_cache(layout, 64)
+    fill_random(cache, seed=7)
+    return cache
+
+
+def _config(**kw: float) -> kvpipe.PipelineConfig:
+    base: dict[str, float] = {"slice_block_num": 4, "slice_timeout": 10.0, "total_timeout": 15.0}
+    base.update(kw)
+    return kvpipe.PipelineConfig(**base)  # type: ignore[arg-type]
+
+
+TOKENS = np.arange(16 * BLOCK)  # 16 blocks → 4 slices of 4
+IDS = np.arange(16)
+
+
+async def test_hang_in_slice_2_ends_at_total_deadline_not_slice_deadline() -> None:
+    """slice_timeout=10, total=15; slices 0-1 take 5 s each, slice 2 hangs → ends at 15."""
+    store = ScriptedStore(puts={0: Act(delay=5), 1: Act(delay=5), 2: Act(hang=True)})
+    async with kvpipe.open_pipeline(_cache(), store, config=_config()) as pipe:
+        start = anyio.current_time()
+        w = await pipe.write(TOKENS, IDS)
+        assert anyio.current_time() - start == pytest.approx(15.0)
+        assert w.elapsed == pytest.approx(15.0)
+        assert (w.written, w.complete, w.stop_reason) == (8, False, "total_timeout")
+        assert [s.outcome for s in w.slices] == ["complete", "complete", "total_timeout"]
+        assert [c.first_block for c in store.calls_of("put")] == [0, 4, 8]  # slice 3 never sent
+        assert store.calls_of("put")[2].cancelled
+        assert await pipe.lookup(TOKENS) == 8
+    assert len(store.inner.keys()) == 8
+
+
+async def test_slice_timeout_when_it_binds() -> None:
+    store = ScriptedStore(puts={1: Act(hang=True)})
+    async with kvpipe.open_pipeline(_cache(), store, config=_config(total_timeout=30)) as pipe:
+        start = anyio.current_time()
+        w = await pipe.write(TOKENS, IDS)
+        assert anyio.current_time() - start == pytest.approx(10.0)
+        assert (w.written, w.stop_reason) == (4, "slice_timeout")
+        assert w.slices[1].outcome == "slice_timeout"
+        assert w.slices[1].elapsed == pytest.approx(10.0)
+        assert len(store.calls_of("put")) == 2
+
+
+async def test_each_slice_gets_min_of_slice_timeout_and_time_left() -> None:
+    """Slices 0-2 take 4 s each; slice 3 hangs: it gets 15 - 12 = 3 s, not 10."""
+    store = ScriptedStore(
+        puts={0: Act(delay=4), 1: Act(delay=4), 2: Act(delay=4), 3: Act(hang=True)}
+    )
+    async with kvpipe.open_pipeline(_cache(), store, config=_config()) as pipe:
+        w = await pipe.write(TOKENS, IDS)
+        assert w.elapsed == pytest.approx(15.0)
+        assert w.slices[3].elapsed == pytest.approx(3.0)
+        assert (w.written, w.stop_reason) == (12, "total_timeout")
+
+
+async def test_incomplete_slice_stops_and_deletes_blocks_after_the_failed_one() -> None:
+    store = ScriptedStore(puts={1: Act(fail=[2])})  # blocks 4, 5 stored, 6 failed, 7 stored
+    async with kvpipe.open_pipeline(_cache(), store, config=_config()) as pipe:
+        w = await pipe.write(TOKENS, IDS)
+        assert (w.written, w.complete, w.stop_reason) == (6, False, "incomplete_slice")
+        assert [(s.blocks, s.written, s.outcome) for s in w.slices] == [
+            (4, 4, "complete"),
+            (4, 2, "incomplete"),
+        ]
+        assert len(store.calls_of("put")) == 2
+        key7 = store.calls_of("put")[1].keys[3]
+        assert store.deleted == [key7]
+        assert await pipe.lookup(TOKENS) == 6
+        assert key7 not in store.inner.keys()
+
+
+async def test_backend_exception_is_a_backend_error_result() -> None:
+    store = ScriptedStore(puts={0: Act(error=OSError("disk on fire"))})
+    async with kvpipe.open_pipeline(_cache(), store, config=_config()) as pipe:
+        w = await pipe.write(TOKENS, IDS)
+        assert (w.written, w.stop_reason) == (0, "backend_error")
+        assert w.error is not None and "disk on fire" in w.error
+        assert len(store.calls_of("put")) == 1
+
+
+async def test_caller_cancellation_cancels_the_slice_in_flight_and_sends_no_more() -> None:
+    store = ScriptedStore(puts={1: Act(hang=True)})
+    async with kvpipe.open_pipeline(_cache(), store, config=_config(total_timeout=100)) as pipe:
+        with anyio.move_on_after(3):
+            await pipe.write(TOKENS, IDS)
+        await anyio.sleep(50)
+        puts = store.calls_of("put")
+        assert len(puts) == 2 and puts[1].cancelled
+        assert await pipe.lookup(TOKENS) == 4
+        assert pipe.statistics().staging_in_use_bytes == 0
+
+
+async def test_dedup_probe_hang_ends_at_total_deadline() -> None:
+    store = ScriptedStore(exists={0: Act(hang=True)})
+    async with kvpipe.open_pipeline(_cache(), store, config=_config()) as pipe:
+        w = await pipe.write(TOKENS, IDS)
+        assert w.elapsed == pytest.approx(15.0)
+        assert (w.written, w.stop_reason, w.slices) == (0, "total_timeout", ())
+        assert store.calls_of("put") == []
+
+
+async def test_read_slice_timeout_loads_only_the_leading_slices() -> None:
+    store = ScriptedStore(gets={1: Act(hang=True), 5: Act(hang=True)})
+    cache = _cache()
+    async with kvpipe.open_pipeline(cache, store, config=_config(total_timeout=30)) as pipe:
+        assert (await pipe.write(TOKENS, IDS)).complete
+        dst = np.arange(20, 36)
+        start = anyio.current_time()
+        r = await pipe.read(TOKENS, dst)
+        assert anyio.current_time() - start == pytest.approx(10.0)
+        assert (r.loaded, r.complete, r.stop_reason) == (4, False, "slice_timeout")
+        assert set(range(4, 8)) <= set(r.failed_blocks)
+        for rows in cache.byte_rows:
+            assert np.array_equal(rows[0:4], rows[20:24])
+        start = anyio.current_time()
+        with pytest.raises(kvpipe.IncompleteRead) as info:
+            await pipe.read(TOKENS, dst, require_all=True, timeout=5)
+        assert anyio.current_time() - start == pytest.approx(5.0)
+        result = info.value.result
+        assert isinstance(result, kvpipe.ReadResult)
+        assert (result.loaded, result.stop_reason) == (4, "total_timeout")
+        assert info.value.failed_blocks == result.failed_blocks
+
+
+async def test_lookup_timeout_raises_operation_timeout_at_its_deadline() -> None:
+    store = ScriptedStore(exists={0: Act(hang=True)})
+    async with kvpipe.open_pipeline(_cache(), store, config=_config(lookup_timeout=2)) as pipe:
+        start = anyio.current_time()
+        with pytest.raises(kvpipe.OperationTimeout):
+            await pipe.lookup(TOKENS)
+        assert anyio.current_time() - start == pytest.approx(2.0)
+
+
+async def test_concurrent_requests_overlap_but_slices_of_one_go_in_order() -> None:
+    store = ScriptedStore(puts={i: Act(delay=1) for i in range(8)})
+    cache = _cache()
+    t2 = np.arange(1000, 1000 + 16 * BLOCK)
+    async with kvpipe.open_pipeline(cache, store, config=_config(total_timeout=60)) as pipe:
+        results = {}
+
+        async def go(name: str, tokens: np.ndarray, ids: np.ndarray) -> None:
+            results[name] = await pipe.write(tokens, ids)
+
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(go, "a", TOKENS, IDS)
+            tg.start_soon(go, "b", t2, np.arange(32, 48))
+        # 4 slices of 1 s each per request, two requests overlapping: 4 s, not 8 s.
+        assert anyio.current_time() - start == pytest.approx(4.0)
+        assert all(r.complete for r in results.values())
+        a_calls = [
+            c.first_block for c in store.calls_of("put") if c.keys[0] in _keys_of(pipe, TOKENS)
+        ]
+        b_calls = [c.first_block for c in store.calls_of("put") if c.keys[0] in _keys_of(pipe, t2)]
+        assert a_calls == [0, 4, 8, 12] and b_calls == [0, 4, 8, 12]
+
+
+def _keys_of(pipe: kvpipe.Pipeline, tokens: np.ndarray) -> set[str]:
+    from kvpipe._keys import as_tokens, block_keys
+
+    return set(block_keys(pipe.scope, as_tokens(tokens), BLOCK, False).keys)
