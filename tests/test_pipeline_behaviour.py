@@ -1,0 +1,209 @@
+"""Pipeline behaviour end to end: staging bounds, backpressure, full stores, bad requests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import anyio
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe.backends import BlockStatus, PutBatch
+from tests.fakes import ScriptedStore
+from tests.helpers import fill_random
+
+BLOCK = 16
+
+
+def _cache(blocks: int = 64) -> kvpipe.KVCache:
+    layout = kvpipe.CacheLayout.gqa(num_layers=2, num_kv_heads=2, head_dim=16, block_size=BLOCK)
+    cache = kvpipe.create_kv_cache(layout, blocks)
+    fill_random(cache, seed=11)
+    return cache
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
+    ids=["asyncio", "uvloop", "trio"],
+)
+async def test_round_trip_on_every_event_loop(anyio_backend: object) -> None:
+    src, dst = _cache(), _cache()
+    store = kvpipe.MemoryStore()
+    tokens = np.arange(BLOCK * 12)
+    async with kvpipe.open_pipeline(src, store) as pipe:
+        assert (await pipe.write(tokens, np.arange(12))).complete
+    async with kvpipe.open_pipeline(dst, store) as pipe:
+        assert (await pipe.read(tokens, np.arange(40, 52), require_all=True)).loaded == 12
+    for a, b in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a[0:12], b[40:52])
+
+
+class BlockingStore(ScriptedStore):
+    """Puts run in a worker thread that waits for ``release`` (a wedged disk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.thread_done = threading.Event()
+
+    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+        def wedged() -> None:
+            self.release.wait(30)
+            self.thread_done.set()
+
+        await batch.run_sync(wedged)
+        return [BlockStatus.OK] * len(batch)
+
+
+async def test_staging_stays_leased_until_an_abandoned_thread_returns() -> None:
+    store = BlockingStore()
+    config = kvpipe.PipelineConfig(slice_timeout=0.05, total_timeout=5)
+    async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+        w = await pipe.write(np.arange(BLOCK * 4), np.arange(4))
+        assert (w.written, w.stop_reason) == (0, "slice_timeout")
+        # The caller has its answer; the thread still reads the staging buffer.
+        assert not store.thread_done.is_set()
+        assert pipe.statistics().staging_in_use_bytes > 0
+        store.release.set()
+        with anyio.fail_after(10):
+            while pipe.statistics().staging_in_use_bytes:  # noqa: ASYNC110 (a thread, no event)
+                await anyio.sleep(0.01)
+        assert store.thread_done.is_set()
+
+
+async def test_full_store_gives_a_clean_incomplete_result() -> None:
+    cache = _cache()
+    value = cache.layout.block_nbytes + 48
+    store = kvpipe.MemoryStore(capacity_bytes=5 * value)
+    async with kvpipe.open_pipeline(
+        cache, store, config=kvpipe.PipelineConfig(slice_block_num=4)
+    ) as pipe:
+        w = await pipe.write(np.arange(BLOCK * 12), np.arange(12))
+        assert (w.written, w.stop_reason) == (5, "incomplete_slice")
+        assert [s.written for s in w.slices] == [4, 1]
+        assert await pipe.lookup(np.arange(BLOCK * 12)) == 5
+        assert pipe.statistics().staging_in_use_bytes == 0
+
+
+async def test_many_concurrent_requests_through_tiny_queues_and_staging() -> None:
+    """queue_depth=1 and room for 2 slices: everyone waits their turn, nothing is lost."""
+    cache = _cache(blocks=256)
+    slot = -(-(cache.layout.block_nbytes + 48) // 64) * 64
+    config = kvpipe.PipelineConfig(slice_block_num=2, queue_depth=1, staging_bytes=4 * slot)
+    store = kvpipe.MemoryStore()
+    async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+        results: list[kvpipe.WriteResult] = []
+
+        async def one(i: int) -> None:
+            tokens = np.arange(i * 10_000, i * 10_000 + BLOCK * 6)
+            results.append(await pipe.write(tokens, np.arange(i * 6, i * 6 + 6)))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(40):
+                tg.start_soon(one, i)
+        assert len(results) == 40 and all(r.complete and r.written == 6 for r in results)
+        stats = pipe.statistics()
+        assert stats.staging_in_use_bytes == 0 and stats.in_flight == {}
+        assert stats.counters["blocks_written"] == 240
+
+
+async def test_start_block_writes_and_reads_from_there() -> None:
+    src = _cache()
+    dst = kvpipe.create_kv_cache(src.layout, 64)
+    store = kvpipe.MemoryStore()
+    tokens = np.arange(BLOCK * 8)
+    async with kvpipe.open_pipeline(src, store) as pipe:
+        w = await pipe.write(tokens, np.arange(8), start_block=3)
+        assert (w.requested, w.written, w.complete) == (5, 5, True)
+        assert await pipe.lookup(tokens) == 0  # block 0 is not stored: no leading run
+        w = await pipe.write(tokens, np.arange(8))
+        assert (w.requested, w.skipped, w.written) == (8, 0, 8)
+        w = await pipe.write(tokens, np.arange(8), start_block=2)
+        assert (w.requested, w.skipped, w.written) == (6, 6, 0)
+    async with kvpipe.open_pipeline(dst, store) as pipe:
+        r = await pipe.read(tokens, np.arange(20, 28), start_block=5)
+        assert (r.requested, r.loaded) == (3, 3)
+    for a, b in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a[5:8], b[25:28])
+        assert not b[20:25].any()  # blocks before start_block untouched
+
+
+async def test_bad_requests_fail_before_anything_is_queued() -> None:
+    store = ScriptedStore()
+    async with kvpipe.open_pipeline(_cache(), store) as pipe:
+        tokens = np.arange(BLOCK * 4)
+        bad = [
+            ((tokens, np.arange(3)), {}),
+            ((tokens, np.arange(4) + 61), {}),
+            ((tokens, np.array([0, 1, 1, 2])), {}),
+            ((-tokens, np.arange(4)), {}),
+            ((tokens, np.arange(4)), {"start_block": 5}),
+            ((tokens, np.arange(4)), {"timeout": 0}),
+            ((tokens.astype(float), np.arange(4)), {}),
+        ]
+        for args, kwargs in bad:
+            with pytest.raises(kvpipe.RequestError):
+                await pipe.write(*args, **kwargs)  # type: ignore[arg-type]
+            with pytest.raises(kvpipe.RequestError):
+                await pipe.read(*args, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(kvpipe.RequestError):
+            await pipe.flush_index(tokens, residency="gpu")  # type: ignore[arg-type]
+        with pytest.raises(kvpipe.RequestError):
+            await pipe.lookup([])
+        assert store.calls == []
+        assert pipe.statistics().in_flight == {}
+
+
+async def test_paddle_tensors_from_the_caller() -> None:
+    import paddle
+
+    layout = kvpipe.CacheLayout.gqa(
+        num_layers=2, num_kv_heads=2, head_dim=16, block_size=BLOCK, fp8_scales=True
+    )
+    tensors = {
+        (role, layer): paddle.randint(0, 120, [16, *layout.role(role).block_shape]).astype(
+            layout.role(role).dtype
+        )
+        for role, layer in layout.tensor_order()
+    }
+    src = kvpipe.KVCache.from_tensors(layout, tensors)
+    dst = kvpipe.create_kv_cache(layout, 16, framework="paddle")
+    store = kvpipe.MemoryStore()
+    tokens = np.arange(BLOCK * 5 + 3)
+    async with kvpipe.open_pipeline(src, store) as pipe:
+        assert (await pipe.write(tokens, [4, 2, 0, 9, 7, 1], include_partial=True)).written == 6
+    async with kvpipe.open_pipeline(dst, store) as pipe:
+        r = await pipe.read(
+            tokens, [10, 11, 12, 13, 14, 15], include_partial=True, require_all=True
+        )
+        assert r.loaded == 6
+    for role, layer in layout.tensor_order():
+        a = src[role, layer].astype("float32").numpy()[[4, 2, 0, 9, 7, 1]]
+        b = dst[role, layer].astype("float32").numpy()[10:16]
+        assert np.array_equal(a, b), (role, layer)
+
+
+async def test_closed_pipeline_rejects_calls() -> None:
+    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore()) as pipe:
+        pass
+    assert pipe.closed
+    with pytest.raises(kvpipe.PipelineClosed):
+        await pipe.write(np.arange(BLOCK), [0])
+    assert pipe.statistics().open is False
+
+
+def test_staging_too_small_for_one_block_is_a_config_error() -> None:
+    with pytest.raises(kvpipe.ConfigError) as info:
+        kvpipe.Pipeline(
+            _cache(), kvpipe.MemoryStore(), config=kvpipe.PipelineConfig(staging_bytes=100)
+        )
+    assert info.value.field == "staging_bytes"
+
+
+def test_namespace_is_validated() -> None:
+    with pytest.raises(kvpipe.ConfigError) as info:
+        kvpipe.Pipeline(_cache(), kvpipe.MemoryStore(), namespace="../../etc")
+    assert info.value.field == "namespace"
