@@ -42,6 +42,7 @@ class Call:
     keys: tuple[str, ...]
     first_block: int
     token_prefix_len: int
+    parent_key: str | None = None
     finished: bool = False
     cancelled: bool = False
 

@@ -132,12 +132,15 @@ class ActorContext:
     def staged_batch(self, job: SliceJob, kind: type[PutBatch] | type[GetBatch]) -> Any:
         """The put or get batch of a slice job, over its staging lease."""
         state, spec = job.state, job.spec
+        assert state.keys is not None
+        first = spec.first_block
         return kind(
             self.scope,
             state.request_id,
             self.keys_of(state, spec),
-            spec.first_block,
+            first,
             state.tokens[: spec.token_end],
+            state.keys.keys[first - 1] if first > 0 else None,
             lease=job.lease,
             value_nbytes=self.value_nbytes,
             runner=self.runner,

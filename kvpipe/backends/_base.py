@@ -69,9 +69,12 @@ class KeyBatch:
         first_block: Sequence index of ``keys[0]``.
         token_prefix: Token ids from the start of the sequence to the end of the last block
             of the batch (read-only int64).
+        parent_key: Key of block ``first_block - 1`` (the parent of ``keys[0]``), ``None``
+            for block 0 or when the caller does not know it. ``keys[i - 1]`` is the parent of
+            ``keys[i]``. Prefix-aware stores use it to evict prefix tails first.
     """
 
-    __slots__ = ("first_block", "keys", "request_id", "scope", "token_prefix")
+    __slots__ = ("first_block", "keys", "parent_key", "request_id", "scope", "token_prefix")
 
     def __init__(
         self,
@@ -80,12 +83,14 @@ class KeyBatch:
         keys: Sequence[str],
         first_block: int,
         token_prefix: Tokens,
+        parent_key: str | None = None,
     ) -> None:
         self.scope = scope
         self.request_id = request_id
         self.keys = tuple(keys)
         self.first_block = first_block
         self.token_prefix = token_prefix
+        self.parent_key = parent_key
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -107,13 +112,14 @@ class _StagedBatch(KeyBatch):
         keys: Sequence[str],
         first_block: int,
         token_prefix: Tokens,
+        parent_key: str | None = None,
         *,
         lease: StagingLease,
         value_nbytes: int,
         runner: ThreadRunner,
         limiter: anyio.CapacityLimiter | None,
     ) -> None:
-        super().__init__(scope, request_id, keys, first_block, token_prefix)
+        super().__init__(scope, request_id, keys, first_block, token_prefix, parent_key)
         self._lease = lease
         self._runner = runner
         self._limiter = limiter

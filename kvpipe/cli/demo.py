@@ -252,9 +252,10 @@ async def _read_all(
             res = await pipe.read(
                 req.tokens, ids, include_partial=req.partial, request_id=f"r{req.index}"
             )
-            phase.verified += await run_sync(count_equal, src, req.src_ids, dst, ids)
+            equal = await run_sync(count_equal, src, req.src_ids, dst, ids)
         finally:
             free.extend(int(b) for b in ids)
+        phase.verified += equal  # not `+= await`: that reads `verified` before awaiting
         phase.done(res, res.loaded)
 
     await _each(work.requests, n, read)
