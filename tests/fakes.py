@@ -82,7 +82,12 @@ class ScriptedStore(StorageBackend):
         n = self.counts[op]
         self.counts[op] += 1
         call = Call(
-            op, anyio.current_time(), batch.keys, batch.first_block, len(batch.token_prefix)
+            op,
+            anyio.current_time(),
+            batch.keys,
+            batch.first_block,
+            len(batch.token_prefix),
+            batch.parent_key,
         )
         self.calls.append(call)
         self._changed.set()

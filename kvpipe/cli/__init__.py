@@ -11,7 +11,9 @@ usage or configuration error (reported in one line, without a traceback), 130 in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -121,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return _EXIT_INTERRUPTED
+    except BrokenPipeError:  # `kvpipe demo | head`: the reader left; say nothing more
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
     except Exception as exc:
         error = _reportable(exc)
         if error is None:

@@ -32,7 +32,9 @@ async def test_slices_are_written_in_order_even_when_they_arrive_out_of_order() 
         assert [c.first_block for c in store.calls_of("put")] == [0, 4, 8]
         assert state.done and state.result is not None
         assert (state.result.written, state.result.complete) == (12, True)
-        assert [c.token_prefix_len for c in store.calls_of("put")] == [16, 32, 48]
+        puts = store.calls_of("put")
+        assert [c.token_prefix_len for c in puts] == [16, 32, 48]
+        assert [c.parent_key for c in puts] == [None, puts[0].keys[-1], puts[1].keys[-1]]
         assert h.ctx.pool.in_use == 0
 
 
