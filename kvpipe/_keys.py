@@ -28,7 +28,7 @@ from ._errors import ConfigError
 
 __all__ = ("BlockKeys", "Scope", "block_keys", "chain_digests", "key_digest", "validate_namespace")
 
-_NAMESPACE_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAMESPACE_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _PERSON: Final = b"kvpipe-chain-v1"
 _ROOT: Final = bytes(16)
 
@@ -41,7 +41,7 @@ def validate_namespace(namespace: str) -> str:
     Raises:
         ConfigError: The namespace is not a string of that form.
     """
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
         raise ConfigError(
             "namespace",
             f"{namespace!r} is not 1-128 characters of [A-Za-z0-9._-] starting with a "

@@ -131,6 +131,8 @@ class CacheLayout:
         _positive("head_dim", head_dim)
         _positive("block_size", block_size)
         numpy_dtype(dtype)
+        if not isinstance(fp8_scales, bool):
+            raise LayoutError(f"fp8_scales must be a bool, got {fp8_scales!r}")
         shape = (num_kv_heads, block_size, head_dim)
         roles: tuple[RoleSpec, ...]
         if fp8_scales:
@@ -146,8 +148,9 @@ class CacheLayout:
         params = (
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
-            ("dtype", dtype),
-            ("fp8_scales", bool(fp8_scales)),
+            # block-wise fp8 stores uint8 whatever the compute dtype: keep it out of the key
+            ("dtype", "uint8" if fp8_scales else dtype),
+            ("fp8_scales", fp8_scales),
         )
         return cls("gqa", num_layers, block_size, roles, params)
 
@@ -251,7 +254,13 @@ class CacheLayout:
 
     @staticmethod
     def tensor_name(role: str, layer: int, rank: int = 0, device_id: int = 0) -> str:
-        """The conventional tensor name, e.g. ``key_caches_3_rank0.device0``."""
+        """The conventional tensor name, e.g. ``key_caches_3_rank0.device0``.
+
+        Raises:
+            LayoutError: ``role`` is not a known role.
+        """
+        if role not in _NAME_PREFIX:
+            raise LayoutError(f"unknown role {role!r}; roles are {ROLE_ORDER}")
         return f"{_NAME_PREFIX[role]}_{layer}_rank{rank}.device{device_id}"
 
     def describe(self) -> str:

@@ -246,20 +246,28 @@ class ThreadRunner:
         self._idle = anyio.Event() if self._running == 1 else self._idle
 
         async def runner() -> None:
+            returned = False
             try:
-                box.append(
-                    (
-                        True,
-                        await anyio.to_thread.run_sync(
-                            fn, *args, limiter=limiter, abandon_on_cancel=True
-                        ),
-                    )
+                value = await anyio.to_thread.run_sync(
+                    fn, *args, limiter=limiter, abandon_on_cancel=True
                 )
+                box.append((True, value))
+                returned = True
             except Exception as exc:
                 box.append((False, exc))
+                returned = True
             finally:
                 if hold is not None:
-                    hold.release()
+                    if returned:
+                        hold.release()
+                    else:
+                        # Abandoned at close while still running: its staging stays leased
+                        # (never reused) rather than handed to someone else mid-read.
+                        log.error(
+                            "a worker thread was abandoned at close; its staging "
+                            "slots %s stay leased",
+                            hold.slots,
+                        )
                 self._running -= 1
                 if self._running == 0:
                     self._idle.set()

@@ -46,10 +46,12 @@ class Writer(Actor[SliceJob]):
     async def _write(self, job: SliceJob) -> list[str]:
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, WriteState)
-        with anyio.move_on_at(state.deadline):
+        with anyio.move_on_at(state.deadline) as waited:
             if not await state.wait_turn(spec.index):
                 return []
-        if state.done:
+        if waited.cancelled_caught or state.done:
+            # The deadline passed while an earlier slice was still in flight: that slice's
+            # own scope ends at the same deadline and reports the outcome. Just drop this one.
             return []
         if anyio.current_time() >= state.deadline:
             state.stop("total_timeout", "deadline passed before the slice was sent")

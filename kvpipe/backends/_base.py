@@ -33,7 +33,7 @@ __all__ = (
 )
 
 T = TypeVar("T")
-_KEY_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,511}$")
+_KEY_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,511}")
 
 
 def validate_key(key: str) -> str:
@@ -44,7 +44,7 @@ def validate_key(key: str) -> str:
     Raises:
         ValueError: The key has another character, is empty, or is too long.
     """
-    if not isinstance(key, str) or not _KEY_RE.match(key):
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise ValueError(f"invalid block key {key!r}")
     return key
 

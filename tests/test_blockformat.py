@@ -1,0 +1,119 @@
+"""The stored block format: a 48-byte trailer after the payload, and check_block's verdicts."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvpipe._blockformat import TRAILER_NBYTES, check_block, seal_block, value_nbytes
+from kvpipe._keys import key_digest
+
+PAYLOAD = 100
+DIGEST = key_digest("ns@0123456789abcdef@0-1@00")
+OTHER = key_digest("ns@0123456789abcdef@0-1@01")
+
+
+def _sealed(checksum: bool = True, extra: int = 0) -> np.ndarray:
+    value = np.zeros(value_nbytes(PAYLOAD) + extra, dtype=np.uint8)
+    value[:PAYLOAD] = np.arange(PAYLOAD, dtype=np.uint8) * 7
+    seal_block(value, PAYLOAD, DIGEST, checksum)
+    return value
+
+
+def test_trailer_is_48_bytes() -> None:
+    assert TRAILER_NBYTES == 48
+    assert value_nbytes(0) == 48
+    assert value_nbytes(PAYLOAD) == PAYLOAD + 48
+
+
+def test_trailer_layout() -> None:
+    value = _sealed()
+    trailer = value[PAYLOAD:].tobytes()
+    magic, version, flags, length, kdigest, digest = struct.unpack("<4sHHQ16sQ", trailer[:40])
+    assert magic == b"KVPB"
+    assert version == 1
+    assert flags == 1
+    assert length == PAYLOAD
+    assert kdigest == DIGEST
+    assert digest == xxhash.xxh3_64_intdigest(value[:PAYLOAD].tobytes())
+    assert trailer[40:] == bytes(8)  # reserved
+
+
+def test_seal_leaves_payload_and_bytes_past_trailer_alone() -> None:
+    value = np.full(value_nbytes(PAYLOAD) + 10, 0xEE, dtype=np.uint8)
+    value[:PAYLOAD] = 3
+    seal_block(value, PAYLOAD, DIGEST, True)
+    assert (value[:PAYLOAD] == 3).all()
+    assert (value[PAYLOAD + 48 :] == 0xEE).all()
+
+
+def test_seal_without_checksum() -> None:
+    value = _sealed(checksum=False)
+    _, _, flags, _, _, digest = struct.unpack("<4sHHQ16sQ", value[PAYLOAD : PAYLOAD + 40])
+    assert flags == 0
+    assert digest == 0
+    assert check_block(value, PAYLOAD, DIGEST, True) is None
+    value[0] ^= 1  # not detectable without a recorded checksum
+    assert check_block(value, PAYLOAD, DIGEST, True) is None
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_sound_block(verify: bool) -> None:
+    assert check_block(_sealed(), PAYLOAD, DIGEST, verify) is None
+    assert check_block(_sealed(extra=17), PAYLOAD, DIGEST, verify) is None
+
+
+def test_short_value() -> None:
+    value = _sealed()
+    assert check_block(value[:-1], PAYLOAD, DIGEST, True) == "value shorter than a block"
+    assert check_block(value[:10], PAYLOAD, DIGEST, False) == "value shorter than a block"
+
+
+def test_bad_magic() -> None:
+    value = _sealed()
+    value[PAYLOAD] ^= 0x20
+    assert check_block(value, PAYLOAD, DIGEST, True) == "bad magic"
+
+
+def test_unknown_version() -> None:
+    value = _sealed()
+    value[PAYLOAD + 4 : PAYLOAD + 6] = np.frombuffer(struct.pack("<H", 2), np.uint8)
+    assert check_block(value, PAYLOAD, DIGEST, True) == "unknown format version 2"
+
+
+def test_length_mismatch() -> None:
+    value = _sealed()
+    value[PAYLOAD + 8 : PAYLOAD + 16] = np.frombuffer(struct.pack("<Q", 99), np.uint8)
+    assert check_block(value, PAYLOAD, DIGEST, True) == "payload length 99, expected 100"
+
+
+def test_expected_length_differs() -> None:
+    value = _sealed(extra=8)  # long enough to hold the trailer at either position
+    assert check_block(value, PAYLOAD - 4, DIGEST, True) is not None
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_other_key(verify: bool) -> None:
+    assert check_block(_sealed(), PAYLOAD, OTHER, verify) == "value belongs to another key"
+
+
+def test_checksum_mismatch_only_when_verifying() -> None:
+    value = _sealed()
+    value[PAYLOAD // 2] ^= 0x01
+    assert check_block(value, PAYLOAD, DIGEST, True) == "checksum mismatch"
+    assert check_block(value, PAYLOAD, DIGEST, False) is None
+
+
+def test_stored_checksum_flip_detected() -> None:
+    value = _sealed()
+    value[PAYLOAD + 32] ^= 0x80
+    assert check_block(value, PAYLOAD, DIGEST, True) == "checksum mismatch"
+
+
+def test_empty_payload() -> None:
+    value = np.zeros(48, dtype=np.uint8)
+    seal_block(value, 0, DIGEST, True)
+    assert check_block(value, 0, DIGEST, True) is None

@@ -1,0 +1,271 @@
+"""Host copies: gather/scatter against a naive per-block, per-tensor reference for every
+layout (odd sizes included), and sealing/verifying staging slots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpipe import CacheLayout, create_kv_cache
+from kvpipe._blockformat import TRAILER_NBYTES, value_nbytes
+from kvpipe._hostcopy import gather, gather_sealed, scatter, seal_slots, verify_slots
+from kvpipe._keys import key_digest
+from kvpipe._plan import copy_plan, layout_segments
+from tests.helpers import LAYOUTS, fill_random
+
+CACHE_BLOCKS = 16
+SLOTS = 16
+
+HOST_LAYOUTS: dict[str, Callable[[], CacheLayout]] = {
+    **LAYOUTS,
+    # byte rows that are not multiples of 16 (or even of 4)
+    "gqa_odd": lambda: CacheLayout.gqa(
+        num_layers=2, num_kv_heads=1, head_dim=3, block_size=5, dtype="bfloat16"
+    ),
+    "gqa_fp8_odd": lambda: CacheLayout.gqa(
+        num_layers=2, num_kv_heads=3, head_dim=3, block_size=5, fp8_scales=True
+    ),
+    "mla_odd": lambda: CacheLayout.mla(
+        num_layers=3, kv_lora_rank=5, rope_dim=2, block_size=3, dtype="float8_e4m3fn"
+    ),
+    "dsa_odd": lambda: CacheLayout.dsa(
+        num_layers=1, kv_lora_rank=7, rope_dim=3, index_head_dim=5, quant_block=2, block_size=3
+    ),
+}
+NAMES = sorted(HOST_LAYOUTS)
+
+
+def _stride(layout: CacheLayout) -> int:
+    # deliberately odd: slots longer than a value, not aligned
+    return value_nbytes(layout.block_nbytes) + 7
+
+
+def _ref_gather(
+    layout: CacheLayout,
+    rows: list[np.ndarray],
+    staging: np.ndarray,
+    blocks: list[int],
+    slots: list[int],
+) -> None:
+    """Naive reference: offsets recomputed from the layout, one block and tensor at a time."""
+    for block, slot in zip(blocks, slots, strict=True):
+        offset = 0
+        for t, (role, _) in enumerate(layout.tensor_order()):
+            n = layout.role(role).block_nbytes
+            staging[slot, offset : offset + n] = rows[t][block]
+            offset += n
+
+
+def _ref_scatter(
+    layout: CacheLayout,
+    staging: np.ndarray,
+    rows: list[np.ndarray],
+    blocks: list[int],
+    slots: list[int],
+) -> None:
+    for block, slot in zip(blocks, slots, strict=True):
+        offset = 0
+        for t, (role, _) in enumerate(layout.tensor_order()):
+            n = layout.role(role).block_nbytes
+            rows[t][block] = staging[slot, offset : offset + n]
+            offset += n
+
+
+def _ids(universe: int, n: int) -> st.SearchStrategy[list[int]]:
+    """Distinct ids: random, consecutive, or sorted (mixed runs and gaps)."""
+    return st.one_of(
+        st.lists(st.integers(0, universe - 1), min_size=n, max_size=n, unique=True),
+        st.integers(0, universe - n).map(lambda s: list(range(s, s + n))),
+        st.lists(st.integers(0, universe - 1), min_size=n, max_size=n, unique=True).map(sorted),
+    )
+
+
+@st.composite
+def _pairs(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    n = draw(st.integers(1, 12))
+    return draw(_ids(CACHE_BLOCKS, n)), draw(_ids(SLOTS, n))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=25, deadline=None)
+@given(pairs=_pairs(), seed=st.integers(0, 2**16))
+def test_gather_matches_reference(name: str, pairs: tuple[list[int], list[int]], seed: int) -> None:
+    layout = HOST_LAYOUTS[name]()
+    blocks, slots = pairs
+    cache = create_kv_cache(layout, CACHE_BLOCKS)
+    fill_random(cache, seed)
+    rows = list(cache.byte_rows)
+    before = [r.copy() for r in rows]
+    staging = np.full((SLOTS, _stride(layout)), 0xEE, dtype=np.uint8)
+    expected = staging.copy()
+    _ref_gather(layout, rows, expected, blocks, slots)
+    gather(copy_plan(layout_segments(layout), blocks, slots), rows, staging)
+    assert np.array_equal(staging, expected)  # also: nothing else in staging touched
+    assert all(np.array_equal(a, b) for a, b in zip(rows, before, strict=True))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=25, deadline=None)
+@given(pairs=_pairs(), seed=st.integers(0, 2**16))
+def test_scatter_matches_reference(
+    name: str, pairs: tuple[list[int], list[int]], seed: int
+) -> None:
+    layout = HOST_LAYOUTS[name]()
+    blocks, slots = pairs
+    rng = np.random.default_rng(seed)
+    staging = rng.integers(0, 256, size=(SLOTS, _stride(layout)), dtype=np.uint8)
+    staging_before = staging.copy()
+    cache = create_kv_cache(layout, CACHE_BLOCKS)
+    fill_random(cache, seed + 1)
+    rows = list(cache.byte_rows)
+    expected = [r.copy() for r in rows]
+    _ref_scatter(layout, staging, expected, blocks, slots)
+    scatter(copy_plan(layout_segments(layout), blocks, slots), staging, rows)
+    for got, want in zip(rows, expected, strict=True):
+        assert np.array_equal(got, want)  # also: blocks not named are untouched
+    assert np.array_equal(staging, staging_before)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gather_scatter_round_trip_into_other_blocks(name: str) -> None:
+    layout = HOST_LAYOUTS[name]()
+    src = create_kv_cache(layout, CACHE_BLOCKS)
+    fill_random(src, 3)
+    dst = create_kv_cache(layout, CACHE_BLOCKS)
+    src_blocks = [2, 3, 4, 9, 0, 15]
+    dst_blocks = [7, 1, 2, 3, 14, 15]
+    slots = [5, 6, 0, 1, 2, 10]
+    segs = layout_segments(layout)
+    staging = np.zeros((SLOTS, _stride(layout)), dtype=np.uint8)
+    gather(copy_plan(segs, src_blocks, slots), list(src.byte_rows), staging)
+    scatter(copy_plan(segs, dst_blocks, slots), staging, list(dst.byte_rows))
+    for s_rows, d_rows in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(d_rows[dst_blocks], s_rows[src_blocks])
+        untouched = sorted(set(range(CACHE_BLOCKS)) - set(dst_blocks))
+        assert not d_rows[untouched].any()
+    # tensors seen through their own dtype agree, too
+    for role, layer in layout.tensor_order():
+        a = src[role, layer].view(np.uint8)
+        b = dst[role, layer].view(np.uint8)
+        assert np.array_equal(a[src_blocks], b[dst_blocks])
+
+
+def test_gather_into_paddle_cache_rows() -> None:
+    layout = HOST_LAYOUTS["gqa_fp8_odd"]()
+    src = create_kv_cache(layout, CACHE_BLOCKS, framework="paddle")
+    fill_random(src, 9)
+    dst = create_kv_cache(layout, CACHE_BLOCKS, framework="paddle")
+    segs = layout_segments(layout)
+    staging = np.zeros((4, _stride(layout)), dtype=np.uint8)
+    gather(copy_plan(segs, [3, 8, 9], [0, 1, 2]), list(src.byte_rows), staging)
+    scatter(copy_plan(segs, [0, 1, 5], [0, 1, 2]), staging, list(dst.byte_rows))
+    for s, d in zip(src.tensors(), dst.tensors(), strict=True):
+        sn = s.numpy().view(np.uint8)
+        dn = d.numpy().view(np.uint8)
+        assert np.array_equal(dn[[0, 1, 5]], sn[[3, 8, 9]])
+
+
+# ---------------------------------------------------------------- seal / verify
+
+
+def _sealed_staging(
+    layout: CacheLayout, slots: list[int], checksum: bool = True
+) -> tuple[np.ndarray, list[bytes]]:
+    cache = create_kv_cache(layout, CACHE_BLOCKS)
+    fill_random(cache, 11)
+    blocks = list(range(len(slots)))
+    digests = [key_digest(f"ns@0123456789abcdef@0-1@{i:032x}") for i in blocks]
+    staging = np.zeros((SLOTS, _stride(layout)), dtype=np.uint8)
+    plan = copy_plan(layout_segments(layout), blocks, slots)
+    gather_sealed(plan, list(cache.byte_rows), staging, slots, digests, checksum)
+    # gather_sealed = gather + seal_slots
+    ref = np.zeros_like(staging)
+    gather(plan, list(cache.byte_rows), ref)
+    seal_slots(ref, slots, layout.block_nbytes, digests, checksum)
+    assert np.array_equal(ref, staging)
+    return staging, digests
+
+
+SEAL_SLOTS = [4, 0, 9, 10]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("verify", [True, False])
+def test_seal_verify_round_trip(name: str, verify: bool) -> None:
+    layout = HOST_LAYOUTS[name]()
+    staging, digests = _sealed_staging(layout, SEAL_SLOTS)
+    assert verify_slots(staging, SEAL_SLOTS, layout.block_nbytes, digests, verify) == [None] * 4
+
+
+# (offset from payload end, expected message prefix); offset None = inside the payload
+CORRUPTIONS = [
+    (None, "checksum mismatch"),
+    (0, "bad magic"),
+    (3, "bad magic"),
+    (4, "unknown format version"),
+    (8, "payload length"),
+    (15, "payload length"),
+    (16, "value belongs to another key"),
+    (31, "value belongs to another key"),
+    (32, "checksum mismatch"),
+]
+
+
+@pytest.mark.parametrize("name", ["gqa_fp8", "dsa_odd", "gqa_odd"])
+@pytest.mark.parametrize(("where", "message"), CORRUPTIONS)
+@settings(max_examples=8, deadline=None)
+@given(victim=st.integers(0, len(SEAL_SLOTS) - 1), pos=st.integers(0, 2**20), bit=st.integers(0, 7))
+def test_one_flipped_byte_is_detected(
+    name: str, where: int | None, message: str, victim: int, pos: int, bit: int
+) -> None:
+    layout = HOST_LAYOUTS[name]()
+    payload = layout.block_nbytes
+    staging, digests = _sealed_staging(layout, SEAL_SLOTS)
+    offset = pos % payload if where is None else payload + where
+    staging[SEAL_SLOTS[victim], offset] ^= 1 << bit
+    result = verify_slots(staging, SEAL_SLOTS, payload, digests, True)
+    for i, verdict in enumerate(result):
+        if i == victim:
+            assert verdict is not None and verdict.startswith(message)
+        else:
+            assert verdict is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(victim=st.integers(0, len(SEAL_SLOTS) - 1), pos=st.integers(0, 2**20))
+def test_payload_flip_not_detected_without_verify(victim: int, pos: int) -> None:
+    layout = HOST_LAYOUTS["gqa_odd"]()
+    payload = layout.block_nbytes
+    staging, digests = _sealed_staging(layout, SEAL_SLOTS)
+    staging[SEAL_SLOTS[victim], pos % payload] ^= 0xFF
+    assert verify_slots(staging, SEAL_SLOTS, payload, digests, False) == [None] * 4
+    assert verify_slots(staging, SEAL_SLOTS, payload, digests, True)[victim] == "checksum mismatch"
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_key_mismatch_detected_with_or_without_verify(verify: bool) -> None:
+    layout = HOST_LAYOUTS["mla_odd"]()
+    staging, digests = _sealed_staging(layout, SEAL_SLOTS)
+    swapped = [digests[1], digests[0], *digests[2:]]
+    result = verify_slots(staging, SEAL_SLOTS, layout.block_nbytes, swapped, verify)
+    assert result == ["value belongs to another key"] * 2 + [None, None]
+
+
+def test_verify_reads_the_given_slots_only() -> None:
+    layout = HOST_LAYOUTS["gqa_odd"]()
+    staging, digests = _sealed_staging(layout, SEAL_SLOTS)
+    # slot 1 was never sealed
+    result = verify_slots(staging, [4, 1], layout.block_nbytes, digests[:2], True)
+    assert result[0] is None
+    assert result[1] == "bad magic"
+    assert TRAILER_NBYTES == 48
+
+
+def test_seal_slots_length_mismatch_raises() -> None:
+    staging = np.zeros((2, 100), dtype=np.uint8)
+    with pytest.raises(ValueError):
+        seal_slots(staging, [0, 1], 10, [bytes(16)], True)
