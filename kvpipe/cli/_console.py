@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Final, final
+from dataclasses import dataclass, field
+from typing import Any, Final, final
 
 from rich.console import Console
 from rich.filesize import decimal
@@ -23,19 +24,23 @@ from rich.progress import (
     Progress,
     ProgressColumn,
     Task,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
 )
 from rich.table import Table
 from rich.text import Text
 
+from .. import PipelineStatistics, ReadResult, WriteResult
+
 __all__ = (
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_USAGE",
     "Command",
-    "HelpFormatter",
     "CommandIO",
+    "HelpFormatter",
+    "PhaseTally",
     "UsageError",
     "block_progress",
     "block_range",
@@ -43,6 +48,7 @@ __all__ = (
     "format_counts",
     "format_rate",
     "logging_to",
+    "phase_rows",
     "summary_table",
 )
 
@@ -50,6 +56,8 @@ __all__ = (
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
+
+_TIMEOUT_OUTCOMES: Final = ("slice_timeout", "total_timeout")
 
 
 class UsageError(Exception):
@@ -154,16 +162,82 @@ def summary_table(title: str, columns: Iterable[str], rows: Iterable[Iterable[ob
     return table
 
 
+@final
+@dataclass(slots=True)
+class PhaseTally:
+    """Counts one phase of a run (writes or reads) and advances its progress bar.
+
+    Attributes:
+        progress: The progress display; ``task`` is this phase's bar in it.
+        task: This phase's task in ``progress``.
+        block_nbytes: Bytes of one block (``layout.block_nbytes``).
+        results: The results of the requests done, in the order they finished.
+        moved: Blocks written (writes) or loaded (reads).
+        verified: Blocks the command verified (reads).
+        seconds: Wall time of the phase, set by the command.
+    """
+
+    progress: Progress
+    task: TaskID
+    block_nbytes: int
+    results: list[WriteResult | ReadResult] = field(default_factory=list)
+    moved: int = 0
+    verified: int = 0
+    seconds: float = 0.0
+
+    def done(self, result: WriteResult | ReadResult, moved: int) -> None:
+        """Record a finished request that moved ``moved`` blocks."""
+        self.results.append(result)
+        self.moved += moved
+        nbytes = self.moved * self.block_nbytes
+        self.progress.update(self.task, advance=result.requested, nbytes=nbytes)
+
+    def summary(self, stats: PipelineStatistics) -> dict[str, Any]:
+        """The phase as JSON-ready numbers (what :func:`phase_rows` shows), given the
+        pipeline's statistics at the end of the phase."""
+        slices = {k: v for k, v in sorted(stats.slices.items()) if v}
+        reasons = Counter(r.stop_reason for r in self.results if r.stop_reason is not None)
+        nbytes = self.moved * self.block_nbytes
+        return {
+            "blocks": self.moved,
+            "bytes": nbytes,
+            "seconds": round(self.seconds, 4),
+            "gbps": round(nbytes / self.seconds / 1e9, 3) if self.seconds > 0 else 0.0,
+            "slices": slices,
+            "timeouts": sum(n for k, n in slices.items() if k.endswith(_TIMEOUT_OUTCOMES)),
+            "restarts": sum(stats.restarts.values()),
+            "incomplete": sum(not r.complete for r in self.results),
+            "stop_reasons": dict(sorted(reasons.items())),
+        }
+
+
+def phase_rows(*phases: Mapping[str, Any]) -> list[tuple[object, ...]]:
+    """Rows of :func:`summary_table` comparing phases (a column each) of a run.
+
+    Each phase is a mapping with ``bytes``, ``seconds``, ``slices`` (by outcome),
+    ``timeouts``, ``restarts`` and ``incomplete`` (requests that stopped short).
+    """
+    return [
+        ("bytes moved", *(format_bytes(p["bytes"]) for p in phases)),
+        ("wall time", *(f"{p['seconds']:.3f} s" for p in phases)),
+        ("throughput", *(format_rate(p["bytes"], p["seconds"]) for p in phases)),
+        ("slices", *(format_counts(p["slices"]) for p in phases)),
+        ("timeouts", *(p["timeouts"] for p in phases)),
+        ("actor restarts", *(p["restarts"] for p in phases)),
+        ("incomplete requests", *(p["incomplete"] for p in phases)),
+    ]
+
+
 def format_bytes(nbytes: float) -> str:
     """``1234567`` → ``"1.2 MB"`` (decimal units, as rates are)."""
     return str(decimal(int(nbytes)))
 
 
 def format_rate(nbytes: float, seconds: float) -> str:
-    """Bytes over seconds as ``"1.23 GB/s"`` (``"-"`` when nothing was timed)."""
+    """Bytes over seconds as ``"1.23 GB/s"``, 3 significant digits (``"-"`` if not timed)."""
     if seconds <= 0:
         return "-"
-    return f"{nbytes / seconds / 1e9:.2f} GB/s"
+    return f"{nbytes / seconds / 1e9:.3g} GB/s"
 
 
 class _ByteRateColumn(ProgressColumn):

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final, final
 
 import anyio
@@ -25,7 +25,6 @@ import numpy as np
 import numpy.typing as npt
 from anyio.to_thread import run_sync
 from rich.console import Console
-from rich.progress import Progress, TaskID
 
 import kvpipe
 
@@ -35,7 +34,6 @@ __all__ = ("COMMAND", "PRESETS", "STORES", "DemoRequest", "Workload", "plan_work
 
 IdArray = npt.NDArray[np.int64]
 _VOCAB: Final = 128_256  # Llama 3's vocabulary; token ids are drawn below it
-_TIMEOUT_OUTCOMES: Final = ("slice_timeout", "total_timeout")
 
 
 @final
@@ -62,9 +60,9 @@ _DEEPSEEK: Final = {"num_layers": 61, "kv_lora_rank": 512, "rope_dim": 64, "bloc
 #: x 128 x bf16 x key and value).
 PRESETS: Final[Mapping[str, Preset]] = {
     "llama3-8b": Preset(_L.gqa, _LLAMA3_8B, (20, 32), 16),
-    "deepseek-mla": Preset(_L.mla, _DEEPSEEK, (10, 16), 8),
+    "deepseek-mla": Preset(_L.mla, _DEEPSEEK, (9, 14), 8),
     "deepseek-dsa": Preset(
-        _L.dsa, _DEEPSEEK | {"index_head_dim": 128, "quant_block": 128}, (10, 16), 8
+        _L.dsa, _DEEPSEEK | {"index_head_dim": 128, "quant_block": 128}, (9, 14), 8
     ),
     "tiny": Preset(_L.gqa, _TINY, (6, 12), 4),
 }
@@ -91,13 +89,9 @@ class Workload:
 
     requests: tuple[DemoRequest, ...]
     shared_prefix_blocks: int
+    blocks_requested: int  # over all requests, partial blocks included
     src_blocks: int
     dst_blocks: int
-
-    @property
-    def blocks_requested(self) -> int:
-        """Blocks over all requests (partial ones included)."""
-        return sum(len(r.src_ids) for r in self.requests)
 
 
 def plan_workload(
@@ -137,6 +131,16 @@ def plan_workload(
     rng = np.random.default_rng(seed)
     sizes = [int(n) for n in rng.integers(lo, hi + 1, size=requests)]
     src_blocks = shared + sum(sizes) - requests * shared
+    need = (2 * src_blocks + concurrency * hi) * layout.block_nbytes  # source, store, destination
+    try:
+        spare = 0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: do not guess
+        spare = float("inf")
+    if need > spare:
+        raise ui.UsageError(
+            f"this workload needs about {ui.format_bytes(need)} of host memory, more than this "
+            "machine can spare; use fewer --requests or --blocks-per-request"
+        )
     ids = rng.permutation(src_blocks).astype(np.int64)
     prefix = rng.integers(0, _VOCAB, size=shared * bs, dtype=np.int64)
     out, next_id = [], shared
@@ -149,7 +153,7 @@ def plan_workload(
         next_id += size - shared
         tokens = np.concatenate([prefix, suffix])
         out.append(DemoRequest(i, tokens, np.concatenate([ids[:shared], own]), partial))
-    return Workload(tuple(out), shared, src_blocks, concurrency * hi)
+    return Workload(tuple(out), shared, sum(sizes), src_blocks, concurrency * hi)
 
 
 def fill_random(cache: kvpipe.KVCache, seed: int) -> None:
@@ -172,42 +176,6 @@ def _zero_blocks(cache: kvpipe.KVCache, ids: IdArray) -> None:
         rows[ids] = 0
 
 
-@final
-@dataclass(slots=True)
-class _Phase:
-    """What one phase (write or read) did; ``moved`` counts blocks written or loaded."""
-
-    progress: Progress
-    task: TaskID
-    block_nbytes: int
-    results: list[kvpipe.WriteResult | kvpipe.ReadResult] = field(default_factory=list)
-    moved: int = 0
-    verified: int = 0
-    seconds: float = 0.0
-
-    def done(self, result: kvpipe.WriteResult | kvpipe.ReadResult, moved: int) -> None:
-        self.results.append(result)
-        self.moved += moved
-        nbytes = self.moved * self.block_nbytes
-        self.progress.update(self.task, advance=result.requested, nbytes=nbytes)
-
-    def summary(self, stats: kvpipe.PipelineStatistics) -> dict[str, Any]:
-        slices = {k: v for k, v in sorted(stats.slices.items()) if v}
-        reasons = Counter(r.stop_reason for r in self.results if r.stop_reason is not None)
-        nbytes = self.moved * self.block_nbytes
-        return {
-            "blocks": self.moved,
-            "bytes": nbytes,
-            "seconds": round(self.seconds, 4),
-            "gbps": round(nbytes / self.seconds / 1e9, 3) if self.seconds > 0 else 0.0,
-            "slices": slices,
-            "timeouts": sum(n for k, n in slices.items() if k.endswith(_TIMEOUT_OUTCOMES)),
-            "restarts": sum(stats.restarts.values()),
-            "incomplete": sum(not r.complete for r in self.results),
-            "stop_reasons": dict(sorted(reasons.items())),
-        }
-
-
 async def _each(
     requests: Sequence[DemoRequest],
     concurrency: int,
@@ -225,7 +193,7 @@ async def _each(
             tg.start_soon(one, req)
 
 
-async def _write_all(pipe: kvpipe.Pipeline, work: Workload, phase: _Phase, n: int) -> None:
+async def _write_all(pipe: kvpipe.Pipeline, work: Workload, phase: ui.PhaseTally, n: int) -> None:
     async def write(req: DemoRequest) -> None:
         res = await pipe.write(
             req.tokens, req.src_ids, include_partial=req.partial, request_id=f"w{req.index}"
@@ -238,7 +206,12 @@ async def _write_all(pipe: kvpipe.Pipeline, work: Workload, phase: _Phase, n: in
 
 
 async def _read_all(
-    pipe: kvpipe.Pipeline, work: Workload, src: kvpipe.KVCache, phase: _Phase, n: int, seed: int
+    pipe: kvpipe.Pipeline,
+    work: Workload,
+    src: kvpipe.KVCache,
+    phase: ui.PhaseTally,
+    n: int,
+    seed: int,
 ) -> None:
     dst = pipe.cache
     free = [int(b) for b in np.random.default_rng([seed, 2]).permutation(dst.num_blocks)]
@@ -261,7 +234,9 @@ async def _read_all(
     await _each(work.requests, n, read)
 
 
-async def _timed(phase: _Phase, pipe: kvpipe.Pipeline, job: Awaitable[None]) -> dict[str, Any]:
+async def _timed(
+    phase: ui.PhaseTally, pipe: kvpipe.Pipeline, job: Awaitable[None]
+) -> dict[str, Any]:
     started = time.perf_counter()
     await job
     phase.seconds = time.perf_counter() - started
@@ -270,24 +245,17 @@ async def _timed(phase: _Phase, pipe: kvpipe.Pipeline, job: Awaitable[None]) -> 
 
 def _render(s: Mapping[str, Any], console: Console) -> None:
     w, r, n = s["writes"], s["reads"], s["blocks_requested"]
-    rates = (ui.format_rate(w["bytes"], w["seconds"]), ui.format_rate(r["bytes"], r["seconds"]))
-    rows = (
+    rows = [
         ("requests", s["requests"], s["requests"]),
         ("blocks requested", n, n),
         ("blocks moved", f"{w['blocks']} written", f"{r['blocks']} loaded"),
         ("skipped by dedup", s["skipped"], "-"),
         ("verified byte for byte", "-", f"{s['verified']} / {n}"),
-        ("bytes moved", ui.format_bytes(w["bytes"]), ui.format_bytes(r["bytes"])),
-        ("wall time", f"{w['seconds']:.3f} s", f"{r['seconds']:.3f} s"),
-        ("throughput", *rates),
-        ("slices", ui.format_counts(w["slices"]), ui.format_counts(r["slices"])),
-        ("timeouts", w["timeouts"], r["timeouts"]),
-        ("actor restarts", w["restarts"], r["restarts"]),
-        ("incomplete requests", w["incomplete"], r["incomplete"]),
-    )
+        *ui.phase_rows(w, r),
+    ]
     title = f"kvpipe demo: {s['layout']}, {s['store']} store"
     console.print(ui.summary_table(title, ("", "write", "read"), rows))
-    console.print(f"store: {ui.format_counts(s['store_statistics'])}", highlight=False)
+    console.print(f"store: {ui.format_counts(s['store_statistics'])}", soft_wrap=True)
     if s["ok"]:
         console.print(f"[green]OK[/]: all {n} blocks verified, {s['seconds']:.2f} s in all")
     else:
@@ -324,6 +292,7 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
             f"({ui.format_bytes(work.src_blocks * nbytes)}); {args.concurrency} at a time; "
             f"slices of {config.slice_block_num} blocks",
             highlight=False,
+            soft_wrap=True,
         )
     src = kvpipe.create_kv_cache(layout, work.src_blocks)
     await run_sync(fill_random, src, args.seed)
@@ -331,14 +300,13 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     store = STORES[args.store]()
     namespace, n = f"kvpipe-demo-{args.layout}", args.concurrency
     with ui.block_progress(io.err, disable=args.json or not io.err.is_terminal) as progress:
-        total = work.blocks_requested
-        wp = _Phase(progress, progress.add_task("write", total=total, nbytes=0), nbytes)
+        total = requested = work.blocks_requested
+        wp = ui.PhaseTally(progress, progress.add_task("write", total=total, nbytes=0), nbytes)
         async with kvpipe.open_pipeline(src, store, config=config, namespace=namespace) as pipe:
             writes = await _timed(wp, pipe, _write_all(pipe, work, wp, n))
-        rp = _Phase(progress, progress.add_task("read", total=total, nbytes=0), nbytes)
+        rp = ui.PhaseTally(progress, progress.add_task("read", total=total, nbytes=0), nbytes)
         async with kvpipe.open_pipeline(dst, store, config=config, namespace=namespace) as pipe:
             reads = await _timed(rp, pipe, _read_all(pipe, work, src, rp, n, args.seed))
-    requested = work.blocks_requested
     summary = {
         "ok": rp.verified == requested and not writes["incomplete"] and not reads["incomplete"],
         "layout": args.layout,

@@ -1,0 +1,172 @@
+"""``kvpipe demo`` and the command line around it: in-process, and as ``python -m kvpipe``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+import kvpipe
+from kvpipe.cli import _reportable, main
+from kvpipe.cli import demo as demo_cmd
+from kvpipe.cli._console import UsageError
+
+#: A small workload on the tiny layout: 8 requests of 5-9 blocks sharing 3 blocks.
+SMALL = [
+    "--layout", "tiny", "--requests", "8", "--blocks-per-request", "5-9",
+    "--shared-prefix-blocks", "3", "--slice-block-num", "2", "--staging-mib", "1",
+]  # fmt: skip
+
+
+def run_json(
+    capsys: pytest.CaptureFixture[str], *args: str, log_level: str = "warning"
+) -> tuple[int, dict[str, Any]]:
+    code = main(["--log-level", log_level, "demo", *args, "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def test_demo_json_numbers_add_up(capsys: pytest.CaptureFixture[str]) -> None:
+    code, s = run_json(capsys, *SMALL)
+    assert code == 0 and s["ok"] is True
+    n = s["blocks_requested"]
+    assert s["requests"] == 8 and s["partial_requests"] > 0
+    assert s["written"] + s["skipped"] == n
+    assert s["verified"] == s["read"] == n and s["mismatched"] == 0
+    # the first request stores the shared prefix; every later one finds it stored
+    assert s["skipped"] == 3 * (8 - 1) > 0
+    assert s["written"] == s["distinct_blocks"] == s["store_statistics"]["blocks"]
+    for phase in (s["writes"], s["reads"]):
+        assert phase["incomplete"] == phase["timeouts"] == phase["restarts"] == 0
+        assert phase["stop_reasons"] == {}
+    assert set(s["writes"]["slices"]) == {"complete"}
+    assert set(s["reads"]["slices"]) == {"read_complete"}
+    assert s["writes"]["bytes"] == s["written"] * s["block_bytes"]
+    assert s["reads"]["bytes"] == s["read"] * s["block_bytes"]
+
+
+def test_demo_is_deterministic_for_a_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    counts = ("blocks_requested", "written", "skipped", "partial_requests", "distinct_blocks")
+    _, a = run_json(capsys, *SMALL, "--seed", "5")
+    _, b = run_json(capsys, *SMALL, "--seed", "5")
+    assert [a[k] for k in counts] == [b[k] for k in counts]
+
+
+@pytest.mark.parametrize("layout", sorted(demo_cmd.PRESETS))
+def test_every_layout_round_trips(capsys: pytest.CaptureFixture[str], layout: str) -> None:
+    args = ["--layout", layout, "--requests", "3", "--blocks-per-request", "2-3"]
+    code, s = run_json(capsys, *args, "--shared-prefix-blocks", "1", "--staging-mib", "32")
+    assert code == 0 and s["verified"] == s["blocks_requested"] and s["skipped"] == 2
+
+
+def test_llama3_8b_blocks_are_two_mib() -> None:
+    assert demo_cmd.PRESETS["llama3-8b"].layout().block_nbytes == 2 << 20
+
+
+def test_plan_workload_shares_the_prefix_and_nothing_else() -> None:
+    layout = demo_cmd.PRESETS["tiny"].layout()
+    work = demo_cmd.plan_workload(
+        layout, requests=6, blocks_per_request=(4, 6), shared_prefix_blocks=2, concurrency=2, seed=1
+    )
+    bs = layout.block_size
+    prefix = work.requests[0].tokens[: 2 * bs]
+    owned: set[int] = set()
+    for req in work.requests:
+        assert (req.tokens[: 2 * bs] == prefix).all()
+        assert list(req.src_ids[:2]) == list(work.requests[0].src_ids[:2])
+        assert 4 <= len(req.src_ids) <= 6
+        assert len(req.src_ids) == -(-len(req.tokens) // bs)
+        assert (len(req.tokens) % bs != 0) == req.partial
+        own = {int(b) for b in req.src_ids[2:]}
+        assert not own & owned
+        owned |= own
+    assert len(owned) + 2 == work.src_blocks
+    assert work.dst_blocks == 2 * 6
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--slice-block-num", "0"], "slice_block_num"),
+        (["--staging-mib", "0"], "staging_bytes"),
+        (["--shared-prefix-blocks", "9"], "--shared-prefix-blocks"),
+        (["--requests", "0"], "--requests"),
+        (["--concurrency", "0"], "--concurrency"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["demo", *SMALL, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvpipe demo: error: ")
+    assert message in lines[0] and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--layout", "nope"], ["--blocks-per-request", "9-5"], ["--blocks-per-request", "x"], []],
+)
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    argv = ["demo", *args] if args else []  # no subcommand at all is a usage error too
+    assert main(argv) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--help"]) == 0
+    assert "--shared-prefix-blocks" in capsys.readouterr().out
+
+
+def test_incomplete_writes_exit_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a store with room for a few blocks: writes stop short, reads find less — exit 1
+    monkeypatch.setitem(
+        demo_cmd.STORES, "memory", lambda: kvpipe.MemoryStore(capacity_bytes=10_000)
+    )
+    code, s = run_json(capsys, *SMALL, log_level="critical")
+    assert code == 1 and s["ok"] is False
+    assert s["writes"]["incomplete"] > 0 and s["verified"] < s["blocks_requested"]
+    assert s["writes"]["stop_reasons"] == {"incomplete_slice": s["writes"]["incomplete"]}
+
+
+def test_human_summary_and_logging_restored(capsys: pytest.CaptureFixture[str]) -> None:
+    logger = logging.getLogger("kvpipe")
+    before = (logger.level, list(logger.handlers), logger.propagate)
+    assert main(["--log-level", "info", "demo", *SMALL]) == 0
+    captured = capsys.readouterr()
+    assert "skipped by dedup" in captured.out and "OK: all" in captured.out
+    assert "INFO" in captured.err and "kvpipe." in captured.err  # kvpipe's log, on stderr
+    assert (logger.level, list(logger.handlers), logger.propagate) == before
+
+
+def test_errors_inside_task_groups_are_reported() -> None:
+    err = kvpipe.PipelineClosed("closed")
+    assert _reportable(ExceptionGroup("g", [ExceptionGroup("h", [err])])) is err
+    assert _reportable(ExceptionGroup("g", [err, RuntimeError("bug")])) is None
+    assert isinstance(_reportable(UsageError("x")), UsageError)
+
+
+def test_python_dash_m_kvpipe() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPIPE_", "AS_WRITE_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpipe", "demo", *SMALL],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "OK: all" in proc.stdout and "skipped by dedup" in proc.stdout
+    # not a terminal: no progress bar redraws, no colour codes, nothing on stderr
+    assert "\x1b" not in proc.stdout and "\r" not in proc.stdout
+    assert proc.stderr == ""
