@@ -29,6 +29,7 @@ from ._results import SliceOutcome as SliceOutcome
 from ._results import WriteResult as WriteResult
 from .actors import PipelineHooks as PipelineHooks
 from .backends import BlockStatus as BlockStatus
+from .backends import FileStore as FileStore
 from .backends import GetBatch as GetBatch
 from .backends import KeyBatch as KeyBatch
 from .backends import MemoryStore as MemoryStore
@@ -46,6 +47,7 @@ __all__ = (
     "BlockStatus",
     "CacheLayout",
     "ConfigError",
+    "FileStore",
     "GetBatch",
     "Holder",
     "IncompleteRead",

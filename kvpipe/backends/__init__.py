@@ -1,10 +1,12 @@
 """Storage backends: the contract and the built-in stores."""
 
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from .file import FileStore
 from .memory import MemoryStore
 
 __all__ = (
     "BlockStatus",
+    "FileStore",
     "GetBatch",
     "KeyBatch",
     "MemoryStore",

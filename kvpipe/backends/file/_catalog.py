@@ -1,0 +1,297 @@
+"""The file store's catalog: an SQLite database (WAL) under the root, shared by processes.
+
+It holds the residency index of ``flush_index`` and a record of every block (size, parent,
+times) for capacity and eviction. Block *data* lives only in the block files; a file is
+trusted only after its own header and checksum check out.
+
+Capacity: before writing, a put reserves its blocks' bytes in one ``BEGIN IMMEDIATE``
+transaction (serialised across processes). When the reservation would exceed the capacity,
+tails of prefixes — blocks no other stored block names as parent — are evicted first, least
+recently used first, never the blocks being written or their parent. A block that cannot be
+admitted is refused, and so is every block after it in the batch (it could never be reached).
+
+All methods block; the store calls them from worker threads. Connections are pooled, one per
+thread at a time.
+"""
+
+from __future__ import annotations
+
+import queue
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Final, final
+
+from ..._results import Residency, ResidencyEntry
+
+__all__ = ("Catalog", "CatalogStats", "Reservation")
+
+_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS blocks (
+    key TEXT PRIMARY KEY,
+    parent TEXT,
+    namespace TEXT NOT NULL,
+    nbytes INTEGER NOT NULL,
+    created REAL NOT NULL,
+    last_access REAL NOT NULL,
+    ready INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent);
+CREATE INDEX IF NOT EXISTS blocks_access ON blocks(ready, last_access);
+CREATE TABLE IF NOT EXISTS residency (
+    key TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    residency TEXT NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (key, node_id)
+);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('bytes', 0);
+"""
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What a put may write.
+
+    Attributes:
+        admitted: Per block of the batch: reserved (write it) or refused (no space).
+        victims: Keys evicted to make room (their files must be removed).
+        evicted_bytes: Bytes those victims held.
+    """
+
+    admitted: list[bool]
+    victims: list[str]
+    evicted_bytes: int
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class CatalogStats:
+    """Totals for statistics and ``kvpipe store-info``."""
+
+    blocks: int
+    bytes: int
+    pending: int
+    namespaces: dict[str, int]
+    oldest: float | None
+    newest: float | None
+    residency_records: int
+
+
+@final
+class Catalog:
+    """The catalog database (see the module docstring)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._pool: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
+        self._all: list[sqlite3.Connection] = []
+        with self._conn() as db:
+            db.executescript(_SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA busy_timeout=30000")
+        self._all.append(db)
+        return db
+
+    @contextmanager
+    def _conn(self) -> Iterator[sqlite3.Connection]:
+        try:
+            db = self._pool.get_nowait()
+        except queue.Empty:
+            db = self._connect()
+        try:
+            yield db
+        finally:
+            self._pool.put(db)
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._conn() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def close(self) -> None:
+        """Close every connection."""
+        for db in self._all:
+            db.close()
+        self._all.clear()
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    def reserve(
+        self,
+        keys: Sequence[str],
+        parent: str | None,
+        namespace: str,
+        nbytes: int,
+        capacity: int | None,
+    ) -> Reservation:
+        """Reserve room for a batch of consecutive blocks (``parent`` precedes ``keys[0]``)."""
+        now = time.time()
+        admitted: list[bool] = []
+        victims: list[str] = []
+        freed = 0
+        protect = {*keys, parent}
+        with self._write() as db:
+            (total,) = db.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()
+            for i, key in enumerate(keys):
+                if admitted and not admitted[-1]:
+                    admitted.append(False)
+                    continue
+                row = db.execute("SELECT nbytes FROM blocks WHERE key=?", (key,)).fetchone()
+                need = nbytes - (row[0] if row else 0)
+                if capacity is not None and total + need > capacity:
+                    got, gone = self._evict(db, total + need - capacity, protect)
+                    victims += gone
+                    freed += got
+                    total -= got
+                    if total + need > capacity:
+                        admitted.append(False)
+                        continue
+                block_parent = keys[i - 1] if i else parent
+                if row:
+                    db.execute(
+                        "UPDATE blocks SET nbytes=?, last_access=? WHERE key=?", (nbytes, now, key)
+                    )
+                else:
+                    db.execute(
+                        "INSERT INTO blocks (key, parent, namespace, nbytes, created, "
+                        "last_access, ready) VALUES (?, ?, ?, ?, ?, ?, 0)",
+                        (key, block_parent, namespace, nbytes, now, now),
+                    )
+                total += need
+                admitted.append(True)
+            db.execute("UPDATE meta SET value=? WHERE name='bytes'", (total,))
+        return Reservation(admitted, victims, freed)
+
+    @staticmethod
+    def _evict(
+        db: sqlite3.Connection, need: int, protect: set[str | None]
+    ) -> tuple[int, list[str]]:
+        freed, gone = 0, []
+        while freed < need:
+            rows = db.execute(
+                "SELECT key, nbytes FROM blocks b WHERE ready=1 AND NOT EXISTS "
+                "(SELECT 1 FROM blocks c WHERE c.parent = b.key) ORDER BY last_access LIMIT 64"
+            ).fetchall()
+            rows = [r for r in rows if r[0] not in protect]
+            if not rows:
+                break
+            for key, size in rows:
+                db.execute("DELETE FROM blocks WHERE key=?", (key,))
+                freed += size
+                gone.append(key)
+                if freed >= need:
+                    break
+        return freed, gone
+
+    def settle(self, written: Sequence[str], failed: Sequence[str]) -> None:
+        """Mark written blocks ready; drop the reservations of blocks that failed."""
+        now = time.time()
+        with self._write() as db:
+            db.executemany(
+                "UPDATE blocks SET ready=1, last_access=? WHERE key=?", [(now, k) for k in written]
+            )
+            self._remove(db, failed)
+
+    def remove(self, keys: Sequence[str]) -> int:
+        """Forget blocks (deleted, quarantined or evicted); returns the bytes released."""
+        with self._write() as db:
+            return self._remove(db, keys)
+
+    @staticmethod
+    def _remove(db: sqlite3.Connection, keys: Sequence[str]) -> int:
+        released = 0
+        for key in keys:
+            row = db.execute("SELECT nbytes FROM blocks WHERE key=?", (key,)).fetchone()
+            if row:
+                db.execute("DELETE FROM blocks WHERE key=?", (key,))
+                released += row[0]
+        if released:
+            db.execute("UPDATE meta SET value=value-? WHERE name='bytes'", (released,))
+        return released
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Record a read of these blocks (for least-recently-used eviction)."""
+        now = time.time()
+        with self._write() as db:
+            db.executemany("UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys])
+
+    def records(self) -> dict[str, tuple[bool, float]]:
+        """Every block record: key → (ready, created)."""
+        with self._conn() as db:
+            return {
+                k: (bool(r), c) for k, r, c in db.execute("SELECT key, ready, created FROM blocks")
+            }
+
+    def adopt(self, key: str, namespace: str, nbytes: int, created: float) -> bool:
+        """Record a valid block file the catalog did not know; ``False`` if it did."""
+        with self._write() as db:
+            row = db.execute("SELECT ready FROM blocks WHERE key=?", (key,)).fetchone()
+            if row:
+                if not row[0]:
+                    db.execute("UPDATE blocks SET ready=1 WHERE key=?", (key,))
+                return False
+            db.execute(
+                "INSERT INTO blocks (key, parent, namespace, nbytes, created, last_access, "
+                "ready) VALUES (?, NULL, ?, ?, ?, ?, 1)",
+                (key, namespace, nbytes, created, created),
+            )
+            db.execute("UPDATE meta SET value=value+? WHERE name='bytes'", (nbytes,))
+        return True
+
+    def known_keys(self) -> set[str]:
+        """Every key the catalog records."""
+        with self._conn() as db:
+            return {r[0] for r in db.execute("SELECT key FROM blocks")}
+
+    def stats(self) -> CatalogStats:
+        """Totals over the whole store."""
+        with self._conn() as db:
+            blocks, oldest, newest = db.execute(
+                "SELECT COUNT(*), MIN(created), MAX(created) FROM blocks WHERE ready=1"
+            ).fetchone()
+            (total,) = db.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()
+            (pending,) = db.execute("SELECT COUNT(*) FROM blocks WHERE ready=0").fetchone()
+            spaces = dict(
+                db.execute("SELECT namespace, COUNT(*) FROM blocks WHERE ready=1 GROUP BY 1")
+            )
+            (records,) = db.execute("SELECT COUNT(*) FROM residency").fetchone()
+        return CatalogStats(blocks, total, pending, spaces, oldest, newest, records)
+
+    # -- residency ---------------------------------------------------------------------------
+
+    def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
+        """Upsert one record per (key, node)."""
+        with self._write() as db:
+            db.executemany(
+                "INSERT INTO residency VALUES (?, ?, ?, ?) ON CONFLICT (key, node_id) DO "
+                "UPDATE SET residency=excluded.residency, updated_at=excluded.updated_at",
+                [(e.key, e.node_id, e.residency.value, e.updated_at) for e in entries],
+            )
+
+    def get_residency(self, keys: Sequence[str]) -> list[tuple[ResidencyEntry, ...]]:
+        """Every node's record for each key."""
+        out: list[tuple[ResidencyEntry, ...]] = []
+        with self._conn() as db:
+            for key in keys:
+                rows = db.execute(
+                    "SELECT node_id, residency, updated_at FROM residency WHERE key=? "
+                    "ORDER BY node_id",
+                    (key,),
+                ).fetchall()
+                out.append(tuple(ResidencyEntry(key, n, Residency(r), t) for n, r, t in rows))
+        return out

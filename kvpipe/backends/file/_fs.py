@@ -1,0 +1,285 @@
+"""Confined, atomic file operations under one root directory (blocking; run in threads).
+
+Every path is walked one component at a time from an open descriptor of the root with
+``O_NOFOLLOW``, so a symbolic link planted anywhere inside the root cannot lead outside it:
+opening through it fails (``ELOOP`` / ``ENOTDIR``). Components are checked against a strict
+pattern, so ``..``, separators and NUL never reach a system call. Files are created ``0600``
+and directories ``0700``.
+
+A block is published atomically: written to a temporary file in its final directory,
+flushed (``fdatasync``) per the durability setting, renamed over the final name, and with
+``durability="full"`` the directory is synced too. A reader never sees a partial file under a
+final name.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import socket
+import stat
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Final, Literal, final
+
+from ._format import is_temp_name, parse_temp_name, temp_name
+
+__all__ = ("Durability", "Root", "UnsafePath")
+
+Durability = Literal["none", "data", "full"]
+_COMPONENT: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+HOST: Final = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "host"
+
+
+class UnsafePath(OSError):
+    """A path component was invalid or led through a symbolic link."""
+
+
+def _check(name: str) -> str:
+    if not _COMPONENT.fullmatch(name) or name in (".", ".."):
+        raise UnsafePath(errno.EINVAL, f"invalid path component {name!r}")
+    return name
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class TempFile:
+    """A temporary file found under the root."""
+
+    parts: tuple[str, ...]
+    name: str
+    age: float
+    removable: bool
+
+
+@final
+class Root:
+    """An open store root. Thread-safe: it only holds the root's descriptor.
+
+    Args:
+        path: The root directory (created ``0700`` if missing). The root itself may be a
+            symbolic link; nothing below it may be.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.path.realpath(os.fspath(path))
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        self.fd = os.open(self.path, _DIR_FLAGS & ~os.O_NOFOLLOW)
+
+    def close(self) -> None:
+        """Close the root descriptor."""
+        os.close(self.fd)
+
+    @contextmanager
+    def directory(self, parts: Sequence[str], create: bool) -> Iterator[int]:
+        """An open descriptor of ``root/parts...`` (created ``0700`` when ``create``).
+
+        Raises:
+            FileNotFoundError: A component is missing and ``create`` is false.
+            UnsafePath: A component is invalid or is a symbolic link.
+        """
+        fd = os.dup(self.fd)
+        try:
+            for part in parts:
+                _check(part)
+                try:
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(part, 0o700, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise UnsafePath(exc.errno, f"{part!r} is not a plain directory") from exc
+                    raise
+                os.close(fd)
+                fd = nxt
+            yield fd
+        finally:
+            os.close(fd)
+
+    def write_atomic(
+        self,
+        parts: Sequence[str],
+        name: str,
+        chunks: Sequence[bytes | memoryview],
+        durability: Durability,
+        abandoned: object = None,
+    ) -> bool:
+        """Publish ``chunks`` as ``parts/name`` atomically.
+
+        Args:
+            abandoned: An object with ``is_set()``; when set before the rename, the temporary
+                file is removed and nothing is published.
+
+        Returns:
+            ``True`` when published, ``False`` when abandoned.
+
+        Raises:
+            OSError: The write failed; nothing was published and the temporary file is gone.
+        """
+        _check(name)
+        with self.directory(parts, create=True) as dfd:
+            tmp = temp_name(name, HOST, os.getpid(), secrets.token_hex(4))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+            try:
+                try:
+                    _write_all(fd, chunks)
+                    if durability != "none":
+                        os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+                if abandoned is not None and abandoned.is_set():  # type: ignore[attr-defined]
+                    os.unlink(tmp, dir_fd=dfd)
+                    return False
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+                raise
+            if durability == "full":
+                os.fsync(dfd)
+            return True
+
+    def read_into(
+        self, parts: Sequence[str], name: str, header_nbytes: int, into: memoryview
+    ) -> tuple[bytes, int] | None:
+        """Read a block file: its header bytes, and its payload into ``into``.
+
+        Returns:
+            ``(header, payload bytes read)``, or ``None`` when the file does not exist.
+            The caller checks the header before trusting ``into``; the payload is read only
+            when the file's size is exactly ``header_nbytes + len(into)``.
+
+        Raises:
+            UnsafePath: The file or a directory on its way is a symbolic link.
+            OSError: Reading failed.
+        """
+        _check(name)
+        try:
+            with self.directory(parts, create=False) as dfd:
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise UnsafePath(exc.errno, f"{name!r} is a symbolic link") from exc
+                    raise
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafePath(errno.EINVAL, f"{name!r} is not a regular file")
+            header = os.pread(fd, header_nbytes, 0)
+            if st.st_size != header_nbytes + len(into):
+                return header, -1
+            got = 0
+            while got < len(into):
+                n = os.preadv(fd, [into[got:]], header_nbytes + got)
+                if n == 0:
+                    break
+                got += n
+            return header, got
+        finally:
+            os.close(fd)
+
+    def exists(self, parts: Sequence[str], name: str) -> bool:
+        """Whether ``parts/name`` is a regular file (symbolic links are not)."""
+        try:
+            with self.directory(parts, create=False) as dfd:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except (FileNotFoundError, UnsafePath, NotADirectoryError):
+            return False
+        return stat.S_ISREG(st.st_mode)
+
+    def unlink(self, parts: Sequence[str], name: str) -> bool:
+        """Remove ``parts/name``; ``False`` when it was not there."""
+        try:
+            with self.directory(parts, create=False) as dfd:
+                os.unlink(_check(name), dir_fd=dfd)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def quarantine(self, parts: Sequence[str], name: str) -> bool:
+        """Move a bad file out of the block tree into ``quarantine/``; ``False`` if gone."""
+        try:
+            with (
+                self.directory(parts, create=False) as src,
+                self.directory(("quarantine",), create=True) as dst,
+            ):
+                stamp = f"{name}.{int(time.time())}.{secrets.token_hex(2)}"
+                os.rename(_check(name), stamp, src_dir_fd=src, dst_dir_fd=dst)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def walk(self, top: Sequence[str]) -> Iterator[tuple[tuple[str, ...], list[os.DirEntry[str]]]]:
+        """Every directory under ``top`` (not following links) and its file entries."""
+        base = os.path.join(self.path, *top)
+        if not os.path.isdir(base) or os.path.islink(base):
+            return
+        stack = [tuple(top)]
+        while stack:
+            parts = stack.pop()
+            files = []
+            try:
+                with os.scandir(os.path.join(self.path, *parts)) as it:
+                    for entry in it:
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append((*parts, entry.name))
+                        else:
+                            files.append(entry)
+            except FileNotFoundError:
+                continue
+            yield parts, files
+
+    def temp_files(self, stale_after: float) -> Iterator[TempFile]:
+        """Temporary files under ``blocks/``, with whether their writer is gone."""
+        now = time.time()
+        for parts, entries in self.walk(("blocks",)):
+            for entry in entries:
+                if not is_temp_name(entry.name):
+                    continue
+                try:
+                    age = now - entry.stat(follow_symlinks=False).st_mtime
+                except FileNotFoundError:
+                    continue
+                owner = parse_temp_name(entry.name)
+                dead = owner is not None and owner[0] == HOST and not _alive(owner[1])
+                yield TempFile(parts, entry.name, age, dead or age > stale_after)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:
+    views = [memoryview(c).cast("B") for c in chunks]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]

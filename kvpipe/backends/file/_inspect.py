@@ -1,0 +1,179 @@
+"""Recovery at open and the read-only inspection behind ``kvpipe store-info``."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import final
+
+import xxhash
+
+from ._catalog import Catalog
+from ._format import BLOCK_SUFFIX, HEADER_NBYTES, HeaderError, block_location, unpack_header
+from ._fs import Root
+
+__all__ = ("RecoveryReport", "StoreReport", "inspect_store", "recover")
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    """What opening a store repaired."""
+
+    temp_removed: int = 0
+    adopted: int = 0
+    quarantined: int = 0
+    forgotten: int = 0
+
+
+def _read_header(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.pread(fd, HEADER_NBYTES, 0)
+    finally:
+        os.close(fd)
+
+
+def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
+    """Repair what a crash can leave: temporary files, unsettled records, unknown files.
+
+    Headers are read only for files the catalog does not know.
+    """
+    temp_removed = adopted = quarantined = forgotten = 0
+    for tmp in root.temp_files(stale_after):
+        if tmp.removable and root.unlink(tmp.parts, tmp.name):
+            temp_removed += 1
+    records = catalog.records()
+    expected = {block_location(k)[1]: k for k in records}
+    seen: set[str] = set()
+    for parts, entries in root.walk(("blocks",)):
+        for entry in entries:
+            name = entry.name
+            if not name.endswith(BLOCK_SUFFIX) or name.startswith("."):
+                continue
+            if name in expected and block_location(expected[name])[0] == parts:
+                seen.add(expected[name])
+                continue
+            try:
+                header = unpack_header(_read_header(entry.path))
+                if block_location(header.key) != (parts, name):
+                    raise HeaderError("file is not where its key belongs")
+                size = entry.stat(follow_symlinks=False).st_size - HEADER_NBYTES
+                if size != header.payload_nbytes:
+                    raise HeaderError("truncated")
+            except (HeaderError, OSError):
+                if root.quarantine(parts, name):
+                    quarantined += 1
+                continue
+            seen.add(header.key)
+            if catalog.adopt(header.key, parts[1], header.payload_nbytes, header.created):
+                adopted += 1
+    cutoff = time.time() - stale_after
+    gone = []
+    for key, (ready, created) in records.items():
+        if key in seen:
+            if not ready and created < cutoff:
+                catalog.settle([key], [])  # published, but its writer died before settling
+        elif ready or created < cutoff:
+            gone.append(key)  # the file is gone, or its writer died before publishing it
+    if gone:
+        catalog.remove(gone)
+        forgotten = len(gone)
+    return RecoveryReport(temp_removed, adopted, quarantined, forgotten)
+
+
+@final
+@dataclass
+class StoreReport:
+    """What ``kvpipe store-info`` prints."""
+
+    root: str
+    blocks: int = 0
+    payload_bytes: int = 0
+    disk_bytes: int = 0
+    namespaces: Counter[str] = field(default_factory=Counter)
+    oldest: float | None = None
+    newest: float | None = None
+    corrupt: list[str] = field(default_factory=list)
+    temp_files: int = 0
+    stale_temp_files: int = 0
+    quarantined: int = 0
+    catalog_blocks: int = 0
+    catalog_bytes: int = 0
+    untracked: int = 0
+    residency_records: int = 0
+    verified: bool = False
+
+
+def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) -> StoreReport:
+    """Walk a store without changing it.
+
+    Args:
+        path: The store root.
+        verify: Also read every payload and check its checksum (reads the whole store).
+        stale_after: Age after which a temporary file counts as stale.
+    """
+    root = Root(path)
+    report = StoreReport(root.path, verified=verify)
+    try:
+        for tmp in root.temp_files(stale_after):
+            report.temp_files += 1
+            report.stale_temp_files += tmp.removable
+        for _, entries in root.walk(("quarantine",)):
+            report.quarantined += len(entries)
+        keys = set()
+        for parts, entries in root.walk(("blocks",)):
+            for entry in entries:
+                if not entry.name.endswith(BLOCK_SUFFIX) or entry.name.startswith("."):
+                    continue
+                why = _inspect_file(entry.path, parts, entry.name, verify, report)
+                if why is not None:
+                    report.corrupt.append(f"{os.path.join(*parts, entry.name)}: {why}")
+                else:
+                    keys.add(entry.name)
+        if os.path.exists(os.path.join(root.path, "catalog.sqlite3")):
+            catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"))
+            try:
+                stats = catalog.stats()
+                report.catalog_blocks, report.catalog_bytes = stats.blocks, stats.bytes
+                report.residency_records = stats.residency_records
+                tracked = {block_location(k)[1] for k in catalog.known_keys()}
+                report.untracked = len(keys - tracked)
+            finally:
+                catalog.close()
+    finally:
+        root.close()
+    return report
+
+
+def _inspect_file(
+    path: str, parts: tuple[str, ...], name: str, verify: bool, report: StoreReport
+) -> str | None:
+    try:
+        header = unpack_header(_read_header(path))
+        size = os.stat(path, follow_symlinks=False).st_size
+    except HeaderError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    if block_location(header.key) != (parts, name):
+        return "file is not where its key belongs"
+    if size != HEADER_NBYTES + header.payload_nbytes:
+        return f"size {size} B, header says {HEADER_NBYTES + header.payload_nbytes}"
+    if verify:
+        with open(path, "rb") as f:
+            f.seek(HEADER_NBYTES)
+            h = xxhash.xxh3_64()
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        if h.intdigest() != header.checksum:
+            return "payload checksum mismatch"
+    report.blocks += 1
+    report.payload_bytes += header.payload_nbytes
+    report.disk_bytes += size
+    report.namespaces[parts[1]] += 1
+    report.oldest = header.created if report.oldest is None else min(report.oldest, header.created)
+    report.newest = header.created if report.newest is None else max(report.newest, header.created)
+    return None

@@ -1,0 +1,390 @@
+"""The file store: kvpipe's embedded default backend.
+
+One file per block under a root directory (see :mod:`._format`), published atomically
+(:mod:`._fs`), verified on every read, confined to the root, with the residency index and the
+block catalog in SQLite (:mod:`._catalog`). Several processes may share one root.
+
+All blocking work runs in worker threads. Writes of a batch are spread over ``threads``
+threads; a cancelled put stops before publishing any block it had not yet renamed into place,
+and the batch's staging stays leased until its threads return.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, final
+
+import anyio
+import xxhash
+
+from ..._results import ResidencyEntry
+from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from ._catalog import Catalog
+from ._format import (
+    HEADER_NBYTES,
+    HeaderError,
+    block_location,
+    key_namespace,
+    pack_header,
+    unpack_header,
+)
+from ._fs import Durability, Root
+
+__all__ = ("FileStore",)
+
+log = logging.getLogger("kvpipe.file_store")
+T = TypeVar("T")
+_DURABILITIES = ("none", "data", "full")
+
+
+def _split(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into at most ``parts`` contiguous pieces."""
+    parts = max(1, min(parts, n))
+    step = -(-n // parts)
+    return [range(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+@final
+class FileStore(StorageBackend):
+    """Blocks as files under ``root``.
+
+    Args:
+        root: The store's directory (created ``0700``). May be shared by processes.
+        durability: ``"none"`` (rename only), ``"data"`` (``fdatasync`` each file before it
+            is published) or ``"full"`` (also sync the directory after the rename).
+        capacity_bytes: When set, stay under it by evicting prefix tails, least recently
+            used first; blocks that still do not fit are refused (``NO_SPACE``).
+        threads: Worker threads a batch's file I/O is spread over.
+        stale_temp_after: Seconds after which any temporary file is considered abandoned
+            (temporary files of dead writers on this host are removed at once).
+        scan_on_open: Walk the tree at open: remove stale temporary files, adopt block
+            files the catalog does not know, forget records whose file is gone.
+
+    Use ``async with FileStore(...) as store`` or ``await store.open()``; calls open it on
+    first use otherwise.
+    """
+
+    name = "file"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        durability: Durability = "data",
+        capacity_bytes: int | None = None,
+        threads: int = 4,
+        stale_temp_after: float = 3600.0,
+        scan_on_open: bool = True,
+    ) -> None:
+        if durability not in _DURABILITIES:
+            raise ValueError(f"durability must be one of {_DURABILITIES}, got {durability!r}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
+        if threads < 1:
+            raise ValueError("threads must be >= 1")
+        self.path = os.fspath(root)
+        self.durability: Durability = durability
+        self.capacity_bytes = capacity_bytes
+        self.threads = threads
+        self.stale_temp_after = stale_temp_after
+        self.scan_on_open = scan_on_open
+        self._root: Root | None = None
+        self._catalog: Catalog | None = None
+        self._open_lock = anyio.Lock()
+        self._limiter = anyio.CapacityLimiter(threads)
+        self._counters: Counter[str] = Counter()
+        self._lock = threading.Lock()  # guards _counters against worker threads
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open (idempotent): create the root, open the catalog, clean up after crashes.
+
+        Raises:
+            OSError: The root cannot be created or opened.
+        """
+        async with self._open_lock:
+            if self._root is None:
+                await anyio.to_thread.run_sync(self._open_sync)
+
+    def _open_sync(self) -> None:
+        root = Root(self.path)
+        catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"))
+        self._root, self._catalog = root, catalog
+        if self.scan_on_open:
+            from ._inspect import recover
+
+            report = recover(root, catalog, self.stale_temp_after)
+            self._count(
+                temp_files_removed=report.temp_removed,
+                adopted=report.adopted,
+                quarantined=report.quarantined,
+                forgotten=report.forgotten,
+            )
+            if report.temp_removed or report.quarantined or report.forgotten:
+                log.warning("file store %s: recovered at open: %s", root.path, report)
+
+    async def aclose(self) -> None:
+        """Close the catalog and the root descriptor."""
+        async with self._open_lock:
+            if self._root is not None and self._catalog is not None:
+                self._catalog.close()
+                self._root.close()
+                self._root = self._catalog = None
+
+    async def _ready(self) -> tuple[Root, Catalog]:
+        if self._root is None:
+            await self.open()
+        assert self._root is not None and self._catalog is not None
+        return self._root, self._catalog
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._counters.update(deltas)
+
+    async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_thread.run_sync(
+            fn, *args, limiter=self._limiter, abandon_on_cancel=True
+        )
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+        """Publish every value as a block file (see :class:`StorageBackend`).
+
+        Cancellation: blocks not yet renamed into place when the call is cancelled are not
+        published; the staging stays leased until the worker threads return.
+        """
+        root, catalog = await self._ready()
+        keys = [validate_key(k) for k in batch.keys]
+        values = batch.values
+        abandoned = threading.Event()
+        fingerprint = batch.scope.fingerprint
+        namespace = key_namespace(keys[0]) if keys else "_"
+        try:
+            reservation = await self._thread(
+                self._reserve,
+                catalog,
+                root,
+                keys,
+                batch.parent_key,
+                namespace,
+                batch.value_nbytes,
+                abandoned,
+            )
+            statuses: list[BlockStatus] = [
+                BlockStatus.FAILED if ok else BlockStatus.NO_SPACE for ok in reservation
+            ]
+            admitted = [i for i, ok in enumerate(reservation) if ok]
+
+            async def write(part: range) -> None:
+                idx = [admitted[j] for j in part]
+                done = await batch.run_sync(
+                    self._write_many, root, catalog, keys, values, idx, fingerprint, abandoned
+                )
+                for i, status in zip(idx, done, strict=True):
+                    statuses[i] = status
+
+            async with anyio.create_task_group() as tg:
+                for part in _split(len(admitted), self.threads):
+                    tg.start_soon(write, part)
+        except anyio.get_cancelled_exc_class():
+            abandoned.set()
+            raise
+        return statuses
+
+    def _reserve(
+        self,
+        catalog: Catalog,
+        root: Root,
+        keys: list[str],
+        parent: str | None,
+        namespace: str,
+        nbytes: int,
+        abandoned: threading.Event,
+    ) -> list[bool]:
+        res = catalog.reserve(keys, parent, namespace, nbytes, self.capacity_bytes)
+        if abandoned.is_set():
+            catalog.settle([], [k for k, ok in zip(keys, res.admitted, strict=True) if ok])
+            return [False] * len(keys)
+        for key in res.victims:
+            root.unlink(*block_location(key))
+        if res.victims:
+            self._count(evictions=len(res.victims), evicted_bytes=res.evicted_bytes)
+            log.debug(
+                "evicted %d blocks (%d B) to stay under %s B",
+                len(res.victims),
+                res.evicted_bytes,
+                self.capacity_bytes,
+            )
+        refused = res.admitted.count(False)
+        if refused:
+            self._count(no_space=refused)
+        return res.admitted
+
+    def _write_many(
+        self,
+        root: Root,
+        catalog: Catalog,
+        keys: list[str],
+        values: list[memoryview],
+        idx: list[int],
+        fingerprint: str,
+        abandoned: threading.Event,
+    ) -> list[BlockStatus]:
+        out: list[BlockStatus] = []
+        written: list[str] = []
+        failed: list[str] = []
+        nbytes = 0
+        for i in idx:
+            status = BlockStatus.FAILED
+            if not abandoned.is_set():
+                value = values[i]
+                header = pack_header(
+                    keys[i], len(value), xxhash.xxh3_64_intdigest(value), time.time(), fingerprint
+                )
+                parts, name = block_location(keys[i])
+                try:
+                    if root.write_atomic(parts, name, (header, value), self.durability, abandoned):
+                        status = BlockStatus.OK
+                        nbytes += len(value)
+                except OSError as exc:
+                    status = BlockStatus.NO_SPACE if exc.errno == 28 else BlockStatus.FAILED
+                    self._count(io_errors=1)
+                    log.warning("file store: writing block %s failed: %s", keys[i], exc)
+            out.append(status)
+            (written if status is BlockStatus.OK else failed).append(keys[i])
+        catalog.settle(written, failed)
+        self._count(blocks_written=len(written), bytes_written=nbytes)
+        return out
+
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        """Read and verify block files into the batch's buffers.
+
+        A file that fails any check (header, key, layout, size, checksum) is reported
+        ``CORRUPT`` and moved to ``quarantine/`` so later lookups stop before it.
+        """
+        root, catalog = await self._ready()
+        keys = [validate_key(k) for k in batch.keys]
+        buffers = batch.buffers
+        statuses: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
+
+        async def read(part: range) -> None:
+            idx = list(part)
+            got = await batch.run_sync(
+                self._read_many, root, catalog, keys, buffers, idx, batch.scope.fingerprint
+            )
+            for i, status in zip(idx, got, strict=True):
+                statuses[i] = status
+
+        async with anyio.create_task_group() as tg:
+            for part in _split(len(keys), self.threads):
+                tg.start_soon(read, part)
+        return statuses
+
+    def _read_many(
+        self,
+        root: Root,
+        catalog: Catalog,
+        keys: list[str],
+        buffers: list[memoryview],
+        idx: list[int],
+        fingerprint: str,
+    ) -> list[BlockStatus]:
+        out, bad, ok = [], [], []
+        for i in idx:
+            parts, name = block_location(keys[i])
+            try:
+                found = root.read_into(parts, name, HEADER_NBYTES, buffers[i])
+            except OSError as exc:
+                log.warning("file store: reading block %s failed: %s", keys[i], exc)
+                self._count(io_errors=1)
+                out.append(BlockStatus.FAILED)
+                continue
+            if found is None:
+                out.append(BlockStatus.MISSING)
+                continue
+            why = self._check(keys[i], found, buffers[i], fingerprint)
+            if why is None:
+                out.append(BlockStatus.OK)
+                ok.append(keys[i])
+                continue
+            log.warning("file store: block %s is corrupt (%s); quarantined", keys[i], why)
+            out.append(BlockStatus.CORRUPT)
+            bad.append(keys[i])
+            if root.quarantine(parts, name):
+                self._count(quarantined=1)
+        if bad:
+            catalog.remove(bad)
+            self._count(corrupt=len(bad))
+        if ok and self.capacity_bytes is not None:
+            catalog.touch(ok)
+        self._count(blocks_read=len(ok))
+        return out
+
+    @staticmethod
+    def _check(key: str, found: tuple[bytes, int], buf: memoryview, fingerprint: str) -> str | None:
+        raw, got = found
+        try:
+            header = unpack_header(raw)
+        except HeaderError as exc:
+            return str(exc)
+        if header.key != key:
+            return "file holds another key"
+        if header.fingerprint != fingerprint:
+            return f"layout {header.fingerprint}, expected {fingerprint}"
+        if header.payload_nbytes != len(buf) or got != len(buf):
+            return f"payload of {header.payload_nbytes} B, file holds {got}, expected {len(buf)}"
+        if xxhash.xxh3_64_intdigest(buf) != header.checksum:
+            return "payload checksum mismatch"
+        return None
+
+    async def exists(self, batch: KeyBatch) -> Sequence[bool]:
+        """Whether each block file exists, stopping at the first missing one."""
+        root, _ = await self._ready()
+        keys = [validate_key(k) for k in batch.keys]
+
+        def probe() -> list[bool]:
+            out: list[bool] = []
+            for key in keys:
+                if out and not out[-1]:
+                    out.append(False)
+                else:
+                    out.append(root.exists(*block_location(key)))
+            return out
+
+        return await self._thread(probe)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove block files and their records."""
+        root, catalog = await self._ready()
+        keys = [validate_key(k) for k in keys]
+
+        def remove() -> None:
+            for key in keys:
+                root.unlink(*block_location(key))
+            catalog.remove(keys)
+
+        await self._thread(remove)
+
+    async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
+        """Record residency in the catalog (visible to every process sharing the root)."""
+        _, catalog = await self._ready()
+        for e in entries:
+            validate_key(e.key)
+        await self._thread(catalog.put_residency, list(entries))
+
+    async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
+        """Every node's record for each key."""
+        _, catalog = await self._ready()
+        return await self._thread(catalog.get_residency, [validate_key(k) for k in keys])
+
+    def statistics(self) -> Mapping[str, float]:
+        """Counters of this process's use of the store (evictions, corrupt blocks, ...)."""
+        with self._lock:
+            return dict(self._counters)
