@@ -33,11 +33,12 @@ from ._console import (
     logging_to,
 )
 from .demo import COMMAND as DEMO
+from .store_info import COMMAND as STORE_INFO
 
 __all__ = ("COMMANDS", "build_parser", "main")
 
 #: Every subcommand, in ``--help`` order.
-COMMANDS: tuple[Command, ...] = (DEMO,)
+COMMANDS: tuple[Command, ...] = (DEMO, STORE_INFO)
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Errors that mean "you asked for something invalid", not "it ran and failed".

@@ -13,10 +13,13 @@ Exit code 1 when a block differs or any write or read stopped short.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final, final
 
@@ -67,8 +70,27 @@ PRESETS: Final[Mapping[str, Preset]] = {
     "tiny": Preset(_L.gqa, _TINY, (6, 12), 4),
 }
 
-#: ``--store`` choices: how to open each store.
-STORES: Final[Mapping[str, Callable[[], kvpipe.StorageBackend]]] = {"memory": kvpipe.MemoryStore}
+#: ``--store`` choices. ``file`` (the embedded default) keeps blocks under ``--store-dir``.
+STORES: Final = ("file", "memory")
+
+
+@asynccontextmanager
+async def open_store(args: argparse.Namespace) -> AsyncIterator[kvpipe.StorageBackend]:
+    """The store the demo runs on; a file store's directory is removed afterwards unless
+    ``--keep-store`` (or it already existed)."""
+    if args.store == "memory":
+        yield kvpipe.MemoryStore()
+        return
+    root = args.store_dir or os.path.join("kvpipe-data", f"demo-{os.getpid()}")
+    existed = await anyio.Path(root).exists()
+    try:
+        async with kvpipe.FileStore(root, durability=args.durability) as store:
+            yield store
+    finally:
+        if not (existed or args.keep_store):
+            await run_sync(shutil.rmtree, root, True)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(root) or ".")
 
 
 @final
@@ -297,8 +319,27 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     src = kvpipe.create_kv_cache(layout, work.src_blocks)
     await run_sync(fill_random, src, args.seed)
     dst = kvpipe.create_kv_cache(layout, work.dst_blocks)
-    store = STORES[args.store]()
     namespace, n = f"kvpipe-demo-{args.layout}", args.concurrency
+    async with open_store(args) as store:
+        return await _run_phases(
+            args, io, layout, config, work, src, dst, store, namespace, n, started
+        )
+
+
+async def _run_phases(
+    args: argparse.Namespace,
+    io: ui.CommandIO,
+    layout: kvpipe.CacheLayout,
+    config: kvpipe.PipelineConfig,
+    work: Workload,
+    src: kvpipe.KVCache,
+    dst: kvpipe.KVCache,
+    store: kvpipe.StorageBackend,
+    namespace: str,
+    n: int,
+    started: float,
+) -> int:
+    nbytes = layout.block_nbytes
     with ui.block_progress(io.err, disable=args.json or not io.err.is_terminal) as progress:
         total = requested = work.blocks_requested
         wp = ui.PhaseTally(progress, progress.add_task("write", total=total, nbytes=0), nbytes)
@@ -339,7 +380,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``kvpipe demo``."""
     add = parser.add_argument
     add("--layout", choices=sorted(PRESETS), default="llama3-8b", help="model-shaped layout")
-    add("--store", choices=sorted(STORES), default="memory", help="where blocks are stored")
+    add("--store", choices=STORES, default="file", help="where blocks are stored")
+    add(
+        "--store-dir",
+        metavar="PATH",
+        help="file store directory (default: ./kvpipe-data/demo-PID, removed afterwards)",
+    )
+    add("--keep-store", action="store_true", help="keep the file store's directory")
+    add(
+        "--durability",
+        choices=("none", "data", "full"),
+        default="data",
+        help="file store: fsync policy (data: each file before it is published)",
+    )
     add("--requests", type=int, default=24, metavar="N", help="requests to write and read")
     add(
         "--blocks-per-request",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -40,7 +42,7 @@ def test_demo_json_numbers_add_up(capsys: pytest.CaptureFixture[str]) -> None:
     assert s["verified"] == s["read"] == n and s["mismatched"] == 0
     # the first request stores the shared prefix; every later one finds it stored
     assert s["skipped"] == 3 * (8 - 1) > 0
-    assert s["written"] == s["distinct_blocks"] == s["store_statistics"]["blocks"]
+    assert s["written"] == s["distinct_blocks"] == s["store_statistics"]["blocks_written"]
     for phase in (s["writes"], s["reads"]):
         assert phase["incomplete"] == phase["timeouts"] == phase["restarts"] == 0
         assert phase["stop_reasons"] == {}
@@ -129,9 +131,11 @@ def test_incomplete_writes_exit_1(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a store with room for a few blocks: writes stop short, reads find less — exit 1
-    monkeypatch.setitem(
-        demo_cmd.STORES, "memory", lambda: kvpipe.MemoryStore(capacity_bytes=10_000)
-    )
+    @contextlib.asynccontextmanager
+    async def small_store(args: object) -> AsyncIterator[kvpipe.StorageBackend]:
+        yield kvpipe.MemoryStore(capacity_bytes=10_000)
+
+    monkeypatch.setattr(demo_cmd, "open_store", small_store)
     code, s = run_json(capsys, *SMALL, log_level="critical")
     assert code == 1 and s["ok"] is False
     assert s["writes"]["incomplete"] > 0 and s["verified"] < s["blocks_requested"]
