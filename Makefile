@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # Re-install when pyproject.toml changes.
 HASH   := $(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test lint unit bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ lint: $(VENV)/.test-$(HASH)
 
 unit: $(VENV)/.test-$(HASH)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+## bench: throughput against the physical baseline (writes docs/benchmarks/*)
+bench: $(VENV)/.base-$(HASH)
+	mkdir -p docs/benchmarks
+	$(BIN)/kvpipe bench --json docs/benchmarks/file.json --markdown docs/benchmarks/file.md
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -32,13 +32,14 @@ from ._console import (
     UsageError,
     logging_to,
 )
+from .bench import COMMAND as BENCH
 from .demo import COMMAND as DEMO
 from .store_info import COMMAND as STORE_INFO
 
 __all__ = ("COMMANDS", "build_parser", "main")
 
 #: Every subcommand, in ``--help`` order.
-COMMANDS: tuple[Command, ...] = (DEMO, STORE_INFO)
+COMMANDS: tuple[Command, ...] = (DEMO, STORE_INFO, BENCH)
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Errors that mean "you asked for something invalid", not "it ran and failed".

@@ -14,12 +14,15 @@ final name.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import platform
 import re
 import secrets
 import socket
 import stat
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +41,46 @@ HOST: Final = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "hos
 
 class UnsafePath(OSError):
     """A path component was invalid or led through a symbolic link."""
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+
+# openat2(2) (Linux >= 5.6) resolves a whole relative path in one call and refuses, in the
+# kernel, any symbolic link (RESOLVE_NO_SYMLINKS) or escape from the directory
+# (RESOLVE_BENEATH). Where it is missing, paths are walked one component at a time.
+_SYS_OPENAT2: Final = {"x86_64": 437, "aarch64": 437}.get(platform.machine())
+_RESOLVE: Final = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
+_libc: ctypes.CDLL | None = None
+_have_openat2 = _SYS_OPENAT2 is not None and sys.platform == "linux"
+
+
+def _openat2(dir_fd: int, rel: str, flags: int, mode: int = 0) -> int | None:
+    """``openat2`` beneath ``dir_fd``; ``None`` when the kernel lacks it.
+
+    Raises:
+        UnsafePath: The path crosses a symbolic link or leaves the directory.
+        OSError: Anything else (``FileNotFoundError`` ...).
+    """
+    global _libc, _have_openat2
+    if not _have_openat2:
+        return None
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE)
+    fd = int(
+        _libc.syscall(_SYS_OPENAT2, dir_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    )
+    if fd >= 0:
+        return fd
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EPERM):  # no such syscall, or a seccomp filter refuses it
+        _have_openat2 = False
+        return None
+    if err in (errno.ELOOP, errno.EXDEV):
+        raise UnsafePath(err, f"{rel!r} crosses a symbolic link or leaves the store")
+    raise OSError(err, os.strerror(err), rel)
 
 
 def _check(name: str) -> str:
@@ -83,6 +126,24 @@ class Root:
             FileNotFoundError: A component is missing and ``create`` is false.
             UnsafePath: A component is invalid or is a symbolic link.
         """
+        for part in parts:
+            _check(part)
+        try:
+            fast = (
+                _openat2(self.fd, "/".join(parts), os.O_RDONLY | os.O_DIRECTORY) if parts else None
+            )
+        except FileNotFoundError:
+            if not create:
+                raise
+            fast = None
+        except NotADirectoryError as exc:
+            raise UnsafePath(errno.ENOTDIR, f"{'/'.join(parts)!r} is not a directory") from exc
+        if fast is not None:
+            try:
+                yield fast
+            finally:
+                os.close(fast)
+            return
         fd = os.dup(self.fd)
         try:
             for part in parts:
@@ -167,16 +228,8 @@ class Root:
             UnsafePath: The file or a directory on its way is a symbolic link.
             OSError: Reading failed.
         """
-        _check(name)
-        try:
-            with self.directory(parts, create=False) as dfd:
-                try:
-                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:
-                        raise UnsafePath(exc.errno, f"{name!r} is a symbolic link") from exc
-                    raise
-        except FileNotFoundError:
+        fd = self._open_file(parts, name, os.O_RDONLY)
+        if fd is None:
             return None
         try:
             st = os.fstat(fd)
@@ -198,11 +251,38 @@ class Root:
     def exists(self, parts: Sequence[str], name: str) -> bool:
         """Whether ``parts/name`` is a regular file (symbolic links are not)."""
         try:
-            with self.directory(parts, create=False) as dfd:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except (FileNotFoundError, UnsafePath, NotADirectoryError):
+            fd = self._open_file(parts, name, os.O_PATH)
+        except (UnsafePath, NotADirectoryError):
             return False
-        return stat.S_ISREG(st.st_mode)
+        if fd is None:
+            return False
+        try:
+            return stat.S_ISREG(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+
+    def _open_file(self, parts: Sequence[str], name: str, flags: int) -> int | None:
+        """Open ``parts/name`` (never through a link); ``None`` when it does not exist."""
+        _check(name)
+        for part in parts:
+            _check(part)
+        try:
+            fd = _openat2(self.fd, "/".join((*parts, name)), flags | os.O_NOFOLLOW)
+            if fd is not None:
+                return fd
+            with self.directory(parts, create=False) as dfd:
+                try:
+                    return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise UnsafePath(exc.errno, f"{name!r} is a symbolic link") from exc
+                    raise
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError as exc:
+            raise UnsafePath(
+                errno.ENOTDIR, f"{name!r}: a path component is not a directory"
+            ) from exc
 
     def unlink(self, parts: Sequence[str], name: str) -> bool:
         """Remove ``parts/name``; ``False`` when it was not there."""

@@ -1,0 +1,226 @@
+"""File store throughput: the whole pipeline versus raw file I/O of the same bytes.
+
+Per block size: the pipeline writes N blocks (gather from a layer-major cache, checksum, one
+file per block through the file store with its durability) and reads them back into another
+cache (verify, scatter). The baseline writes the same payload bytes from one contiguous
+buffer, one file per block, with the same ``fdatasync`` policy — with one thread and with
+four, whichever is faster that round — and reads those files back. Reads of both come from
+the page cache (the files were just written); see ``docs/performance.md`` for what that
+means on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final, final
+
+import anyio
+import numpy as np
+
+from .._cache import KVCache, create_kv_cache
+from .._config import PipelineConfig
+from .._layout import CacheLayout
+from ..backends.file import FileStore
+from ..pipeline import open_pipeline
+from ._measure import Measurement, Timer, interleave
+
+__all__ = ("LAYOUTS", "FileBenchConfig", "run_filestore_bench")
+
+#: A GQA layout per block size (bf16): 256 KiB, 2 MiB (Llama-3-8B, 16 tokens), 8 MiB.
+LAYOUTS: Final = {
+    "256KiB": {"num_layers": 8, "num_kv_heads": 8, "head_dim": 64, "block_size": 16},
+    "2MiB": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
+    "8MiB": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 64},
+}
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class FileBenchConfig:
+    """What to run.
+
+    Attributes:
+        sizes: Keys of :data:`LAYOUTS`.
+        total_bytes: Bytes one round writes (and reads) per contender.
+        rounds: Recorded rounds (after one warm-up).
+        durability: The file store's and the baseline's fsync policy.
+        directory: Where the files go (on the disk being measured).
+        request_blocks: Blocks per pipeline request; requests run concurrently.
+        cold_reads: Evict the written files from the page cache before reading them back
+            (both contenders), so reads measure the disk, not memory copies.
+    """
+
+    sizes: tuple[str, ...] = ("256KiB", "2MiB", "8MiB")
+    cold_reads: bool = True
+    total_bytes: int = 256 << 20
+    rounds: int = 5
+    durability: str = "data"
+    directory: str = "."
+    request_blocks: int = 32
+
+
+def _raw_write(root: str, buf: np.ndarray, threads: int, durability: str) -> None:
+    def one(i: int) -> None:
+        fd = os.open(os.path.join(root, f"{i}.blk"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(buf[i]).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+            if durability != "none":
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        if durability == "full":
+            dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+            os.fsync(dfd)
+            os.close(dfd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(buf))))
+
+
+def drop_cached(root: str) -> int:
+    """Evict every file under ``root`` from the page cache (``POSIX_FADV_DONTNEED``).
+
+    Works without privileges for clean pages, i.e. after ``fdatasync``: the next reads come
+    from the disk. Returns the number of files advised.
+    """
+    n = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
+
+
+def _raw_read(root: str, out: np.ndarray, threads: int) -> None:
+    def one(i: int) -> None:
+        fd = os.open(os.path.join(root, f"{i}.blk"), os.O_RDONLY)
+        try:
+            view = memoryview(out[i]).cast("B")
+            got = 0
+            while got < len(view):
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    raise OSError("short read")
+                got += n
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(out))))
+
+
+async def _bench_size(
+    name: str, cfg: FileBenchConfig, tick: Callable[[str], None]
+) -> dict[str, Any]:
+    layout = CacheLayout.gqa(**LAYOUTS[name])  # type: ignore[arg-type]
+    nbytes = layout.block_nbytes
+    n = max(cfg.request_blocks, cfg.total_bytes // nbytes)
+    src = create_kv_cache(layout, n)
+    dst = create_kv_cache(layout, n)
+    rng = np.random.default_rng(0)
+    for rows in src.byte_rows:
+        rows[:] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
+    contiguous = np.concatenate([np.ascontiguousarray(r) for r in src.byte_rows], axis=1)
+    readback = np.empty_like(contiguous)
+    workdir = tempfile.mkdtemp(prefix=f"kvpipe-bench-{name}-", dir=cfg.directory)
+    round_no = [0]
+    config = PipelineConfig(slice_block_num=8, staging_bytes=max(512 << 20, 64 * nbytes))
+    write_m, read_m = Measurement(n * nbytes), Measurement(n * nbytes)
+
+    async def pipeline_round() -> float:
+        round_no[0] += 1
+        root = os.path.join(workdir, f"store-{round_no[0]}")
+        async with FileStore(root, durability=cfg.durability) as store:  # type: ignore[arg-type]
+            async with open_pipeline(src, store, config=config, namespace="bench") as pipe:
+                w = await _move(pipe, n, cfg.request_blocks, round_no[0], write=True, cache=src)
+            if cfg.cold_reads:
+                await anyio.to_thread.run_sync(drop_cached, root)
+            async with open_pipeline(dst, store, config=config, namespace="bench") as pipe:
+                r = await _move(pipe, n, cfg.request_blocks, round_no[0], write=False, cache=dst)
+        await anyio.to_thread.run_sync(shutil.rmtree, root)
+        write_m.add("pipeline", w)
+        read_m.add("pipeline", r)
+        tick(f"{name} pipeline")
+        return w
+
+    def raw_round(threads: int) -> Callable[[], Any]:
+        async def go() -> float:
+            root = os.path.join(workdir, f"raw-{threads}")
+            os.makedirs(root, exist_ok=True)
+            async with Timer() as tw:
+                await anyio.to_thread.run_sync(
+                    _raw_write, root, contiguous, threads, cfg.durability
+                )
+            if cfg.cold_reads:
+                await anyio.to_thread.run_sync(drop_cached, root)
+            async with Timer() as tr:
+                await anyio.to_thread.run_sync(_raw_read, root, readback, threads)
+            await anyio.to_thread.run_sync(shutil.rmtree, root)
+            write_m.add(f"raw{threads}", tw.seconds)
+            read_m.add(f"raw{threads}", tr.seconds)
+            tick(f"{name} raw x{threads}")
+            return tw.seconds
+
+        return go
+
+    try:
+        await interleave(
+            {"pipeline": pipeline_round, "raw1": raw_round(1), "raw4": raw_round(4)}, cfg.rounds
+        )
+    finally:
+        await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
+    # drop the warm-up round recorded by the closures
+    for m in (write_m, read_m):
+        m.seconds = {k: v[1:] for k, v in m.seconds.items()}
+    assert np.array_equal(readback, contiguous)
+    return {
+        "block_size": name,
+        "block_bytes": nbytes,
+        "blocks": n,
+        "durability": cfg.durability,
+        "cold_reads": cfg.cold_reads,
+        "write": write_m.summary("pipeline", ["raw1", "raw4"]),
+        "read": read_m.summary("pipeline", ["raw1", "raw4"]),
+    }
+
+
+async def _move(
+    pipe: Any, n: int, per: int, round_no: int, *, write: bool, cache: KVCache
+) -> float:
+    """Write or read all ``n`` blocks as concurrent requests; returns the seconds."""
+    failures: list[Any] = []
+
+    async def one(first: int) -> None:
+        count = min(per, n - first)
+        tokens = np.arange(first * 1000, first * 1000 + count * cache.layout.block_size)
+        tokens += round_no * 10**9
+        ids = np.arange(first, first + count)
+        result = await (pipe.write(tokens, ids) if write else pipe.read(tokens, ids))
+        if not result.complete:
+            failures.append(result)
+
+    async with Timer() as t, anyio.create_task_group() as tg:
+        for first in range(0, n, per):
+            tg.start_soon(one, first)
+    if failures:
+        raise RuntimeError(f"benchmark request incomplete: {failures[0]}")
+    return t.seconds
+
+
+async def run_filestore_bench(
+    cfg: FileBenchConfig, tick: Callable[[str], None] = lambda _: None
+) -> list[dict[str, Any]]:
+    """Run every block size; one JSON-ready record each."""
+    return [await _bench_size(name, cfg, tick) for name in cfg.sizes]
