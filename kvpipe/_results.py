@@ -42,9 +42,7 @@ ReadStopReason = Literal[
 ]
 
 #: Outcome of one slice.
-SliceStatus = Literal[
-    "complete", "incomplete", "slice_timeout", "total_timeout", "backend_error", "cancelled"
-]
+SliceStatus = Literal["complete", "incomplete", "slice_timeout", "total_timeout", "backend_error"]
 
 
 @final
@@ -59,7 +57,8 @@ class SliceOutcome:
         written: Leading blocks of it the backend stored (what counts).
         elapsed: Seconds from sending it to the backend to its outcome.
         outcome: ``"complete"``, ``"incomplete"``, ``"slice_timeout"``, ``"total_timeout"``,
-            ``"backend_error"`` or ``"cancelled"``.
+            or ``"backend_error"`` (a slice cut short by the caller's cancellation is not
+            recorded: the request had already ended).
     """
 
     index: int

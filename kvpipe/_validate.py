@@ -50,9 +50,12 @@ def check_tokens(token_ids: Any) -> Tokens:
         raise RequestError(f"token_ids must be integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise RequestError("token_ids has values above the int64 range")
-    tokens = as_tokens(arr)
+    # A private read-only copy: the request never sees later changes to the caller's array,
+    # and nothing kvpipe hands to a backend can change the caller's tokens.
+    tokens = np.array(as_tokens(arr), copy=True)
     if int(tokens.min()) < 0:
         raise RequestError(f"token_ids has a negative id at index {int(np.argmin(tokens))}")
+    tokens.flags.writeable = False
     return tokens
 
 

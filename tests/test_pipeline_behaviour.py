@@ -207,3 +207,38 @@ def test_namespace_is_validated() -> None:
     with pytest.raises(kvpipe.ConfigError) as info:
         kvpipe.Pipeline(_cache(), kvpipe.MemoryStore(), namespace="../../etc")
     assert info.value.field == "namespace"
+
+
+class RaisesKVPipeError(ScriptedStore):
+    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+        raise kvpipe.RequestError("a backend bug raising one of kvpipe's own errors")
+
+    async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[kvpipe.ResidencyEntry]]:
+        return []  # the wrong number of answers
+
+
+async def test_any_backend_exception_is_a_backend_error_never_a_crash() -> None:
+    store = RaisesKVPipeError()
+    async with kvpipe.open_pipeline(_cache(), store) as pipe:
+        w = await pipe.write(np.arange(BLOCK * 4), np.arange(4))
+        assert (w.written, w.stop_reason) == (0, "backend_error")
+        assert w.error is not None and "own errors" in w.error
+        with pytest.raises(kvpipe.BackendError, match="answers"):
+            await pipe.locate(np.arange(BLOCK * 4))
+        assert pipe.statistics().restarts == {}
+
+
+async def test_backends_get_a_read_only_private_copy_of_the_tokens() -> None:
+    seen: list[np.ndarray] = []
+
+    class Peek(ScriptedStore):
+        async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+            seen.append(batch.token_prefix)
+            with pytest.raises(ValueError):
+                batch.token_prefix[0] = 99
+            return await super().put_blocks(batch)
+
+    tokens = np.arange(BLOCK * 4, dtype=np.int64)
+    async with kvpipe.open_pipeline(_cache(), Peek()) as pipe:
+        assert (await pipe.write(tokens, np.arange(4))).complete
+    assert not np.shares_memory(seen[0], tokens) and tokens[0] == 0

@@ -20,7 +20,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._cache import KVCache
 from .._config import PipelineConfig
-from .._errors import BackendError, KVPipeError
+from .._errors import BackendError
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
 from .._plan import CopySegment, SliceSpec
@@ -154,7 +154,7 @@ async def backend_call(
     """Call a backend method, translating any exception into :class:`BackendError`."""
     try:
         return await fn(*args)
-    except KVPipeError:
+    except BackendError:
         raise
     except Exception as exc:
         raise BackendError(backend.name, op, describe_error(exc)) from exc

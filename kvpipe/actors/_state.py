@@ -7,6 +7,8 @@ it to the store, and — for reads — nothing touches the caller's cache any mo
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar, Literal
 
 import anyio
@@ -35,6 +37,7 @@ class RequestState:
         self.started = started
         self.error: BaseException | None = None
         self._done = anyio.Event()
+        self._scopes: dict[object, tuple[int, anyio.CancelScope]] = {}
 
     @property
     def done(self) -> bool:
@@ -45,11 +48,38 @@ class RequestState:
         """Wait until the request has ended."""
         await self._done.wait()
 
+    @contextmanager
+    def bound(
+        self, deadline: float, tag: object = None, first_block: int = 0
+    ) -> Iterator[anyio.CancelScope]:
+        """A cancel scope that ends at ``deadline`` or when the request ends — or, for a
+        read, when loading stops at or before ``first_block``. ``tag`` names it uniquely."""
+        scope = anyio.CancelScope(deadline=deadline)
+        key = tag if tag is not None else object()
+        self._scopes[key] = (first_block, scope)
+        if self.done:
+            scope.cancel()
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._scopes.pop(key, None)
+
+    def cancel_scopes(self, from_block: int = 0) -> None:
+        """Cancel work in flight on blocks at or after ``from_block``."""
+        for first, scope in list(self._scopes.values()):
+            if first >= from_block:
+                scope.cancel()
+
+    def _end(self) -> None:
+        self._done.set()
+        self.cancel_scopes()
+
     def fail(self, error: BaseException) -> None:
         """End the request with an error the caller will see."""
         if not self.done:
             self.error = error
-            self._done.set()
+            self._end()
 
     def crashed(self, actor: str, exc: BaseException) -> None:
         """The actor holding this request crashed."""
@@ -83,7 +113,7 @@ class CallState(RequestState):
         """End the request with a value."""
         if not self.done:
             self.value = value
-            self._done.set()
+            self._end()
 
 
 class _Sliced(RequestState):
@@ -106,18 +136,11 @@ class _Sliced(RequestState):
         self.include_partial = include_partial
         self.keys: BlockKeys | None = None
         self.slices: tuple[SliceSpec, ...] = ()
-        self.scopes: dict[int, anyio.CancelScope] = {}
 
     @property
     def requested(self) -> int:
         """Blocks asked for."""
         return self.end_block - self.start_block
-
-    def cancel_scopes(self, from_block: int = 0) -> None:
-        """Cancel the backend calls in flight for slices starting at or after ``from_block``."""
-        for index, scope in list(self.scopes.items()):
-            if self.slices[index].first_block >= from_block:
-                scope.cancel()
 
 
 class WriteState(_Sliced):
@@ -172,7 +195,8 @@ class WriteState(_Sliced):
 
     def finish_now(self, now: float) -> None:
         """End a write that needs no slice (everything skipped or nothing to write)."""
-        self._finish(now)
+        if not self.done:
+            self._finish(now)
 
     def _finish(self, now: float | None = None) -> None:
         now = anyio.current_time() if now is None else now
@@ -187,9 +211,8 @@ class WriteState(_Sliced):
             elapsed=now - self.started,
             error=self.stop_detail,
         )
-        self._done.set()
         self._turn.set()
-        self.cancel_scopes()
+        self._end()
 
 
 class ReadState(_Sliced):
@@ -296,7 +319,7 @@ class ReadState(_Sliced):
         if self.done:
             return
         if self.error is not None:
-            self._done.set()
+            self._end()
             return
         loaded = self._loaded()
         if loaded < self.requested and self.stop_reason is None:
@@ -315,7 +338,7 @@ class ReadState(_Sliced):
             elapsed=anyio.current_time() - self.started,
             error=self.stop_detail,
         )
-        self._done.set()
+        self._end()
 
 
 def describe_error(exc: BaseException) -> str:

@@ -68,14 +68,12 @@ class Reader(Actor[SliceJob]):
         batch = ctx.staged_batch(job, GetBatch)
         statuses: list[BlockStatus] | None = None
         error: BackendError | None = None
-        with anyio.CancelScope(deadline=deadline) as scope:
-            state.scopes[spec.index] = scope
+        with state.bound(deadline, ("get", spec.index), spec.first_block):
             try:
                 raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
                 statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
             except BackendError as exc:
                 error = exc
-        state.scopes.pop(spec.index, None)
         if state.stopped_before(first):
             state.resolve(spec.index, 0)
             return []

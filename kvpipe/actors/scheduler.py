@@ -17,7 +17,7 @@ import anyio
 from .._errors import BackendError, OperationTimeout
 from .._keys import BlockKeys, Tokens, block_keys
 from .._plan import leading_run, plan_slices
-from .._results import BlockLocation, Holder, Residency, ResidencyEntry
+from .._results import BlockLocation, Holder, ReadStopReason, Residency, ResidencyEntry
 from ._base import Actor, ActorContext, backend_call
 from ._state import CallState, ReadState, RequestState, WriteState, describe_error
 
@@ -34,17 +34,25 @@ async def probe_leading(
 ) -> int:
     """How many of ``keys`` (blocks ``first``...) are stored, counting from the first one.
 
-    Asks the backend a chunk at a time and stops at the first chunk with a miss.
+    Asks the backend a chunk at a time and stops at the first chunk with a miss. Each call
+    gets at most ``slice_timeout``.
 
     Raises:
         BackendError: The backend failed an ``exists`` call.
+        OperationTimeout: An ``exists`` call took longer than ``slice_timeout``.
     """
     found = 0
     step = ctx.slice_blocks
     for lo in range(0, len(keys), step):
         chunk = keys[lo : lo + step]
         batch = ctx.key_batch(request_id, chunk, first + lo, tokens)
-        flags = await backend_call(ctx.backend, "exists", ctx.backend.exists, batch)
+        with anyio.move_on_after(ctx.config.slice_timeout) as call:
+            flags = await backend_call(ctx.backend, "exists", ctx.backend.exists, batch)
+        if call.cancelled_caught:
+            raise OperationTimeout(
+                f"exists on {len(chunk)} keys took longer than slice_timeout "
+                f"({ctx.config.slice_timeout} s)"
+            )
         if len(flags) != len(chunk):
             raise BackendError(
                 ctx.backend.name, "exists", f"{len(flags)} answers for {len(chunk)} keys"
@@ -88,12 +96,12 @@ class Scheduler(Actor[RequestState]):
         ctx = self.ctx
         assert state.keys is not None
         keys = state.keys.keys[state.start_block : state.end_block]
-        with anyio.move_on_at(state.deadline) as scope:
+        with state.bound(state.deadline) as scope:
             try:
                 state.skipped = await probe_leading(
                     ctx, state.request_id, keys, state.start_block, state.tokens
                 )
-            except BackendError as exc:
+            except (BackendError, OperationTimeout) as exc:
                 # Deduplication is an optimisation: without it every block is rewritten.
                 ctx.metrics.counters["probe_errors"] += 1
                 log.warning(
@@ -111,21 +119,24 @@ class Scheduler(Actor[RequestState]):
                 len(state.tokens),
             )
             await self.send("slicer", state)
-        if scope.cancelled_caught:
+        if scope.cancelled_caught:  # the deadline, or the request ended (then a no-op)
             state.stop("total_timeout", "deadline passed before the first slice was sent")
 
     async def _read(self, state: ReadState) -> None:
         ctx = self.ctx
         assert state.keys is not None
         keys = state.keys.keys[state.start_block : state.end_block]
-        with anyio.move_on_at(state.deadline) as scope:
+        with state.bound(state.deadline) as scope:
             try:
                 available = await probe_leading(
                     ctx, state.request_id, keys, state.start_block, state.tokens
                 )
-            except BackendError as exc:
+            except (BackendError, OperationTimeout) as exc:
                 ctx.metrics.counters["probe_errors"] += 1
-                state.stop_at(state.start_block, "backend_error", [], describe_error(exc))
+                reason: ReadStopReason = (
+                    "backend_error" if isinstance(exc, BackendError) else "slice_timeout"
+                )
+                state.stop_at(state.start_block, reason, [], describe_error(exc))
                 state.plan(())
                 return
             if available < state.requested:
@@ -147,7 +158,7 @@ class Scheduler(Actor[RequestState]):
 
     async def _call(self, state: CallState) -> None:
         assert state.keys is not None
-        with anyio.move_on_at(state.deadline) as scope:
+        with state.bound(state.deadline) as scope:
             try:
                 if state.op == "lookup":
                     state.succeed(
@@ -159,7 +170,7 @@ class Scheduler(Actor[RequestState]):
                     state.succeed(await self._flush(state))
                 else:
                     state.succeed(await self._locate(state))
-            except BackendError as exc:
+            except (BackendError, OperationTimeout) as exc:
                 state.fail(exc)
         if scope.cancelled_caught:
             state.fail(OperationTimeout(f"{state.op} {state.request_id} timed out"))
@@ -190,6 +201,12 @@ class Scheduler(Actor[RequestState]):
             records = await backend_call(
                 ctx.backend, "get_residency", ctx.backend.get_residency, chunk
             )
+            if len(records) != len(chunk):
+                raise BackendError(
+                    ctx.backend.name,
+                    "get_residency",
+                    f"{len(records)} answers for {len(chunk)} keys",
+                )
             for i, (key, entries) in enumerate(zip(chunk, records, strict=True)):
                 if not entries:
                     return out

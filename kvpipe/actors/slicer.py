@@ -8,8 +8,6 @@ slices.
 
 from __future__ import annotations
 
-import anyio
-
 from ._base import Actor, SliceJob
 from ._state import ReadState, RequestState, WriteState
 
@@ -35,7 +33,9 @@ class Slicer(Actor[WriteState | ReadState]):
                 msg.resolve(spec.index, 0)
                 continue
             sent = False
-            with anyio.move_on_at(msg.deadline):
+            # Ends at the deadline, when the request ends, or (reads) when loading stops
+            # before this slice: a cancelled request does not keep waiting for staging.
+            with msg.bound(msg.deadline, ("lease", spec.index), spec.first_block):
                 lease = await self.ctx.pool.acquire(spec.count)
                 try:
                     await self.send(stage, SliceJob(msg, spec, lease))
@@ -46,7 +46,8 @@ class Slicer(Actor[WriteState | ReadState]):
             if not sent:
                 detail = "deadline passed waiting for staging or a full queue"
                 if isinstance(msg, WriteState):
-                    msg.stop("total_timeout", detail)
+                    msg.stop("total_timeout", detail)  # no-op when it had already ended
                     return
-                msg.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
+                if not msg.stopped_before(spec.first_block):
+                    msg.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
                 msg.resolve(spec.index, 0)

@@ -87,7 +87,6 @@ class Supervisor:
                 crashes.append(now)
                 while crashes and crashes[0] < now - self._window:
                     crashes.popleft()
-                self._metrics.restarts[child.name] += 1
                 ids = ", ".join(s.request_id for s in held[:8]) or "none"
                 if len(crashes) > self._max_restarts:
                     log.error(
@@ -103,6 +102,7 @@ class Supervisor:
                     self._on_escalate(child.name, cause)
                     self.stop()
                     return
+                self._metrics.restarts[child.name] += 1
                 for state in held:
                     state.crashed(child.name, cause)
                 log.warning(

@@ -3,8 +3,10 @@
 Each slice runs in its own cancel scope with deadline ``min(now + slice_timeout, request
 deadline)``. Only the leading run of blocks the backend reports stored counts. The first slice
 that stores fewer blocks than it carries, times out or fails ends the request: no later slice
-of it is sent. Blocks the backend reported stored after a failed one are deleted, so nothing
-past the counted prefix is left behind by this write.
+of it is sent. Blocks the backend reported stored after a failed one are never counted. They
+are left in place: keys are content-chained, so such a block holds exactly the right bytes for
+its key and simply cannot be reached until its predecessors are stored, while deleting it could
+remove a block that a concurrent writer of the same prefix has just stored and counted.
 """
 
 from __future__ import annotations
@@ -35,42 +37,37 @@ class Writer(Actor[SliceJob]):
         return msg.state
 
     async def handle(self, msg: SliceJob) -> None:
-        strays: list[str] = []
         try:
-            strays = await self._write(msg)
+            await self._write(msg)
         finally:
             msg.lease.release()
-        if strays:
-            await self._delete_strays(msg.state.request_id, strays)
 
-    async def _write(self, job: SliceJob) -> list[str]:
+    async def _write(self, job: SliceJob) -> None:
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, WriteState)
         with anyio.move_on_at(state.deadline) as waited:
             if not await state.wait_turn(spec.index):
-                return []
+                return
         if waited.cancelled_caught or state.done:
             # The deadline passed while an earlier slice was still in flight: that slice's
             # own scope ends at the same deadline and reports the outcome. Just drop this one.
-            return []
+            return
         if anyio.current_time() >= state.deadline:
             state.stop("total_timeout", "deadline passed before the slice was sent")
-            return []
+            return
         started = anyio.current_time()
         deadline = min(started + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, PutBatch)
         statuses: list[BlockStatus] | None = None
         error: BackendError | None = None
-        with anyio.CancelScope(deadline=deadline) as scope:
-            state.scopes[spec.index] = scope
+        with state.bound(deadline, ("put", spec.index), spec.first_block) as scope:
             try:
                 raw = await backend_call(ctx.backend, "put_blocks", ctx.backend.put_blocks, batch)
                 statuses = check_statuses(ctx.backend, "put_blocks", raw, spec.count)
             except BackendError as exc:
                 error = exc
-        state.scopes.pop(spec.index, None)
         if state.done:
-            return []
+            return
         elapsed = anyio.current_time() - started
         written = 0
         detail: str | None = None
@@ -94,10 +91,10 @@ class Writer(Actor[SliceJob]):
             SliceOutcome(spec.index, spec.first_block, spec.count, written, elapsed, outcome),
             detail,
         )
-        if statuses is None:
-            return []
-        keys = batch.keys
-        return [keys[i] for i in range(written + 1, spec.count) if statuses[i] is BlockStatus.OK]
+        if statuses is not None:
+            strays = sum(s is BlockStatus.OK for s in statuses[written + 1 :])
+            if strays:
+                ctx.metrics.counters["blocks_stored_past_a_failure"] += strays
 
     def _account(
         self,
@@ -137,17 +134,3 @@ class Writer(Actor[SliceJob]):
                 detail,
                 state.skipped + state.written + written,
             )
-
-    async def _delete_strays(self, request_id: str, keys: list[str]) -> None:
-        """Remove blocks stored past the counted prefix (best effort, bounded)."""
-        ctx = self.ctx
-        with anyio.move_on_after(ctx.config.slice_timeout):
-            try:
-                await backend_call(ctx.backend, "delete", ctx.backend.delete, keys)
-                ctx.metrics.counters["stray_blocks_deleted"] += len(keys)
-                return
-            except BackendError as exc:
-                log.warning(
-                    "write %s: could not delete %d stray blocks: %s", request_id, len(keys), exc
-                )
-        ctx.metrics.counters["stray_delete_failures"] += 1

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from .._blockformat import value_nbytes
-from .._keys import Scope, as_tokens, block_keys
+from .._keys import Scope, Tokens, as_tokens, block_keys
 from .._results import Residency, ResidencyEntry
 from .._staging import StagingPool, ThreadRunner
 from ..backends import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
@@ -39,71 +39,120 @@ _BLOCK = 4
 
 
 class Batches:
-    """Builds real batches over real staging, the way the pipeline does."""
+    """Builds real batches over real staging, the way the pipeline does.
+
+    Keys come from :meth:`keys` (chained, as the pipeline makes them); a batch of them gets
+    the first block index, token prefix and parent key a pipeline would give it, split into
+    runs of consecutive blocks — so a token-indexed backend sees consistent batches.
+    """
 
     def __init__(self, pool: StagingPool, runner: ThreadRunner) -> None:
         self.pool = pool
         self.runner = runner
+        self._where: dict[str, tuple[Tokens, int, tuple[str, ...]]] = {}
 
-    @staticmethod
-    def keys(n: int, seed: int = 0, partial: bool = False) -> tuple[tuple[str, ...], object]:
-        """``n`` chained keys (the last one partial if asked) and their tokens."""
+    def keys(self, n: int, seed: int = 0, partial: bool = False) -> tuple[tuple[str, ...], Tokens]:
+        """``n`` chained keys of one sequence (the last one partial if asked), its tokens."""
         tokens = as_tokens(np.arange(seed * 100_000, seed * 100_000 + n * _BLOCK - partial))
-        return block_keys(_SCOPE, tokens, _BLOCK, partial).keys, tokens
+        keys = block_keys(_SCOPE, tokens, _BLOCK, partial).keys
+        for i, key in enumerate(keys):
+            self._where[key] = (tokens, i, keys)
+        return keys, tokens
 
-    def key_batch(self, keys: Sequence[str], first: int = 0) -> KeyBatch:
-        """A key-only batch."""
-        tokens = as_tokens(np.arange((first + len(keys)) * _BLOCK))
-        return KeyBatch(_SCOPE, "conformance", keys, first, tokens)
+    def _runs(self, keys: Sequence[str]) -> list[tuple[list[int], int, Tokens, str | None]]:
+        """Positions of ``keys`` cut into runs of consecutive blocks of one sequence, each
+        with its first block index, token prefix and parent key."""
+        runs: list[tuple[list[int], int, Tokens, str | None]] = []
+        prev: tuple[Tokens, int, tuple[str, ...]] | None = None
+        for pos, key in enumerate(keys):
+            where = self._where.get(key)
+            if (
+                runs
+                and where is not None
+                and prev is not None
+                and where[2] is prev[2]
+                and where[1] == prev[1] + 1
+            ):
+                runs[-1][0].append(pos)
+            else:
+                if where is None:
+                    runs.append(([pos], 0, as_tokens(np.arange(_BLOCK)), None))
+                else:
+                    tokens, index, seq = where
+                    runs.append(([pos], index, tokens, seq[index - 1] if index else None))
+            prev = where
+        out = []
+        for positions, first, tokens, parent in runs:
+            end = min((first + len(positions)) * _BLOCK, len(tokens))
+            out.append((positions, first, tokens[:end], parent))
+        return out
+
+    def key_batch(self, keys: Sequence[str]) -> KeyBatch:
+        """A key-only batch (the keys should be consecutive blocks of one sequence)."""
+        _, first, tokens, parent = self._runs(keys)[0]
+        return KeyBatch(_SCOPE, "conformance", keys, first, tokens, parent)
 
     async def put(
         self, backend: StorageBackend, keys: Sequence[str], values: Sequence[bytes]
     ) -> list[BlockStatus]:
         """Put ``values`` (each ``pool.slot_nbytes`` long) under ``keys``."""
-        lease = await self.pool.acquire(len(keys))
-        try:
-            for i, value in enumerate(values):
-                self.pool.slot(lease.slots[i])[:] = np.frombuffer(value, np.uint8)
-            tokens = as_tokens(np.arange(len(keys) * _BLOCK))
-            batch = PutBatch(
-                _SCOPE,
-                "conformance",
-                keys,
-                0,
-                tokens,
-                lease=lease,
-                value_nbytes=self.pool.slot_nbytes,
-                runner=self.runner,
-                limiter=None,
-            )
-            return list(await backend.put_blocks(batch))
-        finally:
-            lease.release()
+        statuses: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
+        for positions, first, tokens, parent in self._runs(keys):
+            lease = await self.pool.acquire(len(positions))
+            try:
+                for i, pos in enumerate(positions):
+                    self.pool.slot(lease.slots[i])[:] = np.frombuffer(values[pos], np.uint8)
+                batch = PutBatch(
+                    _SCOPE,
+                    "conformance",
+                    [keys[p] for p in positions],
+                    first,
+                    tokens,
+                    parent,
+                    lease=lease,
+                    value_nbytes=self.pool.slot_nbytes,
+                    runner=self.runner,
+                    limiter=None,
+                )
+                got = list(await backend.put_blocks(batch))
+                assert len(got) == len(positions), "one status per key"
+                for pos, status in zip(positions, got, strict=True):
+                    statuses[pos] = status
+            finally:
+                lease.release()
+        return statuses
 
     async def get(
         self, backend: StorageBackend, keys: Sequence[str]
     ) -> tuple[list[BlockStatus], list[bytes]]:
         """Get ``keys``; returns the statuses and each buffer's bytes."""
-        lease = await self.pool.acquire(len(keys))
-        try:
-            for slot in lease.slots:
-                self.pool.slot(slot)[:] = 0
-            tokens = as_tokens(np.arange(len(keys) * _BLOCK))
-            batch = GetBatch(
-                _SCOPE,
-                "conformance",
-                keys,
-                0,
-                tokens,
-                lease=lease,
-                value_nbytes=self.pool.slot_nbytes,
-                runner=self.runner,
-                limiter=None,
-            )
-            statuses = list(await backend.get_blocks(batch))
-            return statuses, [self.pool.slot(s).tobytes() for s in lease.slots]
-        finally:
-            lease.release()
+        statuses: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
+        values: list[bytes] = [b""] * len(keys)
+        for positions, first, tokens, parent in self._runs(keys):
+            lease = await self.pool.acquire(len(positions))
+            try:
+                for slot in lease.slots:
+                    self.pool.slot(slot)[:] = 0
+                batch = GetBatch(
+                    _SCOPE,
+                    "conformance",
+                    [keys[p] for p in positions],
+                    first,
+                    tokens,
+                    parent,
+                    lease=lease,
+                    value_nbytes=self.pool.slot_nbytes,
+                    runner=self.runner,
+                    limiter=None,
+                )
+                got = list(await backend.get_blocks(batch))
+                assert len(got) == len(positions), "one status per key"
+                for i, (pos, status) in enumerate(zip(positions, got, strict=True)):
+                    statuses[pos] = status
+                    values[pos] = self.pool.slot(lease.slots[i]).tobytes()
+            finally:
+                lease.release()
+        return statuses, values
 
 
 def _values(n: int, size: int, seed: int) -> list[bytes]:
@@ -124,14 +173,18 @@ class BackendConformance:
         yield  # pragma: no cover
 
     @asynccontextmanager
-    async def _batches(self) -> AsyncIterator[Batches]:
+    async def _batches(self, backend: StorageBackend) -> AsyncIterator[Batches]:
         pool = StagingPool(value_nbytes(self.payload_nbytes), 64)
         async with ThreadRunner() as runner:
-            yield Batches(pool, runner)
+            await backend.register_staging(pool.buffer.data.cast("B"))
+            try:
+                yield Batches(pool, runner)
+            finally:
+                await backend.unregister_staging(pool.buffer.data.cast("B"))
             assert pool.in_use == 0, "the backend left staging leased after its call returned"
 
     async def test_put_then_get_is_byte_exact(self, backend: StorageBackend) -> None:
-        async with self._batches() as b:
+        async with self._batches(backend) as b:
             keys, _ = b.keys(8)
             values = _values(8, b.pool.slot_nbytes, seed=1)
             assert await b.put(backend, keys, values) == [BlockStatus.OK] * 8
@@ -140,7 +193,7 @@ class BackendConformance:
             assert got == values
 
     async def test_partial_block_keys_are_ordinary_keys(self, backend: StorageBackend) -> None:
-        async with self._batches() as b:
+        async with self._batches(backend) as b:
             keys, _ = b.keys(3, seed=2, partial=True)
             assert keys[-1].endswith(":partial:3")
             values = _values(3, b.pool.slot_nbytes, seed=2)
@@ -149,7 +202,7 @@ class BackendConformance:
             assert statuses == [BlockStatus.OK] * 3 and got == values
 
     async def test_missing_keys_are_reported_per_block(self, backend: StorageBackend) -> None:
-        async with self._batches() as b:
+        async with self._batches(backend) as b:
             keys, _ = b.keys(6, seed=3)
             values = _values(6, b.pool.slot_nbytes, seed=3)
             stored = [0, 1, 3]
@@ -166,7 +219,7 @@ class BackendConformance:
             assert [got[i] for i in stored] == [values[i] for i in stored]
 
     async def test_exists_answers_per_key(self, backend: StorageBackend) -> None:
-        async with self._batches() as b:
+        async with self._batches(backend) as b:
             keys, _ = b.keys(5, seed=4)
             await b.put(backend, keys[:2], _values(2, b.pool.slot_nbytes, seed=4))
             flags = list(await backend.exists(b.key_batch(keys)))
@@ -175,7 +228,7 @@ class BackendConformance:
             assert not any(flags[2:])
 
     async def test_delete_removes_and_ignores_missing(self, backend: StorageBackend) -> None:
-        async with self._batches() as b:
+        async with self._batches(backend) as b:
             keys, _ = b.keys(4, seed=5)
             await b.put(backend, keys, _values(4, b.pool.slot_nbytes, seed=5))
             await backend.delete([keys[1], keys[3], "conformance@0123456789abcdef@0-1@none"])
@@ -188,7 +241,7 @@ class BackendConformance:
             assert statuses[1] is BlockStatus.MISSING and statuses[3] is BlockStatus.MISSING
 
     async def test_overwrite_replaces_the_value(self, backend: StorageBackend) -> None:
-        async with self._batches() as b:
+        async with self._batches(backend) as b:
             keys, _ = b.keys(2, seed=6)
             first, second = (
                 _values(2, b.pool.slot_nbytes, seed=6),
@@ -200,7 +253,7 @@ class BackendConformance:
             assert got == second
 
     async def test_residency_index(self, backend: StorageBackend) -> None:
-        async with self._batches() as b:
+        async with self._batches(backend) as b:
             keys, _ = b.keys(3, seed=8)
             now = time.time()
             await backend.put_residency(
@@ -217,7 +270,7 @@ class BackendConformance:
             assert all(e.key == keys[0] for e in records[0])
 
     async def test_concurrent_calls(self, backend: StorageBackend) -> None:
-        async with self._batches() as b:
+        async with self._batches(backend) as b:
             groups = [b.keys(4, seed=10 + g)[0] for g in range(6)]
             values = [_values(4, b.pool.slot_nbytes, seed=10 + g) for g in range(6)]
             results: dict[int, list[BlockStatus]] = {}
@@ -240,7 +293,7 @@ class BackendConformance:
             assert all(got[g] == values[g] for g in range(6))
 
     async def test_a_cancelled_put_leaves_the_backend_usable(self, backend: StorageBackend) -> None:
-        async with self._batches() as b:
+        async with self._batches(backend) as b:
             keys, _ = b.keys(8, seed=20)
             values = _values(8, b.pool.slot_nbytes, seed=20)
             with anyio.CancelScope() as scope:

@@ -50,8 +50,10 @@ async def test_first_incomplete_slice_stops_the_request() -> None:
         assert [c.first_block for c in store.calls_of("put")] == [0, 4]
         assert state.result is not None
         assert (state.result.written, state.result.stop_reason) == (4, "incomplete_slice")
-        # blocks 5, 6, 7 were reported stored after the failed block 4: deleted
-        assert store.deleted == list(store.calls_of("put")[1].keys[1:])
+        # blocks 5, 6, 7 were reported stored after the failed block 4: never counted, and
+        # left alone (content-chained keys: valid bytes, unreachable until block 4 is stored)
+        assert store.deleted == []
+        assert h.ctx.metrics.counters["blocks_stored_past_a_failure"] == 3
         assert h.ctx.pool.in_use == 0
         assert h.ctx.metrics.slices == {"complete": 1, "incomplete": 1}
 

@@ -21,7 +21,7 @@ class TestMemoryStoreConformance(BackendConformance):
 async def test_capacity_reports_no_space_for_what_does_not_fit() -> None:
     suite = BackendConformance()
     store = kvpipe.MemoryStore(capacity_bytes=3 * (suite.payload_nbytes + 48))
-    async with suite._batches() as b:
+    async with suite._batches(store) as b:
         keys, _ = b.keys(5)
         values = [bytes([i]) * b.pool.slot_nbytes for i in range(5)]
         statuses = await b.put(store, keys, values)
