@@ -16,6 +16,7 @@ thread at a time.
 
 from __future__ import annotations
 
+import os
 import queue
 import sqlite3
 import time
@@ -36,7 +37,8 @@ CREATE TABLE IF NOT EXISTS blocks (
     nbytes INTEGER NOT NULL,
     created REAL NOT NULL,
     last_access REAL NOT NULL,
-    ready INTEGER NOT NULL DEFAULT 0
+    ready INTEGER NOT NULL DEFAULT 0,
+    owner TEXT
 );
 CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent);
 CREATE INDEX IF NOT EXISTS blocks_access ON blocks(ready, last_access);
@@ -86,8 +88,11 @@ class CatalogStats:
 class Catalog:
     """The catalog database (see the module docstring)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, owner: str = "") -> None:
         self.path = path
+        self.owner = owner
+        # Owner-only, like every file of the store (SQLite gives -wal/-shm the same mode).
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         self._pool: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._all: list[sqlite3.Connection] = []
         with self._conn() as db:
@@ -169,8 +174,8 @@ class Catalog:
                 else:
                     db.execute(
                         "INSERT INTO blocks (key, parent, namespace, nbytes, created, "
-                        "last_access, ready) VALUES (?, ?, ?, ?, ?, ?, 0)",
-                        (key, block_parent, namespace, nbytes, now, now),
+                        "last_access, ready, owner) VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
+                        (key, block_parent, namespace, nbytes, now, now, self.owner),
                     )
                 total += need
                 admitted.append(True)
@@ -230,12 +235,11 @@ class Catalog:
         with self._write() as db:
             db.executemany("UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys])
 
-    def records(self) -> dict[str, tuple[bool, float]]:
-        """Every block record: key → (ready, created)."""
+    def records(self) -> dict[str, tuple[bool, float, str | None]]:
+        """Every block record: key → (ready, created, owner of an unsettled reservation)."""
         with self._conn() as db:
-            return {
-                k: (bool(r), c) for k, r, c in db.execute("SELECT key, ready, created FROM blocks")
-            }
+            rows = db.execute("SELECT key, ready, created, owner FROM blocks")
+            return {k: (bool(r), c, o) for k, r, c, o in rows}
 
     def adopt(self, key: str, namespace: str, nbytes: int, created: float) -> bool:
         """Record a valid block file the catalog did not know; ``False`` if it did."""

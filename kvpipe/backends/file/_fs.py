@@ -31,7 +31,7 @@ from typing import Final, Literal, final
 
 from ._format import is_temp_name, parse_temp_name, temp_name
 
-__all__ = ("Durability", "Root", "UnsafePath")
+__all__ = ("Durability", "NotARegularFile", "Root", "UnsafePath", "owner_is_dead", "owner_token")
 
 Durability = Literal["none", "data", "full"]
 _COMPONENT: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
@@ -41,6 +41,11 @@ HOST: Final = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "hos
 
 class UnsafePath(OSError):
     """A path component was invalid or led through a symbolic link."""
+
+
+class NotARegularFile(OSError):
+    """Something other than a regular file (a directory, FIFO, socket...) sits at a block's
+    name."""
 
 
 class _OpenHow(ctypes.Structure):
@@ -109,9 +114,10 @@ class Root:
             symbolic link; nothing below it may be.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], create: bool = True) -> None:
         self.path = os.path.realpath(os.fspath(path))
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        if create:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
         self.fd = os.open(self.path, _DIR_FLAGS & ~os.O_NOFOLLOW)
 
     def close(self) -> None:
@@ -226,15 +232,17 @@ class Root:
 
         Raises:
             UnsafePath: The file or a directory on its way is a symbolic link.
+            NotARegularFile: Something else than a regular file is at that name.
             OSError: Reading failed.
         """
-        fd = self._open_file(parts, name, os.O_RDONLY)
+        # O_NONBLOCK: opening a FIFO planted at a block's name must not wait for a writer.
+        fd = self._open_file(parts, name, os.O_RDONLY | os.O_NONBLOCK)
         if fd is None:
             return None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise UnsafePath(errno.EINVAL, f"{name!r} is not a regular file")
+                raise NotARegularFile(errno.EINVAL, f"{name!r} is not a regular file")
             header = os.pread(fd, header_nbytes, 0)
             if st.st_size != header_nbytes + len(into):
                 return header, -1
@@ -294,20 +302,60 @@ class Root:
         return True
 
     def quarantine(self, parts: Sequence[str], name: str) -> bool:
-        """Move a bad file out of the block tree into ``quarantine/``; ``False`` if gone."""
+        """Move a bad entry out of the block tree into ``quarantine/`` — or, when that is not
+        possible (a planted ``quarantine`` link, no space), remove it. Never raises.
+
+        Returns:
+            Whether the entry is gone from its block name.
+        """
+        _check(name)
         try:
             with (
                 self.directory(parts, create=False) as src,
                 self.directory(("quarantine",), create=True) as dst,
             ):
                 stamp = f"{name}.{int(time.time())}.{secrets.token_hex(2)}"
-                os.rename(_check(name), stamp, src_dir_fd=src, dst_dir_fd=dst)
+                os.rename(name, stamp, src_dir_fd=src, dst_dir_fd=dst)
+            return True
         except FileNotFoundError:
+            return False
+        except OSError:
+            pass
+        try:
+            with self.directory(parts, create=False) as src:
+                try:
+                    os.unlink(name, dir_fd=src)
+                except IsADirectoryError:
+                    os.rmdir(name, dir_fd=src)
+            return True
+        except OSError:
+            return False
+
+    def discard(self, parts: Sequence[str], name: str) -> bool:
+        """Remove a block file if it is there; never raises (``False`` when not removed)."""
+        try:
+            return self.unlink(parts, name)
+        except OSError:
+            return False
+
+    def remove_temp(self, parts: Sequence[str], name: str) -> bool:
+        """Remove one of the store's temporary files; ``False`` when it is not there.
+
+        Raises:
+            UnsafePath: ``name`` is not a temporary file name of this store.
+        """
+        if not is_temp_name(name) or "/" in name or "\0" in name or parse_temp_name(name) is None:
+            raise UnsafePath(errno.EINVAL, f"{name!r} is not a temporary file of the store")
+        try:
+            with self.directory(parts, create=False) as dfd:
+                os.unlink(name, dir_fd=dfd)
+        except (FileNotFoundError, NotADirectoryError):
             return False
         return True
 
     def walk(self, top: Sequence[str]) -> Iterator[tuple[tuple[str, ...], list[os.DirEntry[str]]]]:
-        """Every directory under ``top`` (not following links) and its file entries."""
+        """Every directory under ``top`` (not following links) and its other entries
+        (files, links, FIFOs, and directories named like block files)."""
         base = os.path.join(self.path, *top)
         if not os.path.isdir(base) or os.path.islink(base):
             return
@@ -318,7 +366,8 @@ class Root:
             try:
                 with os.scandir(os.path.join(self.path, *parts)) as it:
                     for entry in it:
-                        if entry.is_dir(follow_symlinks=False):
+                        # a directory at a block's name is an entry to judge, not a shard
+                        if entry.is_dir(follow_symlinks=False) and not entry.name.endswith(".kvb"):
                             stack.append((*parts, entry.name))
                         else:
                             files.append(entry)
@@ -340,6 +389,20 @@ class Root:
                 owner = parse_temp_name(entry.name)
                 dead = owner is not None and owner[0] == HOST and not _alive(owner[1])
                 yield TempFile(parts, entry.name, age, dead or age > stale_after)
+
+
+#: Who reserves catalog rows from this process: ``host:pid``.
+def owner_token() -> str:
+    """This process as a catalog owner, ``host:pid``."""
+    return f"{HOST}:{os.getpid()}"
+
+
+def owner_is_dead(owner: str | None) -> bool:
+    """Whether ``owner`` (``host:pid``) is a process of this host that no longer runs."""
+    if not owner or ":" not in owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    return host == HOST and pid.isdigit() and not _alive(int(pid))
 
 
 def _alive(pid: int) -> bool:

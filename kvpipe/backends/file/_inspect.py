@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -12,9 +14,11 @@ import xxhash
 
 from ._catalog import Catalog
 from ._format import BLOCK_SUFFIX, HEADER_NBYTES, HeaderError, block_location, unpack_header
-from ._fs import Root
+from ._fs import Root, owner_is_dead
 
 __all__ = ("RecoveryReport", "StoreReport", "inspect_store", "recover")
+
+log = logging.getLogger("kvpipe.file_store")
 
 
 @final
@@ -28,10 +32,20 @@ class RecoveryReport:
     forgotten: int = 0
 
 
-def _read_header(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _read_header(path: str) -> tuple[bytes, int]:
+    """A block file's header bytes and its size (never blocks on a FIFO, never follows a
+    link).
+
+    Raises:
+        HeaderError: It is not a regular file.
+        OSError: It cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        return os.pread(fd, HEADER_NBYTES, 0)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise HeaderError("not a regular file")
+        return os.pread(fd, HEADER_NBYTES, 0), st.st_size
     finally:
         os.close(fd)
 
@@ -43,8 +57,11 @@ def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
     """
     temp_removed = adopted = quarantined = forgotten = 0
     for tmp in root.temp_files(stale_after):
-        if tmp.removable and root.unlink(tmp.parts, tmp.name):
-            temp_removed += 1
+        try:
+            if tmp.removable and root.remove_temp(tmp.parts, tmp.name):
+                temp_removed += 1
+        except OSError as exc:
+            log.warning("file store %s: cannot remove %s: %s", root.path, tmp.name, exc)
     records = catalog.records()
     expected = {block_location(k)[1]: k for k in records}
     seen: set[str] = set()
@@ -53,30 +70,32 @@ def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
             name = entry.name
             if not name.endswith(BLOCK_SUFFIX) or name.startswith("."):
                 continue
-            if name in expected and block_location(expected[name])[0] == parts:
-                seen.add(expected[name])
+            regular = entry.is_file(follow_symlinks=False)
+            if regular and name in expected and block_location(expected[name])[0] == parts:
+                seen.add(expected[name])  # known to the catalog: its header is read on use
                 continue
             try:
-                header = unpack_header(_read_header(entry.path))
+                raw, size = _read_header(entry.path)
+                header = unpack_header(raw)
                 if block_location(header.key) != (parts, name):
                     raise HeaderError("file is not where its key belongs")
-                size = entry.stat(follow_symlinks=False).st_size - HEADER_NBYTES
-                if size != header.payload_nbytes:
+                if size - HEADER_NBYTES != header.payload_nbytes:
                     raise HeaderError("truncated")
             except (HeaderError, OSError):
                 if root.quarantine(parts, name):
                     quarantined += 1
                 continue
             seen.add(header.key)
-            if catalog.adopt(header.key, parts[1], header.payload_nbytes, header.created):
+            if catalog.adopt(header.key, parts[1], size, header.created):
                 adopted += 1
     cutoff = time.time() - stale_after
     gone = []
-    for key, (ready, created) in records.items():
+    for key, (ready, created, owner) in records.items():
+        dead = not ready and (created < cutoff or owner_is_dead(owner))
         if key in seen:
-            if not ready and created < cutoff:
+            if dead:
                 catalog.settle([key], [])  # published, but its writer died before settling
-        elif ready or created < cutoff:
+        elif ready or dead:
             gone.append(key)  # the file is gone, or its writer died before publishing it
     if gone:
         catalog.remove(gone)
@@ -115,7 +134,7 @@ def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) 
         verify: Also read every payload and check its checksum (reads the whole store).
         stale_after: Age after which a temporary file counts as stale.
     """
-    root = Root(path)
+    root = Root(path, create=False)
     report = StoreReport(root.path, verified=verify)
     try:
         for tmp in root.temp_files(stale_after):
@@ -152,8 +171,8 @@ def _inspect_file(
     path: str, parts: tuple[str, ...], name: str, verify: bool, report: StoreReport
 ) -> str | None:
     try:
-        header = unpack_header(_read_header(path))
-        size = os.stat(path, follow_symlinks=False).st_size
+        raw, size = _read_header(path)
+        header = unpack_header(raw)
     except HeaderError as exc:
         return str(exc)
     except OSError as exc:

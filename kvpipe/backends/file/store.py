@@ -11,12 +11,14 @@ and the batch's staging stays leased until its threads return.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, final
 
 import anyio
@@ -33,20 +35,14 @@ from ._format import (
     pack_header,
     unpack_header,
 )
-from ._fs import Durability, Root
+from ._fs import Durability, NotARegularFile, Root, owner_token
+from ._inspect import recover
 
 __all__ = ("FileStore",)
 
 log = logging.getLogger("kvpipe.file_store")
 T = TypeVar("T")
 _DURABILITIES = ("none", "data", "full")
-
-
-def _split(n: int, parts: int) -> list[range]:
-    """``range(n)`` cut into at most ``parts`` contiguous pieces."""
-    parts = max(1, min(parts, n))
-    step = -(-n // parts)
-    return [range(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 @final
@@ -95,6 +91,7 @@ class FileStore(StorageBackend):
         self.scan_on_open = scan_on_open
         self._root: Root | None = None
         self._catalog: Catalog | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._open_lock = anyio.Lock()
         self._limiter = anyio.CapacityLimiter(threads)
         self._counters: Counter[str] = Counter()
@@ -114,12 +111,18 @@ class FileStore(StorageBackend):
 
     def _open_sync(self) -> None:
         root = Root(self.path)
-        catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"))
-        self._root, self._catalog = root, catalog
+        try:
+            catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"), owner_token())
+        except BaseException:
+            root.close()
+            raise
         if self.scan_on_open:
-            from ._inspect import recover
-
-            report = recover(root, catalog, self.stale_temp_after)
+            try:
+                report = recover(root, catalog, self.stale_temp_after)
+            except BaseException:
+                catalog.close()
+                root.close()
+                raise
             self._count(
                 temp_files_removed=report.temp_removed,
                 adopted=report.adopted,
@@ -128,11 +131,16 @@ class FileStore(StorageBackend):
             )
             if report.temp_removed or report.quarantined or report.forgotten:
                 log.warning("file store %s: recovered at open: %s", root.path, report)
+        self._root, self._catalog = root, catalog
+        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvpipe-file")
 
     async def aclose(self) -> None:
         """Close the catalog and the root descriptor."""
         async with self._open_lock:
             if self._root is not None and self._catalog is not None:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=False, cancel_futures=True)
+                    self._executor = None
                 self._catalog.close()
                 self._root.close()
                 self._root = self._catalog = None
@@ -157,175 +165,155 @@ class FileStore(StorageBackend):
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
         """Publish every value as a block file (see :class:`StorageBackend`).
 
+        The whole batch — reserve room, write the files (spread over ``threads`` threads),
+        record them — runs in one worker-thread call, so its bookkeeping completes even when
+        the caller stops waiting.
+
         Cancellation: blocks not yet renamed into place when the call is cancelled are not
-        published; the staging stays leased until the worker threads return.
+        published (their reservations are released); the staging stays leased until the
+        worker threads return.
         """
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        values = batch.values
         abandoned = threading.Event()
-        fingerprint = batch.scope.fingerprint
-        namespace = key_namespace(keys[0]) if keys else "_"
         try:
-            reservation = await self._thread(
-                self._reserve,
-                catalog,
+            return await batch.run_sync(
+                self._put_sync,
                 root,
+                catalog,
                 keys,
+                batch.values,
                 batch.parent_key,
-                namespace,
-                batch.value_nbytes,
+                batch.scope.fingerprint,
                 abandoned,
             )
-            statuses: list[BlockStatus] = [
-                BlockStatus.FAILED if ok else BlockStatus.NO_SPACE for ok in reservation
-            ]
-            admitted = [i for i, ok in enumerate(reservation) if ok]
-
-            async def write(part: range) -> None:
-                idx = [admitted[j] for j in part]
-                done = await batch.run_sync(
-                    self._write_many, root, catalog, keys, values, idx, fingerprint, abandoned
-                )
-                for i, status in zip(idx, done, strict=True):
-                    statuses[i] = status
-
-            async with anyio.create_task_group() as tg:
-                for part in _split(len(admitted), self.threads):
-                    tg.start_soon(write, part)
         except anyio.get_cancelled_exc_class():
             abandoned.set()
             raise
-        return statuses
 
-    def _reserve(
-        self,
-        catalog: Catalog,
-        root: Root,
-        keys: list[str],
-        parent: str | None,
-        namespace: str,
-        nbytes: int,
-        abandoned: threading.Event,
-    ) -> list[bool]:
-        res = catalog.reserve(keys, parent, namespace, nbytes, self.capacity_bytes)
-        if abandoned.is_set():
-            catalog.settle([], [k for k, ok in zip(keys, res.admitted, strict=True) if ok])
-            return [False] * len(keys)
-        for key in res.victims:
-            root.unlink(*block_location(key))
-        if res.victims:
-            self._count(evictions=len(res.victims), evicted_bytes=res.evicted_bytes)
-            log.debug(
-                "evicted %d blocks (%d B) to stay under %s B",
-                len(res.victims),
-                res.evicted_bytes,
-                self.capacity_bytes,
-            )
-        refused = res.admitted.count(False)
-        if refused:
-            self._count(no_space=refused)
-        return res.admitted
-
-    def _write_many(
+    def _put_sync(
         self,
         root: Root,
         catalog: Catalog,
         keys: list[str],
         values: list[memoryview],
-        idx: list[int],
+        parent: str | None,
         fingerprint: str,
         abandoned: threading.Event,
     ) -> list[BlockStatus]:
-        out: list[BlockStatus] = []
+        if not keys:
+            return []
+        nbytes = len(values[0]) + HEADER_NBYTES
+        res = catalog.reserve(keys, parent, key_namespace(keys[0]), nbytes, self.capacity_bytes)
+        admitted = [i for i, ok in enumerate(res.admitted) if ok]
+        statuses = [BlockStatus.FAILED if ok else BlockStatus.NO_SPACE for ok in res.admitted]
+        if res.admitted.count(False):
+            self._count(no_space=res.admitted.count(False))
+        if res.victims:
+            self._count(evictions=len(res.victims), evicted_bytes=res.evicted_bytes)
+            for key in res.victims:
+                root.discard(*block_location(key))
         written: list[str] = []
-        failed: list[str] = []
-        nbytes = 0
-        for i in idx:
-            status = BlockStatus.FAILED
-            if not abandoned.is_set():
-                value = values[i]
-                header = pack_header(
-                    keys[i], len(value), xxhash.xxh3_64_intdigest(value), time.time(), fingerprint
-                )
-                parts, name = block_location(keys[i])
-                try:
-                    if root.write_atomic(parts, name, (header, value), self.durability, abandoned):
-                        status = BlockStatus.OK
-                        nbytes += len(value)
-                except OSError as exc:
-                    status = BlockStatus.NO_SPACE if exc.errno == 28 else BlockStatus.FAILED
-                    self._count(io_errors=1)
-                    log.warning("file store: writing block %s failed: %s", keys[i], exc)
-            out.append(status)
-            (written if status is BlockStatus.OK else failed).append(keys[i])
-        catalog.settle(written, failed)
-        self._count(blocks_written=len(written), bytes_written=nbytes)
-        return out
+        try:
+            for i, status in zip(
+                admitted,
+                self._pool().map(
+                    lambda i: self._write_one(root, keys[i], values[i], fingerprint, abandoned),
+                    admitted,
+                ),
+                strict=True,
+            ):
+                statuses[i] = status
+                if status is BlockStatus.OK:
+                    written.append(keys[i])
+        finally:
+            catalog.settle(
+                written, [keys[i] for i in admitted if statuses[i] is not BlockStatus.OK]
+            )
+        self._count(blocks_written=len(written), bytes_written=len(written) * len(values[0]))
+        return statuses
+
+    def _write_one(
+        self, root: Root, key: str, value: memoryview, fingerprint: str, abandoned: threading.Event
+    ) -> BlockStatus:
+        if abandoned.is_set():
+            return BlockStatus.FAILED
+        header = pack_header(
+            key, len(value), xxhash.xxh3_64_intdigest(value), time.time(), fingerprint
+        )
+        parts, name = block_location(key)
+        try:
+            if root.write_atomic(parts, name, (header, value), self.durability, abandoned):
+                return BlockStatus.OK
+            return BlockStatus.FAILED
+        except OSError as exc:
+            self._count(io_errors=1)
+            log.warning("file store: writing block %s failed: %s", key, exc)
+            return BlockStatus.NO_SPACE if exc.errno == errno.ENOSPC else BlockStatus.FAILED
+
+    def _pool(self) -> ThreadPoolExecutor:
+        pool = self._executor
+        if pool is None:
+            raise RuntimeError("file store is closed")
+        return pool
 
     async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
         """Read and verify block files into the batch's buffers.
 
-        A file that fails any check (header, key, layout, size, checksum) is reported
-        ``CORRUPT`` and moved to ``quarantine/`` so later lookups stop before it.
+        A file that fails any check (header, key, layout, size, checksum) — or anything that
+        is not a regular file at a block's name — is reported ``CORRUPT`` and moved to
+        ``quarantine/`` (or removed) so later lookups stop before it.
         """
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        buffers = batch.buffers
-        statuses: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
+        return await batch.run_sync(
+            self._get_sync, root, catalog, keys, batch.buffers, batch.scope.fingerprint
+        )
 
-        async def read(part: range) -> None:
-            idx = list(part)
-            got = await batch.run_sync(
-                self._read_many, root, catalog, keys, buffers, idx, batch.scope.fingerprint
-            )
-            for i, status in zip(idx, got, strict=True):
-                statuses[i] = status
-
-        async with anyio.create_task_group() as tg:
-            for part in _split(len(keys), self.threads):
-                tg.start_soon(read, part)
-        return statuses
-
-    def _read_many(
+    def _get_sync(
         self,
         root: Root,
         catalog: Catalog,
         keys: list[str],
         buffers: list[memoryview],
-        idx: list[int],
         fingerprint: str,
     ) -> list[BlockStatus]:
-        out, bad, ok = [], [], []
-        for i in idx:
-            parts, name = block_location(keys[i])
-            try:
-                found = root.read_into(parts, name, HEADER_NBYTES, buffers[i])
-            except OSError as exc:
-                log.warning("file store: reading block %s failed: %s", keys[i], exc)
-                self._count(io_errors=1)
-                out.append(BlockStatus.FAILED)
-                continue
-            if found is None:
-                out.append(BlockStatus.MISSING)
-                continue
-            why = self._check(keys[i], found, buffers[i], fingerprint)
-            if why is None:
-                out.append(BlockStatus.OK)
-                ok.append(keys[i])
-                continue
-            log.warning("file store: block %s is corrupt (%s); quarantined", keys[i], why)
-            out.append(BlockStatus.CORRUPT)
-            bad.append(keys[i])
-            if root.quarantine(parts, name):
-                self._count(quarantined=1)
+        statuses = list(
+            self._pool().map(
+                lambda i: self._read_one(root, keys[i], buffers[i], fingerprint), range(len(keys))
+            )
+        )
+        bad = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.CORRUPT]
+        ok = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.OK]
         if bad:
             catalog.remove(bad)
             self._count(corrupt=len(bad))
         if ok and self.capacity_bytes is not None:
             catalog.touch(ok)
         self._count(blocks_read=len(ok))
-        return out
+        return statuses
+
+    def _read_one(self, root: Root, key: str, buf: memoryview, fingerprint: str) -> BlockStatus:
+        parts, name = block_location(key)
+        try:
+            found = root.read_into(parts, name, HEADER_NBYTES, buf)
+        except NotARegularFile as exc:
+            why = str(exc)
+        except OSError as exc:
+            log.warning("file store: reading block %s failed: %s", key, exc)
+            self._count(io_errors=1)
+            return BlockStatus.FAILED
+        else:
+            if found is None:
+                return BlockStatus.MISSING
+            check = self._check(key, found, buf, fingerprint)
+            if check is None:
+                return BlockStatus.OK
+            why = check
+        log.warning("file store: block %s is corrupt (%s); quarantined", key, why)
+        if root.quarantine(parts, name):
+            self._count(quarantined=1)
+        return BlockStatus.CORRUPT
 
     @staticmethod
     def _check(key: str, found: tuple[bytes, int], buf: memoryview, fingerprint: str) -> str | None:

@@ -1,0 +1,492 @@
+"""FileStore recovery at open (temporary files, catalog drift, bad files) and read-only
+inspection (``inspect_store``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio.to_thread
+import numpy as np
+import pytest
+
+from kvpipe._keys import Scope, as_tokens, block_keys
+from kvpipe.backends import BlockStatus
+from kvpipe.backends.file import FileStore, StoreReport, inspect_store
+from kvpipe.backends.file._catalog import Catalog
+from kvpipe.backends.file._format import HEADER_NBYTES, block_location, temp_name
+from kvpipe.backends.file._fs import HOST
+from kvpipe.testing.conformance import Batches
+from tests.backends.test_file_hostile import (
+    SCOPE,
+    VALUE,
+    batches,
+    block_file,
+    call_unblocking_fifo,
+    exists,
+    get_raw,
+    make_values,
+    put_chain,
+    quarantined,
+    tree,
+)
+
+#: Bytes one block counts against a store's capacity: its value and the file header.
+STORED = VALUE + HEADER_NBYTES
+
+OK = BlockStatus.OK
+STALE = 600.0
+
+
+@pytest.fixture
+async def b() -> AsyncIterator[Batches]:
+    async with batches() as bb:
+        yield bb
+
+
+@pytest.fixture
+def live_pid() -> Iterator[int]:
+    """The pid of another process of this host that stays alive during the test."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        yield child.pid
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+
+
+@pytest.fixture
+def dead_pid() -> int:
+    """The pid of a process of this host that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _catalog(store: FileStore) -> Catalog:
+    assert store._catalog is not None
+    return store._catalog
+
+
+def _other_keys(n: int, namespace: str = "other") -> tuple[str, ...]:
+    """Keys in another namespace (same layout fingerprint as the Batches scope)."""
+    scope = Scope(namespace, SCOPE.fingerprint)
+    return block_keys(scope, as_tokens(np.arange(500, 500 + n * 4)), 4, False).keys
+
+
+def _temp_file(root: Path, key: str, host: str, pid: int, age: float = 0.0) -> Path:
+    """A temporary file next to ``key``'s block, as a writer ``host``/``pid`` names it."""
+    parts, final = block_location(key)
+    shard = root.joinpath(*parts)
+    shard.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = shard / temp_name(final, host, pid, "0a1b2c3d")
+    tmp.write_bytes(b"half a block" * 100)
+    if age:
+        then = time.time() - age
+        os.utime(tmp, (then, then))
+    return tmp
+
+
+async def _populated(root: Path, b: Batches, stale: float = STALE) -> tuple[str, ...]:
+    """A store holding a 3-block chain; returns its keys."""
+    keys, _ = b.keys(3, seed=1)
+    async with FileStore(root, stale_temp_after=stale) as store:
+        assert await put_chain(b, store, keys, make_values(3, 1)) == [OK] * 3
+    return keys
+
+
+def _drop_catalog(root: Path) -> None:
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        (root / f"catalog.sqlite3{suffix}").unlink(missing_ok=True)
+
+
+# -- (a) stale temporary files -----------------------------------------------------------------
+
+
+async def test_temp_files_of_dead_writers_on_this_host_are_removed(
+    tmp_path: Path, b: Batches, dead_pid: int
+) -> None:
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    fresh, _ = b.keys(1, seed=2)
+    temps = [
+        _temp_file(root, keys[1], HOST, dead_pid),  # next to a stored block
+        _temp_file(root, fresh[0], HOST, dead_pid),  # in a shard of its own
+    ]
+    async with FileStore(root, stale_temp_after=STALE) as store:
+        await store.open()
+        assert [t.exists() for t in temps] == [False, False]
+        assert store.statistics()["temp_files_removed"] == 2
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+    assert inspect_store(str(root)).temp_files == 0
+
+
+async def test_temp_files_of_live_writers_are_kept(
+    tmp_path: Path, b: Batches, live_pid: int
+) -> None:
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    temps = [
+        _temp_file(root, keys[0], HOST, live_pid, age=5.0),  # another live process
+        _temp_file(root, keys[1], HOST, os.getpid(), age=5.0),  # this process
+        _temp_file(root, keys[2], "some-other-host", 1, age=5.0),  # recent, foreign
+    ]
+    contents = [t.read_bytes() for t in temps]
+    async with FileStore(root, stale_temp_after=STALE) as store:
+        await store.open()
+        assert store.statistics().get("temp_files_removed", 0) == 0
+        assert [t.read_bytes() for t in temps] == contents
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+
+
+async def test_old_temp_files_are_removed_whoever_wrote_them(
+    tmp_path: Path, b: Batches, live_pid: int
+) -> None:
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    temps = [
+        _temp_file(root, keys[0], "some-other-host", 4242, age=2 * STALE),
+        _temp_file(root, keys[1], HOST, live_pid, age=2 * STALE),
+    ]
+    kept = _temp_file(root, keys[2], "some-other-host", 4242, age=STALE / 2)
+    async with FileStore(root, stale_temp_after=STALE) as store:
+        await store.open()
+        assert [t.exists() for t in temps] == [False, False]
+        assert kept.exists()
+        assert store.statistics()["temp_files_removed"] == 2
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+
+
+async def test_a_reopened_store_has_no_temp_files_left_after_a_killed_writer(
+    tmp_path: Path, b: Batches
+) -> None:
+    """A writer killed mid-write (its temp file is all that is left) is cleaned at open."""
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    parts, final = block_location(keys[0])
+    code = (
+        "import os, signal\n"
+        f"os.chdir({str(root.joinpath(*parts))!r})\n"
+        f"from kvpipe.backends.file._format import temp_name\n"
+        f"name = temp_name({final!r}, {HOST!r}, os.getpid(), 'deadbeef')\n"
+        "fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)\n"
+        "os.write(fd, b'x' * 5000)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = await anyio.run_process([sys.executable, "-c", code], check=False)
+    assert done.returncode == -signal.SIGKILL
+    assert any(p.name.startswith(".") for p in root.joinpath(*parts).iterdir())
+    async with FileStore(root) as store:
+        await store.open()
+        assert not any(p.name.startswith(".") for p in root.joinpath(*parts).iterdir())
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+
+
+# -- (b) files the catalog lost are adopted, (c) records whose file is gone are forgotten --------
+
+
+async def test_block_files_without_a_catalog_are_adopted(tmp_path: Path, b: Batches) -> None:
+    root = tmp_path / "store"
+    keys, _ = b.keys(3, seed=3)
+    others = _other_keys(2)
+    async with FileStore(root) as store:
+        assert await put_chain(b, store, keys, make_values(3, 3)) == [OK] * 3
+        assert await put_chain(b, store, others, make_values(2, 4)) == [OK] * 2
+    _drop_catalog(root)
+    async with FileStore(root) as store:
+        await store.open()
+        assert store.statistics()["adopted"] == 5
+        stats = _catalog(store).stats()
+        assert (stats.blocks, stats.bytes, stats.pending) == (5, 5 * STORED, 0)
+        assert stats.namespaces == {"conformance": 3, "other": 2}
+        assert _catalog(store).known_keys() == {*keys, *others}
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 3))
+        assert await get_raw(b, store, others) == ([OK] * 2, make_values(2, 4))
+    async with FileStore(root) as store:  # adopting is once: the next open finds nothing new
+        await store.open()
+        assert store.statistics().get("adopted", 0) == 0
+        assert _catalog(store).stats().blocks == 5
+
+
+async def test_adopted_blocks_count_towards_capacity(tmp_path: Path, b: Batches) -> None:
+    root = tmp_path / "store"
+    keys, _ = b.keys(3, seed=5)
+    fresh, _ = b.keys(2, seed=6)
+    async with FileStore(root) as store:
+        assert await put_chain(b, store, keys, make_values(3, 5)) == [OK] * 3
+    _drop_catalog(root)
+    async with FileStore(root, capacity_bytes=4 * STORED) as store:
+        assert await put_chain(b, store, fresh, make_values(2, 6)) == [OK] * 2
+        assert _catalog(store).stats().bytes <= 4 * STORED
+        assert store.statistics()["evictions"] == 1
+        flags = [await exists(b, store, k) for k in (*keys, *fresh)]
+        assert flags.count(True) == 4 and flags[3:] == [True, True]
+
+
+async def test_records_whose_file_is_gone_are_forgotten(tmp_path: Path, b: Batches) -> None:
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    block_file(root, keys[1]).unlink()
+    block_file(root, keys[2]).unlink()
+    async with FileStore(root) as store:
+        await store.open()
+        assert store.statistics()["forgotten"] == 2
+        assert _catalog(store).known_keys() == {keys[0]}
+        stats = _catalog(store).stats()
+        assert (stats.blocks, stats.bytes) == (1, STORED)
+        statuses, _ = await get_raw(b, store, keys)
+        assert statuses == [OK, BlockStatus.MISSING, BlockStatus.MISSING]
+
+
+# -- (d) bad files found at open ---------------------------------------------------------------
+
+
+def _unknown_key(i: int) -> str:
+    return f"{SCOPE.prefix}unknown{i}"
+
+
+async def test_bad_files_found_at_open_are_quarantined(tmp_path: Path, b: Batches) -> None:
+    root = tmp_path / "store"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    keys, _ = b.keys(6, seed=7)
+    values = make_values(6, 7)
+    async with FileStore(root) as store:
+        assert await put_chain(b, store, keys, values) == [OK] * 6
+    files = [block_file(root, k) for k in keys]
+    _drop_catalog(root)  # so every file is unknown and its header is read
+    os.truncate(files[0], HEADER_NBYTES + 10)  # truncated
+    raw = bytearray(files[1].read_bytes())
+    raw[40] ^= 0xFF
+    files[1].write_bytes(bytes(raw))  # flipped header byte
+    files[2].write_bytes(b"")  # zero length
+    # a valid block of keys[3] copied to where another key's block would be: misplaced
+    misplaced = block_file(root, _unknown_key(0))
+    misplaced.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(files[3], misplaced)
+    # a valid block moved into another namespace's directory: misplaced too
+    wrong_ns = root / "blocks" / "other" / files[4].relative_to(root / "blocks" / "conformance")
+    wrong_ns.parent.mkdir(parents=True)
+    files[4].rename(wrong_ns)
+    # garbage under a block name
+    garbage = block_file(root, _unknown_key(1))
+    garbage.parent.mkdir(parents=True, exist_ok=True)
+    garbage.write_bytes(os.urandom(HEADER_NBYTES + VALUE))
+    # a link at a block name to a valid block outside the root
+    target = outside / "block.kvb"
+    shutil.copyfile(files[5], target)
+    files[5].unlink()
+    files[5].symlink_to(target)
+    outside_before = tree(outside)
+    bad = 7
+
+    async with FileStore(root) as store:
+        await store.open()
+        stats = store.statistics()
+        assert stats["quarantined"] == bad
+        assert stats.get("adopted", 0) == 1  # only keys[3]'s own file is sound
+        assert len(quarantined(root)) == bad
+        assert _catalog(store).known_keys() == {keys[3]}
+        for path in (*files[:3], misplaced, wrong_ns, garbage, files[5]):
+            assert not path.exists() and not path.is_symlink(), path
+        statuses, got = await get_raw(b, store, keys)
+        assert statuses[3] is OK and got[3] == values[3]
+        assert [s for i, s in enumerate(statuses) if i != 3] == [BlockStatus.MISSING] * 5
+    assert tree(outside) == outside_before
+
+
+async def test_unknown_bad_files_are_quarantined_with_the_catalog_intact(
+    tmp_path: Path, b: Batches
+) -> None:
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    stray = block_file(root, _unknown_key(2))
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"\x80\x04 not a block")
+    other = root / "blocks" / "conformance" / "README"  # not a block name: left alone
+    other.write_text("notes")
+    async with FileStore(root) as store:
+        await store.open()
+        assert store.statistics()["quarantined"] == 1
+        assert not stray.exists() and other.exists()
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+
+
+async def test_a_namespace_symlink_out_of_the_root_is_not_walked_at_open(
+    tmp_path: Path, b: Batches
+) -> None:
+    root = tmp_path / "store"
+    outside = tmp_path / "outside"
+    keys = await _populated(root, b)
+    _drop_catalog(root)
+    # The whole namespace moves outside and a link to it takes its place.
+    shutil.move(root / "blocks" / "conformance", outside)
+    (root / "blocks" / "conformance").symlink_to(outside, target_is_directory=True)
+    before = tree(outside)
+    async with FileStore(root) as store:
+        await store.open()
+        assert store.statistics().get("adopted", 0) == 0
+        assert _catalog(store).known_keys() == set()
+        statuses, got = await get_raw(b, store, keys)
+        assert OK not in statuses
+        assert all(make_values(3, 1)[i][:256] not in got[i] for i in range(3))
+    assert tree(outside) == before
+
+
+async def test_a_directory_at_a_block_name_is_cleared_at_open(tmp_path: Path, b: Batches) -> None:
+    """A directory where a block file belongs is not a shard to descend into: left there,
+    it makes the key unwritable for good (a rename cannot replace a directory)."""
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    victim = block_file(root, keys[2])
+    victim.unlink()
+    victim.mkdir()
+    (victim / "x.kvb").write_bytes(b"not a block")
+    async with FileStore(root) as store:
+        await store.open()
+        assert not victim.exists(), "the directory was left in place of the block file"
+        assert await put_chain(b, store, keys[2:], make_values(3, 1)[2:], keys[1], 2) == [OK]
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+
+
+async def test_a_fifo_at_a_block_name_does_not_hang_open(tmp_path: Path, b: Batches) -> None:
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    fifo = block_file(root, _unknown_key(3))
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo, 0o600)
+    store = FileStore(root)
+
+    async def open_store() -> None:
+        await store.open()
+
+    try:
+        _, hung = await call_unblocking_fifo(fifo, open_store)
+        assert not hung, "opening the store blocked forever on a FIFO in the block tree"
+        assert not fifo.exists()
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+    finally:
+        await store.aclose()
+
+
+async def test_a_payload_corrupt_adopted_file_is_caught_on_read(tmp_path: Path, b: Batches) -> None:
+    """Open reads headers only; a bad payload in an adopted file is caught by the read."""
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    _drop_catalog(root)
+    raw = bytearray(block_file(root, keys[2]).read_bytes())
+    raw[HEADER_NBYTES + 99] ^= 0x10
+    block_file(root, keys[2]).write_bytes(bytes(raw))
+    async with FileStore(root) as store:
+        statuses, got = await get_raw(b, store, keys)
+        assert statuses == [OK, OK, BlockStatus.CORRUPT]
+        assert got[:2] == make_values(3, 1)[:2]
+        assert not await exists(b, store, keys[2])
+        assert _catalog(store).stats().blocks == 2
+
+
+# -- (e) inspection --------------------------------------------------------------------------
+
+
+def _snapshot(root: Path) -> dict[str, tuple[object, ...]]:
+    """Entries with kind, size, content digest and modification time."""
+    out: dict[str, tuple[object, ...]] = {}
+    for rel, entry in tree(root).items():
+        out[rel] = (*entry, (root / rel).lstat().st_mtime_ns)
+    return out
+
+
+@pytest.mark.parametrize("verify", [True, False])
+async def test_inspect_store_reports_without_changing_anything(
+    tmp_path: Path, b: Batches, verify: bool, live_pid: int
+) -> None:
+    root = tmp_path / "store"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    keys, _ = b.keys(4, seed=8)
+    others = _other_keys(3)
+    started = time.time()
+    async with FileStore(root) as store:
+        assert await put_chain(b, store, keys, make_values(4, 8)) == [OK] * 4
+        assert await put_chain(b, store, others, make_values(3, 9)) == [OK] * 3
+        # one block corrupt in its header, read once so it is quarantined
+        raw = bytearray(block_file(root, keys[3]).read_bytes())
+        raw[8] ^= 1
+        block_file(root, keys[3]).write_bytes(bytes(raw))
+        assert (await get_raw(b, store, keys[3:]))[0] == [BlockStatus.CORRUPT]
+    finished = time.time()
+    # a payload flip (only a verifying inspection sees it)
+    raw = bytearray(block_file(root, others[2]).read_bytes())
+    raw[-5] ^= 1
+    block_file(root, others[2]).write_bytes(bytes(raw))
+    # a header flip nobody has read yet
+    raw = bytearray(block_file(root, keys[2]).read_bytes())
+    raw[100] ^= 1
+    block_file(root, keys[2]).write_bytes(bytes(raw))
+    # a link out of the root at a block name, to a valid block
+    target = outside / "stolen.kvb"
+    shutil.copyfile(block_file(root, keys[1]), target)
+    block_file(root, keys[1]).unlink()
+    block_file(root, keys[1]).symlink_to(target)
+    # temporary files: one of a live writer, one abandoned long ago
+    _temp_file(root, keys[0], HOST, live_pid)
+    _temp_file(root, _unknown_key(4), "some-other-host", 7, age=2 * 3600)
+    before, outside_before = _snapshot(root), _snapshot(outside)
+
+    report = inspect_store(str(root), verify=verify)
+
+    assert _snapshot(root) == before, "inspection changed the store"
+    assert _snapshot(outside) == outside_before
+    assert report.verified is verify
+    good = 3 if verify else 4  # keys[0], others[0], others[1] (+ others[2] unverified)
+    assert report.blocks == good
+    assert report.payload_bytes == good * VALUE
+    assert report.disk_bytes == good * (VALUE + HEADER_NBYTES)
+    assert report.namespaces == Counter({"conformance": 1, "other": good - 1})
+    assert len(report.corrupt) == (3 if verify else 2), report.corrupt
+    assert any(str(block_location(keys[1])[1]) in line for line in report.corrupt)
+    assert any(str(block_location(keys[2])[1]) in line for line in report.corrupt)
+    assert (report.temp_files, report.stale_temp_files) == (2, 1)
+    assert report.quarantined == 1
+    assert report.catalog_blocks == 6 and report.catalog_bytes == 6 * STORED
+    assert report.untracked == 0
+    assert report.oldest is not None and report.newest is not None
+    assert started <= report.oldest <= report.newest <= finished
+
+
+async def test_inspect_store_finds_untracked_files(tmp_path: Path, b: Batches) -> None:
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    async with FileStore(root) as store:
+        await store.open()
+        _catalog(store).remove([keys[0]])
+    before = _snapshot(root)
+    report = inspect_store(str(root), verify=True)
+    assert _snapshot(root) == before
+    assert (report.blocks, report.catalog_blocks, report.untracked) == (3, 2, 1)
+    assert report.corrupt == []
+
+
+async def test_inspect_store_does_not_hang_on_a_fifo(tmp_path: Path, b: Batches) -> None:
+    root = tmp_path / "store"
+    await _populated(root, b)
+    fifo = block_file(root, _unknown_key(5))
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo, 0o600)
+
+    async def inspect() -> StoreReport:
+        return await anyio.to_thread.run_sync(inspect_store, str(root), True)
+
+    report, hung = await call_unblocking_fifo(fifo, inspect)
+    assert not hung, "inspect_store blocked forever on a FIFO in the block tree"
+    assert report.blocks == 3 and len(report.corrupt) == 1
