@@ -648,7 +648,7 @@ def _outside_block(outside: Path, src: Path, rel: Path) -> Path:
     return target
 
 
-LINK_AT = ["blocks", "namespace", "shard1", "shard2"]
+LINK_AT = ["blocks", "namespace", "shard"]
 
 
 def _key_under(prefix: Sequence[str], not_this: str) -> str:
@@ -672,7 +672,7 @@ async def test_a_planted_directory_symlink_is_not_followed(
     values = make_values(1, seed=11)
     assert await b.put(store, keys, values) == [BlockStatus.OK]
     path = block_file(root, keys[0])
-    depth = LINK_AT.index(where)  # blocks/<ns>/<aa>/<bb>
+    depth = LINK_AT.index(where)  # blocks/<ns>/<ab>
     linked = root.joinpath(*path.relative_to(root).parts[: depth + 1])
     fresh = _key_under(path.relative_to(root).parts[: depth + 1], keys[0])
     rel = path.relative_to(linked)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import queue
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -95,6 +96,7 @@ class Catalog:
         os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         self._pool: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._all: list[sqlite3.Connection] = []
+        self._write_lock = threading.Lock()
         with self._conn() as db:
             db.executescript(_SCHEMA)
 
@@ -119,7 +121,10 @@ class Catalog:
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._conn() as db:
+        # One writer at a time within this process: SQLite's own busy handler would make
+        # contending threads sleep in growing steps (1, 2, 5 ... 100 ms); other processes
+        # still meet the busy handler.
+        with self._write_lock, self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db

@@ -13,7 +13,7 @@ magic, version, lengths and key before it reads a payload byte, and the payload'
 after. The fixed 4 KiB header keeps payloads page-aligned.
 
 Paths are derived from a hash of the key, never from the key's characters, so no key can name
-a path outside the store: ``blocks/<namespace>/<h[0:2]>/<h[2:4]>/<h>.kvb`` with ``h`` the
+a path outside the store: ``blocks/<namespace>/<h[0:2]>/<h>.kvb`` with ``h`` the
 BLAKE2b-128 of the key in hex, and ``namespace`` the key's validated namespace part.
 """
 
@@ -127,7 +127,10 @@ def key_namespace(key: str) -> str:
 def block_location(key: str) -> tuple[tuple[str, ...], str]:
     """``(directory parts under the root, file name)`` of a key's block file."""
     h = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
-    return ("blocks", key_namespace(key), h[0:2], h[2:4]), h + BLOCK_SUFFIX
+    # One level of 256 shards: they all exist after the first few hundred writes, so a write
+    # almost never has to create a directory; a million blocks make 4096 entries per shard
+    # (ext4 indexes directories, so lookups stay fast).
+    return ("blocks", key_namespace(key), h[0:2]), h + BLOCK_SUFFIX
 
 
 def temp_name(final: str, host: str, pid: int, nonce: str) -> str:

@@ -109,6 +109,10 @@ class FileStore(StorageBackend):
             if self._root is None:
                 await anyio.to_thread.run_sync(self._open_sync)
 
+    async def __aenter__(self) -> FileStore:
+        await self.open()
+        return self
+
     def _open_sync(self) -> None:
         root = Root(self.path)
         try:
