@@ -22,12 +22,20 @@ $(VENV)/.test-$(HASH): $(BIN)/python
 	$(PIP) install --quiet -e '.[test]'
 	rm -f $(VENV)/.test-* $(VENV)/.base-*; touch $@ $(VENV)/.base-$(HASH)
 
+# The Mooncake client links libibverbs even for TCP; install it when the system lacks it.
+.PHONY: system-deps
+system-deps:
+	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { \
+	  echo "installing libibverbs1 (Mooncake's native client needs it)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1 >/dev/null; }
+
 ## run: the end-to-end offload -> reload demo on the embedded default store
 run: $(VENV)/.base-$(HASH)
 	$(BIN)/kvpipe demo
 
 ## test: lint, type-check and the whole test suite
-test: $(VENV)/.test-$(HASH)
+test: system-deps $(VENV)/.test-$(HASH)
 	$(BIN)/ruff check kvpipe tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q

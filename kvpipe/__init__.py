@@ -27,12 +27,14 @@ from ._results import Residency as Residency
 from ._results import ResidencyEntry as ResidencyEntry
 from ._results import SliceOutcome as SliceOutcome
 from ._results import WriteResult as WriteResult
+from ._tp import common_prefix as common_prefix
 from .actors import PipelineHooks as PipelineHooks
 from .backends import BlockStatus as BlockStatus
 from .backends import FileStore as FileStore
 from .backends import GetBatch as GetBatch
 from .backends import KeyBatch as KeyBatch
 from .backends import MemoryStore as MemoryStore
+from .backends import MooncakeStore as MooncakeStore
 from .backends import PutBatch as PutBatch
 from .backends import StorageBackend as StorageBackend
 from .pipeline import Pipeline as Pipeline
@@ -56,6 +58,7 @@ __all__ = (
     "KeyBatch",
     "LayoutError",
     "MemoryStore",
+    "MooncakeStore",
     "OperationTimeout",
     "Pipeline",
     "PipelineClosed",
@@ -71,6 +74,7 @@ __all__ = (
     "StorageBackend",
     "Unsupported",
     "WriteResult",
+    "common_prefix",
     "create_kv_cache",
     "open_pipeline",
 )

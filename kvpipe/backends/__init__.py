@@ -3,6 +3,7 @@
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from .file import FileStore
 from .memory import MemoryStore
+from .mooncake import MooncakeStore
 
 __all__ = (
     "BlockStatus",
@@ -10,6 +11,7 @@ __all__ = (
     "GetBatch",
     "KeyBatch",
     "MemoryStore",
+    "MooncakeStore",
     "PutBatch",
     "StorageBackend",
     "validate_key",

@@ -1,0 +1,359 @@
+"""Mooncake Store: the distributed KV store used across this field, as a kvpipe backend.
+
+Zero-copy: the pipeline's staging memory is registered once (``register_buffer``) and every
+slice moves with ``batch_upsert_from`` / ``batch_get_into`` straight from / into it. Vendor calls
+block (the bindings release the GIL), so they run in worker threads; a slice timeout stops the
+wait, and the staging stays leased until the call returns.
+
+Per-key result codes are translated, never trusted blindly: ``0`` is a stored block,
+``-200`` is ``NO_SPACE``, a get must return exactly the value's size, ``-704`` is
+``MISSING``, any other negative code is ``FAILED``. ``batch_is_exist`` can say "yes" for a key
+whose segment has gone (its client died): a key that then fails to read is not trusted again
+until it is stored anew. ``health_check`` is never used (it reports healthy with the master
+dead). A restarted master has lost every key: lookups fall to 0, there are no stale hits.
+
+The residency index is kept in Mooncake too, as small records under ``kvpipe-res@``: one per
+(block key, node), plus a registry of node ids, so nodes never overwrite each other's records.
+
+The vendor import happens only here; without the package, :class:`MooncakeStore` raises
+:class:`kvpipe.Unsupported` saying what to install.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar, final
+
+import anyio
+import numpy as np
+
+from .._errors import BackendError, Unsupported
+from .._results import Residency, ResidencyEntry
+from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+
+__all__ = ("MooncakeStore",)
+
+log = logging.getLogger("kvpipe.mooncake")
+T = TypeVar("T")
+
+NO_SPACE: Final = -200
+NOT_FOUND: Final = -704
+_RES_PREFIX: Final = "kvpipe-res@"
+_NODES_KEY: Final = "kvpipe-res-nodes"
+_DISTRUST_MAX: Final = 100_000
+
+
+def _load_client() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise Unsupported(
+            "kvpipe.MooncakeStore needs the Mooncake client: pip install "
+            "mooncake-transfer-engine-non-cuda (CPU hosts) or mooncake-transfer-engine (GPU "
+            f"hosts), and apt-get install libibverbs1 ({exc})"
+        ) from exc
+    return MooncakeDistributedStore()
+
+
+@final
+class MooncakeStore(StorageBackend):
+    """Blocks in a Mooncake Store.
+
+    Args:
+        master: ``host:port`` of ``mooncake_master``.
+        metadata: URL of the metadata server (``http://host:port/metadata``).
+        local_hostname: This client's address as other clients reach it.
+        protocol: ``"tcp"`` or ``"rdma"``.
+        device_name: RDMA device (``""`` for TCP).
+        global_segment_size: Bytes this client contributes to the store.
+        local_buffer_size: Bytes of the client's local transfer buffer.
+        setup_timeout: Seconds ``open`` may take (the vendor ``setup`` can block ~90 s
+            when no master answers; the master is probed first).
+        client: An already set-up ``MooncakeDistributedStore`` to use instead (not closed by
+            :meth:`aclose`).
+
+    Use ``async with MooncakeStore(...) as store`` or ``await store.open()``.
+    """
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        master: str,
+        metadata: str,
+        *,
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        global_segment_size: int = 1 << 30,
+        local_buffer_size: int = 64 << 20,
+        setup_timeout: float = 30.0,
+        client: Any = None,
+    ) -> None:
+        self.master = master
+        self.metadata = metadata
+        self.local_hostname = local_hostname
+        self.protocol = protocol
+        self.device_name = device_name
+        self.global_segment_size = global_segment_size
+        self.local_buffer_size = local_buffer_size
+        self.setup_timeout = setup_timeout
+        self._client = client
+        self._own_client = client is None
+        if client is None:
+            self._check_installed()  # fail at construction, not at first use
+        self._registered: list[tuple[int, int]] = []
+        self._distrust: OrderedDict[str, None] = OrderedDict()
+        self._nodes: set[str] = set()
+        self._limiter = anyio.CapacityLimiter(4)
+        self._open_lock = anyio.Lock()
+        self._counters: Counter[str] = Counter()
+
+    @staticmethod
+    def _check_installed() -> None:
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError:
+            _load_client()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Connect (idempotent): probe the master, then ``setup`` the client.
+
+        Raises:
+            BackendError: The master does not answer, or ``setup`` fails or times out.
+        """
+        async with self._open_lock:
+            if self._client is not None:
+                return
+            host, _, port = self.master.rpartition(":")
+            try:
+                with anyio.fail_after(min(5.0, self.setup_timeout)):
+                    stream = await anyio.connect_tcp(host, int(port))
+                    await stream.aclose()
+            except (OSError, TimeoutError) as exc:
+                raise BackendError(
+                    self.name, "open", f"master {self.master} unreachable: {exc}"
+                ) from exc
+            # Clients must advertise the loopback address on a one-machine setup.
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
+            client = _load_client()
+            try:
+                with anyio.fail_after(self.setup_timeout):
+                    rc = await anyio.to_thread.run_sync(
+                        client.setup,
+                        self.local_hostname,
+                        self.metadata,
+                        self.global_segment_size,
+                        self.local_buffer_size,
+                        self.protocol,
+                        self.device_name,
+                        self.master,
+                        abandon_on_cancel=True,
+                    )
+            except TimeoutError:
+                raise BackendError(
+                    self.name, "setup", f"no answer in {self.setup_timeout} s"
+                ) from None
+            if rc != 0:
+                raise BackendError(self.name, "setup", f"returned {rc}")
+            self._client = client
+
+    async def __aenter__(self) -> MooncakeStore:
+        await self.open()
+        return self
+
+    async def aclose(self) -> None:
+        """Unregister staging and close the client (if this store created it)."""
+        async with self._open_lock:
+            client, self._client = self._client, None
+            if client is None:
+                return
+            for ptr, _ in self._registered:
+                await self._call(client.unregister_buffer, ptr)
+            self._registered.clear()
+            if self._own_client:
+                await anyio.to_thread.run_sync(client.close)
+
+    async def _ready(self) -> Any:
+        if self._client is None:
+            await self.open()
+        return self._client
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return await anyio.to_thread.run_sync(
+                fn, *args, limiter=self._limiter, abandon_on_cancel=True
+            )
+        except Exception as exc:
+            raise BackendError(self.name, getattr(fn, "__name__", "call"), repr(exc)) from exc
+
+    async def register_staging(self, buffer: memoryview) -> None:
+        """Register the pipeline's staging memory with the transfer engine (once)."""
+        client = await self._ready()
+        ptr = int(np.frombuffer(buffer, np.uint8).ctypes.data)
+        rc = await self._call(client.register_buffer, ptr, len(buffer))
+        if rc != 0:
+            raise BackendError(self.name, "register_buffer", f"returned {rc}")
+        self._registered.append((ptr, len(buffer)))
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        """Unregister the staging memory registered by :meth:`register_staging`."""
+        ptr = int(np.frombuffer(buffer, np.uint8).ctypes.data)
+        if self._client is not None and (ptr, len(buffer)) in self._registered:
+            self._registered.remove((ptr, len(buffer)))
+            await self._call(self._client.unregister_buffer, ptr)
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+        """``batch_upsert_from`` the batch's staging buffers (zero-copy; a put of a stored
+        key replaces its value, as ``batch_put_from`` would not).
+
+        Cancellation: the wait stops; the vendor call runs on with the staging leased.
+        """
+        client = await self._ready()
+        keys = [validate_key(k) for k in batch.keys]
+        sizes = [batch.value_nbytes] * len(keys)
+        codes = await self._vendor(
+            batch, client.batch_upsert_from, keys, batch.buffer_addresses(), sizes
+        )
+        out = []
+        for key, code in zip(keys, codes, strict=True):
+            if code == 0:
+                out.append(BlockStatus.OK)
+                self._distrust.pop(key, None)
+            else:
+                out.append(BlockStatus.NO_SPACE if code == NO_SPACE else BlockStatus.FAILED)
+                self._counters[f"put_code_{code}"] += 1
+        self._counters["blocks_put"] += out.count(BlockStatus.OK)
+        return out
+
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        """``batch_get_into`` the batch's staging buffers; a key that exists but cannot be
+        read is not trusted by :meth:`exists` again until it is stored anew."""
+        client = await self._ready()
+        keys = [validate_key(k) for k in batch.keys]
+        sizes = [batch.value_nbytes] * len(keys)
+        codes = await self._vendor(
+            batch, client.batch_get_into, keys, batch.buffer_addresses(), sizes
+        )
+        out = []
+        for key, code in zip(keys, codes, strict=True):
+            if code == batch.value_nbytes:
+                out.append(BlockStatus.OK)
+            elif code == NOT_FOUND:
+                out.append(BlockStatus.MISSING)
+            else:
+                out.append(BlockStatus.CORRUPT if code > 0 else BlockStatus.FAILED)
+                self._counters[f"get_code_{code}"] += 1
+                self._distrust_key(key)
+        self._counters["blocks_got"] += out.count(BlockStatus.OK)
+        return out
+
+    async def _vendor(self, batch: PutBatch | GetBatch, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            codes = await batch.run_sync(fn, *args)
+        except Exception as exc:
+            raise BackendError(self.name, fn.__name__, repr(exc)) from exc
+        if len(codes) != len(batch.keys):
+            raise BackendError(self.name, fn.__name__, f"{len(codes)} codes for {len(batch)}")
+        return codes
+
+    def _distrust_key(self, key: str) -> None:
+        self._distrust[key] = None
+        self._distrust.move_to_end(key)
+        while len(self._distrust) > _DISTRUST_MAX:
+            self._distrust.popitem(last=False)
+
+    async def exists(self, batch: KeyBatch) -> Sequence[bool]:
+        """``batch_is_exist``, minus keys that failed to read since they were stored.
+
+        Raises:
+            BackendError: The call failed or answered with an error code.
+        """
+        client = await self._ready()
+        keys = [validate_key(k) for k in batch.keys]
+        codes = await self._call(client.batch_is_exist, keys)
+        if any(c < 0 for c in codes):
+            raise BackendError(self.name, "batch_is_exist", f"error codes {sorted(set(codes))}")
+        return [c == 1 and k not in self._distrust for k, c in zip(keys, codes, strict=True)]
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove keys (forced: a recent reader's lease does not keep a bad block alive)."""
+        client = await self._ready()
+        keys = [validate_key(k) for k in keys]
+        codes = await self._call(client.batch_remove, keys, True)
+        failed = [c for c in codes if c not in (0, NOT_FOUND)]
+        if failed:
+            raise BackendError(self.name, "batch_remove", f"codes {sorted(set(failed))}")
+
+    # -- residency ---------------------------------------------------------------------------
+
+    async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
+        """One small record per (key, node); the node joins the registry of node ids."""
+        client = await self._ready()
+        for node in {e.node_id for e in entries} - self._nodes:
+            await self._register_node(client, node)
+        keys = [f"{_RES_PREFIX}{validate_key(e.key)}@{e.node_id}" for e in entries]
+        values = [json.dumps({"r": e.residency.value, "t": e.updated_at}).encode() for e in entries]
+        if keys:
+            rc = await self._call(client.upsert_batch, keys, values)
+            if rc != 0:
+                raise BackendError(self.name, "upsert_batch", f"returned {rc}")
+
+    async def _register_node(self, client: Any, node: str) -> None:
+        nodes = await self._known_nodes(client)
+        if node not in nodes:
+            rc = await self._call(
+                client.upsert, _NODES_KEY, "\n".join(sorted({*nodes, node})).encode()
+            )
+            if rc != 0:
+                raise BackendError(self.name, "upsert", f"node registry: returned {rc}")
+        self._nodes.add(node)
+
+    async def _known_nodes(self, client: Any) -> set[str]:
+        raw = await self._call(client.get, _NODES_KEY)
+        return {n for n in bytes(raw).decode().split("\n") if n}
+
+    async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
+        """Every node's record for each key (reads the node registry, then the records)."""
+        client = await self._ready()
+        keys = [validate_key(k) for k in keys]
+        nodes = sorted(await self._known_nodes(client))
+        if not nodes or not keys:
+            return [() for _ in keys]
+        names = [f"{_RES_PREFIX}{key}@{node}" for key in keys for node in nodes]
+        raws = await self._call(client.get_batch, names)
+        if len(raws) != len(names):
+            raise BackendError(self.name, "get_batch", f"{len(raws)} values for {len(names)}")
+        out: list[tuple[ResidencyEntry, ...]] = []
+        for i, key in enumerate(keys):
+            found = []
+            for j, node in enumerate(nodes):
+                raw = bytes(raws[i * len(nodes) + j])
+                if raw:  # b"" is a missing record (or a failed get: no record is trusted)
+                    rec = json.loads(raw)
+                    found.append(ResidencyEntry(key, node, Residency(rec["r"]), float(rec["t"])))
+            out.append(tuple(found))
+        return out
+
+    def statistics(self) -> Mapping[str, float]:
+        """Counters of this client (blocks moved, codes seen, distrusted keys)."""
+        return {**self._counters, "distrusted_keys": len(self._distrust)}
+
+
+def master_reachable(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (blocking)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
