@@ -14,7 +14,7 @@ import numpy.typing as npt
 from ._blockformat import check_block, seal_block
 from ._plan import CopyPlan
 
-__all__ = ("gather", "gather_sealed", "scatter", "seal_slots", "verify_slots")
+__all__ = ("gather", "scatter", "seal_slots", "verify_slots")
 
 Rows = npt.NDArray[np.uint8]
 
@@ -58,15 +58,3 @@ def verify_slots(
         for slot, digest in zip(slots, digests, strict=True)
     ]
 
-
-def gather_sealed(
-    plan: CopyPlan,
-    rows: Sequence[Rows],
-    staging: Rows,
-    slots: Sequence[int],
-    digests: Sequence[bytes],
-    checksum: bool,
-) -> None:
-    """Gather a slice's blocks into its slots, then seal each slot with its trailer."""
-    gather(plan, rows, staging)
-    seal_slots(staging, slots, plan.payload_nbytes, digests, checksum)

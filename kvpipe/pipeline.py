@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._blockformat import value_nbytes
 from ._cache import KVCache
 from ._config import PipelineConfig
+from ._engine import HostEngine
 from ._errors import (
     ConfigError,
     IncompleteRead,
@@ -124,6 +125,7 @@ class Pipeline:
 
     async def _start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
         cfg = self.config
+        copy_limiter = anyio.CapacityLimiter(cfg.copy_threads)
         for stage in _STAGES:
             send, recv = anyio.create_memory_object_stream[Any](cfg.queue_depth)
             self._outboxes[stage], self._inboxes[stage] = send, recv
@@ -139,10 +141,11 @@ class Pipeline:
             payload_nbytes=self.layout.block_nbytes,
             value_nbytes=self._pool.slot_nbytes,
             slice_blocks=self.slice_blocks,
-            copy_limiter=anyio.CapacityLimiter(cfg.copy_threads),
+            copy_limiter=copy_limiter,
             io_limiter=anyio.CapacityLimiter(cfg.io_threads),
             hooks=self._hooks,
             outboxes=self._outboxes,
+            engine=HostEngine(self.cache, self._pool, runner, copy_limiter, self._device.note),
         )
         self._ctx = ctx
         inbox = self._inboxes
@@ -514,8 +517,8 @@ class Pipeline:
         kinds = Counter(s.kind if not isinstance(s, CallState) else s.op for s in self._in_flight)
         return PipelineStatistics(
             open=self._open,
-            device_path="host",
-            device_note=self._device.note,
+            device_path=ctx.engine.name if ctx is not None else "host",
+            device_note=ctx.engine.note if ctx is not None else self._device.note,
             in_flight=dict(kinds),
             queue_depths={
                 stage: recv.statistics().current_buffer_used

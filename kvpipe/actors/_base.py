@@ -20,6 +20,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._cache import KVCache
 from .._config import PipelineConfig
+from .._engine import INLINE_COPY_BYTES, CopyEngine
 from .._errors import BackendError
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
@@ -36,9 +37,6 @@ __all__ = (
     "SliceJob",
     "backend_call",
 )
-
-#: Copies up to this many bytes run on the event loop (a thread hop costs ~100 µs).
-INLINE_COPY_BYTES = 256 * 1024
 
 M = TypeVar("M")
 T = TypeVar("T")
@@ -104,12 +102,14 @@ class ActorContext:
     io_limiter: anyio.CapacityLimiter
     hooks: PipelineHooks
     outboxes: dict[str, MemoryObjectSendStream[Any]]
+    engine: CopyEngine
     metrics: Metrics = field(default_factory=Metrics)
 
     async def run_copy(
         self, nbytes: int, fn: Callable[..., T], *args: Any, hold: StagingLease
     ) -> T:
-        """Run a copy or verification: inline when small, else in a copy worker thread."""
+        """Run host work on staging (sealing, verification): inline when small, else in a
+        copy worker thread."""
         if nbytes <= INLINE_COPY_BYTES:
             await anyio.lowlevel.checkpoint()
             return fn(*args)

@@ -4,7 +4,8 @@ Write path: gather a slice's blocks (all layers and roles) into its staging slot
 each with its trailer, then pass it to the writer. Read path: scatter the verified leading
 blocks of a fetched slice into the caller's cache blocks.
 
-On the host the copies run in worker threads (numpy releases the GIL). A copy is never
+The copies themselves are the copy engine's (numpy on the host, kernels on a CUDA stream for
+device caches); sealing runs on the host either way. A copy is never
 abandoned half-way: the copy call is shielded from cancellation (it takes milliseconds), so
 when a read ends nothing is still writing into the caller's cache.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import anyio
 
-from .._hostcopy import gather_sealed, scatter
+from .._hostcopy import seal_slots
 from .._plan import copy_plan
 from ._base import Actor, SliceJob
 from ._state import ReadState, RequestState, WriteState
@@ -49,16 +50,18 @@ class Swapper(Actor[SliceJob]):
         plan = copy_plan(
             ctx.segments, state.block_ids[spec.first_block : spec.end_block], job.lease.slots
         )
-        args = (
-            plan,
-            ctx.cache.byte_rows,
-            ctx.pool.buffer,
-            job.lease.slots,
-            ctx.digests_of(state, spec),
-            ctx.config.verify_checksums,
-        )
         with anyio.CancelScope(shield=True):
-            await ctx.run_copy(plan.nbytes, gather_sealed, *args, hold=job.lease)
+            await ctx.engine.gather(plan, job.lease)
+            await ctx.run_copy(
+                plan.nbytes if ctx.config.verify_checksums else 0,
+                seal_slots,
+                ctx.pool.buffer,
+                job.lease.slots,
+                ctx.payload_nbytes,
+                ctx.digests_of(state, spec),
+                ctx.config.verify_checksums,
+                hold=job.lease,
+            )
         ctx.metrics.counters["bytes_gathered"] += plan.nbytes
         with anyio.move_on_at(state.deadline):
             await self.send("writer", job)
@@ -82,9 +85,7 @@ class Swapper(Actor[SliceJob]):
                 job.lease.slots[: job.valid],
             )
             with anyio.CancelScope(shield=True):
-                await ctx.run_copy(
-                    plan.nbytes, scatter, plan, ctx.pool.buffer, ctx.cache.byte_rows, hold=job.lease
-                )
+                await ctx.engine.scatter(plan, job.lease)
             ctx.metrics.counters["blocks_read"] += job.valid
             ctx.metrics.counters["bytes_read"] += plan.nbytes
             state.resolve(spec.index, job.valid)

@@ -13,6 +13,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 import kvpipe
 from kvpipe._blockformat import value_nbytes
+from kvpipe._engine import HostEngine
 from kvpipe._keys import Scope, as_tokens, block_keys
 from kvpipe._plan import layout_segments, plan_slices
 from kvpipe._staging import StagingPool, ThreadRunner
@@ -114,6 +115,7 @@ async def harness(
             io_limiter=anyio.CapacityLimiter(4),
             hooks=PipelineHooks(),
             outboxes=sends,
+            engine=HostEngine(cache, pool, runner, anyio.CapacityLimiter(2)),
         )
         try:
             yield Harness(ctx, inboxes, sends)

@@ -1,0 +1,85 @@
+"""Copy engines: what moves a slice's blocks between the cache and staging.
+
+The copy *plan* (:mod:`._plan`) says exactly which bytes go where; an engine executes it.
+:class:`HostEngine` does it with numpy on host memory (caches on the CPU). The CUDA engine
+(:mod:`kvpipe.cuda`) does it with kernels and async copies on a stream for device caches.
+Both fill staging in the same block-major layout, so everything after the copy — sealing,
+the store, verification — is the same.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import final
+
+import anyio
+
+from ._cache import KVCache
+from ._hostcopy import gather, scatter
+from ._plan import CopyPlan
+from ._staging import StagingLease, StagingPool, ThreadRunner
+
+__all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine")
+
+#: Copies up to this many bytes run on the event loop (a thread hop costs ~100 µs).
+INLINE_COPY_BYTES = 256 * 1024
+
+
+class CopyEngine(abc.ABC):
+    """Executes copy plans for one cache and one staging pool.
+
+    Both methods return only when the copy has finished (the bytes are in place); a caller
+    that must not be interrupted half-way shields the call.
+    """
+
+    #: ``"host"`` or ``"cuda"`` (reported by ``statistics().device_path``).
+    name: str = "engine"
+    #: Why this engine (for logs and statistics).
+    note: str = ""
+
+    @abc.abstractmethod
+    async def gather(self, plan: CopyPlan, lease: StagingLease) -> None:
+        """Cache blocks → the lease's staging slots, per ``plan``."""
+
+    @abc.abstractmethod
+    async def scatter(self, plan: CopyPlan, lease: StagingLease) -> None:
+        """Staging slots → cache blocks, per ``plan``."""
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Release the engine's resources (default: nothing)."""
+
+
+@final
+class HostEngine(CopyEngine):
+    """numpy copies between a CPU cache and host staging; large ones in worker threads."""
+
+    name = "host"
+
+    def __init__(
+        self,
+        cache: KVCache,
+        pool: StagingPool,
+        runner: ThreadRunner,
+        limiter: anyio.CapacityLimiter,
+        note: str = "",
+    ) -> None:
+        self.cache = cache
+        self.pool = pool
+        self.runner = runner
+        self.limiter = limiter
+        self.note = note
+
+    async def gather(self, plan: CopyPlan, lease: StagingLease) -> None:
+        """See :meth:`CopyEngine.gather`."""
+        await self._run(plan, gather, plan, self.cache.byte_rows, self.pool.buffer, hold=lease)
+
+    async def scatter(self, plan: CopyPlan, lease: StagingLease) -> None:
+        """See :meth:`CopyEngine.scatter`."""
+        await self._run(plan, scatter, plan, self.pool.buffer, self.cache.byte_rows, hold=lease)
+
+    async def _run(self, plan: CopyPlan, fn: object, *args: object, hold: StagingLease) -> None:
+        if plan.nbytes <= INLINE_COPY_BYTES:
+            await anyio.lowlevel.checkpoint()
+            fn(*args)  # type: ignore[operator]
+        else:
+            await self.runner.run(fn, *args, hold=hold, limiter=self.limiter)  # type: ignore[arg-type]
