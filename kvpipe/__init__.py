@@ -19,6 +19,7 @@ from ._errors import PipelineClosed as PipelineClosed
 from ._errors import RequestError as RequestError
 from ._errors import Unsupported as Unsupported
 from ._layout import CacheLayout as CacheLayout
+from ._results import ActorCrash as ActorCrash
 from ._results import BlockLocation as BlockLocation
 from ._results import Holder as Holder
 from ._results import PipelineStatistics as PipelineStatistics
@@ -43,6 +44,7 @@ from .pipeline import open_pipeline as open_pipeline
 __version__ = "0.1.0"
 
 __all__ = (
+    "ActorCrash",
     "ActorCrashed",
     "BackendError",
     "BlockLocation",

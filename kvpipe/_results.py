@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal, final
 
 __all__ = (
+    "ActorCrash",
     "BlockLocation",
     "Holder",
     "PipelineStatistics",
@@ -189,6 +190,27 @@ class BlockLocation:
 
 @final
 @dataclass(frozen=True, slots=True)
+class ActorCrash:
+    """One crash of an actor, as the supervisor handled it.
+
+    Attributes:
+        actor: The actor that crashed.
+        at: Event-loop time of the crash.
+        request_ids: The requests it held (each failed with ``actor_crashed``, or with
+            ``PipelineClosed`` when the crash closed the pipeline).
+        error: The exception, as text.
+        restarted: Whether the actor was restarted (``False``: the pipeline closed).
+    """
+
+    actor: str
+    at: float
+    request_ids: tuple[str, ...]
+    error: str
+    restarted: bool
+
+
+@final
+@dataclass(frozen=True, slots=True)
 class PipelineStatistics:
     """An immutable snapshot of a pipeline's state and counters.
 
@@ -207,6 +229,8 @@ class PipelineStatistics:
         staging_waiters: Tasks waiting for staging.
         slice_blocks: Effective blocks per slice (``slice_block_num`` cut to the pool).
         backend: The backend's own statistics.
+        threads_running: kvpipe's worker threads still running (including ones whose caller
+            gave up); 0 after ``aclose`` unless a thread outlived the close timeout.
     """
 
     open: bool
@@ -223,3 +247,4 @@ class PipelineStatistics:
     staging_waiters: int
     slice_blocks: int
     backend: Mapping[str, float] = field(default_factory=dict)
+    threads_running: int = 0

@@ -33,7 +33,14 @@ from ._errors import (
 )
 from ._keys import Scope
 from ._plan import layout_segments
-from ._results import BlockLocation, PipelineStatistics, ReadResult, Residency, WriteResult
+from ._results import (
+    ActorCrash,
+    BlockLocation,
+    PipelineStatistics,
+    ReadResult,
+    Residency,
+    WriteResult,
+)
 from ._staging import StagingPool, ThreadRunner
 from ._validate import check_request, check_timeout, check_tokens
 from .actors import (
@@ -119,12 +126,15 @@ class Pipeline:
         self._inboxes: dict[str, MemoryObjectReceiveStream[Any]] = {}
         self._outboxes: dict[str, MemoryObjectSendStream[Any]] = {}
         self._ctx: ActorContext | None = None
+        self._runner: ThreadRunner | None = None
+        self._crash_log: list[ActorCrash] = []
         self._supervisor: Supervisor | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def _start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
         cfg = self.config
+        self._runner = runner
         copy_limiter = anyio.CapacityLimiter(cfg.copy_threads)
         for stage in _STAGES:
             send, recv = anyio.create_memory_object_stream[Any](cfg.queue_depth)
@@ -148,6 +158,7 @@ class Pipeline:
             engine=HostEngine(self.cache, self._pool, runner, copy_limiter, self._device.note),
         )
         self._ctx = ctx
+        self._crash_log = ctx.metrics.crashes
         inbox = self._inboxes
         children = [
             ChildSpec("scheduler", lambda: Scheduler(ctx, inbox["scheduler"], cfg.queue_depth)),
@@ -510,6 +521,10 @@ class Pipeline:
 
     # -- introspection -----------------------------------------------------------------------
 
+    def crashes(self) -> tuple[ActorCrash, ...]:
+        """Every actor crash since open: which actor, when, which requests it failed."""
+        return tuple(self._crash_log)
+
     def statistics(self) -> PipelineStatistics:
         """An immutable snapshot of queues, in-flight requests, restarts, counters, staging."""
         ctx = self._ctx
@@ -533,6 +548,7 @@ class Pipeline:
             staging_waiters=self._pool.waiters,
             slice_blocks=self.slice_blocks,
             backend=dict(self.store.statistics()),
+            threads_running=self._runner.running if self._runner is not None else 0,
         )
 
 

@@ -25,6 +25,7 @@ from .._errors import BackendError
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
 from .._plan import CopySegment, SliceSpec
+from .._results import ActorCrash
 from .._staging import StagingLease, StagingPool, ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
 from ._state import ReadState, RequestState, WriteState, describe_error
@@ -62,6 +63,7 @@ class Metrics:
     counters: Counter[str] = field(default_factory=Counter)
     slices: Counter[str] = field(default_factory=Counter)
     restarts: Counter[str] = field(default_factory=Counter)
+    crashes: list[ActorCrash] = field(default_factory=list)
 
 
 @dataclass(eq=False)

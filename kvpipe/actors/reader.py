@@ -3,7 +3,9 @@
 Each slice runs in its own cancel scope (``min(now + slice_timeout, request deadline)``).
 Fetched blocks are checked (trailer, key, checksum) in a worker thread; only the leading run
 of sound blocks goes on to the swapper to be scattered. A block that failed verification is
-deleted from the store so later lookups stop before it. Slices of one read are fetched
+fetched once more — corruption in transit must not cost a good stored block — and deleted
+from the store only when it fails again, so later lookups stop before it. Slices of one read
+are fetched
 concurrently; once one stops short, later slices are cancelled and dropped.
 """
 
@@ -90,20 +92,29 @@ class Reader(Actor[SliceJob]):
             state.resolve(spec.index, 0)
             return []
         fetched = leading_run(s is BlockStatus.OK for s in statuses)
-        checks = await ctx.run_copy(
-            fetched * ctx.payload_nbytes if ctx.config.verify_checksums else 0,
-            verify_slots,
-            ctx.pool.buffer,
-            job.lease.slots[:fetched],
-            ctx.payload_nbytes,
-            ctx.digests_of(state, spec)[:fetched],
-            ctx.config.verify_checksums,
-            hold=job.lease,
-        )
+        checks = await self._verify(job, 0, fetched)
+        confirmed: set[int] = set()
+        bad = leading_run(c is None for c in checks)
+        if bad < fetched:
+            # A block fetched fine failed verification. Fetch it (and the rest) once more:
+            # corruption in transit is not a reason to delete a good stored block.
+            again = await self._refetch(job, bad, fetched, deadline)
+            if again is not None:
+                ok_again = leading_run(s is BlockStatus.OK for s in again)
+                checks2 = await self._verify(job, bad, bad + ok_again)
+                confirmed = {
+                    bad + i
+                    for i, c in enumerate(checks2)
+                    if c is not None and checks[bad + i] is not None
+                }
+                statuses[bad:fetched] = again
+                checks = checks[:bad] + checks2
+                fetched = bad + ok_again
+                ctx.metrics.counters["blocks_refetched"] += len(again)
         valid = leading_run(c is None for c in checks)
         failed = [first + i for i, s in enumerate(statuses) if s is not BlockStatus.OK]
         failed += [first + i for i, c in enumerate(checks) if c is not None]
-        corrupt = [batch.keys[i] for i, c in enumerate(checks) if c is not None]
+        corrupt = [batch.keys[i] for i in sorted(confirmed)]
         if valid < spec.count:
             bad = valid
             why = checks[bad] if bad < fetched else statuses[bad].value
@@ -114,13 +125,55 @@ class Reader(Actor[SliceJob]):
                 first + bad,
                 why,
             )
-            state.stop_at(first + valid, "failed_block", sorted(failed), detail)
-            ctx.metrics.counters["blocks_failed_verify"] += len(corrupt)
+            state.stop_at(first + valid, "failed_block", sorted(set(failed)), detail)
+            ctx.metrics.counters["blocks_failed_verify"] += sum(c is not None for c in checks)
         ctx.metrics.slices["read_complete" if valid == spec.count else "read_incomplete"] += 1
         job.valid = valid
         if valid == 0:
             state.resolve(spec.index, 0)
         return corrupt
+
+    async def _verify(self, job: SliceJob, lo: int, hi: int) -> list[str | None]:
+        """Check slots ``[lo, hi)`` of a fetched slice (trailer, key, checksum)."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        return await ctx.run_copy(
+            (hi - lo) * ctx.payload_nbytes if ctx.config.verify_checksums else 0,
+            verify_slots,
+            ctx.pool.buffer,
+            job.lease.slots[lo:hi],
+            ctx.payload_nbytes,
+            ctx.digests_of(state, spec)[lo:hi],
+            ctx.config.verify_checksums,
+            hold=job.lease,
+        )
+
+    async def _refetch(
+        self, job: SliceJob, lo: int, hi: int, deadline: float
+    ) -> list[BlockStatus] | None:
+        """Fetch blocks ``[lo, hi)`` of a slice again into their own slots; ``None`` when
+        that fails or runs out of time."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        full = ctx.staged_batch(job, GetBatch)
+        batch = GetBatch(
+            full.scope,
+            full.request_id,
+            full.keys[lo:hi],
+            spec.first_block + lo,
+            full.token_prefix,
+            full.keys[lo - 1] if lo else full.parent_key,
+            lease=job.lease,
+            value_nbytes=ctx.value_nbytes,
+            runner=ctx.runner,
+            limiter=ctx.io_limiter,
+            offset=lo,
+        )
+        with state.bound(deadline, ("refetch", spec.index), spec.first_block + lo):
+            try:
+                raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
+                return check_statuses(ctx.backend, "get_blocks", raw, hi - lo)
+            except BackendError:
+                return None
+        return None
 
     async def _delete_corrupt(self, request_id: str, keys: list[str]) -> None:
         """Remove blocks that failed verification (best effort, bounded)."""

@@ -17,6 +17,7 @@ from typing import Any, final
 
 import anyio
 
+from .._results import ActorCrash
 from ._base import Actor, Metrics
 
 __all__ = ("ChildSpec", "Supervisor")
@@ -88,7 +89,17 @@ class Supervisor:
                 while crashes and crashes[0] < now - self._window:
                     crashes.popleft()
                 ids = ", ".join(s.request_id for s in held[:8]) or "none"
-                if len(crashes) > self._max_restarts:
+                escalate = len(crashes) > self._max_restarts
+                self._metrics.crashes.append(
+                    ActorCrash(
+                        child.name,
+                        now,
+                        tuple(s.request_id for s in held),
+                        repr(cause),
+                        not escalate,
+                    )
+                )
+                if escalate:
                     log.error(
                         "actor %s crashed %d times within %.0f s (last: %r); closing the "
                         "pipeline; requests it held: %s",

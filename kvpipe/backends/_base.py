@@ -103,7 +103,7 @@ class KeyBatch:
 
 
 class _StagedBatch(KeyBatch):
-    __slots__ = ("_lease", "_limiter", "_runner", "value_nbytes")
+    __slots__ = ("_lease", "_limiter", "_offset", "_runner", "value_nbytes")
 
     def __init__(
         self,
@@ -118,8 +118,12 @@ class _StagedBatch(KeyBatch):
         value_nbytes: int,
         runner: ThreadRunner,
         limiter: anyio.CapacityLimiter | None,
+        offset: int = 0,
     ) -> None:
         super().__init__(scope, request_id, keys, first_block, token_prefix, parent_key)
+        if offset < 0 or offset + len(self.keys) > len(lease.slots):
+            raise ValueError("the batch's blocks do not fit its staging lease")
+        self._offset = offset
         self._lease = lease
         self._runner = runner
         self._limiter = limiter
@@ -129,7 +133,29 @@ class _StagedBatch(KeyBatch):
         """Addresses of each block's staging buffer (for registered-memory transports)."""
         base = self._lease.pool.buffer.ctypes.data
         stride = self._lease.pool.stride
-        return [base + slot * stride for slot in self._lease.slots[: len(self.keys)]]
+        return [base + slot * stride for slot in self._slots()]
+
+    def _slots(self) -> tuple[int, ...]:
+        return self._lease.slots[self._offset : self._offset + len(self.keys)]
+
+    def _views(self) -> list[memoryview]:
+        return [self._lease.pool.slot(s).data for s in self._slots()]
+
+    def hold(self) -> Callable[[], None]:
+        """Keep this batch's staging leased past the call, for work that completes in the
+        background (a callback, a task the backend owns). Call the returned function — once —
+        when that work no longer touches the buffers. Only the event loop's thread may call
+        either."""
+        self._lease.retain()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._lease.release()
+
+        return release
 
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn(*args)`` (I/O on this batch's buffers) in a worker thread.
@@ -149,7 +175,7 @@ class PutBatch(_StagedBatch):
     @property
     def values(self) -> list[memoryview]:
         """One read-only ``value_nbytes``-long buffer per key (views of staging memory)."""
-        return [m.toreadonly() for m in self._lease.memoryviews(len(self.keys))]
+        return [m.toreadonly() for m in self._views()]
 
 
 class GetBatch(_StagedBatch):
@@ -160,7 +186,7 @@ class GetBatch(_StagedBatch):
     @property
     def buffers(self) -> list[memoryview]:
         """One writable ``value_nbytes``-long buffer per key (views of staging memory)."""
-        return self._lease.memoryviews(len(self.keys))
+        return self._views()
 
 
 class StorageBackend(abc.ABC):

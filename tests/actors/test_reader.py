@@ -44,8 +44,19 @@ async def test_sound_blocks_go_to_the_swapper() -> None:
         job.lease.release()
 
 
-async def test_a_corrupt_block_stops_loading_and_is_deleted() -> None:
+async def test_a_block_corrupt_in_transit_is_fetched_again_and_kept() -> None:
     store = ScriptedStore(gets={0: Act(corrupt=[3])})
+    async with harness(store, slice_blocks=8) as h:
+        await _store_all(h)
+        state, job = await _read_slice(h)
+        assert job.valid == 8 and state.stop_block is None
+        assert [c.first_block for c in store.calls_of("get")] == [0, 3]  # blocks 3.. again
+        assert store.deleted == []
+        job.lease.release()
+
+
+async def test_a_corrupt_block_stops_loading_and_is_deleted() -> None:
+    store = ScriptedStore(gets={0: Act(corrupt=[3]), 1: Act(corrupt=[0])})
     async with harness(store, slice_blocks=8) as h:
         await _store_all(h)
         state, job = await _read_slice(h)
@@ -71,7 +82,9 @@ async def test_a_block_the_store_returns_for_another_key_is_rejected() -> None:
     async with harness(store, slice_blocks=8) as h:
         await _store_all(h)
         state, job = await _read_slice(h)
-        assert job.valid == 1
+        # first fetch: blocks 1 and 2 come back crosswise; the second fetch (of blocks 1..)
+        # gets block 1 right and swaps 2 and 3: loading stops at block 2
+        assert job.valid == 2
         assert state.stop_reason == "failed_block"
         assert "another key" in (state.stop_detail or "")
         job.lease.release()

@@ -96,6 +96,9 @@ class FileStore(StorageBackend):
         self._limiter = anyio.CapacityLimiter(threads)
         self._counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards _counters against worker threads
+        self._idle = threading.Condition()
+        self._busy = 0  # worker calls running, including ones whose caller gave up
+        self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -138,16 +141,57 @@ class FileStore(StorageBackend):
         self._root, self._catalog = root, catalog
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvpipe-file")
 
-    async def aclose(self) -> None:
-        """Close the catalog and the root descriptor."""
-        async with self._open_lock:
-            if self._root is not None and self._catalog is not None:
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Close the catalog and the root descriptor, once the worker threads still running
+        (calls whose callers gave up) have finished — at most ``timeout`` seconds; past that
+        the store is left open (logged), never closed under a running thread.
+
+        Cancellation: shielded.
+        """
+        with anyio.CancelScope(shield=True):
+            async with self._open_lock:
+                if self._root is None or self._catalog is None:
+                    return
+                idle = await anyio.to_thread.run_sync(self._wait_idle, timeout)
+                if not idle:
+                    log.error(
+                        "file store %s: %d worker call(s) still running after %.0f s; "
+                        "not closing under them",
+                        self.path,
+                        self._busy,
+                        timeout,
+                    )
+                    return
                 if self._executor is not None:
-                    self._executor.shutdown(wait=False, cancel_futures=True)
+                    self._executor.shutdown(wait=True)
                     self._executor = None
                 self._catalog.close()
                 self._root.close()
                 self._root = self._catalog = None
+
+    def _wait_idle(self, timeout: float) -> bool:
+        with self._idle:
+            self._closing = True
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+
+    def _tracked(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn``, counted as running from the moment its worker thread starts it until it
+        returns. A call whose caller gave up before its thread started never runs once the
+        store is closing."""
+
+        def run(*args: Any) -> T:
+            with self._idle:
+                if self._closing:
+                    raise OSError(errno.ESHUTDOWN, "the file store is closing")
+                self._busy += 1
+            try:
+                return fn(*args)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+        return run
 
     async def _ready(self) -> tuple[Root, Catalog]:
         if self._root is None:
@@ -160,6 +204,7 @@ class FileStore(StorageBackend):
             self._counters.update(deltas)
 
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
+        fn = self._tracked(fn)
         return await anyio.to_thread.run_sync(
             fn, *args, limiter=self._limiter, abandon_on_cancel=True
         )
@@ -182,7 +227,7 @@ class FileStore(StorageBackend):
         abandoned = threading.Event()
         try:
             return await batch.run_sync(
-                self._put_sync,
+                self._tracked(self._put_sync),
                 root,
                 catalog,
                 keys,
@@ -271,7 +316,12 @@ class FileStore(StorageBackend):
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
         return await batch.run_sync(
-            self._get_sync, root, catalog, keys, batch.buffers, batch.scope.fingerprint
+            self._tracked(self._get_sync),
+            root,
+            catalog,
+            keys,
+            batch.buffers,
+            batch.scope.fingerprint,
         )
 
     def _get_sync(

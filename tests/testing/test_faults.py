@@ -1,0 +1,143 @@
+"""FaultyStore and FaultPlan: faults as data, deterministic for a seed, recorded per call."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import numpy as np
+import pytest
+import trio.testing
+
+import kvpipe
+from kvpipe.backends import BlockStatus
+from kvpipe.testing import BackendConformance
+from kvpipe.testing.faults import FaultPlan, FaultRule, FaultyStore
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, object]]:
+    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+
+def test_plans_load_from_json_and_toml_alike() -> None:
+    as_json = json.dumps(
+        {
+            "seed": 7,
+            "rules": [
+                {"op": "put", "kind": "hang", "calls": [2, 5]},
+                {
+                    "op": "*",
+                    "kind": "latency",
+                    "latency": ["uniform", 0.0, 0.1],
+                    "probability": 0.5,
+                },
+            ],
+        }
+    )
+    as_toml = """
+seed = 7
+[[rules]]
+op = "put"
+kind = "hang"
+calls = [2, 5]
+[[rules]]
+op = "*"
+kind = "latency"
+latency = ["uniform", 0.0, 0.1]
+probability = 0.5
+"""
+    assert FaultPlan.load(as_json) == FaultPlan.load(as_toml, "toml")
+    assert FaultPlan.load(as_json).rules[0].calls == (2, 5)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"op": "put", "kind": "explode"},
+        {"op": "nope", "kind": "hang"},
+        {"op": "put", "kind": "latency", "latency": ["gauss", 1]},
+        {"op": "put", "kind": "latency", "latency": -1},
+        {"op": "put", "kind": "error", "error": "SystemExit"},
+        {"op": "put", "kind": "partial", "probability": 2},
+    ],
+)
+def test_bad_rules_are_rejected(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        FaultPlan.from_data({"rules": [bad]})
+
+
+def test_the_same_seed_hits_the_same_calls() -> None:
+    rule = FaultRule("put", "error", probability=0.3)
+    for seed in (1, 2):
+        plan = FaultPlan(seed, (rule,))
+        first = [rule.hits("put", n, plan.rng("put", n)) for n in range(200)]
+        again = [rule.hits("put", n, plan.rng("put", n)) for n in range(200)]
+        assert first == again and 30 < sum(first) < 90
+    a = [rule.hits("put", n, FaultPlan(1).rng("put", n)) for n in range(200)]
+    b = [rule.hits("put", n, FaultPlan(2).rng("put", n)) for n in range(200)]
+    assert a != b
+
+
+class TestFaultyStoreWithoutFaultsConforms(BackendConformance):
+    """With an empty plan the wrapper must be a faithful backend."""
+
+    @pytest.fixture
+    async def backend(self):  # type: ignore[no-untyped-def]
+        async with FaultyStore(kvpipe.MemoryStore(), FaultPlan()) as store:
+            yield store
+
+
+async def test_partial_puts_never_delete_what_was_already_stored() -> None:
+    suite = BackendConformance()
+    inner = kvpipe.MemoryStore()
+    plan = FaultPlan(3, (FaultRule("put", "partial", calls=(1,), blocks=1.0),))
+    async with FaultyStore(inner, plan) as store, suite._batches(store) as b:
+        keys, _ = b.keys(4)
+        values = [bytes([i]) * b.pool.slot_nbytes for i in range(4)]
+        assert await b.put(store, keys[:2], values[:2]) == [BlockStatus.OK] * 2
+        statuses = await b.put(store, keys, values)  # call #1: every block "fails"
+        assert statuses == [BlockStatus.FAILED] * 4
+        assert sorted(inner.keys()) == sorted(keys[:2])  # the two stored before stay
+        assert store.calls[1].outcome == "incomplete"
+
+
+async def test_late_completion_keeps_the_staging_until_it_is_done() -> None:
+    suite = BackendConformance()
+    inner = kvpipe.MemoryStore()
+    plan = FaultPlan(0, (FaultRule("put", "late", calls=(0,), latency=5.0),))
+    async with FaultyStore(inner, plan) as store, suite._batches(store) as b:
+        keys, _ = b.keys(2)
+        values = [b"\x01" * b.pool.slot_nbytes, b"\x02" * b.pool.slot_nbytes]
+        with anyio.move_on_after(1):
+            await b.put(store, keys, values)
+        assert b.pool.in_use == 2 and store.background == 1 and inner.keys() == []
+        await anyio.sleep(10)
+        assert b.pool.in_use == 0 and store.background == 0
+        assert sorted(inner.keys()) == sorted(keys)  # it completed after the caller left
+        call = store.calls[0]
+        assert call.outcome == "cancelled" and call.late_digests == call.digests
+        assert call.released == pytest.approx(5.0, abs=0.01)
+
+
+async def test_corrupt_gets_flip_bytes_and_lies_invent_keys() -> None:
+    suite = BackendConformance()
+    plan = FaultPlan(
+        0,
+        (
+            FaultRule("get", "corrupt", calls=(0,), blocks=1.0),
+            FaultRule("exists", "lie", calls=(0,), blocks=1.0),
+        ),
+    )
+    async with FaultyStore(kvpipe.MemoryStore(), plan) as store, suite._batches(store) as b:
+        keys, _ = b.keys(3)
+        values = [
+            bytes(range(256)) * (b.pool.slot_nbytes // 256) + b"\0" * (b.pool.slot_nbytes % 256)
+        ] * 3
+        assert list(await store.exists(b.key_batch(keys))) == [True, True, True]  # a lie
+        await b.put(store, keys, values)
+        statuses, got = await b.get(store, keys)
+        assert statuses == [BlockStatus.OK] * 3
+        assert all(g != v for g, v in zip(got, values, strict=True))
+        assert [c.injected for c in store.calls if c.op == "get"] == [["corrupt"]]
+    assert np.sum(np.frombuffer(got[0], np.uint8) != np.frombuffer(values[0], np.uint8)) == 1

@@ -1,0 +1,228 @@
+"""The invariant checker catches each kind of violation (fed synthetic runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe._keys import Scope, as_tokens, block_keys
+from kvpipe.testing.faults import FaultPlan, FaultyStore, StoreCall
+from kvpipe.testing.invariants import Checker, Outcome
+
+LAYOUT = kvpipe.CacheLayout.mla(num_layers=1, kv_lora_rank=8, rope_dim=8, block_size=4)
+SCOPE = Scope("inv", LAYOUT.fingerprint)
+TOKENS = np.arange(12)
+
+
+def _source() -> kvpipe.KVCache:
+    cache = kvpipe.create_kv_cache(LAYOUT, 8)
+    rng = np.random.default_rng(0)
+    for rows in cache.byte_rows:
+        rows[:] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
+    return cache
+
+
+def _write(
+    written: int,
+    skipped: int = 0,
+    elapsed: float = 0.1,
+    error: Exception | None = None,
+    reason: str | None = None,
+) -> Outcome:
+    result = kvpipe.WriteResult(
+        "w1", 3, skipped, written, skipped + written == 3, reason, (), elapsed
+    )  # type: ignore[arg-type]
+    return Outcome(
+        "write",
+        "w1",
+        TOKENS,
+        np.array([2, 3, 4]),
+        False,
+        0,
+        elapsed,
+        1.0,
+        result=None if error else result,
+        error=error,
+    )
+
+
+def _payload(cache: kvpipe.KVCache, b: int) -> bytes:
+    return b"".join(rows[b].tobytes() for rows in cache.byte_rows)
+
+
+def _store() -> FaultyStore:
+    return FaultyStore(kvpipe.MemoryStore(), FaultPlan())
+
+
+def test_stored_holds_when_every_counted_block_is_there() -> None:
+    source = _source()
+    checker = Checker(source, SCOPE, 0.1)
+    checker.wrote(_write(3))
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    checker.check_stored(
+        _store(), {k: _payload(source, 2 + i) + b"trailer" for i, k in enumerate(keys)}
+    )
+    assert checker.verdicts["stored"].held and checker.verdicts["stored"].checked == 3
+
+
+@pytest.mark.parametrize("breakage", ["missing", "other bytes"])
+def test_stored_catches_counted_blocks_that_are_not_right(breakage: str) -> None:
+    source = _source()
+    checker = Checker(source, SCOPE, 0.1)
+    checker.wrote(_write(3))
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    stored = {k: _payload(source, 2 + i) for i, k in enumerate(keys)}
+    if breakage == "missing":
+        del stored[keys[2]]
+    else:
+        stored[keys[1]] = _payload(source, 7)
+    checker.check_stored(_store(), stored)
+    assert not checker.verdicts["stored"].held
+
+
+def _call(
+    op: str,
+    n: int,
+    first: int,
+    start: float,
+    end: float,
+    outcome: str,
+    rid: str = "w1",
+    addresses: tuple[int, ...] = (),
+) -> StoreCall:
+    c = StoreCall(op, n, rid, first, (), start, addresses=addresses, value_nbytes=64)
+    c.finished, c.outcome = end, outcome
+    return c
+
+
+def test_prefix_catches_a_slice_sent_after_an_incomplete_one() -> None:
+    store = _store()
+    store.calls += [
+        _call("put", 0, 0, 0.0, 1.0, "ok"),
+        _call("put", 1, 4, 1.0, 2.0, "incomplete"),
+        _call("put", 2, 8, 2.0, 3.0, "ok"),
+    ]
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.check_prefix(store)
+    assert not checker.verdicts["prefix"].held
+    good = _store()
+    good.calls += store.calls[:2]
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.check_prefix(good)
+    assert checker.verdicts["prefix"].held
+
+
+def test_prefix_catches_slices_out_of_order() -> None:
+    store = _store()
+    store.calls += [_call("put", 0, 4, 0.0, 1.0, "ok"), _call("put", 1, 0, 1.0, 2.0, "ok")]
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.check_prefix(store)
+    assert not checker.verdicts["prefix"].held
+
+
+def test_deadline_catches_an_overrun_and_reports_it() -> None:
+    checker = Checker(_source(), SCOPE, 0.25)
+    checker.wrote(_write(3, elapsed=1.2))  # limit 1.0, slack 0.25: fine
+    checker.wrote(_write(3, elapsed=1.4))  # 0.4 past: broken
+    worst, _ = checker.check_deadlines()
+    assert worst == pytest.approx(0.4)
+    assert not checker.verdicts["deadline"].held
+
+
+def test_staging_catches_two_live_calls_on_one_buffer_and_a_changed_late_buffer() -> None:
+    store = _store()
+    store.calls += [
+        _call("put", 0, 0, 0.0, 2.0, "ok", addresses=(100, 200)),
+        _call("get", 0, 0, 1.0, 3.0, "ok", "r", addresses=(300, 200)),
+    ]
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.check_staging(store)
+    assert not checker.verdicts["staging"].held
+    store = _store()
+    late = _call("put", 0, 0, 0.0, 1.0, "cancelled", addresses=(100,))
+    late.released, late.digests, late.late_digests = 5.0, (1,), (2,)
+    store.calls += [late, _call("put", 1, 0, 6.0, 7.0, "ok", addresses=(100,))]
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.check_staging(store)
+    details = checker.verdicts["staging"].details
+    assert len(details) == 1 and "changed" in details[0]
+
+
+def _stats(**changes: object) -> kvpipe.PipelineStatistics:
+    base: dict[str, object] = dict(
+        open=False,
+        device_path="host",
+        device_note="",
+        in_flight={},
+        queue_depths={"writer": 0},
+        queue_capacity=4,
+        restarts={},
+        slices={},
+        counters={},
+        staging_capacity_bytes=1,
+        staging_in_use_bytes=0,
+        staging_waiters=0,
+        slice_blocks=4,
+    )
+    base.update(changes)
+    return kvpipe.PipelineStatistics(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"staging_in_use_bytes": 64}, {"in_flight": {"write": 1}}, {"threads_running": 1}],
+)
+def test_idle_catches_what_is_left_behind(bad: dict[str, object]) -> None:
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.check_idle(_stats(**bad), capacity=4)
+    assert not checker.verdicts["idle"].held
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.sample(_stats(queue_depths={"writer": 5}))
+    checker.check_idle(_stats(), capacity=4)
+    assert not checker.verdicts["idle"].held
+
+
+def test_loaded_catches_a_block_loaded_with_wrong_bytes() -> None:
+    source, dst = _source(), kvpipe.create_kv_cache(LAYOUT, 8)
+    for rows_s, rows_d in zip(source.byte_rows, dst.byte_rows, strict=True):
+        rows_d[[5, 6]] = rows_s[[2, 3]]
+    result = kvpipe.ReadResult("r1", 3, 2, False, (2,), "failed_block", 0.1)
+    o = Outcome(
+        "read",
+        "r1",
+        TOKENS,
+        np.array([2, 3, 4]),
+        False,
+        0,
+        0.1,
+        1.0,
+        result=result,
+        dst_ids=np.array([5, 6, 7]),
+    )
+    checker = Checker(source, SCOPE, 0.1)
+    checker.read(o)
+    checker.check_loaded({"r1": dst})
+    assert checker.verdicts["loaded"].held and checker.verdicts["loaded"].checked == 2
+    for rows in dst.byte_rows:
+        rows[6] ^= 1
+    checker = Checker(source, SCOPE, 0.1)
+    checker.read(o)
+    checker.check_loaded({"r1": dst})
+    assert not checker.verdicts["loaded"].held
+
+
+def test_crash_catches_a_request_failed_by_an_actor_that_did_not_hold_it() -> None:
+    crash = kvpipe.ActorCrash("writer", 1.0, ("other",), "boom", True)
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.wrote(_write(0, reason="actor_crashed"))
+    checker.check_crashes(False, [crash])
+    assert not checker.verdicts["crash"].held
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.wrote(_write(0, reason="actor_crashed"))
+    checker.check_crashes(False, [kvpipe.ActorCrash("writer", 1.0, ("w1",), "boom", True)])
+    assert checker.verdicts["crash"].held
+    checker = Checker(_source(), SCOPE, 0.1)
+    checker.wrote(_write(0, error=kvpipe.PipelineClosed("closed")))
+    checker.check_crashes(False, [])
+    assert not checker.verdicts["crash"].held
