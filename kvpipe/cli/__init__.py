@@ -34,12 +34,13 @@ from ._console import (
 )
 from .bench import COMMAND as BENCH
 from .demo import COMMAND as DEMO
+from .faults import COMMAND as FAULTS
 from .store_info import COMMAND as STORE_INFO
 
 __all__ = ("COMMANDS", "build_parser", "main")
 
 #: Every subcommand, in ``--help`` order.
-COMMANDS: tuple[Command, ...] = (DEMO, STORE_INFO, BENCH)
+COMMANDS: tuple[Command, ...] = (DEMO, STORE_INFO, BENCH, FAULTS)
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Errors that mean "you asked for something invalid", not "it ran and failed".

@@ -1,0 +1,65 @@
+"""``kvpipe faults``: the short, seed-fixed CI run on every store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpipe.cli import main
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, object]]:
+    code = main(["--log-level", "critical", "faults", "--seed", "3", "--json", *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_every_scenario_on_the_memory_store(capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = _run(capsys, "--store", "memory", "--all")
+    assert code == 0 and report["ok"] is True
+    names = [s["scenario"] for s in report["scenarios"]]  # type: ignore[index]
+    assert "hang_slice" in names and "crash_loop" in names and len(names) == 13
+
+
+def test_file_store_with_the_process_kill(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, report = _run(
+        capsys,
+        "--store",
+        "file",
+        "--dir",
+        str(tmp_path),
+        "--scenario",
+        "kill_mid_write",
+        "--scenario",
+        "corrupt_reads",
+        "--scenario",
+        "late",
+    )
+    assert code == 0, report
+    rows = {s["scenario"]: s for s in report["scenarios"]}  # type: ignore[index, union-attr]
+    assert set(rows) == {"kill_mid_write", "corrupt_reads", "late"}
+    assert rows["kill_mid_write"]["blocks_written"] > 0
+    assert list(tmp_path.iterdir()) == []  # cleaned up
+
+
+def test_mooncake_with_a_real_master(capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = _run(
+        capsys,
+        "--store",
+        "mooncake",
+        "--scenario",
+        "hang_slice",
+        "--scenario",
+        "partial_puts",
+        "--scenario",
+        "corrupt_reads",
+    )
+    assert code == 0, report
+
+
+def test_an_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["faults", "--scenario", "nope"]) == 2
+    assert "unknown scenario" in capsys.readouterr().err
