@@ -7,6 +7,7 @@ from typing import final
 
 import anyio
 
+from .._errors import ConfigError
 from .._results import ResidencyEntry
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 
@@ -29,7 +30,7 @@ class MemoryStore(StorageBackend):
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError("capacity_bytes must be positive")
+            raise ConfigError("capacity_bytes", f"must be positive, got {capacity_bytes!r}")
         self._capacity = capacity_bytes
         self._data: dict[str, bytes] = {}
         self._residency: dict[str, dict[str, ResidencyEntry]] = {}
@@ -102,13 +103,13 @@ class MemoryStore(StorageBackend):
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
         """Whether each key is stored."""
         await anyio.lowlevel.checkpoint()
-        return [key in self._data for key in batch.keys]
+        return [validate_key(key) in self._data for key in batch.keys]
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove keys (missing ones are ignored)."""
         await anyio.lowlevel.checkpoint()
         for key in keys:
-            value = self._data.pop(key, None)
+            value = self._data.pop(validate_key(key), None)
             if value is not None:
                 self._bytes -= len(value)
 
@@ -122,7 +123,7 @@ class MemoryStore(StorageBackend):
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
         """Every node's record for each key."""
         await anyio.lowlevel.checkpoint()
-        return [tuple(self._residency.get(key, {}).values()) for key in keys]
+        return [tuple(self._residency.get(validate_key(key), {}).values()) for key in keys]
 
     def statistics(self) -> Mapping[str, float]:
         """Blocks, bytes, and call counters."""

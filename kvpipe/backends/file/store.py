@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ from typing import Any, TypeVar, final
 import anyio
 import xxhash
 
+from ..._errors import BackendError, ConfigError
 from ..._results import ResidencyEntry
 from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from ._catalog import Catalog
@@ -78,11 +80,11 @@ class FileStore(StorageBackend):
         scan_on_open: bool = True,
     ) -> None:
         if durability not in _DURABILITIES:
-            raise ValueError(f"durability must be one of {_DURABILITIES}, got {durability!r}")
+            raise ConfigError("durability", f"must be one of {_DURABILITIES}, got {durability!r}")
         if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError("capacity_bytes must be positive")
+            raise ConfigError("capacity_bytes", f"must be positive, got {capacity_bytes!r}")
         if threads < 1:
-            raise ValueError("threads must be >= 1")
+            raise ConfigError("threads", f"must be >= 1, got {threads!r}")
         self.path = os.fspath(root)
         self.durability: Durability = durability
         self.capacity_bytes = capacity_bytes
@@ -106,11 +108,15 @@ class FileStore(StorageBackend):
         """Open (idempotent): create the root, open the catalog, clean up after crashes.
 
         Raises:
-            OSError: The root cannot be created or opened.
+            BackendError: The root cannot be created or opened (not a directory, no
+                permission, ...), or its catalog cannot be opened.
         """
         async with self._open_lock:
             if self._root is None:
-                await anyio.to_thread.run_sync(self._open_sync)
+                try:
+                    await anyio.to_thread.run_sync(self._open_sync)
+                except (OSError, sqlite3.Error) as exc:
+                    raise BackendError(self.name, "open", f"{self.path}: {exc}") from exc
 
     async def __aenter__(self) -> FileStore:
         await self.open()

@@ -1,0 +1,230 @@
+"""Bad input at every public entry point gets a typed error that says what was wrong.
+
+The cases here are the table in docs/reliability.md (keep them in step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe.testing.faults import FaultPlan
+
+L = kvpipe.CacheLayout.gqa(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
+CACHE = kvpipe.create_kv_cache(L, 8)
+TOK = np.arange(16)
+
+SYNC: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+    (
+        "config: slice_block_num=0",
+        lambda: kvpipe.PipelineConfig(slice_block_num=0),
+        kvpipe.ConfigError,
+        "slice_block_num",
+    ),
+    (
+        "config: slice_timeout=inf",
+        lambda: kvpipe.PipelineConfig(slice_timeout=float("inf")),
+        kvpipe.ConfigError,
+        "slice_timeout",
+    ),
+    (
+        "config: total_timeout=-1",
+        lambda: kvpipe.PipelineConfig(total_timeout=-1),
+        kvpipe.ConfigError,
+        "total_timeout",
+    ),
+    (
+        "config: staging_bytes=0",
+        lambda: kvpipe.PipelineConfig(staging_bytes=0),
+        kvpipe.ConfigError,
+        "staging_bytes",
+    ),
+    (
+        "config: node_id=''",
+        lambda: kvpipe.PipelineConfig(node_id=""),
+        kvpipe.ConfigError,
+        "node_id",
+    ),
+    (
+        "env: KVPIPE_SLICE_TIMEOUT=abc",
+        lambda: kvpipe.PipelineConfig.from_env({"KVPIPE_SLICE_TIMEOUT": "abc"}),
+        kvpipe.ConfigError,
+        "KVPIPE_SLICE_TIMEOUT",
+    ),
+    (
+        "env: AS_WRITE_SLICE_BLOCK_NUM=0",
+        lambda: kvpipe.PipelineConfig.from_env({"AS_WRITE_SLICE_BLOCK_NUM": "0"}),
+        kvpipe.ConfigError,
+        "AS_WRITE_SLICE_BLOCK_NUM",
+    ),
+    (
+        "env: KVPIPE_VERIFY_CHECKSUMS=maybe",
+        lambda: kvpipe.PipelineConfig.from_env({"KVPIPE_VERIFY_CHECKSUMS": "maybe"}),
+        kvpipe.ConfigError,
+        "KVPIPE_VERIFY_CHECKSUMS",
+    ),
+    (
+        "layout: num_layers=0",
+        lambda: kvpipe.CacheLayout.gqa(num_layers=0, num_kv_heads=1, head_dim=8, block_size=4),
+        kvpipe.LayoutError,
+        "num_layers",
+    ),
+    (
+        "layout: dtype='float64'",
+        lambda: kvpipe.CacheLayout.mla(
+            num_layers=1, kv_lora_rank=8, rope_dim=8, block_size=4, dtype="float64"
+        ),
+        kvpipe.LayoutError,
+        "float64",
+    ),
+    ("cache: num_blocks=0", lambda: kvpipe.create_kv_cache(L, 0), kvpipe.LayoutError, "num_blocks"),
+    (
+        "cache: framework='torch'",
+        lambda: kvpipe.create_kv_cache(L, 4, framework="torch"),  # type: ignore[arg-type]
+        kvpipe.LayoutError,
+        "framework",
+    ),
+    (
+        "tensors: wrong dtype",
+        lambda: kvpipe.KVCache.from_tensors(L, [np.zeros((4, 1, 4, 8), np.float32)] * 2),
+        kvpipe.LayoutError,
+        "dtype",
+    ),
+    (
+        "tensors: wrong shape",
+        lambda: kvpipe.KVCache.from_tensors(
+            L, [np.zeros((4, 1, 4, 9), CACHE.tensors()[0].dtype)] * 2
+        ),
+        kvpipe.LayoutError,
+        "shape",
+    ),
+    (
+        "tensors: missing role",
+        lambda: kvpipe.KVCache.from_tensors(L, CACHE.tensors()[:1]),
+        kvpipe.LayoutError,
+        "expected 2",
+    ),
+    (
+        "pipeline: namespace '../../etc'",
+        lambda: kvpipe.Pipeline(CACHE, kvpipe.MemoryStore(), namespace="../../etc"),
+        kvpipe.ConfigError,
+        "namespace",
+    ),
+    (
+        "pipeline: rank >= world_size",
+        lambda: kvpipe.Pipeline(CACHE, kvpipe.MemoryStore(), rank=2, world_size=2),
+        kvpipe.ConfigError,
+        "rank",
+    ),
+    (
+        "pipeline: staging smaller than a block",
+        lambda: kvpipe.Pipeline(
+            CACHE, kvpipe.MemoryStore(), config=kvpipe.PipelineConfig(staging_bytes=64)
+        ),
+        kvpipe.ConfigError,
+        "staging_bytes",
+    ),
+    (
+        "pipeline: not a store",
+        lambda: kvpipe.Pipeline(CACHE, object()),  # type: ignore[arg-type]
+        kvpipe.ConfigError,
+        "store",
+    ),
+    (
+        "file store: durability='sometimes'",
+        lambda: kvpipe.FileStore("/tmp/x", durability="sometimes"),  # type: ignore[arg-type]
+        kvpipe.ConfigError,
+        "durability",
+    ),
+    (
+        "memory store: capacity_bytes=0",
+        lambda: kvpipe.MemoryStore(capacity_bytes=0),
+        kvpipe.ConfigError,
+        "capacity_bytes",
+    ),
+    (
+        "fault plan: unknown kind",
+        lambda: FaultPlan.from_data({"rules": [{"op": "put", "kind": "explode"}]}),
+        ValueError,
+        "explode",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "call", "error", "says"), SYNC, ids=[c[0] for c in SYNC])
+def test_construction(
+    case: str, call: Callable[[], Any], error: type[Exception], says: str
+) -> None:
+    with pytest.raises(error) as info:
+        call()
+    assert says in str(info.value), str(info.value)
+    if isinstance(info.value, kvpipe.ConfigError):
+        assert info.value.field in (says, case.split(": ")[1].split("=")[0])
+
+
+REQUESTS: list[tuple[str, str, tuple[Any, ...], dict[str, Any], str]] = [
+    ("write: 2-D token ids", "write", (TOK.reshape(4, 4), np.arange(4)), {}, "1-D"),
+    ("write: no tokens", "write", ([], []), {}, "empty"),
+    ("write: float token ids", "write", (TOK.astype(float), np.arange(4)), {}, "integers"),
+    ("write: negative token id", "write", (-TOK, np.arange(4)), {}, "negative"),
+    ("write: too few block ids", "write", (TOK, np.arange(3)), {}, "block_ids"),
+    ("write: block id out of range", "write", (TOK, np.arange(4) + 5), {}, "outside"),
+    ("write: repeated block id", "write", (TOK, [0, 1, 1, 2]), {}, "repeats"),
+    (
+        "write: start_block past the end",
+        "write",
+        (TOK, np.arange(4)),
+        {"start_block": 5},
+        "start_block",
+    ),
+    ("write: timeout=0", "write", (TOK, np.arange(4)), {"timeout": 0}, "timeout"),
+    ("read: timeout=nan", "read", (TOK, np.arange(4)), {"timeout": float("nan")}, "timeout"),
+    (
+        "read: include_partial='yes'",
+        "read",
+        (TOK, np.arange(4)),
+        {"include_partial": "yes"},
+        "include_partial",
+    ),
+    ("lookup: 2-D token ids", "lookup", (TOK.reshape(2, 8),), {}, "1-D"),
+    ("flush_index: residency 'gpu'", "flush_index", (TOK,), {"residency": "gpu"}, "Residency"),
+    ("flush_index: start_block=-1", "flush_index", (TOK,), {"start_block": -1}, "start_block"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "method", "args", "kwargs", "says"), REQUESTS, ids=[c[0] for c in REQUESTS]
+)
+async def test_requests(
+    case: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], says: str
+) -> None:
+    async with kvpipe.open_pipeline(CACHE, kvpipe.MemoryStore()) as pipe:
+        with pytest.raises(kvpipe.RequestError) as info:
+            await getattr(pipe, method)(*args, **kwargs)
+        assert says in str(info.value)
+        assert pipe.statistics().in_flight == {}
+
+
+async def test_a_file_store_root_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(kvpipe.BackendError, match="open"):
+        await kvpipe.FileStore(tmp_path / "f").open()
+
+
+async def test_a_mooncake_master_that_is_not_there() -> None:
+    from kvpipe.backends.mooncake_local import free_port
+
+    port = free_port()
+    with pytest.raises(kvpipe.BackendError, match="unreachable"):
+        await kvpipe.MooncakeStore(f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata").open()
+
+
+async def test_a_raw_key_with_a_path_in_it() -> None:
+    store = kvpipe.MemoryStore()
+    with pytest.raises(ValueError, match="invalid block key"):
+        await store.delete(["../../etc/passwd"])
