@@ -263,7 +263,22 @@ class FaultyStore(StorageBackend):
         hit = sorted({i for r in rules if r.kind == "partial" for i in r.picked(len(batch), rng)})
         # A partial put leaves out blocks it did not store before; a key that was already
         # there (or that another put has stored meanwhile) stays: the store loses nothing.
-        before = list(await self.inner.exists(batch)) if hit else []
+        # (asked one key at a time: a backend may answer False for everything after the
+        # first missing key of a batch)
+        before = {
+            i: (
+                await self.inner.exists(
+                    KeyBatch(
+                        batch.scope,
+                        batch.request_id,
+                        [batch.keys[i]],
+                        batch.first_block + i,
+                        batch.token_prefix,
+                    )
+                )
+            )[0]
+            for i in hit
+        }
         late = next((r for r in rules if r.kind == "late"), None)
         if late is not None:
             statuses = await self._late(call, late.delay(rng), batch, self.inner.put_blocks)
