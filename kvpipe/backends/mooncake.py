@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import socket
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar, final
@@ -113,6 +114,9 @@ class MooncakeStore(StorageBackend):
         self._limiter = anyio.CapacityLimiter(4)
         self._open_lock = anyio.Lock()
         self._counters: Counter[str] = Counter()
+        self._idle = threading.Condition()
+        self._busy = 0  # vendor calls running, including ones whose caller gave up
+        self._closing = False
 
     @staticmethod
     def _check_installed() -> None:
@@ -170,16 +174,56 @@ class MooncakeStore(StorageBackend):
         return self
 
     async def aclose(self) -> None:
-        """Unregister staging and close the client (if this store created it)."""
-        async with self._open_lock:
-            client, self._client = self._client, None
-            if client is None:
-                return
-            for ptr, _ in self._registered:
-                await self._call(client.unregister_buffer, ptr)
-            self._registered.clear()
-            if self._own_client:
-                await anyio.to_thread.run_sync(client.close)
+        """Unregister staging and close the client (if this store created it) — once every
+        vendor call still running (calls whose caller gave up on a timeout) has returned, at
+        most ``setup_timeout`` seconds. Closing the vendor client under a running call crashes
+        the process, so past that the client is left open (and logged), never closed.
+
+        Cancellation: shielded.
+        """
+        with anyio.CancelScope(shield=True):
+            async with self._open_lock:
+                client = self._client
+                if client is None:
+                    return
+                idle = await anyio.to_thread.run_sync(self._wait_idle, self.setup_timeout)
+                if not idle:
+                    log.error(
+                        "mooncake: %d vendor call(s) still running after %.0f s; the "
+                        "client is left open",
+                        self._busy,
+                        self.setup_timeout,
+                    )
+                    return
+                self._client = None
+                for ptr, _ in self._registered:
+                    await anyio.to_thread.run_sync(client.unregister_buffer, ptr)
+                self._registered.clear()
+                if self._own_client:
+                    await anyio.to_thread.run_sync(client.close)
+
+    def _wait_idle(self, timeout: float) -> bool:
+        with self._idle:
+            self._closing = True
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+
+    def _tracked(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn``, counted as running while its worker thread runs it; refused once the
+        store is closing."""
+
+        def run(*args: Any) -> T:
+            with self._idle:
+                if self._closing:
+                    raise BackendError(self.name, getattr(fn, "__name__", "call"), "closing")
+                self._busy += 1
+            try:
+                return fn(*args)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+        return run
 
     async def _ready(self) -> Any:
         if self._client is None:
@@ -189,7 +233,7 @@ class MooncakeStore(StorageBackend):
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         try:
             return await anyio.to_thread.run_sync(
-                fn, *args, limiter=self._limiter, abandon_on_cancel=True
+                self._tracked(fn), *args, limiter=self._limiter, abandon_on_cancel=True
             )
         except Exception as exc:
             raise BackendError(self.name, getattr(fn, "__name__", "call"), repr(exc)) from exc
@@ -241,9 +285,16 @@ class MooncakeStore(StorageBackend):
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
         sizes = [batch.value_nbytes] * len(keys)
-        codes = await self._vendor(
-            batch, client.batch_get_into, keys, batch.buffer_addresses(), sizes
-        )
+        try:
+            codes = await self._vendor(
+                batch, client.batch_get_into, keys, batch.buffer_addresses(), sizes
+            )
+        except anyio.get_cancelled_exc_class():
+            # The read gave up on these (a slice timeout: a segment owner hanging or gone):
+            # do not count them in lookups again until they are stored anew.
+            for key in keys:
+                self._distrust_key(key)
+            raise
         out = []
         for key, code in zip(keys, codes, strict=True):
             if code == batch.value_nbytes:
@@ -259,7 +310,7 @@ class MooncakeStore(StorageBackend):
 
     async def _vendor(self, batch: PutBatch | GetBatch, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            codes = await batch.run_sync(fn, *args)
+            codes = await batch.run_sync(self._tracked(fn), *args)
         except Exception as exc:
             raise BackendError(self.name, fn.__name__, repr(exc)) from exc
         if len(codes) != len(batch.keys):
@@ -299,7 +350,7 @@ class MooncakeStore(StorageBackend):
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
         """One small record per (key, node); the node joins the registry of node ids."""
         client = await self._ready()
-        for node in {e.node_id for e in entries} - self._nodes:
+        for node in {e.node_id for e in entries}:
             await self._register_node(client, node)
         keys = [f"{_RES_PREFIX}{validate_key(e.key)}@{e.node_id}" for e in entries]
         values = [json.dumps({"r": e.residency.value, "t": e.updated_at}).encode() for e in entries]
@@ -309,14 +360,21 @@ class MooncakeStore(StorageBackend):
                 raise BackendError(self.name, "upsert_batch", f"returned {rc}")
 
     async def _register_node(self, client: Any, node: str) -> None:
-        nodes = await self._known_nodes(client)
-        if node not in nodes:
+        """Make sure ``node`` is in the registry (checked on every flush: a restarted master
+        has lost it, and two nodes registering at once can overwrite each other — the loser
+        finds itself missing here and adds itself again)."""
+        for attempt in range(5):
+            nodes = await self._known_nodes(client)
+            if node in nodes:
+                self._nodes.add(node)
+                return
             rc = await self._call(
                 client.upsert, _NODES_KEY, "\n".join(sorted({*nodes, node})).encode()
             )
             if rc != 0:
                 raise BackendError(self.name, "upsert", f"node registry: returned {rc}")
-        self._nodes.add(node)
+            await anyio.sleep(0.005 * attempt)
+        raise BackendError(self.name, "upsert", f"node registry: {node!r} did not stick")
 
     async def _known_nodes(self, client: Any) -> set[str]:
         raw = await self._call(client.get, _NODES_KEY)
