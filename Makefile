@@ -47,10 +47,14 @@ lint: $(VENV)/.test-$(HASH)
 unit: $(VENV)/.test-$(HASH)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-## bench: throughput against the physical baseline (writes docs/benchmarks/*)
-bench: $(VENV)/.base-$(HASH)
+## bench: throughput against the baselines, in the same run (writes docs/benchmarks/*):
+## the file store vs raw files, MooncakeStore vs the direct Mooncake client
+bench: system-deps $(VENV)/.base-$(HASH)
+	@$(BIN)/python -c 'import mooncake.store' 2>/dev/null || $(PIP) install --quiet -e '.[mooncake]'
 	mkdir -p docs/benchmarks
-	$(BIN)/kvpipe bench --json docs/benchmarks/file.json --markdown docs/benchmarks/file.md
+	$(BIN)/kvpipe bench --scenario file --json docs/benchmarks/file.json --markdown docs/benchmarks/file.md
+	$(BIN)/kvpipe bench --scenario mooncake --json docs/benchmarks/mooncake.json \
+	  --markdown docs/benchmarks/mooncake.md
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -35,12 +35,13 @@ from ._console import (
 from .bench import COMMAND as BENCH
 from .demo import COMMAND as DEMO
 from .faults import COMMAND as FAULTS
+from .mooncake_up import COMMAND as MOONCAKE_UP
 from .store_info import COMMAND as STORE_INFO
 
 __all__ = ("COMMANDS", "build_parser", "main")
 
 #: Every subcommand, in ``--help`` order.
-COMMANDS: tuple[Command, ...] = (DEMO, STORE_INFO, BENCH, FAULTS)
+COMMANDS: tuple[Command, ...] = (DEMO, STORE_INFO, BENCH, FAULTS, MOONCAKE_UP)
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Errors that mean "you asked for something invalid", not "it ran and failed".

@@ -31,7 +31,9 @@ from rich.console import Console
 
 import kvpipe
 
+from .._blockformat import value_nbytes
 from . import _console as ui
+from .mooncake_up import mooncake_store
 
 __all__ = ("COMMAND", "PRESETS", "STORES", "DemoRequest", "Workload", "plan_workload")
 
@@ -70,16 +72,25 @@ PRESETS: Final[Mapping[str, Preset]] = {
     "tiny": Preset(_L.gqa, _TINY, (6, 12), 4),
 }
 
-#: ``--store`` choices. ``file`` (the embedded default) keeps blocks under ``--store-dir``.
-STORES: Final = ("file", "memory")
+#: ``--store`` choices. ``file`` (the embedded default) keeps blocks under ``--store-dir``;
+#: ``mooncake`` starts a Mooncake Store on 127.0.0.1 for the run and stops it afterwards.
+STORES: Final = ("file", "memory", "mooncake")
+_SEGMENT_HELP: Final = (
+    "mooncake: MiB its client contributes (default: the workload's distinct blocks twice over, "
+    "as the master evicts above 90%% full, plus 64)"
+)
 
 
 @asynccontextmanager
 async def open_store(args: argparse.Namespace) -> AsyncIterator[kvpipe.StorageBackend]:
     """The store the demo runs on; a file store's directory is removed afterwards unless
-    ``--keep-store`` (or it already existed)."""
+    ``--keep-store`` (or it already existed); a Mooncake is started for the run and stopped."""
     if args.store == "memory":
         yield kvpipe.MemoryStore()
+        return
+    if args.store == "mooncake":
+        async with mooncake_store((args.segment_mib or 1024) << 20) as mooncake:
+            yield mooncake
         return
     root = args.store_dir or os.path.join("kvpipe-data", f"demo-{os.getpid()}")
     existed = await anyio.Path(root).exists()
@@ -316,6 +327,9 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
             highlight=False,
             soft_wrap=True,
         )
+    if args.store == "mooncake" and args.segment_mib is None:  # see --segment-mib
+        mib = 2 * work.src_blocks * value_nbytes(nbytes) // (1 << 20) + 64
+        args = argparse.Namespace(**{**vars(args), "segment_mib": mib})
     src = kvpipe.create_kv_cache(layout, work.src_blocks)
     await run_sync(fill_random, src, args.seed)
     dst = kvpipe.create_kv_cache(layout, work.dst_blocks)
@@ -393,6 +407,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="data",
         help="file store: fsync policy (data: each file before it is published)",
     )
+    add("--segment-mib", type=int, metavar="MIB", help=_SEGMENT_HELP)
     add("--requests", type=int, default=24, metavar="N", help="requests to write and read")
     add(
         "--blocks-per-request",
