@@ -6,11 +6,13 @@ back verified. See ``docs/architecture.md`` and ``docs/embedding.md``.
 """
 
 from ._cache import KVCache as KVCache
+from ._cache import create_host_cache as create_host_cache
 from ._cache import create_kv_cache as create_kv_cache
 from ._config import PipelineConfig as PipelineConfig
 from ._errors import ActorCrashed as ActorCrashed
 from ._errors import BackendError as BackendError
 from ._errors import ConfigError as ConfigError
+from ._errors import DeviceError as DeviceError
 from ._errors import IncompleteRead as IncompleteRead
 from ._errors import KVPipeError as KVPipeError
 from ._errors import LayoutError as LayoutError
@@ -51,6 +53,7 @@ __all__ = (
     "BlockStatus",
     "CacheLayout",
     "ConfigError",
+    "DeviceError",
     "FileStore",
     "GetBatch",
     "Holder",
@@ -77,6 +80,7 @@ __all__ = (
     "Unsupported",
     "WriteResult",
     "common_prefix",
+    "create_host_cache",
     "create_kv_cache",
     "open_pipeline",
 )

@@ -5,23 +5,29 @@ keeps the caller's tensors alive and, for the host path, a ``uint8`` view of eac
 ``[num_blocks, role_block_nbytes]`` that aliases the tensor's memory (no copy).
 
 Accepted tensors: numpy arrays, Paddle CPU tensors, and any CPU tensor numpy can import
-through DLPack or that exposes ``data_ptr()`` (PyTorch). Device tensors need the device path
-(:mod:`kvpipe.cuda`).
+through DLPack or that exposes ``data_ptr()`` (PyTorch). Device tensors — Paddle GPU tensors,
+PyTorch CUDA tensors, any DLPack tensor on a CUDA device — make a *device cache*: kvpipe keeps
+their base addresses (:attr:`KVCache.pointers`) and moves their blocks with the CUDA engine
+(:mod:`kvpipe.cuda`); it never reads them from the host.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, cast, final
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast, final
 
 import numpy as np
 import numpy.typing as npt
 
 from ._errors import LayoutError, Unsupported
 from ._layout import CacheLayout, RoleSpec, numpy_dtype
+from .cuda._tensors import device_pointers, device_tensor, parse_device
 
-__all__ = ("KVCache", "create_kv_cache")
+if TYPE_CHECKING:
+    from .cuda._driver import Driver
+
+__all__ = ("KVCache", "create_host_cache", "create_kv_cache")
 
 ByteRows = npt.NDArray[np.uint8]
 
@@ -103,6 +109,14 @@ def _rows_for(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
     return _generic_rows(spec, layer, t, num_blocks)
 
 
+def _framework_of(t: Any) -> str:
+    module = type(t).__module__
+    for name in ("paddle", "torch"):
+        if module.startswith(name):
+            return name
+    return "numpy"
+
+
 def _leading_dim(t: Any) -> int:
     shape = getattr(t, "shape", None)
     if shape is None or len(shape) == 0:
@@ -114,11 +128,22 @@ def _leading_dim(t: Any) -> int:
 class KVCache:
     """The caller's KV cache: one tensor per ``(role, layer)``, in contract order.
 
-    Build one with :func:`create_kv_cache` or :meth:`from_tensors`. kvpipe never resizes or
-    reallocates the tensors; it reads and writes whole blocks of them.
+    Build one with :func:`create_kv_cache`, :func:`create_host_cache` or :meth:`from_tensors`.
+    kvpipe never resizes or reallocates the tensors; it reads and writes whole blocks of them.
     """
 
-    __slots__ = ("_framework", "_layout", "_num_blocks", "_order", "_rows", "_tensors")
+    __slots__ = (
+        "_device",
+        "_framework",
+        "_freed",
+        "_layout",
+        "_num_blocks",
+        "_order",
+        "_pointers",
+        "_release",
+        "_rows",
+        "_tensors",
+    )
 
     def __init__(
         self,
@@ -126,13 +151,23 @@ class KVCache:
         tensors: Sequence[Any],
         rows: Sequence[ByteRows],
         framework: str,
+        *,
+        device: str = "cpu",
+        pointers: Sequence[int] | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self._layout = layout
         self._tensors = tuple(tensors)
         self._rows = tuple(rows)
         self._framework = framework
+        self._device = device
         self._order = {rl: i for i, rl in enumerate(layout.tensor_order())}
-        self._num_blocks = int(self._rows[0].shape[0]) if self._rows else 0
+        if pointers is None:
+            pointers = [int(r.ctypes.data) for r in self._rows]
+        self._pointers = tuple(int(p) for p in pointers)
+        self._num_blocks = _leading_dim(self._tensors[0]) if self._tensors else 0
+        self._release = release
+        self._freed = False
 
     @classmethod
     def from_tensors(
@@ -140,7 +175,10 @@ class KVCache:
         layout: CacheLayout,
         tensors: Sequence[Any] | Mapping[tuple[str, int], Any],
     ) -> KVCache:
-        """Wrap caller-owned tensors (numpy, Paddle CPU, DLPack) without copying them.
+        """Wrap caller-owned tensors (numpy, Paddle, PyTorch, DLPack) without copying them.
+
+        Host tensors give a host cache; CUDA tensors (Paddle GPU, PyTorch CUDA, DLPack with a
+        CUDA device) give a device cache (:attr:`device` ``"cuda:N"``), all on one device.
 
         Args:
             layout: The layout the tensors follow.
@@ -149,8 +187,9 @@ class KVCache:
 
         Raises:
             LayoutError: A tensor is missing, extra, or has the wrong dtype, shape,
-                contiguity, or number of blocks.
-            Unsupported: A tensor lives on a device this build cannot reach.
+                contiguity, or number of blocks; or host and device tensors are mixed, or
+                the tensors are on several devices.
+            Unsupported: A tensor lives on a device kvpipe cannot reach.
         """
         order = layout.tensor_order()
         if isinstance(tensors, Mapping):
@@ -170,12 +209,17 @@ class KVCache:
         num_blocks = _leading_dim(seq[0])
         if num_blocks <= 0:
             raise LayoutError("a cache needs at least one block")
+        framework = _framework_of(seq[0])
+        infos = [None if isinstance(t, np.ndarray) else device_tensor(t) for t in seq]
+        if any(info is not None for info in infos):
+            device, pointers = device_pointers(layout, infos, num_blocks)
+            kind = framework if framework != "numpy" else "dlpack"
+            return cls(layout, seq, (), kind, device=device, pointers=pointers)
         rows = [
             _rows_for(layout.role(role), layer, t, num_blocks)
             for (role, layer), t in zip(order, seq, strict=True)
         ]
-        framework = "paddle" if type(seq[0]).__module__.startswith("paddle") else "numpy"
-        return cls(layout, seq, rows, framework)
+        return cls(layout, seq, rows, "paddle" if framework == "paddle" else "numpy")
 
     @property
     def layout(self) -> CacheLayout:
@@ -189,13 +233,55 @@ class KVCache:
 
     @property
     def framework(self) -> str:
-        """``"numpy"`` or ``"paddle"``."""
+        """``"numpy"`` or ``"paddle"`` (host caches); ``"paddle"``, ``"torch"`` or
+        ``"dlpack"`` (device caches)."""
         return self._framework
 
     @property
+    def device(self) -> str:
+        """``"cpu"`` for a host cache, ``"cuda:N"`` for a device cache."""
+        return self._device
+
+    @property
+    def pointers(self) -> tuple[int, ...]:
+        """Base address of each tensor, in contract order (device addresses for a device
+        cache)."""
+        return self._pointers
+
+    @property
     def byte_rows(self) -> tuple[ByteRows, ...]:
-        """``uint8`` views ``[num_blocks, role_block_nbytes]`` aliasing each tensor, in order."""
+        """``uint8`` views ``[num_blocks, role_block_nbytes]`` aliasing each tensor, in order.
+
+        Raises:
+            Unsupported: A device cache (its memory is not addressable from the host).
+            LayoutError: The cache was freed.
+        """
+        if self._freed:
+            raise LayoutError("this cache was freed")
+        if self._device != "cpu":
+            raise Unsupported(
+                f"a device cache ({self._device}) has no host byte rows; the CUDA engine "
+                "moves its blocks"
+            )
         return self._rows
+
+    @property
+    def freed(self) -> bool:
+        """Whether :meth:`free` has run."""
+        return self._freed
+
+    def free(self) -> None:
+        """Release what kvpipe allocated for this cache (the pinned memory of
+        :func:`create_host_cache`) and drop its references to the tensors. Idempotent. The
+        cache and any view of its tensors must not be used afterwards."""
+        if self._freed:
+            return
+        self._freed = True
+        self._rows = ()
+        self._tensors = ()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def tensors(self) -> list[Any]:
         """The tensors in contract order (layer-major, roles in ``ROLE_ORDER``)."""
@@ -217,7 +303,7 @@ class KVCache:
     def __repr__(self) -> str:
         return (
             f"KVCache({self._layout.kind}, layers={self._layout.num_layers}, "
-            f"blocks={self._num_blocks}, framework={self._framework})"
+            f"blocks={self._num_blocks}, framework={self._framework}, device={self._device})"
         )
 
 
@@ -233,18 +319,24 @@ def create_kv_cache(
         layout: The layout to allocate.
         num_blocks: Blocks per tensor (> 0).
         framework: ``"numpy"`` or ``"paddle"`` (needs the ``paddle`` extra).
-        device: ``"cpu"``; device caches come with the CUDA device path.
+        device: ``"cpu"``, or ``"gpu:N"`` / ``"cuda:N"`` for per-(role, layer) tensors on
+            a GPU (``framework="paddle"`` with a CUDA build of Paddle).
 
     Raises:
-        LayoutError: ``num_blocks`` is not positive or ``framework`` is unknown.
-        Unsupported: ``device`` is not ``"cpu"``, or Paddle is not installed.
+        LayoutError: ``num_blocks`` is not positive, or ``framework`` or ``device`` is
+            unknown.
+        Unsupported: Paddle is not installed, or a GPU was asked for and this framework or
+            build cannot allocate there (numpy; a CPU-only Paddle).
     """
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
-    if device != "cpu":
-        raise Unsupported(f"device {device!r}: only 'cpu' caches are available in this build")
+    ordinal = parse_device(device)
     order = layout.tensor_order()
     if framework == "numpy":
+        if ordinal is not None:
+            raise Unsupported(
+                f"device {device!r}: numpy allocates host memory only; use framework='paddle'"
+            )
         arrays = [
             np.zeros(
                 (num_blocks, *layout.role(role).block_shape), numpy_dtype(layout.role(role).dtype)
@@ -257,13 +349,40 @@ def create_kv_cache(
             import paddle
         except ImportError as exc:
             raise Unsupported("framework='paddle' needs `pip install kvpipe[paddle]`") from exc
+        if ordinal is not None and not paddle.device.is_compiled_with_cuda():
+            raise Unsupported(f"device {device!r}: this Paddle build has no CUDA support")
+        where = "cpu" if ordinal is None else f"gpu:{ordinal}"
         tensors = [
             paddle.zeros(
                 [num_blocks, *layout.role(role).block_shape],
                 dtype=cast(Any, layout.role(role).dtype),
-                device="cpu",
+                device=where,
             )
             for role, _ in order
         ]
         return KVCache.from_tensors(layout, tensors)
     raise LayoutError(f"unknown framework {framework!r}; expected 'numpy' or 'paddle'")
+
+
+def create_host_cache(
+    layout: CacheLayout, num_blocks: int, *, device_driver: Driver | None = None
+) -> KVCache:
+    """Allocate a zeroed host cache in pinned memory: per role, exactly the bytes of the
+    device cache of the same layout (scales included, 2 bytes per bf16 element).
+
+    Pinned memory needs the CUDA driver; call :meth:`KVCache.free` to release it.
+
+    Args:
+        layout: The layout to allocate.
+        num_blocks: Blocks per tensor (> 0).
+        device_driver: Test seam: the driver interface to allocate with (default: the real
+            CUDA driver through cuda-python).
+
+    Raises:
+        LayoutError: ``num_blocks`` is not positive.
+        Unsupported: No CUDA driver or device here (use :func:`create_kv_cache` instead).
+        DeviceError: The driver failed the allocation.
+    """
+    from .cuda._hostcache import allocate_host_cache
+
+    return allocate_host_cache(layout, num_blocks, device_driver)

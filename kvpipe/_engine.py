@@ -15,21 +15,43 @@ from typing import final
 import anyio
 
 from ._cache import KVCache
+from ._errors import RequestError
 from ._hostcopy import gather, scatter
 from ._plan import CopyPlan
 from ._staging import StagingLease, StagingPool, ThreadRunner
 
-__all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine")
+__all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine", "OrderMark")
 
 #: Copies up to this many bytes run on the event loop (a thread hop costs ~100 µs).
 INLINE_COPY_BYTES = 256 * 1024
 
 
+class OrderMark(abc.ABC):
+    """A point in the producer's work that copies must come after (a CUDA event recorded on
+    the caller's stream when it called ``write`` or ``read``).
+
+    Reference-counted like a staging lease: the request holds one reference, and each copy
+    holds one while it orders itself after the mark. Event-loop thread only.
+    """
+
+    @abc.abstractmethod
+    def retain(self) -> None:
+        """Add a reference.
+
+        Raises:
+            RuntimeError: The mark was already released.
+        """
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Drop a reference; the last one frees the mark."""
+
+
 class CopyEngine(abc.ABC):
     """Executes copy plans for one cache and one staging pool.
 
-    Both methods return only when the copy has finished (the bytes are in place); a caller
-    that must not be interrupted half-way shields the call.
+    Both copy methods return only when the copy has finished (the bytes are in place); a
+    caller that must not be interrupted half-way shields the call.
     """
 
     #: ``"host"`` or ``"cuda"`` (reported by ``statistics().device_path``).
@@ -38,15 +60,36 @@ class CopyEngine(abc.ABC):
     note: str = ""
 
     @abc.abstractmethod
-    async def gather(self, plan: CopyPlan, lease: StagingLease) -> None:
-        """Cache blocks → the lease's staging slots, per ``plan``."""
+    async def gather(
+        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+    ) -> None:
+        """Cache blocks → the lease's staging slots, per ``plan``, after ``after``."""
 
     @abc.abstractmethod
-    async def scatter(self, plan: CopyPlan, lease: StagingLease) -> None:
-        """Staging slots → cache blocks, per ``plan``."""
+    async def scatter(
+        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+    ) -> None:
+        """Staging slots → cache blocks, per ``plan``, after ``after``."""
 
-    async def aclose(self) -> None:  # noqa: B027
-        """Release the engine's resources (default: nothing)."""
+    def mark(self, stream: int | None) -> OrderMark | None:
+        """Record now where the producer's work stands, for copies to wait on.
+
+        The host engine has no device work to order after: ``None``.
+
+        Raises:
+            RequestError: ``stream`` was given for a host cache.
+        """
+        if stream is not None:
+            raise RequestError("stream= applies to device caches only; this cache is on the host")
+        return None
+
+    async def aclose(self, *, staging_in_use: bool = False) -> None:  # noqa: B027
+        """Release the engine's resources (default: nothing).
+
+        Args:
+            staging_in_use: Something may still use the staging (a worker thread abandoned
+                at close): an engine that owns the staging must leave it allocated.
+        """
 
 
 @final
@@ -69,11 +112,15 @@ class HostEngine(CopyEngine):
         self.limiter = limiter
         self.note = note
 
-    async def gather(self, plan: CopyPlan, lease: StagingLease) -> None:
-        """See :meth:`CopyEngine.gather`."""
+    async def gather(
+        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+    ) -> None:
+        """See :meth:`CopyEngine.gather` (``after`` is always ``None`` for host caches)."""
         await self._run(plan, gather, plan, self.cache.byte_rows, self.pool.buffer, hold=lease)
 
-    async def scatter(self, plan: CopyPlan, lease: StagingLease) -> None:
+    async def scatter(
+        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+    ) -> None:
         """See :meth:`CopyEngine.scatter`."""
         await self._run(plan, scatter, plan, self.pool.buffer, self.cache.byte_rows, hold=lease)
 

@@ -15,6 +15,7 @@ them and chained (``raise BackendError(...) from exc``); they are never swallowe
     ├── OperationTimeout     (also TimeoutError) lookup / locate / flush_index ran out of time
     ├── ActorCrashed                            the actor holding the request crashed
     ├── BackendError                            a storage backend failed a whole call
+    ├── DeviceError                             a CUDA driver or NVRTC call failed
     └── Unsupported                             the feature is not available here
 """
 
@@ -26,6 +27,7 @@ __all__ = (
     "ActorCrashed",
     "BackendError",
     "ConfigError",
+    "DeviceError",
     "IncompleteRead",
     "KVPipeError",
     "LayoutError",
@@ -106,6 +108,21 @@ class BackendError(KVPipeError):
         super().__init__(f"{backend}.{operation}: {message}")
         self.backend = backend
         self.operation = operation
+
+
+class DeviceError(KVPipeError):
+    """A CUDA driver or NVRTC call failed (translated at the boundary of :mod:`kvpipe.cuda`).
+
+    Attributes:
+        call: The driver function that failed (``"cuMemAlloc"``, ``"nvrtcCompileProgram"``).
+        code: The vendor's error name (``"CUDA_ERROR_OUT_OF_MEMORY"``), or ``""``.
+    """
+
+    def __init__(self, call: str, code: str, message: str = "") -> None:
+        detail = f": {message}" if message else ""
+        super().__init__(f"{call} failed: {code or 'error'}{detail}")
+        self.call = call
+        self.code = code
 
 
 class Unsupported(KVPipeError):

@@ -22,13 +22,18 @@ import anyio.abc
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ("StagingLease", "StagingPool", "ThreadRunner")
+__all__ = ("StagingLease", "StagingPool", "ThreadRunner", "stride_for")
 
 log = logging.getLogger("kvpipe.staging")
 
 T = TypeVar("T")
 Rows = npt.NDArray[np.uint8]
 _ALIGN = 64
+
+
+def stride_for(slot_nbytes: int) -> int:
+    """Bytes between slot starts: ``slot_nbytes`` rounded up to 64 (cache-line aligned)."""
+    return -(-slot_nbytes // _ALIGN) * _ALIGN
 
 
 @dataclass(eq=False)
@@ -45,16 +50,34 @@ class StagingPool:
     Args:
         slot_nbytes: Bytes one slot must hold (a stored block value).
         capacity_slots: Number of slots.
+        buffer: Memory to use instead of allocating it (the CUDA engine's pinned staging):
+            ``uint8``, C-contiguous, shape ``(capacity_slots, stride_for(slot_nbytes))``.
+            The pool does not own it; whoever allocated it frees it after the pool is done.
+
+    Raises:
+        ValueError: No slot, an empty slot, or a ``buffer`` of the wrong shape or type.
     """
 
-    def __init__(self, slot_nbytes: int, capacity_slots: int) -> None:
+    def __init__(self, slot_nbytes: int, capacity_slots: int, buffer: Rows | None = None) -> None:
         if slot_nbytes < 1 or capacity_slots < 1:
             raise ValueError("a staging pool needs at least one slot of at least one byte")
         self.slot_nbytes = slot_nbytes
-        self.stride = -(-slot_nbytes // _ALIGN) * _ALIGN
+        self.stride = stride_for(slot_nbytes)
         self.capacity = capacity_slots
-        # np.empty: pages are touched (and so resident) only as slots are first used.
-        self.buffer: Rows = np.empty((capacity_slots, self.stride), dtype=np.uint8)
+        if buffer is None:
+            # np.empty: pages are touched (and so resident) only as slots are first used.
+            buffer = np.empty((capacity_slots, self.stride), dtype=np.uint8)
+        elif (
+            buffer.dtype != np.uint8
+            or buffer.shape != (capacity_slots, self.stride)
+            or not buffer.flags.c_contiguous
+            or not buffer.flags.writeable
+        ):
+            raise ValueError(
+                f"staging buffer must be writable C-contiguous uint8 of shape "
+                f"{(capacity_slots, self.stride)}, got {buffer.dtype} {buffer.shape}"
+            )
+        self.buffer: Rows = buffer
         self._free = list(range(capacity_slots))
         self._waiters: deque[_Waiter] = deque()
         self._leases = 0

@@ -13,7 +13,7 @@ import os
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal, final
+from typing import TYPE_CHECKING, Any, Literal, final
 
 import anyio
 import anyio.abc
@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._blockformat import value_nbytes
 from ._cache import KVCache
 from ._config import PipelineConfig
-from ._engine import HostEngine
+from ._engine import CopyEngine, HostEngine, OrderMark
 from ._errors import (
     ConfigError,
     IncompleteRead,
@@ -41,7 +41,7 @@ from ._results import (
     Residency,
     WriteResult,
 )
-from ._staging import StagingPool, ThreadRunner
+from ._staging import StagingPool, ThreadRunner, stride_for
 from ._validate import check_request, check_timeout, check_tokens
 from .actors import (
     ActorContext,
@@ -57,6 +57,9 @@ from .actors import (
 from .actors._state import CallState, ReadState, RequestState, WriteState
 from .backends import StorageBackend
 from .cuda import probe_device
+
+if TYPE_CHECKING:
+    from .cuda._driver import Driver
 
 __all__ = ("Pipeline", "open_pipeline")
 
@@ -83,9 +86,12 @@ class Pipeline:
         rank: int = 0,
         world_size: int = 1,
         hooks: PipelineHooks | None = None,
+        device_driver: Driver | None = None,
     ) -> None:
         if not isinstance(cache, KVCache):
             raise ConfigError("cache", f"expected a kvpipe.KVCache, got {type(cache).__name__}")
+        if cache.freed:
+            raise ConfigError("cache", "the cache was freed")
         if not isinstance(store, StorageBackend):
             raise ConfigError(
                 "store", f"expected a kvpipe.StorageBackend, got {type(store).__name__}"
@@ -98,14 +104,22 @@ class Pipeline:
         self.layout = cache.layout
         self.scope = Scope(namespace, self.layout.fingerprint, rank, world_size)
         payload = self.layout.block_nbytes
-        pool_slots = self.config.staging_bytes // (-(-value_nbytes(payload) // 64) * 64)
+        self._slot_nbytes = value_nbytes(payload)
+        pool_slots = self.config.staging_bytes // stride_for(self._slot_nbytes)
         if pool_slots < 1:
             raise ConfigError(
                 "staging_bytes",
                 f"{self.config.staging_bytes} B cannot hold one block value of "
                 f"{value_nbytes(payload)} B",
             )
-        self._pool = StagingPool(value_nbytes(payload), pool_slots)
+        self._pool_slots = pool_slots
+        # A device cache's staging is the CUDA engine's pinned memory, allocated at start.
+        self._pool: StagingPool | None = (
+            StagingPool(self._slot_nbytes, pool_slots) if cache.device == "cpu" else None
+        )
+        self._engine: CopyEngine | None = None
+        self._device_driver = device_driver
+        self._registered = False
         self.slice_blocks = min(self.config.slice_block_num, pool_slots)
         if self.slice_blocks < self.config.slice_block_num:
             log.warning(
@@ -132,10 +146,60 @@ class Pipeline:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    async def _prepare(self) -> None:
+        """Before the actors' task group (so errors reach the caller as they are): for a
+        device cache open the CUDA engine, whose pinned memory becomes the staging pool's
+        buffer; then register the staging with the store."""
+        if self._pool is None:
+            await self._open_device()
+        assert self._pool is not None
+        try:
+            await self.store.register_staging(self._pool.buffer.data.cast("B"))
+        except Exception as exc:
+            raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
+        self._registered = True
+
+    async def _unregister(self) -> None:
+        if self._registered and self._pool is not None:
+            self._registered = False
+            try:
+                await self.store.unregister_staging(self._pool.buffer.data.cast("B"))
+            except Exception as exc:
+                log.warning("unregistering staging from %s failed: %r", self.store.name, exc)
+
+    async def _open_device(self) -> None:
+        """Open the CUDA engine (see :func:`kvpipe.cuda._open.open_device_path`)."""
+        from .cuda._open import open_device_path
+
+        self._engine, self._pool = await open_device_path(
+            self.cache,
+            slot_nbytes=self._slot_nbytes,
+            capacity=self._pool_slots,
+            budget=self.config.staging_bytes,
+            max_blocks=self.slice_blocks,
+            max_calls=self.config.copy_threads,
+            driver=self._device_driver,
+            probe=self._device,
+        )
+
+    async def _release(self, staging_in_use: bool) -> None:
+        """Unregister staging if still registered, and close the copy engine (after the
+        actors and worker threads are done)."""
+        with anyio.CancelScope(shield=True):
+            await self._unregister()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await engine.aclose(staging_in_use=staging_in_use)
+
     async def _start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
         cfg = self.config
         self._runner = runner
         copy_limiter = anyio.CapacityLimiter(cfg.copy_threads)
+        pool = self._pool
+        assert pool is not None
+        if self._engine is None:
+            self._engine = HostEngine(self.cache, pool, runner, copy_limiter, self._device.note)
+        engine = self._engine
         for stage in _STAGES:
             send, recv = anyio.create_memory_object_stream[Any](cfg.queue_depth)
             self._outboxes[stage], self._inboxes[stage] = send, recv
@@ -145,17 +209,17 @@ class Pipeline:
             layout=self.layout,
             scope=self.scope,
             backend=self.store,
-            pool=self._pool,
+            pool=pool,
             runner=runner,
             segments=layout_segments(self.layout),
             payload_nbytes=self.layout.block_nbytes,
-            value_nbytes=self._pool.slot_nbytes,
+            value_nbytes=pool.slot_nbytes,
             slice_blocks=self.slice_blocks,
             copy_limiter=copy_limiter,
             io_limiter=anyio.CapacityLimiter(cfg.io_threads),
             hooks=self._hooks,
             outboxes=self._outboxes,
-            engine=HostEngine(self.cache, self._pool, runner, copy_limiter, self._device.note),
+            engine=engine,
         )
         self._ctx = ctx
         self._crash_log = ctx.metrics.crashes
@@ -174,10 +238,6 @@ class Pipeline:
             metrics=ctx.metrics,
             on_escalate=self._escalate,
         )
-        try:
-            await self.store.register_staging(self._pool.buffer.data.cast("B"))
-        except Exception as exc:
-            raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
         tg.start_soon(self._supervisor.run, name="kvpipe-supervisor")
         self._open = True
         log.info(
@@ -188,11 +248,11 @@ class Pipeline:
             self.scope.rank,
             self.scope.world_size,
             self.store.name,
-            self._pool.capacity,
-            self._pool.stride,
+            pool.capacity,
+            pool.stride,
             self.slice_blocks,
-            "host",
-            self._device.note,
+            engine.name,
+            engine.note,
         )
 
     def _escalate(self, actor: str, exc: BaseException) -> None:
@@ -226,10 +286,7 @@ class Pipeline:
             for recv in self._inboxes.values():
                 self._drain(recv)
                 recv.close()
-            try:
-                await self.store.unregister_staging(self._pool.buffer.data.cast("B"))
-            except Exception as exc:
-                log.warning("unregistering staging from %s failed: %r", self.store.name, exc)
+            await self._unregister()
             self._ctx = None
 
     @staticmethod
@@ -259,6 +316,7 @@ class Pipeline:
         include_partial: bool = False,
         timeout: float | None = None,
         request_id: str | None = None,
+        stream: int | None = None,
     ) -> WriteResult:
         """Store blocks ``start_block ..`` of a sequence from the cache.
 
@@ -273,13 +331,19 @@ class Pipeline:
             include_partial: Also write the partial last block (key ``...:partial:N``).
             timeout: Total seconds for the call (default ``config.total_timeout``).
             request_id: An id for logs and results (generated when ``None``).
+            stream: Device caches: the ``CUstream`` the model wrote these blocks on. kvpipe
+                records an event on it *now*, and reads no block before the work queued
+                there so far has completed. ``None``: the framework's current stream
+                (Paddle, PyTorch). Host caches: must be ``None``.
 
         Returns:
             A :class:`WriteResult`; timeouts and backend failures are reported in it, not
             raised.
 
         Raises:
-            RequestError: Bad arguments (nothing was queued).
+            RequestError: Bad arguments (nothing was queued), ``stream`` given for a host
+                cache, or no stream found for a device cache.
+            DeviceError: The event could not be recorded on ``stream``.
             PipelineClosed: The pipeline is closed or closed during the call.
 
         Cancellation and timeouts: each slice gets ``min(slice_timeout, time left)``; the
@@ -307,7 +371,7 @@ class Pipeline:
             req.end_block,
             include_partial,
         )
-        await self._run(state)
+        await self._run_marked(state, stream)
         assert state.result is not None
         return state.result
 
@@ -321,6 +385,7 @@ class Pipeline:
         require_all: bool = False,
         timeout: float | None = None,
         request_id: str | None = None,
+        stream: int | None = None,
     ) -> ReadResult:
         """Load stored blocks ``start_block ..`` of a sequence into the cache.
 
@@ -336,12 +401,18 @@ class Pipeline:
             require_all: Raise :class:`IncompleteRead` unless every block loaded.
             timeout: Total seconds for the call (default ``config.total_timeout``).
             request_id: An id for logs and results.
+            stream: Device caches: the ``CUstream`` whose work queued so far may still use
+                the blocks to be filled; no byte is written into the cache before it has
+                completed (an event is recorded on it now). ``None``: the framework's
+                current stream. Host caches: must be ``None``. Work queued after the call
+                returns sees the loaded blocks (the call returns after the copy completed).
 
         Returns:
             A :class:`ReadResult`.
 
         Raises:
-            RequestError: Bad arguments.
+            RequestError: Bad arguments, or ``stream`` as for :meth:`write`.
+            DeviceError: The event could not be recorded on ``stream``.
             IncompleteRead: ``require_all`` and not every block loaded.
             PipelineClosed: The pipeline is closed or closed during the call.
 
@@ -370,7 +441,7 @@ class Pipeline:
             include_partial,
             require_all=require_all,
         )
-        await self._run(state)
+        await self._run_marked(state, stream)
         result = state.result
         assert result is not None
         if require_all and not result.complete:
@@ -467,6 +538,18 @@ class Pipeline:
 
     # -- the common path ---------------------------------------------------------------------
 
+    async def _run_marked(self, state: WriteState | ReadState, stream: int | None) -> None:
+        """:meth:`_run` with the producer's mark recorded now (device caches) and released
+        when the request has ended (copies still in flight hold their own reference)."""
+        engine = self._engine if self._open else None
+        state.after = engine.mark(stream) if engine is not None else None
+        try:
+            await self._run(state)
+        finally:
+            mark: OrderMark | None = state.after
+            if mark is not None:
+                mark.release()
+
     async def _run(self, state: RequestState) -> None:
         """Submit ``state`` and wait for its end, by its deadline plus the slack."""
         if not self._open:
@@ -543,9 +626,9 @@ class Pipeline:
             restarts=dict(metrics.restarts) if metrics else {},
             slices=dict(metrics.slices) if metrics else {},
             counters=dict(metrics.counters) if metrics else {},
-            staging_capacity_bytes=self._pool.capacity * self._pool.stride,
-            staging_in_use_bytes=self._pool.in_use * self._pool.stride,
-            staging_waiters=self._pool.waiters,
+            staging_capacity_bytes=self._pool_slots * stride_for(self._slot_nbytes),
+            staging_in_use_bytes=self._pool.in_use * self._pool.stride if self._pool else 0,
+            staging_waiters=self._pool.waiters if self._pool else 0,
             slice_blocks=self.slice_blocks,
             backend=dict(self.store.statistics()),
             threads_running=self._runner.running if self._runner is not None else 0,
@@ -562,6 +645,7 @@ async def open_pipeline(
     rank: int = 0,
     world_size: int = 1,
     hooks: PipelineHooks | None = None,
+    device_driver: Driver | None = None,
 ) -> AsyncIterator[Pipeline]:
     """Start a pipeline's actors over ``cache`` and ``store``; stop them on exit.
 
@@ -573,13 +657,20 @@ async def open_pipeline(
         rank: Tensor-parallel rank of this process.
         world_size: Tensor-parallel world size.
         hooks: Fault-injection seam for tests (see :class:`PipelineHooks`).
+        device_driver: Test seam for device caches: the CUDA driver interface the engine
+            calls (default: the real driver through cuda-python). The tests pass a test
+            double that runs the kernels' reference implementations on host memory.
 
     Raises:
         ConfigError: A bad argument, or staging too small for one block.
+        Unsupported: A device cache where CUDA, its device or NVRTC is not usable.
+        DeviceError: The device path failed to open (nothing stays allocated).
 
     Cancellation: leaving the block (normally, by an exception or by cancellation) closes the
         pipeline: in-flight requests get until their deadlines (at most ``close_timeout``),
-        then the actors stop and staging is returned.
+        then the actors stop and staging is returned; for a device cache the engine then
+        waits for its streams and frees its device and pinned memory (pinned staging is left
+        allocated, and logged, if a worker thread abandoned at close may still use it).
     """
     pipe = Pipeline(
         cache,
@@ -589,10 +680,16 @@ async def open_pipeline(
         rank=rank,
         world_size=world_size,
         hooks=hooks,
+        device_driver=device_driver,
     )
-    async with ThreadRunner(pipe.config.close_timeout) as runner, anyio.create_task_group() as tg:
-        await pipe._start(tg, runner)
-        try:
-            yield pipe
-        finally:
-            await pipe.aclose()
+    runner = ThreadRunner(pipe.config.close_timeout)
+    try:
+        await pipe._prepare()
+        async with runner, anyio.create_task_group() as tg:
+            await pipe._start(tg, runner)
+            try:
+                yield pipe
+            finally:
+                await pipe.aclose()
+    finally:
+        await pipe._release(staging_in_use=runner.running > 0)

@@ -289,10 +289,12 @@ def test_from_tensors_data_ptr_object_aliases() -> None:
 
 
 def test_from_tensors_data_ptr_object_on_device_unsupported() -> None:
+    # CUDA tensors make a device cache (tests/cuda/test_device_cache.py); other devices
+    # are out of reach.
     layout = CacheLayout.gqa(num_layers=1, num_kv_heads=2, head_dim=4, block_size=2)
     arrays = _np_tensors(layout, 3)
     with pytest.raises(kvpipe.Unsupported):
-        KVCache.from_tensors(layout, [_TorchLike(a, "bfloat16", "cuda") for a in arrays])
+        KVCache.from_tensors(layout, [_TorchLike(a, "bfloat16", "xpu") for a in arrays])
 
 
 def test_from_tensors_data_ptr_object_wrong_dtype() -> None:

@@ -12,6 +12,7 @@ ALL_ERRORS = [
     kvpipe.ActorCrashed,
     kvpipe.BackendError,
     kvpipe.ConfigError,
+    kvpipe.DeviceError,
     kvpipe.IncompleteRead,
     kvpipe.LayoutError,
     kvpipe.OperationTimeout,
@@ -56,6 +57,7 @@ def test_operation_timeout_is_timeout_error() -> None:
         kvpipe.IncompleteRead,
         kvpipe.ActorCrashed,
         kvpipe.BackendError,
+        kvpipe.DeviceError,
         kvpipe.Unsupported,
     ],
 )

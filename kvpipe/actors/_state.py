@@ -15,6 +15,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from .._engine import OrderMark
 from .._errors import ActorCrashed, KVPipeError
 from .._keys import BlockKeys, Tokens
 from .._plan import SliceSpec
@@ -136,6 +137,8 @@ class _Sliced(RequestState):
         self.include_partial = include_partial
         self.keys: BlockKeys | None = None
         self.slices: tuple[SliceSpec, ...] = ()
+        #: Where the producer's device work stood at call time; copies wait for it.
+        self.after: OrderMark | None = None
 
     @property
     def requested(self) -> int:

@@ -5,7 +5,8 @@ each with its trailer, then pass it to the writer. Read path: scatter the verifi
 blocks of a fetched slice into the caller's cache blocks.
 
 The copies themselves are the copy engine's (numpy on the host, kernels on a CUDA stream for
-device caches); sealing runs on the host either way. A copy is never
+device caches, ordered after the producer's mark ``state.after``); sealing runs on the host
+either way. A copy is never
 abandoned half-way: the copy call is shielded from cancellation (it takes milliseconds), so
 when a read ends nothing is still writing into the caller's cache.
 """
@@ -51,7 +52,7 @@ class Swapper(Actor[SliceJob]):
             ctx.segments, state.block_ids[spec.first_block : spec.end_block], job.lease.slots
         )
         with anyio.CancelScope(shield=True):
-            await ctx.engine.gather(plan, job.lease)
+            await ctx.engine.gather(plan, job.lease, after=state.after)
             await ctx.run_copy(
                 plan.nbytes if ctx.config.verify_checksums else 0,
                 seal_slots,
@@ -85,7 +86,7 @@ class Swapper(Actor[SliceJob]):
                 job.lease.slots[: job.valid],
             )
             with anyio.CancelScope(shield=True):
-                await ctx.engine.scatter(plan, job.lease)
+                await ctx.engine.scatter(plan, job.lease, after=state.after)
             ctx.metrics.counters["blocks_read"] += job.valid
             ctx.metrics.counters["bytes_read"] += plan.nbytes
             state.resolve(spec.index, job.valid)

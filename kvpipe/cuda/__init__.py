@@ -1,17 +1,60 @@
-"""The device path's entry: the only package that imports ``cuda-python``.
+"""The device path: the only package that imports ``cuda-python`` (lazily, never at import).
 
-For now it answers one question — is a CUDA device usable here? — and degrades cleanly where
-there is no driver (the host path is used and ``statistics()`` says why). The device copy
-engine (streams, pinned staging, NVRTC kernels) builds on this.
+* :func:`probe_device` — is a CUDA device usable here? Degrades cleanly where there is no
+  driver (the host path is used and ``statistics()`` says why).
+* :func:`open_cuda_engine` / :class:`CudaEngine` — copies between a device cache and pinned
+  staging with the NVRTC-compiled kernels of ``ext/`` (see ``docs/cuda.md``).
+* :class:`Driver` / :class:`CudaDriver` — the few driver calls it makes, errors translated
+  to :class:`kvpipe.DeviceError`; tests substitute a test double.
+
+Submodules: ``_driver`` (driver interface), ``_nvrtc`` (compile + disk cache), ``_kernels``
+(pure: names, packing, launch shapes, reference implementations), ``_pinned`` (pinned
+buffers), ``_resources`` (ledger, events, scratch), ``_engine``, ``_open``, ``_tensors``
+(device tensors, current streams), ``_hostcache`` (``create_host_cache``). The engine names
+below load on first use, so ``import kvpipe`` stays light.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
-from typing import final
+from typing import TYPE_CHECKING, Any, final
 
-__all__ = ("DeviceProbe", "probe_device")
+if TYPE_CHECKING:
+    from ._driver import CudaDriver, DeviceInfo, Driver
+    from ._engine import CudaEngine
+    from ._open import open_cuda_engine
+    from ._resources import CudaOptions, EngineAccounting
+
+__all__ = (
+    "CudaDriver",
+    "CudaEngine",
+    "CudaOptions",
+    "DeviceInfo",
+    "DeviceProbe",
+    "Driver",
+    "EngineAccounting",
+    "open_cuda_engine",
+    "probe_device",
+)
+
+_LAZY = {
+    "CudaDriver": "._driver",
+    "DeviceInfo": "._driver",
+    "Driver": "._driver",
+    "CudaEngine": "._engine",
+    "open_cuda_engine": "._open",
+    "CudaOptions": "._resources",
+    "EngineAccounting": "._resources",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvpipe.cuda' has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
 
 
 @final

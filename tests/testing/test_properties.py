@@ -39,7 +39,9 @@ rules = st.builds(
 
 
 @settings(
-    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(
     plan_rules=st.lists(rules, max_size=4),

@@ -1,0 +1,297 @@
+"""The few CUDA driver calls the device path makes, behind one small interface.
+
+:class:`Driver` is what the engine, the pinned allocator and the host cache call; handles and
+addresses are plain ints. :class:`CudaDriver` implements it over ``cuda.bindings.driver``
+(imported lazily, here and nowhere else but :mod:`kvpipe.cuda`) and translates every vendor
+error at this boundary: a failed call raises :class:`kvpipe.DeviceError` naming the call and
+the ``CUresult``; a missing driver raises :class:`kvpipe.Unsupported`. Tests substitute a
+test double (``tests/cuda/fake_driver.py``) through the same interface.
+
+Every method is non-blocking except :meth:`Driver.open`, :meth:`Driver.module_load` and the
+allocation calls, which the engine makes at open and close only (or lazily, once per scratch
+buffer).
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, final
+
+from .._errors import DeviceError, Unsupported
+
+__all__ = ("CudaDriver", "DeviceInfo", "Driver")
+
+Dim3 = tuple[int, int, int]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """What the engine needs to know about its device.
+
+    Attributes:
+        ordinal: Device number (``cuda:N``).
+        name: Marketing name, for logs.
+        capability: Compute capability (major, minor).
+        can_map_host_memory: Kernels can address mapped pinned host memory.
+    """
+
+    ordinal: int
+    name: str
+    capability: tuple[int, int]
+    can_map_host_memory: bool
+
+
+class Driver(abc.ABC):
+    """The driver calls of the device path. Handles (streams, events, modules, functions)
+    and addresses are ints; ``stream=0`` is the legacy default stream.
+
+    Every method raises :class:`kvpipe.DeviceError` when the driver reports an error.
+    """
+
+    #: A short name for logs and ``statistics().device_note``.
+    name: str = "driver"
+
+    @abc.abstractmethod
+    def open(self, ordinal: int) -> DeviceInfo:
+        """Initialise the driver, retain device ``ordinal``'s primary context (the one
+        Paddle and PyTorch use) and make it current on this thread.
+
+        Raises:
+            Unsupported: No driver or no such device.
+        """
+
+    @abc.abstractmethod
+    def make_current(self) -> None:
+        """Make the opened context current on the calling thread (cheap; call before work)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the primary context retained by :meth:`open`."""
+
+    @abc.abstractmethod
+    def stream_create(self) -> int:
+        """A new non-blocking stream."""
+
+    @abc.abstractmethod
+    def stream_destroy(self, stream: int) -> None:
+        """Destroy a stream (work already queued still completes)."""
+
+    @abc.abstractmethod
+    def event_create(self) -> int:
+        """A new event without timing (``CU_EVENT_DISABLE_TIMING``)."""
+
+    @abc.abstractmethod
+    def event_destroy(self, event: int) -> None:
+        """Destroy an event."""
+
+    @abc.abstractmethod
+    def event_record(self, event: int, stream: int) -> None:
+        """Capture the work queued on ``stream`` so far in ``event``."""
+
+    @abc.abstractmethod
+    def event_query(self, event: int) -> bool:
+        """Whether the captured work has completed (``cuEventQuery``; never blocks)."""
+
+    @abc.abstractmethod
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Make later work on ``stream`` wait for the work ``event`` captured at this call."""
+
+    @abc.abstractmethod
+    def host_alloc(self, nbytes: int) -> int:
+        """``nbytes`` of pinned host memory, portable and mapped into the device's address
+        space (``cuMemHostAlloc(PORTABLE | DEVICEMAP)``); exactly ``nbytes`` are requested."""
+
+    @abc.abstractmethod
+    def host_device_pointer(self, host_ptr: int) -> int:
+        """The device address of mapped pinned memory (``cuMemHostGetDevicePointer``)."""
+
+    @abc.abstractmethod
+    def host_free(self, host_ptr: int) -> None:
+        """Free pinned host memory from :meth:`host_alloc`."""
+
+    @abc.abstractmethod
+    def mem_alloc(self, nbytes: int) -> int:
+        """``nbytes`` of device memory."""
+
+    @abc.abstractmethod
+    def mem_free(self, ptr: int) -> None:
+        """Free device memory from :meth:`mem_alloc`."""
+
+    @abc.abstractmethod
+    def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of ``nbytes`` from pinned host ``src`` to device ``dst``."""
+
+    @abc.abstractmethod
+    def memcpy_dtoh_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of ``nbytes`` from device ``src`` to pinned host ``dst``."""
+
+    @abc.abstractmethod
+    def module_load(self, image: bytes) -> int:
+        """Load a CUBIN or PTX image into the current context."""
+
+    @abc.abstractmethod
+    def module_unload(self, module: int) -> None:
+        """Unload a module."""
+
+    @abc.abstractmethod
+    def module_function(self, module: int, name: str) -> int:
+        """The handle of kernel ``name`` in ``module``."""
+
+    @abc.abstractmethod
+    def launch(
+        self, function: int, grid: Dim3, block: Dim3, stream: int, params: Sequence[bytes]
+    ) -> None:
+        """Queue a kernel launch; ``params[i]`` holds the bytes of parameter ``i``."""
+
+
+@final
+class CudaDriver(Driver):
+    """:class:`Driver` over ``cuda.bindings.driver`` (cuda-python).
+
+    Raises:
+        Unsupported: cuda-python is not importable.
+    """
+
+    name = "cuda-python"
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:
+            raise Unsupported(f"cuda-python is not importable: {exc}") from exc
+        self._cu: Any = driver
+        self._ctx: Any = None
+        self._dev: Any = None
+
+    def _call(self, name: str, *args: Any) -> Any:
+        """Call ``cu<name>`` and translate its ``CUresult``; returns the outputs (one value
+        unwrapped, several as a tuple, none as ``None``)."""
+        result = getattr(self._cu, name)(*args)
+        values = result if isinstance(result, tuple) else (result,)
+        err = values[0]
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise DeviceError(name, getattr(err, "name", str(err)))
+        out = values[1:]
+        if not out:
+            return None
+        return out[0] if len(out) == 1 else out
+
+    def open(self, ordinal: int) -> DeviceInfo:
+        cu = self._cu
+        try:
+            self._call("cuInit", 0)
+        except DeviceError as exc:
+            raise Unsupported(f"CUDA driver unusable: {exc}") from exc
+        except Exception as exc:  # the bindings raise when libcuda cannot be found
+            raise Unsupported(f"no CUDA driver: {str(exc).split('.')[0]}") from exc
+        count = self._call("cuDeviceGetCount")
+        if not 0 <= ordinal < count:
+            raise Unsupported(f"no CUDA device {ordinal} ({count} present)")
+        self._dev = self._call("cuDeviceGet", ordinal)
+        self._ctx = self._call("cuDevicePrimaryCtxRetain", self._dev)
+        self._call("cuCtxSetCurrent", self._ctx)
+        attr = cu.CUdevice_attribute
+        major = self._call(
+            "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._dev
+        )
+        minor = self._call(
+            "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._dev
+        )
+        can_map = self._call(
+            "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY, self._dev
+        )
+        raw = self._call("cuDeviceGetName", 256, self._dev)
+        name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
+        return DeviceInfo(ordinal, name, (int(major), int(minor)), bool(can_map))
+
+    def make_current(self) -> None:
+        self._call("cuCtxSetCurrent", self._ctx)
+
+    def close(self) -> None:
+        if self._dev is not None:
+            self._call("cuDevicePrimaryCtxRelease", self._dev)
+            self._dev = self._ctx = None
+
+    def stream_create(self) -> int:
+        flags = self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        return int(self._call("cuStreamCreate", flags))
+
+    def stream_destroy(self, stream: int) -> None:
+        self._call("cuStreamDestroy", self._cu.CUstream(stream))
+
+    def event_create(self) -> int:
+        return int(self._call("cuEventCreate", self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+
+    def event_destroy(self, event: int) -> None:
+        self._call("cuEventDestroy", self._cu.CUevent(event))
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._call("cuEventRecord", self._cu.CUevent(event), self._cu.CUstream(stream))
+
+    def event_query(self, event: int) -> bool:
+        (err,) = self._cu.cuEventQuery(self._cu.CUevent(event))
+        if err == self._cu.CUresult.CUDA_SUCCESS:
+            return True
+        if err == self._cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        raise DeviceError("cuEventQuery", err.name)
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._call("cuStreamWaitEvent", self._cu.CUstream(stream), self._cu.CUevent(event), 0)
+
+    def host_alloc(self, nbytes: int) -> int:
+        flags = self._cu.CU_MEMHOSTALLOC_PORTABLE | self._cu.CU_MEMHOSTALLOC_DEVICEMAP
+        return int(self._call("cuMemHostAlloc", nbytes, flags))
+
+    def host_device_pointer(self, host_ptr: int) -> int:
+        return int(self._call("cuMemHostGetDevicePointer", host_ptr, 0))
+
+    def host_free(self, host_ptr: int) -> None:
+        self._call("cuMemFreeHost", host_ptr)
+
+    def mem_alloc(self, nbytes: int) -> int:
+        return int(self._call("cuMemAlloc", nbytes))
+
+    def mem_free(self, ptr: int) -> None:
+        self._call("cuMemFree", self._cu.CUdeviceptr(ptr))
+
+    def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._call(
+            "cuMemcpyHtoDAsync", self._cu.CUdeviceptr(dst), src, nbytes, self._cu.CUstream(stream)
+        )
+
+    def memcpy_dtoh_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._call(
+            "cuMemcpyDtoHAsync", dst, self._cu.CUdeviceptr(src), nbytes, self._cu.CUstream(stream)
+        )
+
+    def module_load(self, image: bytes) -> int:
+        return int(self._call("cuModuleLoadData", image))
+
+    def module_unload(self, module: int) -> None:
+        self._call("cuModuleUnload", self._cu.CUmodule(module))
+
+    def module_function(self, module: int, name: str) -> int:
+        return int(self._call("cuModuleGetFunction", self._cu.CUmodule(module), name.encode()))
+
+    def launch(
+        self, function: int, grid: Dim3, block: Dim3, stream: int, params: Sequence[bytes]
+    ) -> None:
+        # kernelParams: a void** array whose entries point at each parameter's bytes; the
+        # driver copies them at launch, so the buffers only need to outlive this call.
+        buffers = [ctypes.create_string_buffer(p, len(p)) for p in params]
+        pointers = (ctypes.c_void_p * len(buffers))(*(ctypes.addressof(b) for b in buffers))
+        self._call(
+            "cuLaunchKernel",
+            self._cu.CUfunction(function),
+            *grid,
+            *block,
+            0,
+            self._cu.CUstream(stream),
+            ctypes.addressof(pointers),
+            0,
+        )

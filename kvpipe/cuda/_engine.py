@@ -1,0 +1,398 @@
+"""The CUDA copy engine: device cache ↔ pinned staging with the kernels of ``ext/``.
+
+One call (a slice's gather or scatter) runs like this, on the engine's stream for its
+direction (device → host and host → device have a stream each, so they overlap):
+
+1. wait for a scratch set (the only point where a cancelled call takes nothing);
+2. ``cuStreamWaitEvent`` on the producer's mark, so no byte is read or written before the
+   work the caller had queued when it called ``write`` / ``read`` has completed;
+3. upload the (cache block, slot) pairs from pinned memory;
+4. the copy path (:func:`._kernels.choose_path`): the gather kernel writing mapped pinned
+   staging directly, or kernel + DMA through device scratch, chunk by chunk (one DMA per run
+   of consecutive slots — a single DMA per chunk when the slots are consecutive);
+5. record the scratch set's event and poll ``cuEventQuery`` until it completes.
+
+Steps 2-5 are shielded: once work is queued the call returns only after it has finished (the
+device is writing the caller's cache or kvpipe's staging). Completion is polled, not awaited
+in a worker thread: a query costs about a microsecond, no thread sits in the driver where it
+cannot be interrupted, and asyncio and trio behave alike. The poll yields for
+``SPIN_SECONDS``, then sleeps with exponential back-off up to ``poll_max`` (docs/cuda.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Final, Literal, final
+
+import anyio
+import anyio.lowlevel
+
+from .._cache import KVCache
+from .._engine import CopyEngine, OrderMark
+from .._errors import DeviceError, RequestError
+from .._plan import CopyPlan, layout_segments
+from .._staging import StagingLease, stride_for
+from ._driver import DeviceInfo, Driver
+from ._kernels import (
+    GATHER,
+    PAIR_NBYTES,
+    SCATTER,
+    CopyArgs,
+    CopyPath,
+    SlotRun,
+    choose_path,
+    dense_pairs,
+    launch_shape,
+    pack_args,
+    plan_pairs,
+    slot_runs,
+)
+from ._pinned import PinnedBuffer
+from ._resources import (
+    CudaOptions,
+    EngineAccounting,
+    EventPool,
+    Ledger,
+    ProducerMark,
+    Scratch,
+    ScratchPool,
+)
+from ._tensors import current_stream
+
+__all__ = ("CudaEngine",)
+
+log = logging.getLogger("kvpipe.cuda")
+Direction = Literal["gather", "scatter"]
+
+SPIN_SECONDS: Final = 100e-6  #: poll without sleeping this long, then back off
+POLL_MIN: Final = 100e-6  #: the first back-off sleep
+
+
+@final
+class CudaEngine(CopyEngine):
+    """Moves a device cache's blocks to and from pinned staging (see the module docstring).
+
+    Build one with :func:`kvpipe.cuda.open_cuda_engine`; close it with :meth:`aclose`.
+
+    Attributes:
+        info: The device.
+        staging: The pinned staging (exactly ``capacity * stride`` bytes).
+        paths: How many calls took each :class:`CopyPath`.
+    """
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        *,
+        driver: Driver,
+        info: DeviceInfo,
+        cache: KVCache,
+        ledger: Ledger,
+        events: EventPool,
+        staging: PinnedBuffer,
+        slot_nbytes: int,
+        capacity: int,
+        max_blocks: int,
+        module: int,
+        functions: dict[str, int],
+        streams: dict[Direction, int],
+        table: int,
+        options: CudaOptions,
+        note: str,
+    ) -> None:
+        self.info = info
+        self.note = note
+        self.staging = staging
+        self.options = options
+        self.paths: Counter[CopyPath] = Counter()
+        self._driver = driver
+        self._cache = cache
+        self._ledger = ledger
+        self._events = events
+        self._module = module
+        self._functions = functions
+        self._streams = streams
+        self._table = table
+        self._stride = stride_for(slot_nbytes)
+        self._capacity = capacity
+        segments = layout_segments(cache.layout)
+        self._n_seg = len(segments)
+        self._max_seg = max(s.nbytes for s in segments)
+        self._payload = cache.layout.block_nbytes
+        self._chunk_blocks = max(1, min(max_blocks, options.scratch_bytes // self._stride))
+        self._scratch = ScratchPool(
+            ledger, events, max_blocks, self._chunk_blocks * self._stride, options.max_calls
+        )
+        self._calls = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._closed = False
+
+    # -- the copy-engine contract ------------------------------------------------------------
+
+    def mark(self, stream: int | None) -> ProducerMark:
+        """Record an event on ``stream`` (default: the framework's current stream) now; copies
+        given the mark start only after the work queued there before this call.
+
+        Raises:
+            RequestError: ``stream`` is not a stream handle, or none was given and the
+                framework's current stream cannot be found.
+            DeviceError: The driver refused to record (e.g. an invalid stream).
+        """
+        self._check_open()
+        if stream is None:
+            stream = current_stream(self._cache.framework, self.info.ordinal)
+        elif isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+            raise RequestError(f"stream must be a CUstream handle (an int >= 0), got {stream!r}")
+        event = self._events.get()
+        try:
+            self._driver.make_current()
+            self._driver.event_record(event, stream)
+        except BaseException:
+            self._events.put(event)
+            raise
+        return ProducerMark(event, self._events.put)
+
+    async def gather(
+        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+    ) -> None:
+        """Device cache blocks → staging slots, after ``after``; returns once the bytes are
+        in staging.
+
+        Cancellation: before any work is queued (while waiting for scratch) the call stops
+        at once and takes nothing; after, it is shielded and returns when the device is done.
+
+        Raises:
+            DeviceError: The driver failed; if the device may still be writing, the
+                lease's slots and the scratch are retired, never reused.
+        """
+        await self._copy("gather", plan, lease, after)
+
+    async def scatter(
+        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+    ) -> None:
+        """Staging slots → device cache blocks, after ``after``; returns once the bytes are
+        in the cache. Cancellation and errors: as for :meth:`gather`."""
+        await self._copy("scatter", plan, lease, after)
+
+    async def aclose(self, *, staging_in_use: bool = False) -> None:
+        """Wait for calls in flight and for both streams to drain, then free everything.
+
+        Args:
+            staging_in_use: Something may still use the staging (a worker thread abandoned
+                at close): it is left allocated, and logged.
+
+        Cancellation: shielded. If the device does not drain within ``drain_timeout``,
+        memory it may still use is leaked rather than freed, and logged.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._idle.wait()
+            self._driver.make_current()
+            drained = await self._drain()
+        if not drained:
+            log.error("CUDA streams did not drain at close; leaking the engine's memory")
+            return
+        try:
+            self._scratch.close()
+            self._ledger.mem_free(self._table)
+            for stream in self._streams.values():
+                self._driver.stream_destroy(stream)
+            self._streams = {}
+            self._events.close()
+            self._driver.module_unload(self._module)
+            if staging_in_use:
+                # Pinned memory lives as long as its context: keep both for the thread.
+                log.error("staging may still be in use at close; leaving it allocated")
+                return
+            self._ledger.pinned_free(self.staging)
+        except DeviceError as exc:
+            log.error("freeing CUDA resources at close failed: %s", exc)
+        self._driver.close()
+
+    def accounting(self) -> EngineAccounting:
+        """What the engine holds now, exactly."""
+        return EngineAccounting(
+            staging_budget=self.staging.budget or 0,
+            staging_requested=self.staging.requested_bytes,
+            staging_allocated=self.staging.allocated_bytes,
+            pinned_bytes=self._ledger.pinned_bytes,
+            pinned_allocations=len(self._ledger.pinned),
+            device_bytes=self._ledger.device_bytes,
+            device_allocations=len(self._ledger.device),
+            streams=len(self._streams),
+            events=self._events.live,
+            scratch_buffers=self._scratch.allocated,
+            scratch_in_use=self._scratch.in_use,
+        )
+
+    @property
+    def chunk_blocks(self) -> int:
+        """Blocks one scratch data buffer holds (staged paths work in chunks of this)."""
+        return self._chunk_blocks
+
+    # -- one call ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the CUDA engine is closed")
+
+    async def _copy(
+        self, direction: Direction, plan: CopyPlan, lease: StagingLease, after: OrderMark | None
+    ) -> None:
+        self._check_open()
+        if after is not None and not isinstance(after, ProducerMark):
+            raise TypeError(f"a CUDA copy must be ordered after a ProducerMark, not {after!r}")
+        if plan.blocks == 0:
+            await anyio.lowlevel.checkpoint()
+            return
+        if plan.blocks > self._scratch.max_blocks:
+            raise ValueError(f"{plan.blocks} blocks exceed {self._scratch.max_blocks} per call")
+        self._driver.make_current()  # this thread may allocate (a new scratch set)
+        if after is not None:
+            after.retain()
+        try:
+            scratch = await self._scratch.acquire()
+        except BaseException:
+            if after is not None:
+                after.release()
+            raise
+        self._calls += 1
+        self._idle = anyio.Event() if self._calls == 1 else self._idle
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._execute(direction, plan, lease, scratch, after)
+        finally:
+            self._calls -= 1
+            if self._calls == 0:
+                self._idle.set()
+
+    async def _execute(
+        self,
+        direction: Direction,
+        plan: CopyPlan,
+        lease: StagingLease,
+        scratch: Scratch,
+        after: OrderMark | None,
+    ) -> None:
+        stream = self._streams[direction]
+        try:
+            try:
+                self._driver.make_current()
+                if after is not None:
+                    assert isinstance(after, ProducerMark)
+                    self._driver.stream_wait_event(stream, after.event)
+                path = self._enqueue(direction, plan, scratch, stream)
+            finally:
+                if after is not None:
+                    after.release()
+            await self._wait(scratch.done)
+        except BaseException:
+            await self._recover(stream, scratch, lease)
+            raise
+        self._scratch.release(scratch)
+        self.paths[path] += 1
+
+    def _enqueue(
+        self, direction: Direction, plan: CopyPlan, scratch: Scratch, stream: int
+    ) -> CopyPath:
+        drv = self._driver
+        pairs = plan_pairs(plan)
+        n = len(pairs)
+        slots = pairs[:, 1]
+        mode = self.options.d2h if direction == "gather" else self.options.h2d
+        consecutive = len(slot_runs(slots)) == 1
+        path = choose_path(direction, mode, consecutive, self.staging.device_ptr is not None)
+        mapped = path in (CopyPath.GATHER_MAPPED, CopyPath.SCATTER_MAPPED)
+        scratch.pairs[:n] = pairs if mapped else dense_pairs(pairs, self._chunk_blocks)
+        drv.memcpy_htod_async(
+            scratch.pairs_dev, scratch.pairs_host.host_ptr, n * PAIR_NBYTES, stream
+        )
+        kernel = GATHER if direction == "gather" else SCATTER
+        if mapped:
+            assert self.staging.device_ptr is not None
+            self._launch(kernel, scratch.pairs_dev, n, self.staging.device_ptr, stream)
+        else:
+            data = self._scratch.data(scratch)
+            for first in range(0, n, self._chunk_blocks):
+                count = min(self._chunk_blocks, n - first)
+                runs = slot_runs(slots[first : first + count])
+                pairs_at = scratch.pairs_dev + first * PAIR_NBYTES
+                if direction == "scatter":
+                    for run in runs:
+                        device, host, nbytes = self._dma(run, data)
+                        drv.memcpy_htod_async(device, host, nbytes, stream)
+                    self._launch(kernel, pairs_at, count, data, stream)
+                else:
+                    self._launch(kernel, pairs_at, count, data, stream)
+                    for run in runs:
+                        device, host, nbytes = self._dma(run, data)
+                        drv.memcpy_dtoh_async(host, device, nbytes, stream)
+        drv.event_record(scratch.done, stream)
+        return path
+
+    def _dma(self, run: SlotRun, data: int) -> tuple[int, int, int]:
+        """(scratch address, staging address, bytes) of one run: whole slots, except that the
+        last one stops at the end of its payload (the trailer is the host's)."""
+        nbytes = (run.length - 1) * self._stride + self._payload
+        host = self.staging.host_ptr + run.slot_start * self._stride
+        return data + run.index * self._stride, host, nbytes
+
+    def _launch(self, kernel: str, pairs: int, count: int, staging: int, stream: int) -> None:
+        shape = launch_shape(count, self._n_seg, self._max_seg)
+        args = CopyArgs(
+            self._table, self._n_seg, pairs, count, staging, self._stride, shape.chunk_bytes
+        )
+        self._driver.launch(
+            self._functions[kernel], shape.grid, shape.block, stream, pack_args(args)
+        )
+
+    async def _wait(self, event: int) -> None:
+        """Until ``event`` has completed: poll, yielding, then backing off (module docstring)."""
+        start = time.monotonic()
+        delay = POLL_MIN
+        while not self._driver.event_query(event):
+            if time.monotonic() - start < SPIN_SECONDS:
+                await anyio.lowlevel.checkpoint()
+            else:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, self.options.poll_max)
+
+    async def _recover(self, stream: int, scratch: Scratch, lease: StagingLease) -> None:
+        """After a failure part of the call's work may be queued: wait for the stream before
+        reusing anything; if even that fails, retire the scratch and the lease's slots."""
+        try:
+            self._driver.event_record(scratch.done, stream)
+            with anyio.fail_after(self.options.drain_timeout):
+                await self._wait(scratch.done)
+        except (DeviceError, TimeoutError) as exc:
+            log.error(
+                "CUDA stream did not drain after a failed copy (%s); retiring staging slots %s",
+                exc,
+                lease.slots,
+            )
+            lease.retain()  # never released: the slots are never handed out again
+            self._scratch.quarantine(scratch)
+            return
+        self._scratch.release(scratch)
+
+    async def _drain(self) -> bool:
+        """Whether both streams completed their work within ``drain_timeout``."""
+        try:
+            with anyio.fail_after(self.options.drain_timeout):
+                for stream in self._streams.values():
+                    event = self._events.get()
+                    try:
+                        self._driver.event_record(event, stream)
+                        await self._wait(event)
+                    finally:
+                        self._events.put(event)
+        except (DeviceError, TimeoutError) as exc:
+            log.error("draining CUDA streams at close failed: %s", exc)
+            return False
+        return True

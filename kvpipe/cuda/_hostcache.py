@@ -1,0 +1,77 @@
+"""Host caches in pinned memory, the same size as the device caches (``create_host_cache``).
+
+One pinned allocation per role holds that role's tensors of every layer, each exactly
+``num_blocks * role.block_nbytes`` bytes — the device tensor's size, scales included at the
+layout's 2 bytes per bf16 element (FastDeploy sized host scale buffers at 4 bytes per
+element). The cache's :meth:`~kvpipe.KVCache.free` frees the pinned memory and releases the
+driver context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._cache import KVCache
+from .._errors import LayoutError
+from .._layout import CacheLayout, numpy_dtype
+from ._driver import CudaDriver, Driver
+from ._pinned import PinnedBuffer
+
+__all__ = ("allocate_host_cache", "host_cache_nbytes")
+
+
+def host_cache_nbytes(layout: CacheLayout, num_blocks: int) -> dict[str, int]:
+    """Bytes of each role's pinned allocation: ``num_layers * num_blocks * block_nbytes``."""
+    return {
+        spec.name: layout.num_layers * num_blocks * spec.block_nbytes for spec in layout.role_specs
+    }
+
+
+def allocate_host_cache(
+    layout: CacheLayout, num_blocks: int, driver: Driver | None = None
+) -> KVCache:
+    """See :func:`kvpipe.create_host_cache`.
+
+    Raises:
+        LayoutError: ``num_blocks`` is not positive.
+        Unsupported: No CUDA driver or device.
+        DeviceError: An allocation failed (what was allocated is freed).
+    """
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    drv = driver if driver is not None else CudaDriver()
+    drv.open(0)
+    buffers: list[PinnedBuffer] = []
+    try:
+        tensors: dict[tuple[str, int], np.ndarray[tuple[int, ...], np.dtype[np.generic]]] = {}
+        for spec in layout.role_specs:
+            per_layer = num_blocks * spec.block_nbytes
+            buf = PinnedBuffer(drv, layout.num_layers * per_layer, mapped=False)
+            buffers.append(buf)
+            raw = buf.array()
+            raw[:] = 0
+            for layer in range(layout.num_layers):
+                chunk = raw[layer * per_layer : (layer + 1) * per_layer]
+                tensors[spec.name, layer] = chunk.view(numpy_dtype(spec.dtype)).reshape(
+                    num_blocks, *spec.block_shape
+                )
+        cache = KVCache.from_tensors(layout, tensors)
+    except BaseException:
+        _release(drv, buffers)
+        raise
+    return KVCache(
+        layout,
+        cache.tensors(),
+        cache.byte_rows,
+        "numpy",
+        release=lambda: _release(drv, buffers),
+    )
+
+
+def _release(driver: Driver, buffers: list[PinnedBuffer]) -> None:
+    driver.make_current()
+    try:
+        for buf in buffers:
+            buf.free()
+    finally:
+        driver.close()

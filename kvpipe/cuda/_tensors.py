@@ -1,0 +1,219 @@
+"""Device tensors as kvpipe sees them: a device, a base address, a shape, a dtype.
+
+Recognised without importing any framework: Paddle GPU tensors (``place.is_gpu_place()``,
+``data_ptr()``), PyTorch CUDA tensors (``device.type == "cuda"``, ``data_ptr()``) and any
+tensor that speaks DLPack with a CUDA device (``__dlpack_device__``; the address is read
+from the DLPack capsule, which is then released unconsumed). Also here: the framework's
+current stream, which kvpipe records its ordering event on when the caller passes none.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, final
+
+from .._errors import LayoutError, RequestError
+from .._layout import CacheLayout
+
+__all__ = ("DeviceTensor", "current_stream", "device_pointers", "device_tensor", "parse_device")
+
+_KDL_CUDA: Final = 2
+_KDL_CUDA_MANAGED: Final = 13
+# (DLDataTypeCode, bits) -> kvpipe dtype name; lanes must be 1.
+_DL_DTYPES: Final = {
+    (0, 8): "int8",
+    (1, 8): "uint8",
+    (2, 16): "float16",
+    (2, 32): "float32",
+    (4, 16): "bfloat16",
+    (10, 8): "float8_e4m3fn",
+}
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = (("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32))
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = (("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16))
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = (
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    )
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = (
+        ("dl_tensor", _DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    )
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class DeviceTensor:
+    """A tensor in CUDA device memory.
+
+    Attributes:
+        device: ``"cuda:N"``.
+        pointer: Address of its first element.
+        shape: Its shape.
+        dtype: Its dtype's name (``"bfloat16"``; kvpipe names where they exist).
+        contiguous: Row-major and dense.
+    """
+
+    device: str
+    pointer: int
+    shape: tuple[int, ...]
+    dtype: str
+    contiguous: bool
+
+
+def parse_device(device: str) -> int | None:
+    """``"cpu"`` → ``None``; ``"gpu"``, ``"cuda"`` → 0; ``"gpu:N"``, ``"cuda:N"`` → N.
+
+    Raises:
+        LayoutError: Anything else.
+    """
+    if device == "cpu":
+        return None
+    kind, _, index = device.partition(":")
+    if kind in ("gpu", "cuda") and (index == "" or index.isdigit()):
+        return int(index or 0)
+    raise LayoutError(f"unknown device {device!r}; expected 'cpu', 'gpu:N' or 'cuda:N'")
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def device_tensor(t: Any) -> DeviceTensor | None:
+    """Describe ``t`` when it lives in CUDA device memory; ``None`` for anything else.
+
+    Raises:
+        LayoutError: A DLPack CUDA tensor whose capsule cannot be read.
+    """
+    place = getattr(t, "place", None)
+    if type(t).__module__.startswith("paddle") and place is not None:
+        if not place.is_gpu_place():
+            return None
+        return DeviceTensor(
+            f"cuda:{int(place.gpu_device_id())}",
+            int(t.data_ptr()),
+            tuple(int(d) for d in t.shape),
+            _name(t.dtype),
+            bool(t.is_contiguous()),
+        )
+    device = getattr(t, "device", None)
+    if getattr(device, "type", None) == "cuda" and hasattr(t, "data_ptr"):
+        index = getattr(device, "index", None)
+        return DeviceTensor(
+            f"cuda:{int(index or 0)}",
+            int(t.data_ptr()),
+            tuple(int(d) for d in t.shape),
+            _name(t.dtype),
+            bool(t.is_contiguous()),
+        )
+    dl_device = getattr(t, "__dlpack_device__", None)
+    if dl_device is not None and hasattr(t, "__dlpack__"):
+        kind, index = (int(v) for v in dl_device())
+        if kind in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+            return _from_dlpack(t, index)
+    return None
+
+
+def device_pointers(
+    layout: CacheLayout, infos: Sequence[DeviceTensor | None], num_blocks: int
+) -> tuple[str, list[int]]:
+    """Check device tensors against ``layout`` (contract order); their device and pointers.
+
+    Raises:
+        LayoutError: Host and device tensors mixed, several devices, or a tensor with the
+            wrong dtype, shape or contiguity.
+    """
+    if any(info is None for info in infos):
+        raise LayoutError("a cache cannot mix host and device tensors")
+    devices = sorted({info.device for info in infos if info is not None})
+    if len(devices) != 1:
+        raise LayoutError(f"a cache's tensors must be on one device, got {devices}")
+    pointers = []
+    for (role, layer), info in zip(layout.tensor_order(), infos, strict=True):
+        assert info is not None
+        spec = layout.role(role)
+        where = f"{role}[{layer}]"
+        if info.dtype != spec.dtype:
+            raise LayoutError(f"{where}: dtype {info.dtype}, expected {spec.dtype}")
+        want = (num_blocks, *spec.block_shape)
+        if info.shape != want:
+            raise LayoutError(f"{where}: shape {list(info.shape)}, expected {list(want)}")
+        if not info.contiguous:
+            raise LayoutError(f"{where}: tensor is not contiguous")
+        if info.pointer == 0:
+            raise LayoutError(f"{where}: null device pointer")
+        pointers.append(info.pointer)
+    return devices[0], pointers
+
+
+def _from_dlpack(t: Any, index: int) -> DeviceTensor:
+    try:
+        capsule = t.__dlpack__(stream=-1)  # -1: the producer must not synchronise
+    except TypeError:
+        capsule = t.__dlpack__()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = (ctypes.py_object, ctypes.c_char_p)
+    try:
+        address = get(capsule, b"dltensor")
+    except ValueError as exc:
+        raise LayoutError(f"unreadable DLPack capsule from {type(t).__name__}: {exc}") from exc
+    dl = _DLManagedTensor.from_address(address).dl_tensor
+    shape = tuple(int(dl.shape[i]) for i in range(dl.ndim))
+    contiguous = True
+    if dl.strides:
+        expected = 1
+        for i in reversed(range(dl.ndim)):
+            if shape[i] != 1 and int(dl.strides[i]) != expected:
+                contiguous = False
+            expected *= shape[i]
+    code, bits, lanes = int(dl.dtype.code), int(dl.dtype.bits), int(dl.dtype.lanes)
+    dtype = _DL_DTYPES.get((code, bits), f"dlpack(code={code},bits={bits})")
+    if lanes != 1:
+        dtype = f"dlpack(code={code},bits={bits},lanes={lanes})"
+    pointer = int(dl.data or 0) + int(dl.byte_offset)
+    del capsule  # unconsumed: its destructor returns it to the producer
+    return DeviceTensor(f"cuda:{index}", pointer, shape, dtype, contiguous)
+
+
+def current_stream(framework: str, ordinal: int) -> int:
+    """The framework's current CUDA stream on device ``ordinal`` (where the model's work is
+    queued), as a ``CUstream`` handle.
+
+    Raises:
+        RequestError: The framework has no notion of a current stream kvpipe knows; pass
+            ``stream=`` explicitly.
+    """
+    try:
+        if framework == "paddle":
+            paddle: Any = importlib.import_module("paddle")
+            return int(paddle.device.current_stream(f"gpu:{ordinal}").stream_base.cuda_stream)
+        if framework == "torch":
+            torch: Any = importlib.import_module("torch")
+            return int(torch.cuda.current_stream(ordinal).cuda_stream)
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        raise RequestError(f"cannot get the current {framework} stream: {exc!r}") from exc
+    raise RequestError(
+        f"a {framework} device cache has no current stream kvpipe can find: pass stream= "
+        "(the CUstream the producing kernels run on) to write() and read()"
+    )

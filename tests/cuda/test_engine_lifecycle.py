@@ -1,0 +1,224 @@
+"""What the CUDA engine allocates, exactly, and that it frees all of it: the pinned budget,
+scratch owned by the engine (never global, never shared by concurrent calls), rollback when
+opening fails, recovery when a copy fails, and close — over the driver's test double."""
+
+from __future__ import annotations
+
+import functools
+
+import anyio
+import pytest
+
+import kvpipe
+from kvpipe._blockformat import value_nbytes
+from kvpipe._plan import copy_plan, layout_segments
+from kvpipe._staging import stride_for
+from kvpipe.cuda._kernels import PAIR_NBYTES, SEGMENT_NBYTES
+from kvpipe.cuda._open import open_cuda_engine
+from kvpipe.cuda._resources import CudaOptions
+from tests.cuda.devcache import fake_device_cache, fill_device, free_device_cache
+from tests.cuda.engines import engine, open_engine
+from tests.cuda.fake_driver import FakeDriver, Gate
+from tests.helpers import LAYOUTS
+
+
+def _layout() -> kvpipe.CacheLayout:
+    return LAYOUTS["gqa_fp8"]()
+
+
+async def test_exact_accounting_and_no_leaks(fake: FakeDriver) -> None:
+    fake.latency = 4  # copies take a few polls: the two calls overlap
+    layout = _layout()
+    cache = fake_device_cache(fake, layout, 8)
+    cache_allocs = len(fake.alloc_log)
+    segs = layout_segments(layout)
+    stride = stride_for(value_nbytes(layout.block_nbytes))
+    opts = CudaOptions(max_calls=2, scratch_bytes=2 * stride, d2h="staged")
+    async with engine(fake, cache, capacity=10, max_blocks=4, options=opts) as (eng, pool):
+        acct = eng.accounting()
+        # pinned staging: exactly capacity * stride, the budget, no rounding
+        assert acct.staging_requested == acct.staging_allocated == 10 * stride
+        assert acct.staging_budget == 10 * stride
+        assert fake.alloc_log[cache_allocs:][:1] == [("pinned", 10 * stride)]
+        assert acct.pinned_bytes == 10 * stride and acct.pinned_allocations == 1
+        assert acct.device_bytes == len(segs) * SEGMENT_NBYTES  # the pointer table only
+        assert (acct.streams, acct.scratch_buffers) == (2, 0)
+        leases = [await pool.acquire(4), await pool.acquire(4)]
+        async with anyio.create_task_group() as tg:
+            for i, lease in enumerate(leases):
+                plan = copy_plan(segs, [i, i + 2, i + 4, i + 6], lease.slots)
+                tg.start_soon(eng.gather, plan, lease)
+        acct = eng.accounting()
+        # two calls at once: two scratch sets, each a pair table (pinned + device) and a
+        # data buffer of chunk_blocks * stride
+        assert acct.scratch_buffers == 2 and acct.scratch_in_use == 0
+        assert acct.device_bytes == len(segs) * SEGMENT_NBYTES + 2 * (4 * PAIR_NBYTES + 2 * stride)
+        assert acct.pinned_bytes == 10 * stride + 2 * 4 * PAIR_NBYTES
+        for lease in leases:
+            lease.release()
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+    assert fake.opened == 1
+
+
+async def test_staging_over_budget_is_refused_and_nothing_leaks(fake: FakeDriver) -> None:
+    cache = fake_device_cache(fake, _layout(), 2)
+    slot = value_nbytes(cache.layout.block_nbytes)
+    opener = functools.partial(
+        open_cuda_engine,
+        cache,
+        slot_nbytes=slot,
+        capacity=4,
+        budget=4 * stride_for(slot) - 1,
+        max_blocks=4,
+        driver=fake,
+    )
+    with pytest.raises(ValueError, match="budget"):
+        await anyio.to_thread.run_sync(opener)
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "module_load",
+        "module_function",
+        "stream_create",
+        "host_alloc",
+        "host_device_pointer",
+        "mem_alloc",
+        "memcpy_htod_async",
+        "event_create",
+    ],
+)
+async def test_a_failure_while_opening_releases_everything(fake: FakeDriver, call: str) -> None:
+    cache = fake_device_cache(fake, _layout(), 2)
+    fake.fail_next(call, "CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(kvpipe.DeviceError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        await open_engine(fake, cache)
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+
+
+async def test_a_failed_launch_is_reported_and_the_engine_recovers(fake: FakeDriver) -> None:
+    layout = _layout()
+    cache = fake_device_cache(fake, layout, 6)
+    rows = fill_device(fake, cache, seed=1)
+    segs = layout_segments(layout)
+    async with engine(fake, cache) as (eng, pool):
+        lease = await pool.acquire(2)
+        fake.fail_next("launch", "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+        with pytest.raises(kvpipe.DeviceError, match="OUT_OF_RESOURCES"):
+            await eng.gather(copy_plan(segs, [1, 2], lease.slots), lease)
+        assert eng.accounting().scratch_in_use == 0
+        await eng.gather(copy_plan(segs, [4, 5], lease.slots), lease)
+        got = pool.buffer[lease.slots[1], : len(rows[0][5])]
+        assert got.tobytes() == rows[0][5].tobytes()
+        assert eng.accounting().scratch_buffers == 1  # the set was reused
+        lease.release()
+        assert lease.released
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+
+
+async def test_a_device_that_cannot_drain_retires_slots_and_scratch(fake: FakeDriver) -> None:
+    layout = _layout()
+    cache = fake_device_cache(fake, layout, 6)
+    segs = layout_segments(layout)
+    async with engine(fake, cache) as (eng, pool):
+        lease = await pool.acquire(2)
+        fake.fail_next("launch", "CUDA_ERROR_ILLEGAL_ADDRESS")
+        fake.fail_next("event_record", "CUDA_ERROR_ILLEGAL_ADDRESS")  # recovery fails too
+        with pytest.raises(kvpipe.DeviceError):
+            await eng.gather(copy_plan(segs, [1, 2], lease.slots), lease)
+        lease.release()
+        assert not lease.released  # the engine kept a reference: slots never reused
+        assert pool.in_use == 2
+        other = await pool.acquire(2)
+        await eng.gather(copy_plan(segs, [3, 4], other.slots), other)
+        assert eng.accounting().scratch_buffers == 2  # the retired set is not handed out
+        other.release()
+    free_device_cache(fake, cache)
+    fake.assert_clean()  # retired scratch is still freed at close, after the streams drained
+
+
+async def test_calls_beyond_the_slice_size_are_refused(fake: FakeDriver) -> None:
+    cache = fake_device_cache(fake, _layout(), 6)
+    segs = layout_segments(cache.layout)
+    async with engine(fake, cache, max_blocks=2) as (eng, pool):
+        lease = await pool.acquire(3)
+        with pytest.raises(ValueError, match="exceed"):
+            await eng.gather(copy_plan(segs, [0, 1, 2], lease.slots), lease)
+        await eng.gather(copy_plan(segs, [], []), lease)  # empty: nothing to do
+        assert fake.launches == []
+        lease.release()
+    with pytest.raises(RuntimeError, match="closed"):
+        await eng.gather(copy_plan(segs, [0], [0]), lease)
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.mark(0)
+    await eng.aclose()  # idempotent
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+
+
+async def test_close_can_leave_staging_to_a_thread_still_using_it(fake: FakeDriver) -> None:
+    cache = fake_device_cache(fake, _layout(), 2)
+    eng, _pool = await open_engine(fake, cache, capacity=4)
+    staging = eng.staging
+    await eng.aclose(staging_in_use=True)
+    live = fake.live()
+    assert live["pinned_allocations"] == 1 and live["streams"] == 0
+    assert live["contexts"] == 1  # pinned memory lives as long as its context: kept
+    assert not staging.freed
+    staging.free()  # as the process would at exit: free it by hand here
+    fake.close()
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+
+
+async def test_close_does_not_free_memory_a_stuck_stream_may_use(fake: FakeDriver) -> None:
+    cache = fake_device_cache(fake, _layout(), 2)
+    eng, _pool = await open_engine(fake, cache, options=CudaOptions(drain_timeout=0.05))
+    gate = Gate()
+    fake.host_op(eng._streams["gather"], lambda: None, gate=gate, label="hung kernel")
+    await eng.aclose()
+    assert fake.live()["pinned_allocations"] == 1  # leaked on purpose, and logged
+    assert fake.live()["device_allocations"] >= 1
+    gate.open()
+    fake.run_until_idle()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"d2h": "fast"},
+        {"h2d": "dma"},
+        {"scratch_bytes": 0},
+        {"max_calls": 0},
+        {"poll_max": 0.0},
+        {"drain_timeout": -1.0},
+    ],
+)
+def test_options_are_validated(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        CudaOptions(**bad)  # type: ignore[arg-type]
+
+
+async def test_only_a_producer_mark_orders_a_copy(fake: FakeDriver) -> None:
+    from kvpipe._engine import OrderMark
+
+    class Other(OrderMark):
+        def retain(self) -> None: ...
+
+        def release(self) -> None: ...
+
+    cache = fake_device_cache(fake, _layout(), 2)
+    async with engine(fake, cache) as (eng, pool):
+        lease = await pool.acquire(1)
+        with pytest.raises(TypeError, match="ProducerMark"):
+            await eng.gather(
+                copy_plan(layout_segments(cache.layout), [0], lease.slots), lease, Other()
+            )
+        lease.release()
+    free_device_cache(fake, cache)

@@ -1,0 +1,262 @@
+"""The pipeline end to end with a device cache, through ``open_pipeline(device_driver=...)``
+and the driver's test double: round trips for every layout, ordering after the model's
+stream, concurrency, registration of pinned staging, failures and leaks."""
+
+from __future__ import annotations
+
+import functools
+
+import anyio
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe.cuda import probe_device
+from tests.cuda.devcache import (
+    ODD_LAYOUTS,
+    device_rows,
+    fake_device_cache,
+    fill_device,
+    free_device_cache,
+)
+from tests.cuda.fake_driver import FakeDriver, Gate
+from tests.helpers import LAYOUTS
+
+ALL = {**LAYOUTS, **ODD_LAYOUTS}
+
+
+def _config(**kw: int) -> kvpipe.PipelineConfig:
+    return kvpipe.PipelineConfig(slice_block_num=kw.pop("slice", 3), **kw)
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+async def test_write_then_read_every_layout(fake: FakeDriver, producer: int, name: str) -> None:
+    layout = ALL[name]()
+    src = fake_device_cache(fake, layout, 12)
+    rows = fill_device(fake, src, seed=5)
+    dst = fake_device_cache(fake, layout, 12)
+    store = kvpipe.MemoryStore()
+    tokens = np.arange(7 * layout.block_size)
+    src_ids, dst_ids = [11, 3, 4, 5, 0, 9, 8], [0, 1, 2, 6, 7, 10, 11]
+    async with kvpipe.open_pipeline(src, store, config=_config(), device_driver=fake) as pipe:
+        result = await pipe.write(tokens, src_ids, stream=producer)
+        assert result.complete and result.written == 7
+        stats = pipe.statistics()
+        assert stats.device_path == "cuda" and "FakeDriver" in stats.device_note
+    async with kvpipe.open_pipeline(dst, store, config=_config(), device_driver=fake) as pipe:
+        got = await pipe.read(tokens, dst_ids, stream=producer)
+        assert got.complete and got.loaded == 7
+    for want, have in zip(rows, device_rows(fake, dst), strict=True):
+        assert (have[dst_ids] == want[src_ids]).all()
+    free_device_cache(fake, src)
+    free_device_cache(fake, dst)
+
+
+def _blocks_of(cache: kvpipe.KVCache, block: int) -> list[tuple[int, int]]:
+    out = []
+    for (role, _l), ptr in zip(cache.layout.tensor_order(), cache.pointers, strict=True):
+        n = cache.layout.role(role).block_nbytes
+        out.append((ptr + block * n, n))
+    return out
+
+
+async def test_write_stores_what_the_model_wrote_before_the_call(
+    fake: FakeDriver, producer: int
+) -> None:
+    """The model's kernel writing block 1 is still queued when write() is called: kvpipe
+    must store its result, not the stale bytes (the offload bug of vLLM/LMCache)."""
+    layout = LAYOUTS["mla"]()
+    cache = fake_device_cache(fake, layout, 4)
+    fill_device(fake, cache, seed=1)
+    gate = Gate()
+    ranges = _blocks_of(cache, 1)
+
+    def model_kernel() -> None:
+        for addr, n in ranges:
+            fake.write_device(addr, b"\x42" * n)
+
+    store = kvpipe.MemoryStore()
+    tokens = np.arange(2 * layout.block_size)
+    async with kvpipe.open_pipeline(cache, store, config=_config(), device_driver=fake) as pipe:
+        fake.host_op(producer, model_kernel, writes=ranges, gate=gate, label="model")
+        async with anyio.create_task_group() as tg:
+            done = anyio.Event()
+
+            async def write() -> None:
+                assert (await pipe.write(tokens, [0, 1], stream=producer)).complete
+                done.set()
+
+            tg.start_soon(write)
+            await anyio.sleep(0.05)
+            assert not done.is_set()
+            gate.open()
+    other = fake_device_cache(fake, layout, 4)
+    async with kvpipe.open_pipeline(other, store, config=_config(), device_driver=fake) as pipe:
+        assert (await pipe.read(tokens, [2, 3], stream=producer)).complete
+    assert all((r[3] == 0x42).all() for r in device_rows(fake, other))
+    free_device_cache(fake, cache)
+    free_device_cache(fake, other)
+
+
+async def test_read_does_not_overwrite_blocks_the_model_still_reads(
+    fake: FakeDriver, producer: int
+) -> None:
+    layout = LAYOUTS["gqa"]()
+    src = fake_device_cache(fake, layout, 4)
+    fill_device(fake, src, seed=2)
+    dst = fake_device_cache(fake, layout, 4)
+    fill_device(fake, dst, seed=3)
+    store = kvpipe.MemoryStore()
+    tokens = np.arange(layout.block_size)
+    async with kvpipe.open_pipeline(src, store, config=_config(), device_driver=fake) as pipe:
+        assert (await pipe.write(tokens, [0], stream=producer)).complete
+    ranges = _blocks_of(dst, 2)
+    old = [fake.read_device(a, n) for a, n in ranges]
+    seen: list[list[bytes]] = []
+    gate = Gate()
+    fake.host_op(
+        producer,
+        lambda: seen.append([fake.read_device(a, n) for a, n in ranges]),
+        reads=ranges,
+        gate=gate,
+        label="model reads block 2",
+    )
+    async with kvpipe.open_pipeline(dst, store, config=_config(), device_driver=fake) as pipe:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(pipe.read, tokens, [2], stream=producer))
+            await anyio.sleep(0.05)
+            gate.open()
+    assert seen == [old]
+    assert [fake.read_device(a, n) for a, n in ranges] == [
+        fake.read_device(a, n) for a, n in _blocks_of(src, 0)
+    ]
+    free_device_cache(fake, src)
+    free_device_cache(fake, dst)
+
+
+async def test_streams_are_checked(fake: FakeDriver) -> None:
+    layout = LAYOUTS["gqa"]()
+    cache = fake_device_cache(fake, layout, 2)
+    tokens = np.arange(layout.block_size)
+    async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore(), device_driver=fake) as pipe:
+        with pytest.raises(kvpipe.RequestError, match="pass stream="):
+            await pipe.write(tokens, [0])  # no framework current stream for this cache
+        with pytest.raises(kvpipe.RequestError):
+            await pipe.read(tokens, [0], stream=-5)
+    host = kvpipe.create_kv_cache(layout, 2)
+    async with kvpipe.open_pipeline(host, kvpipe.MemoryStore()) as pipe:
+        with pytest.raises(kvpipe.RequestError, match="device caches only"):
+            await pipe.write(tokens, [0], stream=7)
+    free_device_cache(fake, cache)
+
+
+async def test_concurrent_writes_and_reads(producer: int, fake: FakeDriver) -> None:
+    fake.latency = 3
+    layout = ODD_LAYOUTS["dsa_real_rows"]()
+    cache = fake_device_cache(fake, layout, 32)
+    rows = fill_device(fake, cache, seed=8)
+    store = kvpipe.MemoryStore()
+    cfg = _config(slice=2, copy_threads=3)
+    seqs = [np.arange(100 * i, 100 * i + 4 * layout.block_size) for i in range(4)]
+    async with kvpipe.open_pipeline(cache, store, config=cfg, device_driver=fake) as pipe:
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(
+                    functools.partial(
+                        pipe.write, seqs[i], list(range(4 * i, 4 * i + 4)), stream=producer
+                    )
+                )
+        async with anyio.create_task_group() as tg:
+            for i in range(4):  # read each back into blocks 16.. while writing again
+                tg.start_soon(
+                    functools.partial(
+                        pipe.read, seqs[i], list(range(16 + 4 * i, 20 + 4 * i)), stream=producer
+                    )
+                )
+                tg.start_soon(
+                    functools.partial(
+                        pipe.write, seqs[i], list(range(4 * i, 4 * i + 4)), stream=producer
+                    )
+                )
+        assert pipe.statistics().counters["blocks_read"] == 16
+    have = device_rows(fake, cache)
+    for want, got in zip(rows, have, strict=True):
+        assert (got[16:32] == want[0:16]).all()
+    free_device_cache(fake, cache)
+
+
+class RegisteringStore(kvpipe.MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    async def register_staging(self, buffer: memoryview) -> None:
+        self.registered.append(np.frombuffer(buffer, np.uint8).ctypes.data)
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        self.unregistered.append(np.frombuffer(buffer, np.uint8).ctypes.data)
+
+
+async def test_pinned_staging_is_registered_with_the_store(fake: FakeDriver) -> None:
+    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 2)
+    store = RegisteringStore()
+    cfg = kvpipe.PipelineConfig(staging_bytes=1 << 20)
+    async with kvpipe.open_pipeline(cache, store, config=cfg, device_driver=fake) as pipe:
+        engine = pipe._engine
+        assert engine is not None
+        staging = engine.staging  # type: ignore[attr-defined]
+        assert store.registered == [staging.host_ptr]
+        assert staging.allocated_bytes == pipe.statistics().staging_capacity_bytes <= 1 << 20
+    assert store.unregistered == [staging.host_ptr]
+    free_device_cache(fake, cache)
+    fake.assert_clean()  # the engine freed everything at close
+
+
+async def test_a_copy_failure_fails_the_slice_and_the_pipeline_goes_on(
+    fake: FakeDriver, producer: int
+) -> None:
+    layout = LAYOUTS["gqa"]()
+    cache = fake_device_cache(fake, layout, 4)
+    tokens = np.arange(2 * layout.block_size)
+    async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore(), device_driver=fake) as pipe:
+        fake.fail_next("launch", "CUDA_ERROR_LAUNCH_FAILED")
+        first = await pipe.write(tokens, [0, 1], stream=producer)
+        assert not first.complete and first.stop_reason == "actor_crashed"
+        assert "CUDA_ERROR_LAUNCH_FAILED" in (first.error or "")
+        again = await pipe.write(tokens, [0, 1], stream=producer)
+        assert again.complete
+    free_device_cache(fake, cache)
+
+
+async def test_opening_failure_leaves_nothing(fake: FakeDriver) -> None:
+    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 2)
+    fake.fail_next("module_load", "CUDA_ERROR_NO_BINARY_FOR_GPU")
+    with pytest.raises(kvpipe.DeviceError, match="NO_BINARY"):
+        async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore(), device_driver=fake):
+            pytest.fail("opened")  # pragma: no cover
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+
+
+async def test_registration_failure_frees_the_engine(fake: FakeDriver) -> None:
+    class Refuses(kvpipe.MemoryStore):
+        async def register_staging(self, buffer: memoryview) -> None:
+            raise RuntimeError("no")
+
+    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 2)
+    with pytest.raises(kvpipe.ConfigError, match="register"):
+        async with kvpipe.open_pipeline(cache, Refuses(), device_driver=fake):
+            pytest.fail("opened")  # pragma: no cover
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+
+
+async def test_device_cache_without_cuda_is_unsupported(fake: FakeDriver) -> None:
+    if probe_device().available:
+        pytest.skip("a CUDA driver is present here")
+    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 2)
+    with pytest.raises(kvpipe.Unsupported, match="not usable here"):
+        async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore()):
+            pytest.fail("opened")  # pragma: no cover
+    free_device_cache(fake, cache)
