@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import socket
-import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar, final
@@ -36,6 +35,7 @@ import numpy as np
 from .._errors import BackendError, Unsupported
 from .._results import Residency, ResidencyEntry
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from ._inflight import InFlight
 
 __all__ = ("MooncakeStore",)
 
@@ -114,9 +114,7 @@ class MooncakeStore(StorageBackend):
         self._limiter = anyio.CapacityLimiter(4)
         self._open_lock = anyio.Lock()
         self._counters: Counter[str] = Counter()
-        self._idle = threading.Condition()
-        self._busy = 0  # vendor calls running, including ones whose caller gave up
-        self._closing = False
+        self._inflight = InFlight(lambda: BackendError(self.name, "call", "the store is closing"))
 
     @staticmethod
     def _check_installed() -> None:
@@ -186,12 +184,12 @@ class MooncakeStore(StorageBackend):
                 client = self._client
                 if client is None:
                     return
-                idle = await anyio.to_thread.run_sync(self._wait_idle, self.setup_timeout)
+                idle = await anyio.to_thread.run_sync(self._inflight.drain, self.setup_timeout)
                 if not idle:
                     log.error(
                         "mooncake: %d vendor call(s) still running after %.0f s; the "
                         "client is left open",
-                        self._busy,
+                        self._inflight.running,
                         self.setup_timeout,
                     )
                     return
@@ -202,29 +200,6 @@ class MooncakeStore(StorageBackend):
                 if self._own_client:
                     await anyio.to_thread.run_sync(client.close)
 
-    def _wait_idle(self, timeout: float) -> bool:
-        with self._idle:
-            self._closing = True
-            return self._idle.wait_for(lambda: self._busy == 0, timeout)
-
-    def _tracked(self, fn: Callable[..., T]) -> Callable[..., T]:
-        """``fn``, counted as running while its worker thread runs it; refused once the
-        store is closing."""
-
-        def run(*args: Any) -> T:
-            with self._idle:
-                if self._closing:
-                    raise BackendError(self.name, getattr(fn, "__name__", "call"), "closing")
-                self._busy += 1
-            try:
-                return fn(*args)
-            finally:
-                with self._idle:
-                    self._busy -= 1
-                    self._idle.notify_all()
-
-        return run
-
     async def _ready(self) -> Any:
         if self._client is None:
             await self.open()
@@ -233,7 +208,7 @@ class MooncakeStore(StorageBackend):
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         try:
             return await anyio.to_thread.run_sync(
-                self._tracked(fn), *args, limiter=self._limiter, abandon_on_cancel=True
+                self._inflight.track(fn), *args, limiter=self._limiter, abandon_on_cancel=True
             )
         except Exception as exc:
             raise BackendError(self.name, getattr(fn, "__name__", "call"), repr(exc)) from exc
@@ -310,7 +285,7 @@ class MooncakeStore(StorageBackend):
 
     async def _vendor(self, batch: PutBatch | GetBatch, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            codes = await batch.run_sync(self._tracked(fn), *args)
+            codes = await batch.run_sync(self._inflight.track(fn), *args)
         except Exception as exc:
             raise BackendError(self.name, fn.__name__, repr(exc)) from exc
         if len(codes) != len(batch.keys):

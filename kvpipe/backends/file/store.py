@@ -28,6 +28,7 @@ import xxhash
 from ..._errors import BackendError, ConfigError
 from ..._results import ResidencyEntry
 from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from .._inflight import InFlight
 from ._catalog import Catalog
 from ._format import (
     HEADER_NBYTES,
@@ -98,9 +99,7 @@ class FileStore(StorageBackend):
         self._limiter = anyio.CapacityLimiter(threads)
         self._counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards _counters against worker threads
-        self._idle = threading.Condition()
-        self._busy = 0  # worker calls running, including ones whose caller gave up
-        self._closing = False
+        self._inflight = InFlight(lambda: OSError(errno.ESHUTDOWN, "the file store is closing"))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -158,13 +157,13 @@ class FileStore(StorageBackend):
             async with self._open_lock:
                 if self._root is None or self._catalog is None:
                     return
-                idle = await anyio.to_thread.run_sync(self._wait_idle, timeout)
+                idle = await anyio.to_thread.run_sync(self._inflight.drain, timeout)
                 if not idle:
                     log.error(
                         "file store %s: %d worker call(s) still running after %.0f s; "
                         "not closing under them",
                         self.path,
-                        self._busy,
+                        self._inflight.running,
                         timeout,
                     )
                     return
@@ -174,30 +173,6 @@ class FileStore(StorageBackend):
                 self._catalog.close()
                 self._root.close()
                 self._root = self._catalog = None
-
-    def _wait_idle(self, timeout: float) -> bool:
-        with self._idle:
-            self._closing = True
-            return self._idle.wait_for(lambda: self._busy == 0, timeout)
-
-    def _tracked(self, fn: Callable[..., T]) -> Callable[..., T]:
-        """``fn``, counted as running from the moment its worker thread starts it until it
-        returns. A call whose caller gave up before its thread started never runs once the
-        store is closing."""
-
-        def run(*args: Any) -> T:
-            with self._idle:
-                if self._closing:
-                    raise OSError(errno.ESHUTDOWN, "the file store is closing")
-                self._busy += 1
-            try:
-                return fn(*args)
-            finally:
-                with self._idle:
-                    self._busy -= 1
-                    self._idle.notify_all()
-
-        return run
 
     async def _ready(self) -> tuple[Root, Catalog]:
         if self._root is None:
@@ -210,7 +185,7 @@ class FileStore(StorageBackend):
             self._counters.update(deltas)
 
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
-        fn = self._tracked(fn)
+        fn = self._inflight.track(fn)
         return await anyio.to_thread.run_sync(
             fn, *args, limiter=self._limiter, abandon_on_cancel=True
         )
@@ -233,7 +208,7 @@ class FileStore(StorageBackend):
         abandoned = threading.Event()
         try:
             return await batch.run_sync(
-                self._tracked(self._put_sync),
+                self._inflight.track(self._put_sync),
                 root,
                 catalog,
                 keys,
@@ -322,7 +297,7 @@ class FileStore(StorageBackend):
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
         return await batch.run_sync(
-            self._tracked(self._get_sync),
+            self._inflight.track(self._get_sync),
             root,
             catalog,
             keys,
