@@ -36,25 +36,32 @@ run: $(VENV)/.base-$(HASH)
 
 ## test: lint, type-check and the whole test suite
 test: system-deps $(VENV)/.test-$(HASH)
-	$(BIN)/ruff check kvpipe tests
+	$(BIN)/ruff check kvpipe tests examples
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.test-$(HASH)
-	$(BIN)/ruff check kvpipe tests
+	$(BIN)/ruff check kvpipe tests examples
 	$(BIN)/ruff format --check kvpipe tests
 
 unit: $(VENV)/.test-$(HASH)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-## bench: throughput against the baselines, in the same run (writes docs/benchmarks/*):
-## the file store vs raw files, MooncakeStore vs the direct Mooncake client
+## bench: the whole benchmark suite, baselines measured in the same run (under 10 minutes):
+## the file store vs raw files, MooncakeStore vs the direct Mooncake client, the memory store
+## vs plain numpy, sweeps, scaling, event-loop lag and actor overhead. Writes
+## docs/benchmarks/*.{json,md}, the generated sections of docs/performance.md and
+## docs/img/*.png.
 bench: system-deps $(VENV)/.base-$(HASH)
 	@$(BIN)/python -c 'import mooncake.store' 2>/dev/null || $(PIP) install --quiet -e '.[mooncake]'
-	mkdir -p docs/benchmarks
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(PIP) install --quiet -e '.[plots]'
+	mkdir -p docs/benchmarks docs/img
 	$(BIN)/kvpipe bench --scenario file --json docs/benchmarks/file.json --markdown docs/benchmarks/file.md
 	$(BIN)/kvpipe bench --scenario mooncake --json docs/benchmarks/mooncake.json \
 	  --markdown docs/benchmarks/mooncake.md
+	$(BIN)/kvpipe bench --scenario memory --scenario sweeps --scenario scaling \
+	  --scenario lag --scenario overhead --json docs/benchmarks/suite.json \
+	  --markdown docs/benchmarks/suite.md --plot docs/img --doc docs/performance.md
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

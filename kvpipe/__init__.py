@@ -31,6 +31,7 @@ from ._results import ResidencyEntry as ResidencyEntry
 from ._results import SliceOutcome as SliceOutcome
 from ._results import WriteResult as WriteResult
 from ._tp import common_prefix as common_prefix
+from .actors import Observer as Observer
 from .actors import PipelineHooks as PipelineHooks
 from .backends import BlockStatus as BlockStatus
 from .backends import FileStore as FileStore
@@ -40,6 +41,7 @@ from .backends import MemoryStore as MemoryStore
 from .backends import MooncakeStore as MooncakeStore
 from .backends import PutBatch as PutBatch
 from .backends import StorageBackend as StorageBackend
+from .metrics import PipelineMetrics as PipelineMetrics
 from .pipeline import Pipeline as Pipeline
 from .pipeline import open_pipeline as open_pipeline
 
@@ -64,11 +66,13 @@ __all__ = (
     "LayoutError",
     "MemoryStore",
     "MooncakeStore",
+    "Observer",
     "OperationTimeout",
     "Pipeline",
     "PipelineClosed",
     "PipelineConfig",
     "PipelineHooks",
+    "PipelineMetrics",
     "PipelineStatistics",
     "PutBatch",
     "ReadResult",

@@ -57,4 +57,3 @@ def verify_slots(
         check_block(staging[slot], payload_nbytes, digest, verify)
         for slot, digest in zip(slots, digests, strict=True)
     ]
-

@@ -46,6 +46,10 @@ from ._validate import check_request, check_timeout, check_tokens
 from .actors import (
     ActorContext,
     ChildSpec,
+    Metrics,
+    ObservationKind,
+    Observer,
+    Observers,
     PipelineHooks,
     Reader,
     Scheduler,
@@ -87,6 +91,7 @@ class Pipeline:
         world_size: int = 1,
         hooks: PipelineHooks | None = None,
         device_driver: Driver | None = None,
+        observer: Observer | None = None,
     ) -> None:
         if not isinstance(cache, KVCache):
             raise ConfigError("cache", f"expected a kvpipe.KVCache, got {type(cache).__name__}")
@@ -141,7 +146,11 @@ class Pipeline:
         self._outboxes: dict[str, MemoryObjectSendStream[Any]] = {}
         self._ctx: ActorContext | None = None
         self._runner: ThreadRunner | None = None
-        self._crash_log: list[ActorCrash] = []
+        # Kept past close, so statistics() still reports what the pipeline did.
+        self._metrics = Metrics()
+        self._observers = Observers(self._metrics.counters)
+        if observer is not None:
+            self.add_observer(observer)
         self._supervisor: Supervisor | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -220,9 +229,10 @@ class Pipeline:
             hooks=self._hooks,
             outboxes=self._outboxes,
             engine=engine,
+            metrics=self._metrics,
+            observers=self._observers,
         )
         self._ctx = ctx
-        self._crash_log = ctx.metrics.crashes
         inbox = self._inboxes
         children = [
             ChildSpec("scheduler", lambda: Scheduler(ctx, inbox["scheduler"], cfg.queue_depth)),
@@ -556,6 +566,7 @@ class Pipeline:
             raise PipelineClosed(f"pipeline is not open ({self._closed_reason or 'not started'})")
         self._in_flight.add(state)
         self._idle = anyio.Event() if len(self._in_flight) == 1 else self._idle
+        cancelled = False
         try:
             with anyio.move_on_at(state.deadline + self.config.deadline_slack):
                 try:
@@ -568,6 +579,7 @@ class Pipeline:
                 with anyio.CancelScope(shield=True):
                     await state.wait()
         except anyio.get_cancelled_exc_class():
+            cancelled = True
             self._cancel(state)
             if isinstance(state, ReadState):
                 with anyio.CancelScope(shield=True):
@@ -577,12 +589,28 @@ class Pipeline:
             self._in_flight.discard(state)
             if not self._in_flight:
                 self._idle.set()
+            if self._observers.active:
+                self._observe(state, cancelled)
         if state.error is not None:
             raise state.error
 
+    def _observe(self, state: RequestState, cancelled: bool) -> None:
+        """Report the call's latency and outcome to the observers."""
+        kind: ObservationKind = (
+            state.op
+            if isinstance(state, CallState)
+            else ("write" if isinstance(state, WriteState) else "read")
+        )
+        if not state.done:  # never handed over: the pipeline closed, or the caller left
+            outcome = "cancelled" if cancelled else "closed"
+        elif cancelled and isinstance(state, CallState):
+            outcome = "cancelled"
+        else:
+            outcome = state.outcome()
+        self._observers.emit(kind, anyio.current_time() - state.started, outcome)
+
     def _expire(self, state: RequestState) -> None:
-        if self._ctx is not None:
-            self._ctx.metrics.counters["deadline_guard_expired"] += 1
+        self._metrics.counters["deadline_guard_expired"] += 1
         log.warning(
             "request %s: no outcome by its deadline; ending it as timed out", state.request_id
         )
@@ -604,15 +632,39 @@ class Pipeline:
 
     # -- introspection -----------------------------------------------------------------------
 
+    def add_observer(self, observer: Observer) -> None:
+        """Attach an observer of timings: ``observer(kind, seconds, outcome)`` is called for
+        every backend call of a write or read slice (``"write_slice"``, ``"read_slice"``) and
+        for every call of this pipeline once it has ended (``"write"``, ``"read"``,
+        ``"lookup"``, ``"locate"``, ``"flush"``). See :class:`kvpipe.Observer`.
+
+        Observers run in the event loop's thread, inside the pipeline's work: they must be
+        quick and must not block. One that raises is counted
+        (``statistics().counters["observer_errors"]``), never propagated.
+        :class:`kvpipe.PipelineMetrics` attaches one to feed its histograms.
+        """
+        self._observers.add(observer)
+
+    def remove_observer(self, observer: Observer) -> None:
+        """Detach an observer added by :meth:`add_observer` (unknown ones are ignored)."""
+        self._observers.remove(observer)
+
     def crashes(self) -> tuple[ActorCrash, ...]:
         """Every actor crash since open: which actor, when, which requests it failed."""
-        return tuple(self._crash_log)
+        return tuple(self._metrics.crashes)
 
     def statistics(self) -> PipelineStatistics:
-        """An immutable snapshot of queues, in-flight requests, restarts, counters, staging."""
+        """An immutable snapshot of queues, in-flight requests, restarts, counters, staging.
+
+        Counters, slices and restarts are kept after the pipeline has closed. The snapshot only
+        reads (copying each mapping at once), so a metrics exporter may take it from another
+        thread; its parts may then be a few microseconds apart.
+        """
         ctx = self._ctx
-        metrics = ctx.metrics if ctx is not None else None
-        kinds = Counter(s.kind if not isinstance(s, CallState) else s.op for s in self._in_flight)
+        metrics = self._metrics
+        kinds = Counter(
+            s.kind if not isinstance(s, CallState) else s.op for s in list(self._in_flight)
+        )
         return PipelineStatistics(
             open=self._open,
             device_path=ctx.engine.name if ctx is not None else "host",
@@ -623,9 +675,9 @@ class Pipeline:
                 for stage, recv in self._inboxes.items()
             },
             queue_capacity=self.config.queue_depth,
-            restarts=dict(metrics.restarts) if metrics else {},
-            slices=dict(metrics.slices) if metrics else {},
-            counters=dict(metrics.counters) if metrics else {},
+            restarts=dict(metrics.restarts),
+            slices=dict(metrics.slices),
+            counters=dict(metrics.counters),
             staging_capacity_bytes=self._pool_slots * stride_for(self._slot_nbytes),
             staging_in_use_bytes=self._pool.in_use * self._pool.stride if self._pool else 0,
             staging_waiters=self._pool.waiters if self._pool else 0,
@@ -646,6 +698,7 @@ async def open_pipeline(
     world_size: int = 1,
     hooks: PipelineHooks | None = None,
     device_driver: Driver | None = None,
+    observer: Observer | None = None,
 ) -> AsyncIterator[Pipeline]:
     """Start a pipeline's actors over ``cache`` and ``store``; stop them on exit.
 
@@ -660,6 +713,8 @@ async def open_pipeline(
         device_driver: Test seam for device caches: the CUDA driver interface the engine
             calls (default: the real driver through cuda-python). The tests pass a test
             double that runs the kernels' reference implementations on host memory.
+        observer: Receives slice and call timings from the start (see
+            :meth:`Pipeline.add_observer`, which attaches one later).
 
     Raises:
         ConfigError: A bad argument, or staging too small for one block.
@@ -681,6 +736,7 @@ async def open_pipeline(
         world_size=world_size,
         hooks=hooks,
         device_driver=device_driver,
+        observer=observer,
     )
     runner = ThreadRunner(pipe.config.close_timeout)
     try:

@@ -3,7 +3,16 @@
 ``scheduler`` → ``slicer`` → (write) ``swapper`` → ``writer``; (read) ``reader`` → ``swapper``.
 """
 
-from ._base import Actor, ActorContext, Metrics, PipelineHooks, SliceJob
+from ._base import (
+    Actor,
+    ActorContext,
+    Metrics,
+    ObservationKind,
+    Observer,
+    Observers,
+    PipelineHooks,
+    SliceJob,
+)
 from .reader import Reader
 from .scheduler import Scheduler
 from .slicer import Slicer
@@ -16,6 +25,9 @@ __all__ = (
     "ActorContext",
     "ChildSpec",
     "Metrics",
+    "ObservationKind",
+    "Observer",
+    "Observers",
     "PipelineHooks",
     "Reader",
     "Scheduler",

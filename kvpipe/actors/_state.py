@@ -2,6 +2,11 @@
 
 A state ends exactly once (first outcome wins). After it has ended no actor sends anything of
 it to the store, and — for reads — nothing touches the caller's cache any more.
+
+Because every write and read ends here, this is also where a request that stopped short is
+logged, once, whatever stopped it: at WARNING with its id, the slice it stopped at, the
+blocks stored or loaded and the reason (at INFO when the caller cancelled it; at DEBUG for a
+read that simply found no more blocks stored, or whose failed block the reader has logged).
 """
 
 from __future__ import annotations
@@ -16,7 +21,13 @@ import numpy as np
 import numpy.typing as npt
 
 from .._engine import OrderMark
-from .._errors import ActorCrashed, KVPipeError
+from .._errors import (
+    ActorCrashed,
+    BackendError,
+    KVPipeError,
+    OperationTimeout,
+    PipelineClosed,
+)
 from .._keys import BlockKeys, Tokens
 from .._plan import SliceSpec
 from .._results import ReadResult, ReadStopReason, SliceOutcome, StopReason, WriteResult
@@ -86,6 +97,14 @@ class RequestState:
         """The actor holding this request crashed."""
         self.fail(ActorCrashed(actor, f"actor {actor!r} crashed: {exc!r}"))
 
+    def describe(self) -> str:
+        """The request's id and how far it got, for logs."""
+        return f"{self.kind} {self.request_id}"
+
+    def outcome(self) -> str:
+        """How the request ended, as a metrics label (see :class:`~kvpipe.actors.Observer`)."""
+        return "ok" if self.error is None else error_label(self.error)
+
 
 class CallState(RequestState):
     """A lookup, locate or flush_index: one value or one error."""
@@ -109,6 +128,9 @@ class CallState(RequestState):
         self.params = params
         self.keys: BlockKeys | None = None
         self.value: Any = None
+
+    def describe(self) -> str:
+        return f"{self.op} {self.request_id}"
 
     def succeed(self, value: Any) -> None:
         """End the request with a value."""
@@ -196,6 +218,16 @@ class WriteState(_Sliced):
     def crashed(self, actor: str, exc: BaseException) -> None:
         self.stop("actor_crashed", f"actor {actor!r} crashed: {exc!r}")
 
+    def describe(self) -> str:
+        stored = self.skipped + self.written
+        where = f", at slice {self._next_turn}" if self._next_turn < len(self.slices) else ""
+        return f"write {self.request_id} ({stored} of {self.requested} blocks stored{where})"
+
+    def outcome(self) -> str:
+        if self.result is None:
+            return super().outcome()
+        return "complete" if self.result.complete else (self.result.stop_reason or "incomplete")
+
     def finish_now(self, now: float) -> None:
         """End a write that needs no slice (everything skipped or nothing to write)."""
         if not self.done:
@@ -216,6 +248,39 @@ class WriteState(_Sliced):
         )
         self._turn.set()
         self._end()
+        if not self.result.complete:
+            self._log_stopped()
+
+    def _log_stopped(self) -> None:
+        level = logging.INFO if self.stop_reason == "cancelled" else logging.WARNING
+        if not log.isEnabledFor(level):
+            return
+        last = self.outcomes[-1] if self.outcomes else None
+        if last is not None and last.outcome != "complete":
+            where = (
+                f"slice {last.index} (blocks {last.first_block}-"
+                f"{last.first_block + last.blocks - 1}: {last.written} of {last.blocks} written)"
+            )
+        elif self._next_turn < len(self.slices):
+            spec = self.slices[self._next_turn]
+            where = (
+                f"slice {spec.index} (blocks {spec.first_block}-{spec.end_block - 1}: not stored)"
+            )
+        else:
+            where = "before its first slice"
+        log.log(
+            level,
+            "write %s incomplete: %d of %d blocks stored (%d skipped, %d written); stopped at "
+            "%s: %s (%s)",
+            self.request_id,
+            self.skipped + self.written,
+            self.requested,
+            self.skipped,
+            self.written,
+            where,
+            self.stop_reason,
+            self.stop_detail or "no detail",
+        )
 
 
 class ReadState(_Sliced):
@@ -301,6 +366,15 @@ class ReadState(_Sliced):
     def crashed(self, actor: str, exc: BaseException) -> None:
         self.abort("actor_crashed", f"actor {actor!r} crashed: {exc!r}")
 
+    def describe(self) -> str:
+        where = f", stopping at block {self.stop_block}" if self.stop_block is not None else ""
+        return f"read {self.request_id} ({self.requested} blocks{where})"
+
+    def outcome(self) -> str:
+        if self.result is None:
+            return super().outcome()
+        return "complete" if self.result.complete else (self.result.stop_reason or "incomplete")
+
     def fail(self, error: BaseException) -> None:
         self._aborted = True
         self.cancel_scopes()
@@ -342,6 +416,54 @@ class ReadState(_Sliced):
             error=self.stop_detail,
         )
         self._end()
+        if loaded < self.requested:
+            self._log_stopped(loaded)
+
+    def _log_stopped(self, loaded: int) -> None:
+        reason = self.stop_reason
+        level = _READ_STOP_LEVELS.get(reason or "", logging.WARNING)
+        if not log.isEnabledFor(level):
+            return
+        where = next(
+            (
+                f"slice {s.index} (blocks {s.first_block}-{s.end_block - 1})"
+                for s in self.slices
+                if s.first_block <= self.start_block + loaded < s.end_block
+            ),
+            "before its first slice",
+        )
+        log.log(
+            level,
+            "read %s incomplete: %d of %d blocks loaded; stopped at %s: %s (%s)",
+            self.request_id,
+            loaded,
+            self.requested,
+            where,
+            reason,
+            self.stop_detail or "no detail",
+        )
+
+
+#: Log levels of a read that stopped short, by reason (others: WARNING). Finding no more
+#: blocks stored is normal; a failed block was logged by the reader already.
+_READ_STOP_LEVELS: dict[str, int] = {
+    "not_stored": logging.DEBUG,
+    "failed_block": logging.DEBUG,
+    "cancelled": logging.INFO,
+}
+
+
+def error_label(exc: BaseException) -> str:
+    """A short label for the error a call ended with (metrics ``outcome``)."""
+    if isinstance(exc, PipelineClosed):
+        return "closed"
+    if isinstance(exc, OperationTimeout):
+        return "timeout"
+    if isinstance(exc, BackendError):
+        return "backend_error"
+    if isinstance(exc, ActorCrashed):
+        return "actor_crashed"
+    return "error"
 
 
 def describe_error(exc: BaseException) -> str:

@@ -76,6 +76,7 @@ class Reader(Actor[SliceJob]):
                 statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
             except BackendError as exc:
                 error = exc
+        elapsed = anyio.current_time() - started
         if state.stopped_before(first):
             state.resolve(spec.index, 0)
             return []
@@ -88,6 +89,8 @@ class Reader(Actor[SliceJob]):
                 reason = "total_timeout" if deadline >= state.deadline else "slice_timeout"
                 detail = f"slice {spec.index} ran out of time"
             ctx.metrics.slices[f"read_{reason}"] += 1
+            ctx.observe("read_slice", elapsed, reason)
+            self._debug(state, job, reason, 0, elapsed, detail)
             state.stop_at(first, reason, everything, detail)
             state.resolve(spec.index, 0)
             return []
@@ -127,11 +130,38 @@ class Reader(Actor[SliceJob]):
             )
             state.stop_at(first + valid, "failed_block", sorted(set(failed)), detail)
             ctx.metrics.counters["blocks_failed_verify"] += sum(c is not None for c in checks)
-        ctx.metrics.slices["read_complete" if valid == spec.count else "read_incomplete"] += 1
+        outcome = "complete" if valid == spec.count else "incomplete"
+        ctx.metrics.slices[f"read_{outcome}"] += 1
+        ctx.observe("read_slice", elapsed, outcome)
+        self._debug(state, job, outcome, valid, elapsed, None)
         job.valid = valid
         if valid == 0:
             state.resolve(spec.index, 0)
         return corrupt
+
+    @staticmethod
+    def _debug(
+        state: ReadState,
+        job: SliceJob,
+        outcome: str,
+        valid: int,
+        elapsed: float,
+        detail: str | None,
+    ) -> None:
+        """The slice's one line, at DEBUG."""
+        spec = job.spec
+        log.debug(
+            "read %s slice %d (blocks %d-%d): %s, %d of %d verified, fetched in %.4f s%s",
+            state.request_id,
+            spec.index,
+            spec.first_block,
+            spec.end_block - 1,
+            outcome,
+            valid,
+            spec.count,
+            elapsed,
+            f" ({detail})" if detail else "",
+        )
 
     async def _verify(self, job: SliceJob, lo: int, hi: int) -> list[str | None]:
         """Check slots ``[lo, hi)`` of a fetched slice (trailer, key, checksum)."""

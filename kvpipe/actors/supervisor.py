@@ -88,7 +88,9 @@ class Supervisor:
                 crashes.append(now)
                 while crashes and crashes[0] < now - self._window:
                     crashes.popleft()
-                ids = ", ".join(s.request_id for s in held[:8]) or "none"
+                ids = "; ".join(s.describe() for s in held[:8]) or "none"
+                if len(held) > 8:
+                    ids += f"; and {len(held) - 8} more"
                 escalate = len(crashes) > self._max_restarts
                 self._metrics.crashes.append(
                     ActorCrash(
@@ -114,8 +116,8 @@ class Supervisor:
                     self.stop()
                     return
                 self._metrics.restarts[child.name] += 1
-                for state in held:
-                    state.crashed(child.name, cause)
+                # Logged before the requests are failed, so the line shows how far each got;
+                # each write or read it stops then logs its own WARNING (reason actor_crashed).
                 log.warning(
                     "actor %s crashed (%r); restarting (%d of %d allowed within %.0f s); "
                     "failed %d request(s): %s",
@@ -128,3 +130,5 @@ class Supervisor:
                     ids,
                     exc_info=cause,
                 )
+                for state in held:
+                    state.crashed(child.name, cause)

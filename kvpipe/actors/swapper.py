@@ -13,6 +13,8 @@ when a read ends nothing is still writing into the caller's cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 
 from .._hostcopy import seal_slots
@@ -52,17 +54,23 @@ class Swapper(Actor[SliceJob]):
             ctx.segments, state.block_ids[spec.first_block : spec.end_block], job.lease.slots
         )
         with anyio.CancelScope(shield=True):
-            await ctx.engine.gather(plan, job.lease, after=state.after)
-            await ctx.run_copy(
-                plan.nbytes if ctx.config.verify_checksums else 0,
-                seal_slots,
-                ctx.pool.buffer,
-                job.lease.slots,
-                ctx.payload_nbytes,
-                ctx.digests_of(state, spec),
-                ctx.config.verify_checksums,
-                hold=job.lease,
-            )
+            digests = ctx.digests_of(state, spec)
+
+            def seal() -> None:
+                seal_slots(
+                    ctx.pool.buffer,
+                    job.lease.slots,
+                    ctx.payload_nbytes,
+                    digests,
+                    ctx.config.verify_checksums,
+                )
+
+            async def on_host(fn: Callable[[], None]) -> None:
+                await ctx.run_copy(
+                    plan.nbytes if ctx.config.verify_checksums else 0, fn, hold=job.lease
+                )
+
+            await ctx.engine.gather_then(plan, job.lease, state.after, seal, on_host)
         ctx.metrics.counters["bytes_gathered"] += plan.nbytes
         with anyio.move_on_at(state.deadline):
             await self.send("writer", job)

@@ -84,6 +84,7 @@ class Writer(Actor[SliceJob]):
             outcome = "complete" if written == spec.count else "incomplete"
             if written < spec.count:
                 detail = f"block {spec.first_block + written}: {statuses[written].value}"
+        ctx.observe("write_slice", elapsed, outcome)
         self._account(
             state, spec.index, spec.first_block, spec.count, written, elapsed, outcome, detail
         )
@@ -111,26 +112,17 @@ class Writer(Actor[SliceJob]):
         m.slices[outcome] += 1
         m.counters["blocks_written"] += written
         m.counters["bytes_written"] += written * self.ctx.payload_nbytes
-        if outcome == "complete":
-            log.debug(
-                "write %s slice %d: %d blocks from %d in %.4f s",
-                state.request_id,
-                index,
-                count,
-                first,
-                elapsed,
-            )
-        else:
-            log.warning(
-                "write %s stopped at slice %d (blocks %d-%d): %d of %d written, %s (%s); "
-                "%d blocks stored in total",
-                state.request_id,
-                index,
-                first,
-                first + count - 1,
-                written,
-                count,
-                outcome,
-                detail,
-                state.skipped + state.written + written,
-            )
+        # One line per slice, at DEBUG only: a write that stops short is reported once, at
+        # WARNING, when it ends (WriteState), whatever stopped it.
+        log.debug(
+            "write %s slice %d (blocks %d-%d): %s, %d of %d written in %.4f s%s",
+            state.request_id,
+            index,
+            first,
+            first + count - 1,
+            outcome,
+            written,
+            count,
+            elapsed,
+            f" ({detail})" if detail else "",
+        )

@@ -6,12 +6,26 @@ from collections.abc import Mapping, Sequence
 from typing import final
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 
 from .._errors import ConfigError
 from .._results import ResidencyEntry
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 
 __all__ = ("MemoryStore",)
+
+Bytes = npt.NDArray[np.uint8]
+
+
+def _copies(values: Sequence[memoryview]) -> list[Bytes]:
+    out = []
+    for v in values:
+        a = np.frombuffer(v, np.uint8).copy()
+        a.flags.writeable = False
+        out.append(a)
+    return out
+
 
 #: Copies smaller than this run on the event loop; larger ones in a worker thread.
 _INLINE_BYTES = 256 * 1024
@@ -32,7 +46,9 @@ class MemoryStore(StorageBackend):
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ConfigError("capacity_bytes", f"must be positive, got {capacity_bytes!r}")
         self._capacity = capacity_bytes
-        self._data: dict[str, bytes] = {}
+        # Values are read-only numpy copies: numpy copies release the GIL (``bytes(view)``
+        # does not), so large copies in a worker thread do not stall the event loop.
+        self._data: dict[str, Bytes] = {}
         self._residency: dict[str, dict[str, ResidencyEntry]] = {}
         self._bytes = 0
         self._counters = {"puts": 0, "gets": 0, "blocks_put": 0, "blocks_got": 0, "no_space": 0}
@@ -55,14 +71,15 @@ class MemoryStore(StorageBackend):
             validate_key(key)
         values = batch.values
         if len(values) * batch.value_nbytes <= _INLINE_BYTES:
-            copies = [bytes(v) for v in values]
+            copies = _copies(values)
             await anyio.lowlevel.checkpoint()
         else:
-            copies = await batch.run_sync(lambda: [bytes(v) for v in values])
+            copies = await batch.run_sync(_copies, values)
         self._counters["puts"] += 1
         statuses = []
         for key, value in zip(batch.keys, copies, strict=True):
-            old = len(self._data.get(key, b""))
+            previous = self._data.get(key)
+            old = 0 if previous is None else len(previous)
             if self._capacity is not None and self._bytes - old + len(value) > self._capacity:
                 statuses.append(BlockStatus.NO_SPACE)
                 self._counters["no_space"] += 1
@@ -86,7 +103,7 @@ class MemoryStore(StorageBackend):
                 elif len(value) > len(buf):
                     out.append(BlockStatus.CORRUPT)
                 else:
-                    buf[: len(value)] = value
+                    np.frombuffer(buf, np.uint8)[: len(value)] = np.frombuffer(value, np.uint8)
                     out.append(BlockStatus.OK)
             return out
 

@@ -1,7 +1,8 @@
 """``kvpipe bench``: throughput against the physical baseline, measured in the same run.
 
-Scenarios (``--scenario``, repeatable; default ``file``), each for block sizes of 256 KiB,
-2 MiB and 8 MiB:
+Scenarios (``--scenario``, repeatable; default ``file``; ``all`` runs every one). The first
+three compare the pipeline with its backend's baseline for block sizes of 256 KiB, 2 MiB and
+8 MiB:
 
 - ``file``: the pipeline over the file store versus raw file writes/reads of the same bytes
   (one file per block, same fsync policy). Rounds: pipeline, raw ×1, raw ×4, ...
@@ -11,9 +12,26 @@ Scenarios (``--scenario``, repeatable; default ``file``), each for block sizes o
   and in another process's (``--placement``). It starts its own Mooncake on 127.0.0.1 and
   stops it (see :mod:`kvpipe.benchmarks.mooncake`).
 
+- ``memory``: the pipeline over :class:`kvpipe.MemoryStore` versus plain numpy doing the
+  same data movement (gather + copy into fresh memory; copy out + scatter), one or two
+  threads (see :mod:`kvpipe.benchmarks.memory`).
+
+The others measure the pipeline itself (issue 7):
+
+- ``sweeps``: throughput and request latency (p50/p99) against ``slice_block_num``, block
+  size and concurrency (:mod:`kvpipe.benchmarks.sweeps`);
+- ``scaling``: 1x, 4x, 16x the blocks, one process each: time and the pipeline's peak RSS
+  (:mod:`kvpipe.benchmarks.scaling`);
+- ``lag``: lateness of a 1 ms ticker on the pipeline's loop while it writes and reads at
+  full speed (:mod:`kvpipe.benchmarks.lag`);
+- ``overhead``: fixed cost per request, slice and block of the actors against the same calls
+  in a plain loop, as % of a 2 MiB block's copy time (:mod:`kvpipe.benchmarks.overhead`).
+
 Rounds are interleaved after a warm-up; the ratio is the median over rounds of pipeline /
-best baseline of that round. Results: a table per scenario, ``--json PATH`` and
-``--markdown PATH``.
+best baseline of that round. Results: a table per scenario, ``--json PATH``,
+``--markdown PATH``, PNG plots with ``--plot DIR`` (the ``plots`` extra), and the generated
+sections of ``docs/performance.md`` with ``--doc PATH``. ``--smoke`` shrinks every scenario
+to a seconds-long run (CI).
 """
 
 from __future__ import annotations
@@ -23,21 +41,38 @@ import json
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Final
 
 import anyio
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..benchmarks import report
+from ..benchmarks._workload import CpuWatch
 from ..benchmarks.filestore import LAYOUTS, FileBenchConfig, run_filestore_bench
+from ..benchmarks.lag import LagBenchConfig, run_lag_bench
+from ..benchmarks.memory import MemoryBenchConfig, run_memory_bench
 from ..benchmarks.mooncake import PLACEMENTS, MooncakeBenchConfig, run_mooncake_bench
+from ..benchmarks.overhead import OverheadBenchConfig, run_overhead_bench
+from ..benchmarks.plots import PlotsUnavailable, plot_all, require_matplotlib
+from ..benchmarks.scaling import ScalingBenchConfig, run_scaling_bench
+from ..benchmarks.sweeps import SweepBenchConfig, run_sweep_bench
 from . import _console as ui
 
 __all__ = ("COMMAND", "DEFAULT_ROUNDS", "SCENARIOS", "markdown")
 
-SCENARIOS: Final = ("file", "mooncake")
+SCENARIOS: Final = ("file", "mooncake", *report.NEW_SCENARIOS)
 #: Recorded rounds per scenario when ``--rounds`` is not given.
-DEFAULT_ROUNDS: Final = {"file": 7, "mooncake": 9}
+DEFAULT_ROUNDS: Final = {
+    "file": 7,
+    "mooncake": 9,
+    "memory": 7,
+    "sweeps": 3,
+    "scaling": 5,
+    "lag": 3,
+    "overhead": 7,
+}
 _WHERE: Final = {"local": "this process", "remote": "another process"}
 
 
@@ -56,6 +91,9 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             *tables(records),
         ]
+    for scenario in report.NEW_SCENARIOS:
+        if results.get(scenario):
+            lines += [f"## {scenario}", "", report.markdown(results, scenario)]
     return "\n".join(lines)
 
 
@@ -166,9 +204,46 @@ def _mooncake_table(records: list[dict[str, Any]]) -> Table:
     return table
 
 
+async def _run_new_scenario(
+    scenario: str, args: argparse.Namespace, tick: Callable[[str], None]
+) -> Any:
+    rounds = args.rounds or (1 if args.smoke else DEFAULT_ROUNDS[scenario])
+    if scenario == "memory":
+        memory = MemoryBenchConfig(sizes=tuple(args.sizes), total_bytes=args.mib << 20)
+        return await run_memory_bench(replace(memory, rounds=rounds), tick)
+    if scenario == "sweeps":
+        sweeps = SweepBenchConfig(rounds=rounds)
+        if args.smoke:
+            sweeps = replace(sweeps, total_bytes=8 << 20, cache_bytes=8 << 20, concurrency_max=4)
+        return await run_sweep_bench(sweeps, tick)
+    if scenario == "scaling":
+        scaling = ScalingBenchConfig(rounds=rounds, directory=args.scaling_dir)
+        if args.smoke:
+            scaling = replace(scaling, base_blocks=4, request_blocks=2, warmup=False)
+        return await run_scaling_bench(scaling, tick)
+    if scenario == "lag":
+        copy, io, store = args.lag_threads or (None, None, None)
+        lag = LagBenchConfig(
+            rounds=rounds,
+            directory=args.dir,
+            copy_threads=copy,
+            io_threads=io,
+            store_threads=store,
+        )
+        if args.smoke:
+            lag = replace(lag, memory_bytes=16 << 20, file_bytes=16 << 20, idle_seconds=0.05)
+        return await run_lag_bench(lag, tick)
+    overhead = OverheadBenchConfig(rounds=rounds)
+    if args.smoke:
+        overhead = replace(overhead, requests=(4, 2, 8))
+    return await run_overhead_bench(overhead, tick)
+
+
 async def _run_scenario(
     scenario: str, args: argparse.Namespace, tick: Callable[[str], None]
-) -> list[dict[str, Any]]:
+) -> Any:
+    if scenario in report.NEW_SCENARIOS:
+        return await _run_new_scenario(scenario, args, tick)
     rounds = args.rounds or DEFAULT_ROUNDS[scenario]
     if scenario == "file":
         fcfg = FileBenchConfig(
@@ -193,9 +268,26 @@ async def _run_scenario(
     return await run_mooncake_bench(mcfg, tick)
 
 
+def _options(args: argparse.Namespace) -> str:
+    """The options that change what a new scenario measures, as on the command line."""
+    out = f" --rounds {args.rounds}" if args.rounds else ""
+    if args.sizes != list(LAYOUTS) or args.mib != 256:
+        out += f" --sizes {' '.join(args.sizes)} --mib {args.mib}"
+    if args.lag_threads:
+        out += " --lag-threads " + ",".join(str(n) for n in args.lag_threads)
+    return out + (" --smoke" if args.smoke else "")
+
+
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     """Run the chosen scenarios and report."""
     scenarios = args.scenario or ["file"]
+    if "all" in scenarios:
+        scenarios = list(SCENARIOS)
+    if args.plot:
+        try:
+            require_matplotlib()
+        except PlotsUnavailable as exc:
+            raise ui.UsageError(str(exc)) from None
     for name in ("mib", "rounds", "slice_mib", "concurrency", "io_threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -205,6 +297,9 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
         "machine": f"{platform.machine()}, {platform.system()} {platform.release()}",
         "rounds": args.rounds,
         "mib": args.mib,
+        "command": "kvpipe bench",
+        "seconds": {},
+        "others_cpu_pct": {},
     }
     with Progress(
         SpinnerColumn(),
@@ -219,16 +314,43 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
             progress.update(task, description=what)
 
         for scenario in dict.fromkeys(scenarios):
+            started, watch = time.perf_counter(), CpuWatch()
             results[scenario] = await _run_scenario(scenario, args, tick)
+            results["seconds"][scenario] = round(time.perf_counter() - started, 1)
+            results["others_cpu_pct"][scenario] = watch.others_pct()
+    results["command"] = "kvpipe bench " + " ".join(f"--scenario {s}" for s in scenarios)
+    results["command"] += _options(args)
     if results.get("file"):
         io.out.print(_file_table(results["file"]))
     if results.get("mooncake"):
         io.out.print(_mooncake_table(results["mooncake"]))
+    for scenario in report.NEW_SCENARIOS:
+        if results.get(scenario):
+            for table in report.tables(results, scenario):
+                io.out.print(table)
+    if args.plot:
+        results["plots"] = await anyio.to_thread.run_sync(plot_all, results, args.plot)
     if args.json:
         await anyio.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     if args.markdown:
         await anyio.Path(args.markdown).write_text(markdown(results) + "\n")
+    if args.doc:
+        text, missing = report.update_doc(await anyio.Path(args.doc).read_text(), results)
+        await anyio.Path(args.doc).write_text(text)
+        for scenario in missing:
+            io.err.print(f"{args.doc}: no <!-- kvpipe-bench:{scenario} --> section; not written")
     return ui.EXIT_OK
+
+
+def _three_ints(text: str) -> tuple[int, int, int]:
+    """An argparse type: ``"1,1,1"`` -> ``(1, 1, 1)``, each >= 1."""
+    try:
+        a, b, c = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected COPY,IO,STORE, got {text!r}") from None
+    if min(a, b, c) < 1:
+        raise argparse.ArgumentTypeError(f"thread counts must be >= 1, got {text!r}")
+    return a, b, c
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -237,15 +359,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--scenario",
         action="append",
-        choices=SCENARIOS,
-        help="scenarios to run (repeatable; default: file)",
+        choices=(*SCENARIOS, "all"),
+        help="scenarios to run (repeatable; default: file; all: every one)",
     )
     add("--sizes", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS), help="block sizes")
     add("--mib", type=int, default=256, help="MiB per round per contender")
     add(
         "--rounds",
         type=int,
-        help="recorded rounds after one warm-up (default: file 7, mooncake 9)",
+        help="recorded rounds after one warm-up (default: "
+        + ", ".join(f"{k} {v}" for k, v in DEFAULT_ROUNDS.items())
+        + "; 1 with --smoke)",
     )
     add("--durability", choices=("none", "data", "full"), default="data", help="file: fsync")
     add("--dir", default=".", help="file: directory on the disk to measure")
@@ -261,8 +385,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--concurrency", type=int, default=2, help="mooncake: pipeline requests in flight")
     add("--io-threads", type=int, default=2, help="mooncake: the pipeline's io_threads")
     add("--no-checksums", action="store_true", help="mooncake: pipeline without checksums")
+    add(
+        "--scaling-dir",
+        metavar="DIR",
+        help="scaling: where the file store lives (default: /dev/shm, a tmpfs, if present)",
+    )
+    add(
+        "--lag-threads",
+        type=_three_ints,
+        metavar="COPY,IO,STORE",
+        help="lag: the pipelines' copy_threads and io_threads and the file store's threads "
+        "(default: 2,8,4, the defaults)",
+    )
+    add("--smoke", action="store_true", help="memory..overhead: a seconds-long run (CI)")
     add("--json", metavar="PATH", help="write the results as JSON")
     add("--markdown", metavar="PATH", help="write the results as markdown tables")
+    add("--plot", metavar="DIR", help="write PNG plots there (needs the 'plots' extra)")
+    add(
+        "--doc",
+        metavar="PATH",
+        help="replace the generated sections (<!-- kvpipe-bench:NAME -->) of this markdown "
+        "file, e.g. docs/performance.md",
+    )
 
 
 COMMAND: Final = ui.Command(

@@ -7,7 +7,8 @@ one pipeline, ``--concurrency`` at a time — the first alone, so the others fin
 stored and skip it (deduplication) — then, through a second pipeline over the same store,
 reads each back into a fresh cache at shuffled block ids from a free list (zeroed when taken,
 returned once verified), compares every byte, and prints a summary (``--json``: as JSON).
-Exit code 1 when a block differs or any write or read stopped short.
+Exit code 1 when a block differs or any write or read stopped short. ``--metrics-port PORT``
+serves the run's Prometheus metrics on 127.0.0.1 (pipelines ``write`` and ``read``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import kvpipe
 
 from .._blockformat import value_nbytes
 from . import _console as ui
+from . import _metrics_page
 from .mooncake_up import mooncake_store
 
 __all__ = ("COMMAND", "PRESETS", "STORES", "DemoRequest", "Workload", "plan_workload")
@@ -334,9 +336,9 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     await run_sync(fill_random, src, args.seed)
     dst = kvpipe.create_kv_cache(layout, work.dst_blocks)
     namespace, n = f"kvpipe-demo-{args.layout}", args.concurrency
-    async with open_store(args) as store:
+    async with _metrics_page.metrics_page(args, io) as metrics, open_store(args) as store:
         return await _run_phases(
-            args, io, layout, config, work, src, dst, store, namespace, n, started
+            args, io, layout, config, work, src, dst, store, namespace, n, started, metrics
         )
 
 
@@ -352,15 +354,20 @@ async def _run_phases(
     namespace: str,
     n: int,
     started: float,
+    metrics: kvpipe.PipelineMetrics | None,
 ) -> int:
     nbytes = layout.block_nbytes
     with ui.block_progress(io.err, disable=args.json or not io.err.is_terminal) as progress:
         total = requested = work.blocks_requested
         wp = ui.PhaseTally(progress, progress.add_task("write", total=total, nbytes=0), nbytes)
         async with kvpipe.open_pipeline(src, store, config=config, namespace=namespace) as pipe:
+            if metrics is not None:
+                metrics.add(pipe, label="write")
             writes = await _timed(wp, pipe, _write_all(pipe, work, wp, n))
         rp = ui.PhaseTally(progress, progress.add_task("read", total=total, nbytes=0), nbytes)
         async with kvpipe.open_pipeline(dst, store, config=config, namespace=namespace) as pipe:
+            if metrics is not None:
+                metrics.add(pipe, label="read")
             reads = await _timed(rp, pipe, _read_all(pipe, work, src, rp, n, args.seed))
     summary = {
         "ok": rp.verified == requested and not writes["incomplete"] and not reads["incomplete"],
@@ -426,6 +433,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--staging-mib", type=int, default=256, metavar="MIB", help="staging per pipeline")
     add("--seed", type=int, default=0, help="seed of the workload and of the cache contents")
     add("--json", action="store_true", help="print the summary as JSON, without progress bars")
+    _metrics_page.add_arguments(parser)
 
 
 COMMAND: Final = ui.Command(

@@ -150,11 +150,11 @@ def compile_source(source: bytes, filename: str, arch: str, kind: Kind = "cubin"
             raise DeviceError("nvrtcCompileProgram", "WARNING", f"{filename} for {arch}:\n{log}")
         if kind == "cubin":
             (size,) = _check(nvrtc, "nvrtcGetCUBINSize", nvrtc.nvrtcGetCUBINSize(prog))
-            image = b" " * int(size)
+            image = bytes(int(size))
             _check(nvrtc, "nvrtcGetCUBIN", nvrtc.nvrtcGetCUBIN(prog, image))
         else:
             (size,) = _check(nvrtc, "nvrtcGetPTXSize", nvrtc.nvrtcGetPTXSize(prog))
-            image = b" " * int(size)
+            image = bytes(int(size))
             _check(nvrtc, "nvrtcGetPTX", nvrtc.nvrtcGetPTX(prog, image))
         return image
     finally:
@@ -163,7 +163,7 @@ def compile_source(source: bytes, filename: str, arch: str, kind: Kind = "cubin"
 
 def _log(nvrtc: Any, prog: Any) -> str:
     (size,) = _check(nvrtc, "nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(prog))
-    buf = b" " * int(size)
+    buf = bytes(int(size))
     _check(nvrtc, "nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLog(prog, buf))
     return buf.rstrip(b"\0").decode(errors="replace").strip()
 

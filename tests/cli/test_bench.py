@@ -83,3 +83,103 @@ def test_mooncake_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "| 256KiB | another process | read |" in text
     assert "io_threads=2" in text
     assert "direct client" in capsys.readouterr().out
+
+
+def test_new_scenarios_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """memory, sweeps, scaling, lag and overhead end to end at smoke sizes: structure and
+    sanity only (no timing assertions)."""
+    out, md, doc = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "perf.md"
+    scenarios = ("memory", "sweeps", "scaling", "lag", "overhead")
+    doc.write_text(
+        "# Perf\n\nprose stays\n\n<!-- kvpipe-bench:lag -->\nold\n<!-- /kvpipe-bench:lag -->\n"
+    )
+    argv = ["bench", "--smoke", "--sizes", "256KiB", "--mib", "4", "--dir", str(tmp_path)]
+    for s in scenarios:
+        argv += ["--scenario", s]
+    rc = main([*argv, "--json", str(out), "--markdown", str(md), "--doc", str(doc)])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    assert set(results["seconds"]) == set(scenarios)
+
+    (mem,) = results["memory"]
+    assert mem["block_size"] == "256KiB" and mem["blocks"] >= 16
+    for op in ("write", "read"):
+        rec = mem[op]
+        assert rec["rounds"] == 1
+        for key in ("gbps_median", "nocheck_gbps_median", "plain1_gbps_median", "ratio_median"):
+            assert rec[key] > 0
+
+    sweeps = results["sweeps"]
+    assert {r["sweep"] for r in sweeps} == {"slice_block_num", "block_size", "concurrency"}
+    assert [r["x"] for r in sweeps if r["sweep"] == "slice_block_num"] == [1, 4, 16, 64]
+    for r in sweeps:
+        for op in ("write", "read"):
+            lat = r[op]["latency_ms"]
+            assert r[op]["gbps_median"] > 0 and lat["n"] >= 1
+            assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
+    assert all("ratio_median" in r["write"] for r in sweeps if r["sweep"] == "block_size")
+
+    points = results["scaling"]["points"]
+    assert [p["factor"] for p in points] == [1, 4, 16]
+    assert [p["blocks"] for p in points] == [4, 16, 64]
+    for p in points:
+        assert p["write_seconds"] > 0 and p["read_seconds"] > 0
+        assert p["pipeline_peak_mib"] >= 0 and p["rss_before_mib"] > 0
+
+    lag = {r["phase"]: r for r in results["lag"]}
+    assert set(lag) == {
+        "idle",
+        "plain copies",
+        "raw file writes",
+        "memory write",
+        "memory read",
+        "file write",
+        "file read",
+    }
+    for r in lag.values():
+        q = r["lag_ms"]
+        assert q["n"] >= 1 and 0 <= q["p50"] <= q["p99"] <= q["max"]
+    assert lag["memory write"]["gbps"] > 0 and lag["file read"]["gbps"] > 0
+
+    ov = results["overhead"]
+    for who in ("pipeline", "plain", "actors"):
+        assert set(ov["fixed_us"][who]) == {"write", "read"}
+    assert ov["reference"]["gather_2mib_us"] > 0 and ov["reference"]["thread_hop_us"] > 0
+    assert [p["slice_block_num"] for p in ov["per_2mib_block"]] == [1, 4, 16, 64]
+
+    text = md.read_text()
+    for heading in ("## memory", "## sweeps", "## scaling", "## lag", "## overhead"):
+        assert heading in text
+    updated = doc.read_text()
+    assert "prose stays" in updated and "old" not in updated
+    assert "| memory write | " in updated and "--scenario lag" in updated
+    assert list(tmp_path.glob("kvpipe-bench-*")) == []  # cleaned up
+    assert "kvpipe bench: lag" in capsys.readouterr().out
+
+
+def test_plot_smoke(tmp_path: Path) -> None:
+    """--plot writes one PNG per scenario (or says which extra is missing)."""
+    pytest.importorskip("matplotlib")
+    img = tmp_path / "img"
+    rc = main(["bench", "--smoke", "--scenario", "overhead", "--plot", str(img)])
+    assert rc == 0
+    assert [p.name for p in img.iterdir()] == ["overhead.png"]
+    assert (img / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    rc = main(["bench", "--smoke", "--scenario", "overhead", "--plot", str(tmp_path)])
+    assert rc == 2
+    assert "plots" in capsys.readouterr().err

@@ -175,3 +175,12 @@ def test_missing_sources_are_unsupported(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setenv("KVPIPE_EXT_DIR", str(tmp_path))
     with pytest.raises(kvpipe.Unsupported, match="not found"):
         load_kernels((8, 0))
+
+
+def test_compiling_never_writes_into_shared_bytes_objects() -> None:
+    """NVRTC fills buffers kvpipe allocates; ``b" " * 1`` would be CPython's shared one-byte
+    object, and writing into it changed every ``b" "`` in the process."""
+    for arch in ("sm_80", "sm_90"):
+        for source in kernel_sources():
+            compile_source(source.read_bytes(), source.name, arch)
+    assert b" " == bytes([32]) and b"x" == bytes([120])

@@ -244,11 +244,14 @@ class FileStore(StorageBackend):
             for key in res.victims:
                 root.discard(*block_location(key))
         written: list[str] = []
+        errors: list[str] = []
         try:
             for i, status in zip(
                 admitted,
                 self._pool().map(
-                    lambda i: self._write_one(root, keys[i], values[i], fingerprint, abandoned),
+                    lambda i: self._write_one(
+                        root, keys[i], values[i], fingerprint, abandoned, errors
+                    ),
                     admitted,
                 ),
                 strict=True,
@@ -261,10 +264,24 @@ class FileStore(StorageBackend):
                 written, [keys[i] for i in admitted if statuses[i] is not BlockStatus.OK]
             )
         self._count(blocks_written=len(written), bytes_written=len(written) * len(values[0]))
+        if errors:  # one line per batch, not per block
+            log.warning(
+                "file store %s: %d of %d blocks failed to write: %s",
+                root.path,
+                len(errors),
+                len(keys),
+                _some(errors),
+            )
         return statuses
 
     def _write_one(
-        self, root: Root, key: str, value: memoryview, fingerprint: str, abandoned: threading.Event
+        self,
+        root: Root,
+        key: str,
+        value: memoryview,
+        fingerprint: str,
+        abandoned: threading.Event,
+        errors: list[str],
     ) -> BlockStatus:
         if abandoned.is_set():
             return BlockStatus.FAILED
@@ -278,7 +295,7 @@ class FileStore(StorageBackend):
             return BlockStatus.FAILED
         except OSError as exc:
             self._count(io_errors=1)
-            log.warning("file store: writing block %s failed: %s", key, exc)
+            errors.append(f"{key}: {exc}")
             return BlockStatus.NO_SPACE if exc.errno == errno.ENOSPC else BlockStatus.FAILED
 
     def _pool(self) -> ThreadPoolExecutor:
@@ -313,11 +330,21 @@ class FileStore(StorageBackend):
         buffers: list[memoryview],
         fingerprint: str,
     ) -> list[BlockStatus]:
+        errors: list[str] = []
         statuses = list(
             self._pool().map(
-                lambda i: self._read_one(root, keys[i], buffers[i], fingerprint), range(len(keys))
+                lambda i: self._read_one(root, keys[i], buffers[i], fingerprint, errors),
+                range(len(keys)),
             )
         )
+        if errors:  # one line per batch, not per block
+            log.warning(
+                "file store %s: %d of %d blocks could not be read: %s",
+                root.path,
+                len(errors),
+                len(keys),
+                _some(errors),
+            )
         bad = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.CORRUPT]
         ok = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.OK]
         if bad:
@@ -328,14 +355,16 @@ class FileStore(StorageBackend):
         self._count(blocks_read=len(ok))
         return statuses
 
-    def _read_one(self, root: Root, key: str, buf: memoryview, fingerprint: str) -> BlockStatus:
+    def _read_one(
+        self, root: Root, key: str, buf: memoryview, fingerprint: str, errors: list[str]
+    ) -> BlockStatus:
         parts, name = block_location(key)
         try:
             found = root.read_into(parts, name, HEADER_NBYTES, buf)
         except NotARegularFile as exc:
             why = str(exc)
         except OSError as exc:
-            log.warning("file store: reading block %s failed: %s", key, exc)
+            errors.append(f"{key}: {exc}")
             self._count(io_errors=1)
             return BlockStatus.FAILED
         else:
@@ -345,7 +374,7 @@ class FileStore(StorageBackend):
             if check is None:
                 return BlockStatus.OK
             why = check
-        log.warning("file store: block %s is corrupt (%s); quarantined", key, why)
+        errors.append(f"{key}: corrupt ({why}), quarantined")
         if root.quarantine(parts, name):
             self._count(quarantined=1)
         return BlockStatus.CORRUPT
@@ -411,3 +440,9 @@ class FileStore(StorageBackend):
         """Counters of this process's use of the store (evictions, corrupt blocks, ...)."""
         with self._lock:
             return dict(self._counters)
+
+
+def _some(errors: Sequence[str], shown: int = 3) -> str:
+    """The first ``shown`` errors of a batch, and how many more there were."""
+    more = f"; and {len(errors) - shown} more" if len(errors) > shown else ""
+    return "; ".join(errors[:shown]) + more

@@ -1,0 +1,294 @@
+"""Markdown and terminal tables of the issue-7 scenarios (memory, sweeps, scaling, lag,
+overhead), and the generated sections of ``docs/performance.md``.
+
+A generated section sits between ``<!-- kvpipe-bench:NAME -->`` and
+``<!-- /kvpipe-bench:NAME -->``; :func:`update_doc` replaces what is between them and leaves
+the rest of the document (the prose around the tables) alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, Final
+
+from rich.table import Table
+
+__all__ = ("NEW_SCENARIOS", "markdown", "tables", "update_doc")
+
+#: The scenarios this module renders, in suite order.
+NEW_SCENARIOS: Final = ("memory", "sweeps", "scaling", "lag", "overhead")
+
+
+def _md_table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---" for _ in header) + " |",
+        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+        "",
+    ]
+
+
+def _memory(records: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]], list[str]]:
+    header = [
+        "block",
+        "op",
+        "pipeline GB/s (median / best)",
+        "no checksums GB/s",
+        "plain x1 GB/s",
+        "plain x2 GB/s",
+        "ratio (median)",
+        "ratio, no checksums",
+    ]
+    rows = []
+    for r in records:
+        for op in ("write", "read"):
+            m = r[op]
+            rows.append(
+                [
+                    r["block_size"],
+                    op,
+                    f"{m['gbps_median']} / {m['gbps_best']}",
+                    m["nocheck_gbps_median"],
+                    m["plain1_gbps_median"],
+                    m["plain2_gbps_median"],
+                    f"**{m['ratio_median']}**",
+                    m["nocheck_ratio_median"],
+                ]
+            )
+    shapes = ", ".join(
+        f"{r['block_size']}: requests of {r['pipeline']['request_blocks']} blocks in slices of "
+        f"{r['pipeline']['slice_block_num']}"
+        for r in records
+    )
+    note = [
+        f"Pipeline: {records[0]['pipeline']['concurrency']} requests in flight; {shapes}; "
+        f"{records[0]['blocks'] * records[0]['block_bytes'] >> 20} MiB per round, "
+        f"{records[0]['write']['rounds']} interleaved rounds after a warm-up. Ratio: median "
+        "over rounds of pipeline / the faster plain contender of that round.",
+        "",
+    ]
+    return header, rows, note
+
+
+_SWEEP_TITLES: Final = {
+    "slice_block_num": "2 MiB blocks, requests of 64 blocks, 2 in flight",
+    "block_size": "requests of 32 MiB in slices of 8 MiB, 4 in flight",
+    "concurrency": "2 MiB blocks, requests of 4 blocks in one slice",
+}
+
+
+def _sweeps(records: list[dict[str, Any]]) -> list[str]:
+    lines: list[str] = []
+    for sweep in dict.fromkeys(r["sweep"] for r in records):
+        recs = [r for r in records if r["sweep"] == sweep]
+        plain = "ratio_median" in recs[0]["write"]
+        header = [sweep, "write GB/s", "write p50 / p99 ms", "read GB/s", "read p50 / p99 ms"]
+        if plain:
+            header += ["write / plain", "read / plain"]
+        rows = []
+        for r in recs:
+            w, g = r["write"], r["read"]
+            row = [
+                r["x"],
+                w["gbps_median"],
+                f"{w['latency_ms']['p50']:.1f} / {w['latency_ms']['p99']:.1f}",
+                g["gbps_median"],
+                f"{g['latency_ms']['p50']:.1f} / {g['latency_ms']['p99']:.1f}",
+            ]
+            if plain:
+                row += [w["ratio_median"], g["ratio_median"]]
+            rows.append(row)
+        n = recs[0]["blocks"] * recs[0]["block_bytes"] >> 20
+        lines += [
+            f"**{sweep}** ({_SWEEP_TITLES.get(sweep, '')}; {n} MiB per round, "
+            f"{recs[0]['rounds']} rounds, latencies over {recs[0]['write']['latency_ms']['n']} "
+            "requests per point):",
+            "",
+            *_md_table(header, rows),
+        ]
+    return lines
+
+
+def _scaling(result: dict[str, Any]) -> tuple[list[str], list[list[Any]], list[str]]:
+    header = [
+        "workload",
+        "blocks (GiB)",
+        "write s",
+        "read s",
+        "write time / linear",
+        "read time / linear",
+        "pipeline peak MiB",
+        "peak vs 1x",
+        "sampled peak MiB",
+        "rss before MiB",
+    ]
+    rows = [
+        [
+            f"{p['factor']}x",
+            f"{p['blocks']} ({p['gib']})",
+            p["write_seconds"],
+            p["read_seconds"],
+            p["time_vs_linear"]["write"],
+            p["time_vs_linear"]["read"],
+            p["pipeline_peak_mib"],
+            f"**{p['peak_vs_1x']}**",
+            p["sampled_peak_mib"],
+            p["rss_before_mib"],
+        ]
+        for p in result["points"]
+    ]
+    c = result["config"]
+    note = [
+        f"2 MiB blocks; requests of {c['request_blocks']} blocks in slices of "
+        f"{c['slice_block_num']}, {c['concurrency']} in flight; staging "
+        f"{c['staging_bytes'] >> 20} MiB; a cache of {c['base_blocks']} blocks in every "
+        f"process; {result['rounds']} interleaved rounds, one process per size and round; "
+        f"pipeline peak from {result['points'][0]['peak_source']}.",
+        "",
+    ]
+    return header, rows, note
+
+
+def _lag(records: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]], list[str]]:
+    header = ["phase", "loop", "threads", "lag p50 ms", "lag p99 ms", "lag max ms", "ticks", "GB/s"]
+    rows = [
+        [
+            r["phase"],
+            r["loop"],
+            "{copy},{io},{file_store}".format(**r["threads"]),
+            r["lag_ms"]["p50"],
+            f"**{r['lag_ms']['p99']}**",
+            f"**{r['lag_ms']['max']}**",
+            r["lag_ms"]["n"],
+            r.get("gbps", "-"),
+        ]
+        for r in records
+    ]
+    return header, rows, []
+
+
+def _overhead(result: dict[str, Any]) -> list[str]:
+    fixed = result["fixed_us"]
+    rows = []
+    for who in ("pipeline", "plain", "actors"):
+        for op in ("write", "read"):
+            f = fixed[who][op]
+            rows.append([who, op, f["request"], f["slice"], f["block"]])
+    ref = result["reference"]
+    per = [
+        [
+            p["slice_block_num"],
+            p["write_us"],
+            f"**{p['write_pct']}**",
+            p["read_us"],
+            f"**{p['read_pct']}**",
+            p["write_with_threads_pct"],
+            p["read_with_threads_pct"],
+        ]
+        for p in result["per_2mib_block"]
+    ]
+    return [
+        "Fixed costs (µs), tiny blocks, one request at a time, medians of "
+        f"{result['rounds']} rounds; `actors` = pipeline - plain loop:",
+        "",
+        *_md_table(["contender", "op", "per request", "per slice", "per block"], rows),
+        f"Reference: gathering one 2 MiB block (64 segments) takes {ref['gather_2mib_us']} µs "
+        f"(memcpy of 2 MiB: {ref['memcpy_2mib_us']} µs); a worker-thread call "
+        f"{ref['thread_hop_us']} µs (the pipeline makes {ref['thread_hops_per_slice']} per "
+        "slice larger than 256 KiB on each path).",
+        "",
+        "Actor overhead per 2 MiB block, requests of 64 blocks, as % of its gather time:",
+        "",
+        *_md_table(
+            [
+                "slice_block_num",
+                "write µs",
+                "write %",
+                "read µs",
+                "read %",
+                "write % with thread calls",
+                "read % with thread calls",
+            ],
+            per,
+        ),
+    ]
+
+
+def markdown(results: dict[str, Any], scenario: str) -> str:
+    """The generated section of one scenario (without markers)."""
+    data = results[scenario]
+    others = results.get("others_cpu_pct", {}).get(scenario)
+    busy = f" Other processes used {others} % of the cores meanwhile." if others is not None else ""
+    lines = [
+        f"Measured {results['when']} on {results['machine']} in "
+        f"{results['seconds'][scenario]} s; `{results['command']}`.{busy}",
+        "",
+    ]
+    if scenario == "memory":
+        header, rows, note = _memory(data)
+        lines += [*_md_table(header, rows), *note]
+    elif scenario == "sweeps":
+        lines += _sweeps(data)
+    elif scenario == "scaling":
+        header, rows, note = _scaling(data)
+        lines += [*_md_table(header, rows), *note]
+    elif scenario == "lag":
+        header, rows, _ = _lag(data)
+        lines += _md_table(header, rows)
+    elif scenario == "overhead":
+        lines += _overhead(data)
+    if results.get("plots", {}).get(scenario):
+        lines += [f"![{scenario}](img/{name})" for name in results["plots"][scenario]] + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _rich(title: str, header: list[str], rows: list[list[Any]]) -> Table:
+    table = Table(title=title)
+    for col in header:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*(str(c).replace("**", "") for c in row))
+    return table
+
+
+def tables(results: dict[str, Any], scenario: str) -> list[Table]:
+    """Terminal tables of one scenario."""
+    data = results[scenario]
+    builders: dict[str, Callable[[Any], tuple[list[str], list[list[Any]], list[str]]]] = {
+        "memory": _memory,
+        "scaling": _scaling,
+        "lag": _lag,
+    }
+    if scenario in builders:
+        header, rows, _ = builders[scenario](data)
+        return [_rich(f"kvpipe bench: {scenario}", header, rows)]
+    # sweeps and overhead: one table per markdown table
+    text = markdown(results, scenario)
+    out = []
+    for block in re.split(r"\n\n+", text):
+        lines = [ln for ln in block.splitlines() if ln.startswith("|")]
+        if len(lines) < 3:
+            continue
+        cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+        out.append(_rich(f"kvpipe bench: {scenario}", cells[0], cells[2:]))
+    return out
+
+
+def update_doc(text: str, results: dict[str, Any]) -> tuple[str, list[str]]:
+    """Replace the generated section of every scenario in ``results`` that ``text`` has
+    markers for; returns the new text and the scenarios whose markers were missing."""
+    missing = []
+    for scenario in NEW_SCENARIOS:
+        if not results.get(scenario):
+            continue
+        begin, end = f"<!-- kvpipe-bench:{scenario} -->", f"<!-- /kvpipe-bench:{scenario} -->"
+        pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+        if not pattern.search(text):
+            missing.append(scenario)
+            continue
+        section = f"{begin}\n{markdown(results, scenario)}{end}"
+        match = pattern.search(text)
+        assert match is not None
+        text = text[: match.start()] + section + text[match.end() :]
+    return text, missing

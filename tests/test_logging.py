@@ -1,0 +1,142 @@
+"""What kvpipe logs under the ``kvpipe`` logger: per-slice lines at DEBUG only, one WARNING
+for a write that stops short (its id, the slice, the blocks stored, the reason), a restart at
+WARNING, and nothing per block at INFO or above.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe.backends.file._fs import Root
+from tests.fakes import Act, CrashHooks, ScriptedStore
+from tests.helpers import fill_random
+
+BS = 16
+LAYOUT = kvpipe.CacheLayout.mla(num_layers=2, kv_lora_rank=32, rope_dim=8, block_size=BS)
+CONFIG = kvpipe.PipelineConfig(slice_block_num=8, slice_timeout=0.2, staging_bytes=4 << 20)
+
+
+def _cache(blocks: int = 512) -> kvpipe.KVCache:
+    cache = kvpipe.create_kv_cache(LAYOUT, blocks)
+    fill_random(cache)
+    return cache
+
+
+def _at_least(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= level and r.name.startswith("kvpipe")]
+
+
+async def test_a_full_write_and_read_log_nothing_at_info_and_one_debug_line_per_slice(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    blocks = 200  # 25 slices of 8
+    tokens = np.arange(blocks * BS)
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), config=CONFIG) as pipe:
+        caplog.clear()  # the one INFO line at open is not the write's
+        assert (await pipe.write(tokens, np.arange(blocks))).complete
+        assert (await pipe.read(tokens, np.arange(blocks, 2 * blocks))).complete
+        assert await pipe.lookup(tokens) == blocks
+    assert _at_least(caplog, logging.INFO) == []
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert sum(m.startswith("write ") and " slice " in m for m in debug) == 25
+    assert sum(m.startswith("read ") and " slice " in m for m in debug) == 25
+    assert len(debug) == 50  # per slice, never per block
+
+
+async def test_an_incomplete_write_logs_one_warning_with_id_slice_blocks_and_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Slice 1 (blocks 8-15): the store fails its block 3, i.e. block 11.
+    store = ScriptedStore(puts={1: Act(fail=[3])})
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        caplog.clear()
+        w = await pipe.write(np.arange(32 * BS), np.arange(32), request_id="req-17")
+    assert (w.written, w.stop_reason) == (11, "incomplete_slice")
+    warnings = _at_least(caplog, logging.INFO)
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    (record,) = warnings
+    message = record.getMessage()
+    assert record.levelno == logging.WARNING
+    for part in ("req-17", "slice 1", "blocks 8-15", "11 of 32 blocks stored", "incomplete_slice"):
+        assert part in message, message
+    assert "block 11: failed" in message  # the detail: which block, what the store said
+
+
+async def test_a_slice_timeout_logs_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    store = ScriptedStore(puts={2: Act(hang=True)})
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        caplog.clear()
+        w = await pipe.write(np.arange(32 * BS), np.arange(32), request_id="slow-1")
+    assert (w.written, w.stop_reason) == (16, "slice_timeout")
+    (record,) = _at_least(caplog, logging.INFO)
+    message = record.getMessage()
+    for part in ("slow-1", "slice 2", "blocks 16-23", "16 of 32 blocks stored", "slice_timeout"):
+        assert part in message, message
+
+
+async def test_a_restart_logs_warnings_naming_the_request_and_its_progress(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hooks = CrashHooks("writer", ["victim"])
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with kvpipe.open_pipeline(
+        _cache(), kvpipe.MemoryStore(), config=CONFIG, hooks=hooks
+    ) as pipe:
+        caplog.clear()
+        w = await pipe.write(np.arange(16 * BS), np.arange(16), request_id="victim")
+    assert w.stop_reason == "actor_crashed"
+    records = _at_least(caplog, logging.INFO)
+    assert [(r.name, r.levelno) for r in records] == [
+        ("kvpipe.supervisor", logging.WARNING),
+        ("kvpipe.requests", logging.WARNING),
+    ]
+    restart, stopped = (r.getMessage() for r in records)
+    assert "actor writer crashed" in restart and "restarting" in restart
+    assert "write victim (0 of 16 blocks stored, at slice 0)" in restart
+    for part in ("victim", "slice 0", "0 of 16 blocks stored", "actor_crashed"):
+        assert part in stopped, stopped
+
+
+async def test_a_cancelled_write_is_info_not_warning(caplog: pytest.LogCaptureFixture) -> None:
+    store = ScriptedStore(puts={0: Act(hang=True)})
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        caplog.clear()
+        with anyio.move_on_after(0.05):
+            await pipe.write(np.arange(8 * BS), np.arange(8), request_id="gone")
+    (record,) = _at_least(caplog, logging.INFO)
+    assert record.levelno == logging.INFO and "gone" in record.getMessage()
+    assert "cancelled" in record.getMessage()
+
+
+async def test_the_file_store_logs_failed_blocks_once_per_batch(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> bool:
+        raise OSError(errno.EIO, "injected I/O error")
+
+    monkeypatch.setattr(Root, "write_atomic", broken)
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with (
+        kvpipe.FileStore(tmp_path / "store") as store,
+        kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe,
+    ):
+        caplog.clear()
+        w = await pipe.write(np.arange(8 * BS), np.arange(8), request_id="eio")
+    assert (w.written, w.stop_reason) == (0, "incomplete_slice")
+    records = [(r.name, r.getMessage()) for r in _at_least(caplog, logging.INFO)]
+    assert [name for name, _ in records] == ["kvpipe.file_store", "kvpipe.requests"], records
+    store_line = records[0][1]
+    assert "8 of 8 blocks failed to write" in store_line and "injected I/O error" in store_line
+    assert "and 5 more" in store_line  # three named, the rest counted
