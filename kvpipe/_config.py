@@ -49,6 +49,12 @@ class PipelineConfig:
             waiting for the actors and takes the result as it stands. A safety net: the
             actors themselves end every slice by the deadline.
         verify_checksums: Write a checksum into every block and verify it on read.
+        write_in_place: For a cache in host memory and a store that takes values in pieces
+            (``StorageBackend.accepts_parts``), send each block's rows straight from the
+            cache instead of gathering them into staging first (one pass over the bytes
+            less). Needs ``verify_checksums`` (a write abandoned on a timeout may read rows
+            the caller has since reused; the checksum catches such a block on read);
+            without it writes are gathered.
         close_timeout: Seconds ``aclose`` waits for in-flight requests and worker threads.
     """
 
@@ -65,6 +71,7 @@ class PipelineConfig:
     restart_window: float = 60.0
     deadline_slack: float = 0.25
     verify_checksums: bool = True
+    write_in_place: bool = True
     close_timeout: float = 10.0
 
     def __post_init__(self) -> None:

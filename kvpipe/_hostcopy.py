@@ -11,10 +11,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ._blockformat import check_block, seal_block
-from ._plan import CopyPlan
+from ._blockformat import TRAILER_NBYTES, check_block, seal_block, seal_pieces
+from ._plan import CopyPlan, CopySegment
 
-__all__ = ("gather", "scatter", "seal_slots", "verify_slots")
+__all__ = ("block_pieces", "gather", "scatter", "seal_pieces_into", "seal_slots", "verify_slots")
 
 Rows = npt.NDArray[np.uint8]
 
@@ -57,3 +57,26 @@ def verify_slots(
         check_block(staging[slot], payload_nbytes, digest, verify)
         for slot, digest in zip(slots, digests, strict=True)
     ]
+
+
+def block_pieces(
+    segments: Sequence[CopySegment], rows: Sequence[Rows], block: int
+) -> list[memoryview]:
+    """The read-only pieces of one cache block's payload, in contract order, where they lie
+    in the cache (no copy)."""
+    return [rows[seg.tensor][block].data.toreadonly() for seg in segments]
+
+
+def seal_pieces_into(
+    pieces: Sequence[Sequence[memoryview]],
+    staging: Rows,
+    slots: Sequence[int],
+    payload_nbytes: int,
+    digests: Sequence[bytes],
+    checksum: bool,
+) -> None:
+    """Seal blocks whose payloads stay in the cache: each trailer goes into its slot at
+    ``payload_nbytes`` (where :func:`seal_slots` puts it)."""
+    for block, slot, digest in zip(pieces, slots, digests, strict=True):
+        trailer = staging[slot][payload_nbytes : payload_nbytes + TRAILER_NBYTES]
+        seal_pieces(trailer, block, payload_nbytes, digest, checksum)

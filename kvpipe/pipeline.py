@@ -124,7 +124,14 @@ class Pipeline:
         )
         self._engine: CopyEngine | None = None
         self._device_driver = device_driver
-        self._registered = False
+        self._registered: list[memoryview] = []
+        self._in_place = (
+            cache.device == "cpu"
+            and store.accepts_parts
+            and self.config.write_in_place
+            and self.config.verify_checksums
+            and all(rows.flags.c_contiguous for rows in cache.byte_rows)
+        )
         self.slice_blocks = min(self.config.slice_block_num, pool_slots)
         if self.slice_blocks < self.config.slice_block_num:
             log.warning(
@@ -162,17 +169,22 @@ class Pipeline:
         if self._pool is None:
             await self._open_device()
         assert self._pool is not None
-        try:
-            await self.store.register_staging(self._pool.buffer.data.cast("B"))
-        except Exception as exc:
-            raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
-        self._registered = True
+        buffers = [self._pool.buffer.data.cast("B")]
+        if self._in_place:
+            buffers += [rows.reshape(-1).data for rows in self.cache.byte_rows]
+        for buffer in buffers:
+            try:
+                await self.store.register_staging(buffer)
+            except Exception as exc:
+                await self._unregister()
+                raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
+            self._registered.append(buffer)
 
     async def _unregister(self) -> None:
-        if self._registered and self._pool is not None:
-            self._registered = False
+        registered, self._registered = self._registered, []
+        for buffer in registered:
             try:
-                await self.store.unregister_staging(self._pool.buffer.data.cast("B"))
+                await self.store.unregister_staging(buffer)
             except Exception as exc:
                 log.warning("unregistering staging from %s failed: %r", self.store.name, exc)
 
@@ -229,6 +241,7 @@ class Pipeline:
             hooks=self._hooks,
             outboxes=self._outboxes,
             engine=engine,
+            in_place=self._in_place,
             metrics=self._metrics,
             observers=self._observers,
         )
@@ -252,7 +265,7 @@ class Pipeline:
         self._open = True
         log.info(
             "pipeline open: %s; namespace=%s rank=%d/%d; store=%s; staging %d slots x %d B; "
-            "slices of %d blocks; device path: %s (%s)",
+            "slices of %d blocks; writes %s; device path: %s (%s)",
             self.layout.describe(),
             self.scope.namespace,
             self.scope.rank,
@@ -261,6 +274,7 @@ class Pipeline:
             pool.capacity,
             pool.stride,
             self.slice_blocks,
+            "sent in place from the cache" if self._in_place else "gathered into staging",
             engine.name,
             engine.note,
         )

@@ -151,12 +151,15 @@ class SliceJob:
         spec: Which blocks.
         lease: Staging slots, one per block, in order.
         valid: Read path: leading blocks verified and to be scattered.
+        pieces: Write path, values sent in place: per block, its payload's pieces in the
+            host cache (its trailer is in its staging slot).
     """
 
     state: WriteState | ReadState
     spec: SliceSpec
     lease: StagingLease
     valid: int = 0
+    pieces: list[list[memoryview]] | None = None
 
 
 @dataclass(eq=False)
@@ -179,6 +182,7 @@ class ActorContext:
     hooks: PipelineHooks
     outboxes: dict[str, MemoryObjectSendStream[Any]]
     engine: CopyEngine
+    in_place: bool = False
     metrics: Metrics = field(default_factory=Metrics)
     observers: Observers | None = None
 
@@ -217,10 +221,18 @@ class ActorContext:
         return KeyBatch(self.scope, request_id, keys, first, tokens[:end])
 
     def staged_batch(self, job: SliceJob, kind: type[PutBatch] | type[GetBatch]) -> Any:
-        """The put or get batch of a slice job, over its staging lease."""
+        """The put or get batch of a slice job, over its staging lease (a put's values in
+        pieces when the job carries them)."""
         state, spec = job.state, job.spec
         assert state.keys is not None
         first = spec.first_block
+        extra: dict[str, Any] = {}
+        if job.pieces is not None:
+            trailers = [
+                self.pool.slot(s)[self.payload_nbytes : self.value_nbytes].data.toreadonly()
+                for s in job.lease.slots[: spec.count]
+            ]
+            extra["parts"] = [[*p, t] for p, t in zip(job.pieces, trailers, strict=True)]
         return kind(
             self.scope,
             state.request_id,
@@ -232,6 +244,7 @@ class ActorContext:
             value_nbytes=self.value_nbytes,
             runner=self.runner,
             limiter=self.io_limiter,
+            **extra,
         )
 
 

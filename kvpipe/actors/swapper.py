@@ -1,8 +1,11 @@
 """The swapper: copies between the caller's cache and staging.
 
 Write path: gather a slice's blocks (all layers and roles) into its staging slots and seal
-each with its trailer, then pass it to the writer. Read path: scatter the verified leading
-blocks of a fetched slice into the caller's cache blocks.
+each with its trailer, then pass it to the writer. When the cache is in host memory and the
+store takes values in pieces (``accepts_parts``), nothing is gathered: the trailer is
+checksummed over the block's rows where they lie and the writer sends the rows themselves.
+Read path: scatter the verified leading blocks of a fetched slice into the caller's cache
+blocks.
 
 The copies themselves are the copy engine's (numpy on the host, kernels on a CUDA stream for
 device caches, ordered after the producer's mark ``state.after``); sealing runs on the host
@@ -14,10 +17,11 @@ when a read ends nothing is still writing into the caller's cache.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
-from .._hostcopy import seal_slots
+from .._hostcopy import block_pieces, seal_pieces_into, seal_slots
 from .._plan import copy_plan
 from ._base import Actor, SliceJob
 from ._state import ReadState, RequestState, WriteState
@@ -46,38 +50,59 @@ class Swapper(Actor[SliceJob]):
                 msg.lease.release()
 
     async def _gather(self, job: SliceJob) -> bool:
-        """Gather and pass on; ``True`` when the writer took the job."""
+        """Gather (or, in place, only seal) and pass on; ``True`` when the writer took it."""
         ctx, state, spec = self.ctx, job.state, job.spec
         if state.done:
             return False
-        plan = copy_plan(
-            ctx.segments, state.block_ids[spec.first_block : spec.end_block], job.lease.slots
-        )
+        blocks = state.block_ids[spec.first_block : spec.end_block]
         with anyio.CancelScope(shield=True):
             digests = ctx.digests_of(state, spec)
-
-            def seal() -> None:
-                seal_slots(
-                    ctx.pool.buffer,
-                    job.lease.slots,
-                    ctx.payload_nbytes,
-                    digests,
-                    ctx.config.verify_checksums,
-                )
-
-            async def on_host(fn: Callable[[], None]) -> None:
-                await ctx.run_copy(
-                    plan.nbytes if ctx.config.verify_checksums else 0, fn, hold=job.lease
-                )
-
-            await ctx.engine.gather_then(plan, job.lease, state.after, seal, on_host)
-        ctx.metrics.counters["bytes_gathered"] += plan.nbytes
+            if ctx.in_place:
+                await self._seal_in_place(job, blocks, digests)
+            else:
+                await self._gather_and_seal(job, blocks, digests)
         with anyio.move_on_at(state.deadline):
             await self.send("writer", job)
             return True
         assert isinstance(state, WriteState)
         state.stop("total_timeout", "deadline passed waiting for the writer")
         return False
+
+    async def _gather_and_seal(self, job: SliceJob, blocks: Any, digests: list[bytes]) -> None:
+        ctx, state = self.ctx, job.state
+        plan = copy_plan(ctx.segments, blocks, job.lease.slots)
+
+        def seal() -> None:
+            seal_slots(
+                ctx.pool.buffer,
+                job.lease.slots,
+                ctx.payload_nbytes,
+                digests,
+                ctx.config.verify_checksums,
+            )
+
+        async def on_host(fn: Callable[[], None]) -> None:
+            nbytes = plan.nbytes if ctx.config.verify_checksums else 0
+            await ctx.run_copy(nbytes, fn, hold=job.lease)
+
+        await ctx.engine.gather_then(plan, job.lease, state.after, seal, on_host)
+        ctx.metrics.counters["bytes_gathered"] += plan.nbytes
+
+    async def _seal_in_place(self, job: SliceJob, blocks: Any, digests: list[bytes]) -> None:
+        """Leave the payloads in the host cache: note where each block's pieces lie and
+        write its trailer (checksummed over the pieces) into its staging slot."""
+        ctx = self.ctx
+        rows = ctx.cache.byte_rows
+        slots = job.lease.slots[: len(blocks)]
+
+        def seal() -> list[list[memoryview]]:
+            pieces = [block_pieces(ctx.segments, rows, int(b)) for b in blocks]
+            seal_pieces_into(pieces, ctx.pool.buffer, slots, ctx.payload_nbytes, digests, True)
+            return pieces
+
+        nbytes = len(blocks) * ctx.payload_nbytes
+        job.pieces = await ctx.run_copy(nbytes, seal, hold=job.lease)
+        ctx.metrics.counters["bytes_sent_in_place"] += nbytes
 
     async def _scatter(self, job: SliceJob) -> None:
         ctx, spec = self.ctx, job.spec

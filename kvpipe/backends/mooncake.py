@@ -1,7 +1,9 @@
 """Mooncake Store: the distributed KV store used across this field, as a kvpipe backend.
 
 Zero-copy: the pipeline's staging memory is registered once (``register_buffer``) and every
-slice moves with ``batch_upsert_from`` / ``batch_get_into`` straight from / into it. Vendor calls
+slice moves with ``batch_upsert_from`` / ``batch_get_into`` straight from / into it; a write
+sent in place from a host cache (whose tensors are registered too) moves each block's rows
+with ``batch_put_from_multi_buffers``, with no gather at all. Vendor calls
 block (the bindings release the GIL), so they run in worker threads; a slice timeout stops the
 wait, and the staging stays leased until the call returns.
 
@@ -82,6 +84,7 @@ class MooncakeStore(StorageBackend):
     """
 
     name = "mooncake"
+    accepts_parts = True
 
     def __init__(
         self,
@@ -108,7 +111,7 @@ class MooncakeStore(StorageBackend):
         self._own_client = client is None
         if client is None:
             self._check_installed()  # fail at construction, not at first use
-        self._registered: list[tuple[int, int]] = []
+        self._registered: Counter[tuple[int, int]] = Counter()
         self._distrust: OrderedDict[str, None] = OrderedDict()
         self._nodes: set[str] = set()
         self._limiter = anyio.CapacityLimiter(4)
@@ -214,35 +217,58 @@ class MooncakeStore(StorageBackend):
             raise BackendError(self.name, getattr(fn, "__name__", "call"), repr(exc)) from exc
 
     async def register_staging(self, buffer: memoryview) -> None:
-        """Register the pipeline's staging memory with the transfer engine (once)."""
+        """Register memory values move from or into (staging; a host cache written in
+        place) with the transfer engine. Counted: a buffer registered by several pipelines
+        is registered with the vendor once and unregistered after the last."""
         client = await self._ready()
-        ptr = int(np.frombuffer(buffer, np.uint8).ctypes.data)
-        rc = await self._call(client.register_buffer, ptr, len(buffer))
-        if rc != 0:
-            raise BackendError(self.name, "register_buffer", f"returned {rc}")
-        self._registered.append((ptr, len(buffer)))
+        region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
+        if self._registered[region] == 0:
+            rc = await self._call(client.register_buffer, *region)
+            if rc != 0:
+                raise BackendError(self.name, "register_buffer", f"returned {rc}")
+        self._registered[region] += 1
 
     async def unregister_staging(self, buffer: memoryview) -> None:
-        """Unregister the staging memory registered by :meth:`register_staging`."""
-        ptr = int(np.frombuffer(buffer, np.uint8).ctypes.data)
-        if self._client is not None and (ptr, len(buffer)) in self._registered:
-            self._registered.remove((ptr, len(buffer)))
-            await self._call(self._client.unregister_buffer, ptr)
+        """Undo one :meth:`register_staging` of ``buffer``."""
+        region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
+        if self._registered[region] <= 0:
+            return
+        self._registered[region] -= 1
+        if self._registered[region] == 0:
+            del self._registered[region]
+            if self._client is not None:
+                await self._call(self._client.unregister_buffer, region[0])
 
     # -- blocks ------------------------------------------------------------------------------
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
-        """``batch_upsert_from`` the batch's staging buffers (zero-copy; a put of a stored
-        key replaces its value, as ``batch_put_from`` would not).
+        """Zero-copy put: ``batch_upsert_from`` the staging buffers of a contiguous batch (a
+        put of a stored key replaces its value), ``batch_put_from_multi_buffers`` the pieces
+        of a batch sent in place from a host cache (the rows where they lie; a key already
+        stored is left as it is — keys name their content — except one distrusted after a
+        failed read, which is removed first).
 
         Cancellation: the wait stops; the vendor call runs on with the staging leased.
         """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        sizes = [batch.value_nbytes] * len(keys)
-        codes = await self._vendor(
-            batch, client.batch_upsert_from, keys, batch.buffer_addresses(), sizes
-        )
+        if batch.in_parts:
+            stale = [k for k in keys if k in self._distrust]
+            if stale:
+                await self._call(client.batch_remove, stale, True)
+            where = batch.part_addresses()
+            codes = await self._vendor(
+                batch,
+                client.batch_put_from_multi_buffers,
+                keys,
+                [[a for a, _ in p] for p in where],
+                [[n for _, n in p] for p in where],
+            )
+        else:
+            sizes = [batch.value_nbytes] * len(keys)
+            codes = await self._vendor(
+                batch, client.batch_upsert_from, keys, batch.buffer_addresses(), sizes
+            )
         out = []
         for key, code in zip(keys, codes, strict=True):
             if code == 0:

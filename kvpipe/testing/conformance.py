@@ -18,6 +18,7 @@ The built-in stores run exactly this suite.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -93,15 +94,32 @@ class Batches:
         return KeyBatch(_SCOPE, "conformance", keys, first, tokens, parent)
 
     async def put(
-        self, backend: StorageBackend, keys: Sequence[str], values: Sequence[bytes]
+        self,
+        backend: StorageBackend,
+        keys: Sequence[str],
+        values: Sequence[bytes],
+        *,
+        pieces: np.ndarray | None = None,
     ) -> list[BlockStatus]:
-        """Put ``values`` (each ``pool.slot_nbytes`` long) under ``keys``."""
+        """Put ``values`` (each ``pool.slot_nbytes`` long) under ``keys``.
+
+        Args:
+            pieces: A registered ``uint8`` buffer: when given, each value is sent in parts
+                (as the pipeline sends a host cache's rows in place): uneven, non-adjacent
+                pieces in this buffer, the last 48 bytes in the staging slot.
+        """
         statuses: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
         for positions, first, tokens, parent in self._runs(keys):
             lease = await self.pool.acquire(len(positions))
             try:
+                parts: list[list[memoryview]] | None = None
                 for i, pos in enumerate(positions):
                     self.pool.slot(lease.slots[i])[:] = np.frombuffer(values[pos], np.uint8)
+                if pieces is not None:
+                    parts = [
+                        self._scatter_pieces(pieces, j, values[pos], lease.slots[j])
+                        for j, pos in enumerate(positions)
+                    ]
                 batch = PutBatch(
                     _SCOPE,
                     "conformance",
@@ -113,6 +131,7 @@ class Batches:
                     value_nbytes=self.pool.slot_nbytes,
                     runner=self.runner,
                     limiter=None,
+                    parts=parts,
                 )
                 got = list(await backend.put_blocks(batch))
                 assert len(got) == len(positions), "one status per key"
@@ -121,6 +140,25 @@ class Batches:
             finally:
                 lease.release()
         return statuses
+
+    def _scatter_pieces(
+        self, buffer: np.ndarray, index: int, value: bytes, slot: int
+    ) -> list[memoryview]:
+        """Lay ``value`` out as the pipeline sends a block in place: payload pieces of uneven
+        sizes at gapped places of ``buffer`` (block ``index``'s region), trailer in staging."""
+        payload = len(value) - 48
+        cuts = [0, 1, payload // 3, payload // 3 + 7, payload]
+        region = len(buffer) // 8
+        assert region >= payload + 64 * len(cuts), "pieces buffer too small"
+        base = (index % 8) * region
+        out: list[memoryview] = []
+        at = base
+        for lo, hi in itertools.pairwise(cuts):
+            buffer[at : at + hi - lo] = np.frombuffer(value[lo:hi], np.uint8)
+            out.append(buffer[at : at + hi - lo].data.toreadonly())
+            at += hi - lo + 64  # a gap: pieces are not adjacent
+        out.append(self.pool.slot(slot)[payload:].data.toreadonly())
+        return out
 
     async def get(
         self, backend: StorageBackend, keys: Sequence[str]
@@ -191,6 +229,29 @@ class BackendConformance:
             statuses, got = await b.get(backend, keys)
             assert statuses == [BlockStatus.OK] * 8
             assert got == values
+
+    async def test_put_in_parts_is_byte_exact(self, backend: StorageBackend) -> None:
+        if not backend.accepts_parts:
+            pytest.skip("this backend takes contiguous values only (accepts_parts is False)")
+        async with self._batches(backend) as b:
+            buffer = np.zeros(8 * (b.pool.slot_nbytes + 512), np.uint8)
+            await backend.register_staging(buffer.data)
+            try:
+                keys, _ = b.keys(8, seed=20)
+                values = _values(8, b.pool.slot_nbytes, seed=20)
+                assert await b.put(backend, keys, values, pieces=buffer) == [BlockStatus.OK] * 8
+                statuses, got = await b.get(backend, keys)
+                assert statuses == [BlockStatus.OK] * 8
+                assert got == values
+                # Stored again in parts (a writer of the same prefix): still one sound value.
+                assert (
+                    await b.put(backend, keys[:3], values[:3], pieces=buffer)
+                    == [BlockStatus.OK] * 3
+                )
+                statuses, got = await b.get(backend, keys[:3])
+                assert statuses == [BlockStatus.OK] * 3 and got == values[:3]
+            finally:
+                await backend.unregister_staging(buffer.data)
 
     async def test_partial_block_keys_are_ordinary_keys(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:

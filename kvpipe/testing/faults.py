@@ -182,6 +182,8 @@ class FaultyStore(StorageBackend):
 
     def __init__(self, inner: StorageBackend, plan: FaultPlan) -> None:
         self.inner = inner
+        # Values in pieces (straight from a host cache) when the inner store takes them.
+        self.accepts_parts = inner.accepts_parts
         self.plan = plan
         self.calls: list[StoreCall] = []
         self._counts: dict[str, int] = {}
@@ -253,7 +255,7 @@ class FaultyStore(StorageBackend):
         call, rng, rules = self._begin("put", batch, batch.keys)
         call.addresses = tuple(batch.buffer_addresses())
         call.value_nbytes = batch.value_nbytes
-        call.digests = self._digests(batch.values)
+        call.digests = self._digests(batch.staging_views())
         return await self._run(call, self._put(batch, call, rng, rules))  # type: ignore[no-any-return]
 
     async def _put(
@@ -312,7 +314,7 @@ class FaultyStore(StorageBackend):
                     await anyio.sleep(delay)
                     box.append(list(await fn(batch)))
                     if isinstance(batch, PutBatch):
-                        call.late_digests = self._digests(batch.values)
+                        call.late_digests = self._digests(batch.staging_views())
             except Exception as exc:
                 box.append(exc)
             finally:

@@ -417,12 +417,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: Buffers per ``writev`` call (Linux's ``IOV_MAX``).
+_IOV_MAX: Final = 1024
+
+
 def _write_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:
-    views = [memoryview(c).cast("B") for c in chunks]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+    views = [memoryview(c).cast("B") for c in chunks if len(c)]
+    at = 0
+    while at < len(views):
+        n = os.writev(fd, views[at : at + _IOV_MAX])
+        while at < len(views) and n >= len(views[at]):
+            n -= len(views[at])
+            at += 1
+        if at < len(views) and n:
+            views[at] = views[at][n:]

@@ -69,6 +69,7 @@ class FileStore(StorageBackend):
     """
 
     name = "file"
+    accepts_parts = True
 
     def __init__(
         self,
@@ -212,7 +213,7 @@ class FileStore(StorageBackend):
                 root,
                 catalog,
                 keys,
-                batch.values,
+                batch.parts,
                 batch.parent_key,
                 batch.scope.fingerprint,
                 abandoned,
@@ -226,14 +227,15 @@ class FileStore(StorageBackend):
         root: Root,
         catalog: Catalog,
         keys: list[str],
-        values: list[memoryview],
+        values: list[list[memoryview]],
         parent: str | None,
         fingerprint: str,
         abandoned: threading.Event,
     ) -> list[BlockStatus]:
         if not keys:
             return []
-        nbytes = len(values[0]) + HEADER_NBYTES
+        value_nbytes = sum(len(p) for p in values[0])
+        nbytes = value_nbytes + HEADER_NBYTES
         res = catalog.reserve(keys, parent, key_namespace(keys[0]), nbytes, self.capacity_bytes)
         admitted = [i for i, ok in enumerate(res.admitted) if ok]
         statuses = [BlockStatus.FAILED if ok else BlockStatus.NO_SPACE for ok in res.admitted]
@@ -263,7 +265,7 @@ class FileStore(StorageBackend):
             catalog.settle(
                 written, [keys[i] for i in admitted if statuses[i] is not BlockStatus.OK]
             )
-        self._count(blocks_written=len(written), bytes_written=len(written) * len(values[0]))
+        self._count(blocks_written=len(written), bytes_written=len(written) * value_nbytes)
         if errors:  # one line per batch, not per block
             log.warning(
                 "file store %s: %d of %d blocks failed to write: %s",
@@ -278,19 +280,25 @@ class FileStore(StorageBackend):
         self,
         root: Root,
         key: str,
-        value: memoryview,
+        pieces: list[memoryview],
         fingerprint: str,
         abandoned: threading.Event,
         errors: list[str],
     ) -> BlockStatus:
         if abandoned.is_set():
             return BlockStatus.FAILED
-        header = pack_header(
-            key, len(value), xxhash.xxh3_64_intdigest(value), time.time(), fingerprint
-        )
+        if len(pieces) == 1:
+            checksum = xxhash.xxh3_64_intdigest(pieces[0])
+        else:
+            h = xxhash.xxh3_64()
+            for piece in pieces:
+                h.update(piece)
+            checksum = h.intdigest()
+        nbytes = sum(len(p) for p in pieces)
+        header = pack_header(key, nbytes, checksum, time.time(), fingerprint)
         parts, name = block_location(key)
         try:
-            if root.write_atomic(parts, name, (header, value), self.durability, abandoned):
+            if root.write_atomic(parts, name, (header, *pieces), self.durability, abandoned):
                 return BlockStatus.OK
             return BlockStatus.FAILED
         except OSError as exc:
