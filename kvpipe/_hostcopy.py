@@ -14,7 +14,15 @@ import numpy.typing as npt
 from ._blockformat import TRAILER_NBYTES, check_block, seal_block, seal_pieces
 from ._plan import CopyPlan, CopySegment
 
-__all__ = ("block_pieces", "gather", "scatter", "seal_pieces_into", "seal_slots", "verify_slots")
+__all__ = (
+    "block_pieces",
+    "gather",
+    "piece_addresses",
+    "scatter",
+    "seal_pieces_into",
+    "seal_slots",
+    "verify_slots",
+)
 
 Rows = npt.NDArray[np.uint8]
 
@@ -65,6 +73,15 @@ def block_pieces(
     """The read-only pieces of one cache block's payload, in contract order, where they lie
     in the cache (no copy)."""
     return [rows[seg.tensor][block].data.toreadonly() for seg in segments]
+
+
+def piece_addresses(
+    segments: Sequence[CopySegment], rows: Sequence[Rows], blocks: Sequence[int]
+) -> list[list[int]]:
+    """The address of every piece :func:`block_pieces` gives, per block (arithmetic on each
+    tensor's base address and row stride)."""
+    bases = [(rows[seg.tensor].ctypes.data, rows[seg.tensor].strides[0]) for seg in segments]
+    return [[base + int(b) * stride for base, stride in bases] for b in blocks]
 
 
 def seal_pieces_into(

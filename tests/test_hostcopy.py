@@ -15,6 +15,7 @@ from kvpipe._blockformat import TRAILER_NBYTES, value_nbytes
 from kvpipe._hostcopy import (
     block_pieces,
     gather,
+    piece_addresses,
     scatter,
     seal_pieces_into,
     seal_slots,
@@ -312,3 +313,15 @@ def test_sealing_pieces_in_place_equals_gathering_then_sealing(name: str, checks
         assert verify_slots(joined[None, :], [0], payload, digests[:1], True) == [
             "checksum mismatch"
         ]
+
+
+@pytest.mark.parametrize("name", sorted(HOST_LAYOUTS))
+def test_piece_addresses_are_where_the_pieces_are(name: str) -> None:
+    layout = HOST_LAYOUTS[name]()
+    cache = create_kv_cache(layout, num_blocks=CACHE_BLOCKS)
+    segments = layout_segments(layout)
+    blocks = [4, 0, 15]
+    addresses = piece_addresses(segments, cache.byte_rows, blocks)
+    for b, where in zip(blocks, addresses, strict=True):
+        pieces = block_pieces(segments, cache.byte_rows, b)
+        assert where == [np.frombuffer(p, np.uint8).ctypes.data for p in pieces]

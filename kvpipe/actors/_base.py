@@ -153,6 +153,7 @@ class SliceJob:
         valid: Read path: leading blocks verified and to be scattered.
         pieces: Write path, values sent in place: per block, its payload's pieces in the
             host cache (its trailer is in its staging slot).
+        addresses: Their addresses, trailer last.
     """
 
     state: WriteState | ReadState
@@ -160,6 +161,7 @@ class SliceJob:
     lease: StagingLease
     valid: int = 0
     pieces: list[list[memoryview]] | None = None
+    addresses: list[list[int]] | None = None
 
 
 @dataclass(eq=False)
@@ -233,6 +235,12 @@ class ActorContext:
                 for s in job.lease.slots[: spec.count]
             ]
             extra["parts"] = [[*p, t] for p, t in zip(job.pieces, trailers, strict=True)]
+            if job.addresses is not None:
+                base, stride = self.pool.buffer.ctypes.data, self.pool.stride
+                extra["addresses"] = [
+                    [*a, base + s * stride + self.payload_nbytes]
+                    for a, s in zip(job.addresses, job.lease.slots, strict=False)
+                ]
         return kind(
             self.scope,
             state.request_id,

@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from .._hostcopy import block_pieces, seal_pieces_into, seal_slots
+from .._hostcopy import block_pieces, piece_addresses, seal_pieces_into, seal_slots
 from .._plan import copy_plan
 from ._base import Actor, SliceJob
 from ._state import ReadState, RequestState, WriteState
@@ -95,13 +95,13 @@ class Swapper(Actor[SliceJob]):
         rows = ctx.cache.byte_rows
         slots = job.lease.slots[: len(blocks)]
 
-        def seal() -> list[list[memoryview]]:
+        def seal() -> tuple[list[list[memoryview]], list[list[int]]]:
             pieces = [block_pieces(ctx.segments, rows, int(b)) for b in blocks]
             seal_pieces_into(pieces, ctx.pool.buffer, slots, ctx.payload_nbytes, digests, True)
-            return pieces
+            return pieces, piece_addresses(ctx.segments, rows, blocks)
 
         nbytes = len(blocks) * ctx.payload_nbytes
-        job.pieces = await ctx.run_copy(nbytes, seal, hold=job.lease)
+        job.pieces, job.addresses = await ctx.run_copy(nbytes, seal, hold=job.lease)
         ctx.metrics.counters["bytes_sent_in_place"] += nbytes
 
     async def _scatter(self, job: SliceJob) -> None:

@@ -182,9 +182,11 @@ class PutBatch(_StagedBatch):
         parts: Per key, the read-only pieces whose concatenation is its value (the pipeline
             passes the block's cache rows in contract order, then the trailer in staging);
             ``None`` when every value is contiguous in its staging slot.
+        addresses: Per key, the address of each of its ``parts`` when the caller knows them
+            (saves working them out from the views); ``None`` otherwise.
     """
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_addresses", "_parts")
 
     def __init__(
         self,
@@ -201,6 +203,7 @@ class PutBatch(_StagedBatch):
         limiter: anyio.CapacityLimiter | None,
         offset: int = 0,
         parts: Sequence[Sequence[memoryview]] | None = None,
+        addresses: Sequence[Sequence[int]] | None = None,
     ) -> None:
         super().__init__(
             scope,
@@ -221,7 +224,14 @@ class PutBatch(_StagedBatch):
                 sum(len(m) for m in p) != value_nbytes for p in parts
             ):
                 raise ValueError("each key needs parts adding up to value_nbytes")
+        if addresses is not None:
+            if parts is None:
+                raise ValueError("addresses come with parts")
+            addresses = addresses[offset : offset + len(self.keys)]
+            if [len(a) for a in addresses] != [len(p) for p in parts]:
+                raise ValueError("one address per part")
         self._parts = parts
+        self._addresses = addresses
 
     @property
     def in_parts(self) -> bool:
@@ -262,6 +272,11 @@ class PutBatch(_StagedBatch):
         that move registered memory by address)."""
         if self._parts is None:
             return [[(a, self.value_nbytes)] for a in self.buffer_addresses()]
+        if self._addresses is not None:
+            return [
+                list(zip(a, map(len, p), strict=True))
+                for a, p in zip(self._addresses, self._parts, strict=True)
+            ]
         return [[(_address(m), len(m)) for m in p] for p in self._parts]
 
 

@@ -53,6 +53,7 @@ class FileBenchConfig:
         request_blocks: Blocks per pipeline request; requests run concurrently.
         cold_reads: Evict the written files from the page cache before reading them back
             (both contenders), so reads measure the disk, not memory copies.
+        write_in_place: The pipeline's ``write_in_place`` (on by default, as in production).
     """
 
     sizes: tuple[str, ...] = ("256KiB", "2MiB", "8MiB")
@@ -62,6 +63,7 @@ class FileBenchConfig:
     durability: str = "data"
     directory: str = "."
     request_blocks: int = 32
+    write_in_place: bool = True
 
 
 def _raw_write(root: str, buf: np.ndarray, threads: int, durability: str) -> None:
@@ -136,7 +138,11 @@ async def _bench_size(
     readback = np.empty_like(contiguous)
     workdir = tempfile.mkdtemp(prefix=f"kvpipe-bench-{name}-", dir=cfg.directory)
     round_no = [0]
-    config = PipelineConfig(slice_block_num=8, staging_bytes=max(512 << 20, 64 * nbytes))
+    config = PipelineConfig(
+        slice_block_num=8,
+        staging_bytes=max(512 << 20, 64 * nbytes),
+        write_in_place=cfg.write_in_place,
+    )
     write_m, read_m = Measurement(n * nbytes), Measurement(n * nbytes)
 
     async def pipeline_round() -> float:
@@ -190,6 +196,7 @@ async def _bench_size(
         "block_bytes": nbytes,
         "blocks": n,
         "durability": cfg.durability,
+        "write_in_place": cfg.write_in_place,
         "cold_reads": cfg.cold_reads,
         "write": write_m.summary("pipeline", ["raw1", "raw4"]),
         "read": read_m.summary("pipeline", ["raw1", "raw4"]),

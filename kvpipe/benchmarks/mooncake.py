@@ -76,6 +76,7 @@ class MooncakeBenchConfig:
         concurrency: Pipeline requests in flight at once.
         io_threads: The pipeline's worker threads for vendor calls.
         verify_checksums: The pipeline's checksums (on by default, as in production).
+        write_in_place: The pipeline's ``write_in_place`` (on by default, as in production).
     """
 
     sizes: tuple[str, ...] = ("256KiB", "2MiB", "8MiB")
@@ -87,6 +88,7 @@ class MooncakeBenchConfig:
     concurrency: int = 2
     io_threads: int = 2
     verify_checksums: bool = True
+    write_in_place: bool = True
 
     def slice_blocks(self, layout: CacheLayout) -> int:
         """Blocks per pipeline slice for ``layout``."""
@@ -242,6 +244,7 @@ async def _bench_size(
         slice_block_num=cfg.slice_blocks(layout),
         io_threads=cfg.io_threads,
         verify_checksums=cfg.verify_checksums,
+        write_in_place=cfg.write_in_place,
         staging_bytes=max(256 << 20, 4 * cfg.concurrency * cfg.slice_blocks(layout) * vsize),
     )
     store = MooncakeStore(place.server.master_address, place.server.metadata_url, client=client)
@@ -328,6 +331,7 @@ async def _bench_size(
             "slice_block_num": config.slice_block_num,
             "io_threads": config.io_threads,
             "verify_checksums": config.verify_checksums,
+            "write_in_place": config.write_in_place,
             "staging_bytes": config.staging_bytes,
         },
         "write": write,

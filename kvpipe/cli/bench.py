@@ -157,7 +157,8 @@ def _pipeline_line(records: list[dict[str, Any]]) -> str:
     return (
         f"Pipeline: {p['concurrency']} requests in flight, each of {slices} slices of "
         f"~{mib:.3g} MiB ({per_size}); io_threads={p['io_threads']}; checksums "
-        f"{'on' if p['verify_checksums'] else 'off'}."
+        f"{'on' if p['verify_checksums'] else 'off'}; writes "
+        f"{'sent in place' if p.get('write_in_place') else 'gathered into staging'}."
     )
 
 
@@ -253,6 +254,7 @@ async def _run_scenario(
             durability=args.durability,
             directory=args.dir,
             cold_reads=not args.warm_reads,
+            write_in_place=not args.gather,
         )
         return await run_filestore_bench(fcfg, tick)
     mcfg = MooncakeBenchConfig(
@@ -264,6 +266,7 @@ async def _run_scenario(
         concurrency=args.concurrency,
         io_threads=args.io_threads,
         verify_checksums=not args.no_checksums,
+        write_in_place=not args.gather,
     )
     return await run_mooncake_bench(mcfg, tick)
 
@@ -385,6 +388,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--concurrency", type=int, default=2, help="mooncake: pipeline requests in flight")
     add("--io-threads", type=int, default=2, help="mooncake: the pipeline's io_threads")
     add("--no-checksums", action="store_true", help="mooncake: pipeline without checksums")
+    add(
+        "--gather",
+        action="store_true",
+        help="file, mooncake: gather writes into staging (write_in_place=False)",
+    )
     add(
         "--scaling-dir",
         metavar="DIR",

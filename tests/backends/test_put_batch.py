@@ -17,7 +17,12 @@ from kvpipe.backends.file._fs import _write_all
 SCOPE = Scope("t", "0123456789abcdef")
 
 
-async def make(parts: list[list[memoryview]] | None, n: int = 3, offset: int = 0) -> PutBatch:
+async def make(
+    parts: list[list[memoryview]] | None,
+    n: int = 3,
+    offset: int = 0,
+    addresses: list[list[int]] | None = None,
+) -> PutBatch:
     pool = StagingPool(64, 8)
     lease = await pool.acquire(n + offset)
     return PutBatch(
@@ -32,6 +37,7 @@ async def make(parts: list[list[memoryview]] | None, n: int = 3, offset: int = 0
         limiter=None,
         offset=offset,
         parts=parts,
+        addresses=addresses,
     )
 
 
@@ -91,3 +97,14 @@ def test_write_all_handles_more_pieces_than_iov_max(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == b"".join(bytes(c) for c in chunks)
+
+
+async def test_given_addresses_are_used_and_checked() -> None:
+    buf = np.arange(400, dtype=np.uint8)
+    given = [[1000 + i, 2000 + i] for i in range(3)]
+    batch = await make(pieces(buf, 3), n=2, offset=1, addresses=given)
+    assert batch.part_addresses() == [[(1001, 40), (2001, 24)], [(1002, 40), (2002, 24)]]
+    with pytest.raises(ValueError, match="one address per part"):
+        await make(pieces(buf, 3), addresses=[[1], [2], [3]])
+    with pytest.raises(ValueError, match="addresses come with parts"):
+        await make(None, addresses=given)
