@@ -52,9 +52,12 @@ class PipelineConfig:
         write_in_place: For a cache in host memory and a store that takes values in pieces
             (``StorageBackend.accepts_parts``), send each block's rows straight from the
             cache instead of gathering them into staging first (one pass over the bytes
-            less). Needs ``verify_checksums`` (a write abandoned on a timeout may read rows
-            the caller has since reused; the checksum catches such a block on read);
-            without it writes are gathered.
+            less, but one call per (layer, role) row instead of one per block). Off by
+            default: on the 2-core test machine it measured no faster and disturbed the
+            event loop more (per-row checksum and copy calls contend for the GIL; see
+            docs/performance.md). Needs ``verify_checksums`` (a write abandoned on a timeout
+            may read rows the caller has since reused; the checksum catches such a block on
+            read); without it writes are gathered.
         close_timeout: Seconds ``aclose`` waits for in-flight requests and worker threads.
     """
 
@@ -71,7 +74,7 @@ class PipelineConfig:
     restart_window: float = 60.0
     deadline_slack: float = 0.25
     verify_checksums: bool = True
-    write_in_place: bool = True
+    write_in_place: bool = False
     close_timeout: float = 10.0
 
     def __post_init__(self) -> None:

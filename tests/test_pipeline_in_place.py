@@ -17,7 +17,9 @@ from kvpipe.backends import BlockStatus, PutBatch
 from kvpipe.testing.faults import FaultPlan, FaultRule, FaultyStore
 from tests.helpers import LAYOUTS, fill_random
 
-CONFIG = kvpipe.PipelineConfig(slice_block_num=3, slice_timeout=1.0, staging_bytes=1 << 20)
+CONFIG = kvpipe.PipelineConfig(
+    slice_block_num=3, slice_timeout=1.0, staging_bytes=1 << 20, write_in_place=True
+)
 
 
 @pytest.fixture
@@ -95,6 +97,16 @@ async def test_in_place_write_reads_back_byte_exact_and_is_counted() -> None:
     assert r.loaded == 6
     for s_rows, d_rows in zip(src.byte_rows, dst.byte_rows, strict=True):
         assert np.array_equal(s_rows[[5, 1, 2, 7, 0, 3]], d_rows[:6])
+
+
+async def test_writes_are_gathered_by_default() -> None:
+    assert kvpipe.PipelineConfig().write_in_place is False
+    layout = LAYOUTS["mla"]()
+    cache = kvpipe.create_kv_cache(layout, num_blocks=8)
+    store = RecordingStore()
+    async with kvpipe.open_pipeline(cache, store, config=kvpipe.PipelineConfig()) as pipe:
+        assert (await pipe.write(tokens(3, 4, layout.block_size), [0, 1, 2, 3])).complete
+    assert set(store.in_parts) == {False}
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ class FileBenchConfig:
         request_blocks: Blocks per pipeline request; requests run concurrently.
         cold_reads: Evict the written files from the page cache before reading them back
             (both contenders), so reads measure the disk, not memory copies.
-        write_in_place: The pipeline's ``write_in_place`` (on by default, as in production).
+        write_in_place: The pipeline's ``write_in_place`` (off by default, as in production).
     """
 
     sizes: tuple[str, ...] = ("256KiB", "2MiB", "8MiB")
@@ -63,7 +63,7 @@ class FileBenchConfig:
     durability: str = "data"
     directory: str = "."
     request_blocks: int = 32
-    write_in_place: bool = True
+    write_in_place: bool = False
 
 
 def _raw_write(root: str, buf: np.ndarray, threads: int, durability: str) -> None:

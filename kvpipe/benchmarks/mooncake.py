@@ -76,7 +76,7 @@ class MooncakeBenchConfig:
         concurrency: Pipeline requests in flight at once.
         io_threads: The pipeline's worker threads for vendor calls.
         verify_checksums: The pipeline's checksums (on by default, as in production).
-        write_in_place: The pipeline's ``write_in_place`` (on by default, as in production).
+        write_in_place: The pipeline's ``write_in_place`` (off by default, as in production).
     """
 
     sizes: tuple[str, ...] = ("256KiB", "2MiB", "8MiB")
@@ -88,7 +88,7 @@ class MooncakeBenchConfig:
     concurrency: int = 2
     io_threads: int = 2
     verify_checksums: bool = True
-    write_in_place: bool = True
+    write_in_place: bool = False
 
     def slice_blocks(self, layout: CacheLayout) -> int:
         """Blocks per pipeline slice for ``layout``."""
@@ -247,7 +247,12 @@ async def _bench_size(
         write_in_place=cfg.write_in_place,
         staging_bytes=max(256 << 20, 4 * cfg.concurrency * cfg.slice_blocks(layout) * vsize),
     )
-    store = MooncakeStore(place.server.master_address, place.server.metadata_url, client=client)
+    store = MooncakeStore(
+        place.server.master_address,
+        place.server.metadata_url,
+        client=client,
+        put_in_pieces=cfg.write_in_place,
+    )
 
     def record(m: Measurement, contender: str, seconds: float) -> None:
         if state["recording"]:

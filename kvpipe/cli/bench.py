@@ -254,7 +254,7 @@ async def _run_scenario(
             durability=args.durability,
             directory=args.dir,
             cold_reads=not args.warm_reads,
-            write_in_place=not args.gather,
+            write_in_place=args.in_place,
         )
         return await run_filestore_bench(fcfg, tick)
     mcfg = MooncakeBenchConfig(
@@ -266,7 +266,7 @@ async def _run_scenario(
         concurrency=args.concurrency,
         io_threads=args.io_threads,
         verify_checksums=not args.no_checksums,
-        write_in_place=not args.gather,
+        write_in_place=args.in_place,
     )
     return await run_mooncake_bench(mcfg, tick)
 
@@ -389,9 +389,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--io-threads", type=int, default=2, help="mooncake: the pipeline's io_threads")
     add("--no-checksums", action="store_true", help="mooncake: pipeline without checksums")
     add(
-        "--gather",
+        "--in-place",
         action="store_true",
-        help="file, mooncake: gather writes into staging (write_in_place=False)",
+        help="file, mooncake: send writes in place from the cache (write_in_place=True; "
+        "Mooncake with put_in_pieces)",
     )
     add(
         "--scaling-dir",
