@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from typing import Any, TypeVar, final
 
 import anyio
 import anyio.abc
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
@@ -205,6 +209,21 @@ class StagingLease:
 
 
 @final
+class _Call:
+    """Who finishes a worker-thread call: its caller, or, when the caller stopped waiting
+    while the thread ran, the thread itself (through the event loop). A call whose caller
+    gave up before the thread started never starts."""
+
+    __slots__ = ("abandoned", "done", "lock", "started")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started = False
+        self.done = False
+        self.abandoned = False
+
+
+@final
 class ThreadRunner:
     """Runs blocking functions in worker threads, holding staging until they return.
 
@@ -214,7 +233,7 @@ class ThreadRunner:
     """
 
     def __init__(self, close_timeout: float = 10.0) -> None:
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._open = False
         self._running = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -226,23 +245,20 @@ class ThreadRunner:
         return self._running
 
     async def __aenter__(self) -> ThreadRunner:
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        self._open = True
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        assert self._tg is not None
         with anyio.move_on_after(self._close_timeout, shield=True) as scope:
             await self._idle.wait()
+        self._open = False
         if scope.cancelled_caught:
             log.error(
-                "%d worker thread(s) still running after %.1f s at close; abandoning them",
+                "%d worker thread(s) still running after %.1f s at close; abandoning them "
+                "(their staging slots stay leased)",
                 self._running,
                 self._close_timeout,
             )
-            self._tg.cancel_scope.cancel()
-        tg, self._tg = self._tg, None
-        await tg.__aexit__(None, None, None)
 
     async def run(
         self,
@@ -259,48 +275,51 @@ class ThreadRunner:
         Raises:
             RuntimeError: The runner is not running.
         """
-        if self._tg is None:
+        if not self._open:
             raise RuntimeError("ThreadRunner is not running")
-        done = anyio.Event()
-        box: list[Any] = []
         if hold is not None:
             hold.retain()
         self._running += 1
-        self._idle = anyio.Event() if self._running == 1 else self._idle
+        if self._running == 1:
+            self._idle = anyio.Event()
+        call = _Call()
+        token = anyio.lowlevel.current_token()
 
-        async def runner() -> None:
-            returned = False
+        def work() -> T | None:
+            with call.lock:
+                if call.abandoned:
+                    return None  # the caller gave up before it started: do nothing
+                call.started = True
             try:
-                value = await anyio.to_thread.run_sync(
-                    fn, *args, limiter=limiter, abandon_on_cancel=True
-                )
-                box.append((True, value))
-                returned = True
-            except Exception as exc:
-                box.append((False, exc))
-                returned = True
+                return fn(*args)
             finally:
-                if hold is not None:
-                    if returned:
-                        hold.release()
-                    else:
-                        # Abandoned at close while still running: its staging stays leased
-                        # (never reused) rather than handed to someone else mid-read.
-                        log.error(
-                            "a worker thread was abandoned at close; its staging "
-                            "slots %s stay leased",
-                            hold.slots,
-                        )
-                self._running -= 1
-                if self._running == 0:
-                    self._idle.set()
-                done.set()
+                with call.lock:
+                    call.done = True
+                    abandoned = call.abandoned
+                if abandoned:
+                    # The caller gave up: let go of the staging on the event loop's thread.
+                    try:
+                        anyio.from_thread.run_sync(self._finish, hold, token=token)
+                    except RuntimeError as exc:  # the event loop is gone: nothing to release
+                        log.debug("abandoned worker thread ended after its loop: %s", exc)
 
-        self._tg.start_soon(runner)
-        await done.wait()
-        if not box:
-            raise RuntimeError("worker thread abandoned: the runner closed while it ran")
-        ok, value = box[0]
-        if ok:
-            return value  # type: ignore[no-any-return]
-        raise value
+        try:
+            value = await anyio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+        except BaseException:
+            with call.lock:
+                running = call.started and not call.done
+                call.abandoned = True
+            if not running:
+                # fn raised, the thread ended as the caller was cancelled, or it never started
+                # (and now never will): nothing uses the staging any more.
+                self._finish(hold)
+            raise  # else the thread finishes the call when it returns
+        self._finish(hold)
+        return value  # type: ignore[return-value]
+
+    def _finish(self, hold: StagingLease | None) -> None:
+        if hold is not None:
+            hold.release()
+        self._running -= 1
+        if self._running == 0:
+            self._idle.set()

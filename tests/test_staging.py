@@ -4,7 +4,9 @@ ThreadRunner (results, errors, and holding staging while an abandoned thread sti
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from functools import partial
 
 import anyio
 import anyio.lowlevel
@@ -395,32 +397,33 @@ async def test_cancelled_caller_from_other_task_keeps_lease_until_thread_ends() 
     assert pool.leases == 0
 
 
-async def test_move_on_after_zero_keeps_lease_until_thread_ends() -> None:
+async def start_then_abandon(
+    runner: ThreadRunner, fn: Callable[[], None], lease: StagingLease, started: threading.Event
+) -> None:
+    """Call ``fn`` through ``runner`` and stop waiting for it once its thread has started."""
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(runner.run, fn, hold=lease))
+            await anyio.to_thread.run_sync(started.wait)
+            scope.cancel()
+
+
+async def test_call_cancelled_before_its_thread_starts_never_runs() -> None:
+    """A caller cancelled before the thread picked the call up: ``fn`` never runs (not
+    later either), and nothing keeps the staging."""
     pool = StagingPool(16, 3)
     lease = await pool.acquire(2)
-    gate = threading.Event()
-    started = threading.Event()
-
-    def work() -> None:
-        started.set()
-        gate.wait(30)
+    ran = threading.Event()
 
     async with ThreadRunner() as runner:
         with anyio.move_on_after(0) as scope:
-            await runner.run(work, hold=lease)
+            await runner.run(ran.set, hold=lease)
         assert scope.cancelled_caught
+        assert runner.running == 0
         lease.release()
-        assert pool.in_use == 2
-        assert not lease.released
-        # the thread still runs although its caller gave up
-        await anyio.to_thread.run_sync(started.wait)
-        assert pool.in_use == 2
-        assert runner.running == 1
-        gate.set()
-        # leaving the runner waits for the thread, which then returns the slots
-    assert runner.running == 0
-    assert lease.released
-    assert pool.in_use == 0
+        assert lease.released and pool.in_use == 0
+        await anyio.to_thread.run_sync(time.sleep, 0.05)  # a worker had time to start it
+    assert not ran.is_set()
 
 
 async def test_leaving_runner_waits_for_running_threads() -> None:
@@ -438,10 +441,8 @@ async def test_leaving_runner_waits_for_running_threads() -> None:
 
     async def closer() -> None:
         async with ThreadRunner() as runner:
-            with anyio.move_on_after(0):
-                await runner.run(work, hold=lease)
+            await start_then_abandon(runner, work, lease, started)
             lease.release()
-            await anyio.to_thread.run_sync(started.wait)
             about_to_exit.set()
         events.append("runner-exited")
 
@@ -503,10 +504,8 @@ async def test_close_timeout_keeps_lease_of_abandoned_thread() -> None:
 
     try:
         async with ThreadRunner(close_timeout=5.0) as runner:
-            with anyio.move_on_after(0):
-                await runner.run(work, hold=lease)
+            await start_then_abandon(runner, work, lease, started)
             lease.release()
-            await anyio.to_thread.run_sync(started.wait)
         # the runner gave up waiting (virtual time); the thread is still blocked
         assert not gate.is_set()
         assert pool.in_use == 1
