@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, final
+from typing import Any, Final, TypeVar, final
 
 import anyio
 import anyio.abc
@@ -32,12 +32,27 @@ log = logging.getLogger("kvpipe.staging")
 
 T = TypeVar("T")
 Rows = npt.NDArray[np.uint8]
-_ALIGN = 64
+_LINE = 64
+_PAGE = 4096
+#: Slots at least this large start on a page: a file store can then write them with direct
+#: I/O, which needs page-aligned memory (the padding costs under 7 % of a slot at this size).
+PAGE_ALIGNED_SLOT: Final = 64 << 10
 
 
 def stride_for(slot_nbytes: int) -> int:
-    """Bytes between slot starts: ``slot_nbytes`` rounded up to 64 (cache-line aligned)."""
-    return -(-slot_nbytes // _ALIGN) * _ALIGN
+    """Bytes between slot starts: ``slot_nbytes`` rounded up to a page when it is at least
+    :data:`PAGE_ALIGNED_SLOT`, else to 64 bytes (a cache line)."""
+    align = _PAGE if slot_nbytes >= PAGE_ALIGNED_SLOT else _LINE
+    return -(-slot_nbytes // align) * align
+
+
+def _page_aligned(shape: tuple[int, int]) -> Rows:
+    """An uninitialised ``uint8`` array of ``shape`` whose first byte starts a page."""
+    nbytes = shape[0] * shape[1]
+    raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
+    skip = -raw.ctypes.data % _PAGE
+    out: Rows = raw[skip : skip + nbytes].reshape(shape)
+    return out
 
 
 @dataclass(eq=False)
@@ -69,8 +84,8 @@ class StagingPool:
         self.stride = stride_for(slot_nbytes)
         self.capacity = capacity_slots
         if buffer is None:
-            # np.empty: pages are touched (and so resident) only as slots are first used.
-            buffer = np.empty((capacity_slots, self.stride), dtype=np.uint8)
+            # Uninitialised: pages are touched (and so resident) only as slots are first used.
+            buffer = _page_aligned((capacity_slots, self.stride))
         elif (
             buffer.dtype != np.uint8
             or buffer.shape != (capacity_slots, self.stride)

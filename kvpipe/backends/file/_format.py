@@ -7,6 +7,8 @@ One file per block::
              | layout fingerprint (16 ASCII bytes) | key length u16 | key (UTF-8)
              | zero padding | XXH3-64 of header bytes [0, 4088) u64
     payload  the stored value, ``payload length`` bytes
+    padding  version 2 only: zero bytes up to the next multiple of 4096 (files written with
+             direct I/O, whose lengths must be whole pages); not covered by the checksum
 
 Nothing in a file is ever executed or unpickled: a reader checks the header's own checksum,
 magic, version, lengths and key before it reads a payload byte, and the payload's checksum
@@ -29,9 +31,11 @@ import xxhash
 
 __all__ = (
     "HEADER_NBYTES",
+    "PAGE",
     "BlockHeader",
     "HeaderError",
     "block_location",
+    "file_nbytes",
     "is_temp_name",
     "pack_header",
     "parse_temp_name",
@@ -42,6 +46,9 @@ __all__ = (
 HEADER_NBYTES: Final = 4096
 MAGIC: Final = b"KVPF"
 VERSION: Final = 1
+#: The payload is followed by zero padding to a whole number of pages.
+VERSION_PADDED: Final = 2
+PAGE: Final = 4096
 _FIXED: Final = struct.Struct("<4sHHIQQd16sH")
 _SUM_AT: Final = HEADER_NBYTES - 8
 MAX_KEY_BYTES: Final = 1024
@@ -66,19 +73,44 @@ class BlockHeader:
     checksum: int
     created: float
     fingerprint: str
+    padded: bool = False
+
+    @property
+    def file_nbytes(self) -> int:
+        """The size the block's file must have."""
+        return file_nbytes(self.payload_nbytes, self.padded)
+
+
+def file_nbytes(payload_nbytes: int, padded: bool) -> int:
+    """Size of a block file: header, payload and, when ``padded``, zeros to a page end."""
+    body = -(-payload_nbytes // PAGE) * PAGE if padded else payload_nbytes
+    return HEADER_NBYTES + body
 
 
 def pack_header(
-    key: str, payload_nbytes: int, checksum: int, created: float, fingerprint: str
+    key: str,
+    payload_nbytes: int,
+    checksum: int,
+    created: float,
+    fingerprint: str,
+    padded: bool = False,
 ) -> bytes:
-    """The 4096-byte header of a block file."""
+    """The 4096-byte header of a block file (format version 2 when ``padded``)."""
     raw_key = key.encode()
     if len(raw_key) > MAX_KEY_BYTES:
         raise HeaderError(f"key of {len(raw_key)} bytes exceeds {MAX_KEY_BYTES}")
     fp = fingerprint.encode()[:16].ljust(16, b"\0")
     head = (
         _FIXED.pack(
-            MAGIC, VERSION, 0, HEADER_NBYTES, payload_nbytes, checksum, created, fp, len(raw_key)
+            MAGIC,
+            VERSION_PADDED if padded else VERSION,
+            0,
+            HEADER_NBYTES,
+            payload_nbytes,
+            checksum,
+            created,
+            fp,
+            len(raw_key),
         )
         + raw_key
     )
@@ -104,7 +136,7 @@ def unpack_header(raw: bytes) -> BlockHeader:
     magic, version, _flags, hlen, payload, checksum, created, fp, klen = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         raise HeaderError("bad magic")
-    if version != VERSION:
+    if version not in (VERSION, VERSION_PADDED):
         raise HeaderError(f"unknown format version {version}")
     if hlen != HEADER_NBYTES:
         raise HeaderError(f"header length {hlen}")
@@ -114,7 +146,8 @@ def unpack_header(raw: bytes) -> BlockHeader:
         key = raw[_FIXED.size : _FIXED.size + klen].decode()
     except UnicodeDecodeError:
         raise HeaderError("key is not UTF-8") from None
-    return BlockHeader(key, payload, checksum, created, fp.rstrip(b"\0").decode("ascii", "replace"))
+    fingerprint = fp.rstrip(b"\0").decode("ascii", "replace")
+    return BlockHeader(key, payload, checksum, created, fingerprint, version == VERSION_PADDED)
 
 
 def key_namespace(key: str) -> str:

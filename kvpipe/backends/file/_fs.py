@@ -31,7 +31,15 @@ from typing import Final, Literal, final
 
 from ._format import is_temp_name, parse_temp_name, temp_name
 
-__all__ = ("Durability", "NotARegularFile", "Root", "UnsafePath", "owner_is_dead", "owner_token")
+__all__ = (
+    "DirectIORefused",
+    "Durability",
+    "NotARegularFile",
+    "Root",
+    "UnsafePath",
+    "owner_is_dead",
+    "owner_token",
+)
 
 Durability = Literal["none", "data", "full"]
 _COMPONENT: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
@@ -41,6 +49,11 @@ HOST: Final = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "hos
 
 class UnsafePath(OSError):
     """A path component was invalid or led through a symbolic link."""
+
+
+class DirectIORefused(OSError):
+    """The file system (or the device's alignment) refused a direct (``O_DIRECT``) read or
+    write."""
 
 
 class NotARegularFile(OSError):
@@ -181,27 +194,40 @@ class Root:
         chunks: Sequence[bytes | memoryview],
         durability: Durability,
         abandoned: object = None,
+        direct: bool = False,
     ) -> bool:
         """Publish ``chunks`` as ``parts/name`` atomically.
 
         Args:
             abandoned: An object with ``is_set()``; when set before the rename, the temporary
                 file is removed and nothing is published.
+            direct: Write with ``O_DIRECT`` (no page cache): every chunk's address and length
+                must then be a multiple of the device's block size (4096 is always enough).
 
         Returns:
             ``True`` when published, ``False`` when abandoned.
 
         Raises:
+            DirectIORefused: ``direct`` was asked for and the file system or the alignment
+                does not allow it; nothing was published.
             OSError: The write failed; nothing was published and the temporary file is gone.
         """
         _check(name)
         with self.directory(parts, create=True) as dfd:
             tmp = temp_name(name, HOST, os.getpid(), secrets.token_hex(4))
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+            if direct:
+                flags |= os.O_DIRECT
+            try:
+                fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+            except OSError as exc:
+                raise _refused(exc, direct) from exc
             try:
                 try:
-                    _write_all(fd, chunks)
+                    try:
+                        _write_all(fd, chunks)
+                    except OSError as exc:
+                        raise _refused(exc, direct) from exc
                     if durability != "none":
                         os.fdatasync(fd)
                 finally:
@@ -221,40 +247,58 @@ class Root:
             return True
 
     def read_into(
-        self, parts: Sequence[str], name: str, header_nbytes: int, into: memoryview
-    ) -> tuple[bytes, int] | None:
-        """Read a block file: its header bytes, and its payload into ``into``.
+        self, parts: Sequence[str], name: str, views: Sequence[memoryview], direct: bool = False
+    ) -> int | None:
+        """Read a block file from its start into ``views`` in one ``preadv`` (until they are
+        full or the file ends): three system calls (open, read, close) in the usual case, as
+        each one costs a worker thread a round trip through the GIL.
+
+        Args:
+            direct: Read with ``O_DIRECT`` (past the page cache): every view's address and
+                length must then be a multiple of the device's block size.
 
         Returns:
-            ``(header, payload bytes read)``, or ``None`` when the file does not exist.
-            The caller checks the header before trusting ``into``; the payload is read only
-            when the file's size is exactly ``header_nbytes + len(into)``.
+            The bytes read, or ``None`` when the file does not exist. The caller checks the
+            header and the count (a valid file fills less than ``views`` can hold, so a
+            longer file shows) before trusting what was read.
 
         Raises:
             UnsafePath: The file or a directory on its way is a symbolic link.
             NotARegularFile: Something else than a regular file is at that name.
+            DirectIORefused: ``direct`` was asked for and the file system or the alignment
+                does not allow it.
             OSError: Reading failed.
         """
         # O_NONBLOCK: opening a FIFO planted at a block's name must not wait for a writer.
-        fd = self._open_file(parts, name, os.O_RDONLY | os.O_NONBLOCK)
+        flags = os.O_RDONLY | os.O_NONBLOCK
+        try:
+            fd = self._open_file(parts, name, flags | (os.O_DIRECT if direct else 0))
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL and type(exc) is OSError):
+                raise
+            # Not a regular file (a FIFO refuses O_DIRECT), or a file system that does.
+            fd = self._open_file(parts, name, flags)
+            if fd is not None:
+                try:
+                    self._require_regular(fd, name)
+                finally:
+                    os.close(fd)
+            raise _refused(exc, direct) from exc
         if fd is None:
             return None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotARegularFile(errno.EINVAL, f"{name!r} is not a regular file")
-            header = os.pread(fd, header_nbytes, 0)
-            if st.st_size != header_nbytes + len(into):
-                return header, -1
-            got = 0
-            while got < len(into):
-                n = os.preadv(fd, [into[got:]], header_nbytes + got)
-                if n == 0:
-                    break
-                got += n
-            return header, got
+            try:
+                return _read_fully(fd, list(views))
+            except OSError as exc:  # a directory, a FIFO... or a refused direct read
+                self._require_regular(fd, name)
+                raise _refused(exc, direct) from exc
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _require_regular(fd: int, name: str) -> None:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFile(errno.EINVAL, f"{name!r} is not a regular file")
 
     def exists(self, parts: Sequence[str], name: str) -> bool:
         """Whether ``parts/name`` is a regular file (symbolic links are not)."""
@@ -419,6 +463,31 @@ def _alive(pid: int) -> bool:
 
 #: Buffers per ``writev`` call (Linux's ``IOV_MAX``).
 _IOV_MAX: Final = 1024
+
+
+def _refused(exc: OSError, direct: bool) -> OSError:
+    """``exc`` as :class:`DirectIORefused` when it is direct I/O's ``EINVAL``."""
+    if direct and exc.errno == errno.EINVAL and type(exc) is OSError:
+        return DirectIORefused(errno.EINVAL, f"direct I/O refused: {exc.strerror}")
+    return exc
+
+
+def _read_fully(fd: int, views: list[memoryview]) -> int:
+    """``preadv`` from offset 0 into ``views`` until they are full or the file ends; the
+    bytes read."""
+    views = [v for v in views if len(v)]
+    got = at = 0
+    while at < len(views):
+        n = os.preadv(fd, views[at : at + _IOV_MAX], got)
+        if n == 0:
+            break
+        got += n
+        while at < len(views) and n >= len(views[at]):
+            n -= len(views[at])
+            at += 1
+        if at < len(views) and n:
+            views[at] = views[at][n:]
+    return got
 
 
 def _write_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:

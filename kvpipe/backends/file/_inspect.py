@@ -79,7 +79,7 @@ def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
                 header = unpack_header(raw)
                 if block_location(header.key) != (parts, name):
                     raise HeaderError("file is not where its key belongs")
-                if size - HEADER_NBYTES != header.payload_nbytes:
+                if size != header.file_nbytes:
                     raise HeaderError("truncated")
             except (HeaderError, OSError):
                 if root.quarantine(parts, name):
@@ -179,14 +179,16 @@ def _inspect_file(
         return f"unreadable: {exc.strerror}"
     if block_location(header.key) != (parts, name):
         return "file is not where its key belongs"
-    if size != HEADER_NBYTES + header.payload_nbytes:
-        return f"size {size} B, header says {HEADER_NBYTES + header.payload_nbytes}"
+    if size != header.file_nbytes:
+        return f"size {size} B, header says {header.file_nbytes}"
     if verify:
         with open(path, "rb") as f:
             f.seek(HEADER_NBYTES)
             h = xxhash.xxh3_64()
-            while chunk := f.read(1 << 22):
+            left = header.payload_nbytes  # not the padding of a version-2 file
+            while left and (chunk := f.read(min(left, 1 << 22))):
                 h.update(chunk)
+                left -= len(chunk)
         if h.intdigest() != header.checksum:
             return "payload checksum mismatch"
     report.blocks += 1

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, final
+from typing import Any, Final, TypeVar, final
 
 import anyio
 import xxhash
@@ -30,15 +30,23 @@ from ..._results import ResidencyEntry
 from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from .._inflight import InFlight
 from ._catalog import Catalog
+from ._direct import (
+    Scratch,
+    direct_chunks,
+    finish_read,
+    is_aligned,
+    probe_direct,
+    read_views,
+)
 from ._format import (
-    HEADER_NBYTES,
     HeaderError,
     block_location,
+    file_nbytes,
     key_namespace,
     pack_header,
     unpack_header,
 )
-from ._fs import Durability, NotARegularFile, Root, owner_token
+from ._fs import DirectIORefused, Durability, NotARegularFile, Root, owner_token
 from ._inspect import recover
 
 __all__ = ("FileStore",)
@@ -63,6 +71,10 @@ class FileStore(StorageBackend):
             (temporary files of dead writers on this host are removed at once).
         scan_on_open: Walk the tree at open: remove stale temporary files, adopt block
             files the catalog does not know, forget records whose file is gone.
+        direct_io: Write block files with ``O_DIRECT``, past the page cache (values of at
+            least 64 KiB that start on a page, as staging slots do). ``None`` (default): when
+            ``durability`` is not ``"none"`` and the file system allows it. ``True``: opening
+            fails where the file system does not allow it. ``False``: never.
 
     Use ``async with FileStore(...) as store`` or ``await store.open()``; calls open it on
     first use otherwise.
@@ -70,6 +82,8 @@ class FileStore(StorageBackend):
 
     name = "file"
     accepts_parts = True
+    #: Worker threads a batch's file I/O is spread over, unless told otherwise.
+    DEFAULT_THREADS: Final = 4
 
     def __init__(
         self,
@@ -77,9 +91,10 @@ class FileStore(StorageBackend):
         *,
         durability: Durability = "data",
         capacity_bytes: int | None = None,
-        threads: int = 4,
+        threads: int = DEFAULT_THREADS,
         stale_temp_after: float = 3600.0,
         scan_on_open: bool = True,
+        direct_io: bool | None = None,
     ) -> None:
         if durability not in _DURABILITIES:
             raise ConfigError("durability", f"must be one of {_DURABILITIES}, got {durability!r}")
@@ -93,6 +108,9 @@ class FileStore(StorageBackend):
         self.threads = threads
         self.stale_temp_after = stale_temp_after
         self.scan_on_open = scan_on_open
+        self.direct_io = direct_io
+        self._direct = False  # decided at open
+        self._scratch = Scratch()
         self._root: Root | None = None
         self._catalog: Catalog | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -125,6 +143,10 @@ class FileStore(StorageBackend):
     def _open_sync(self) -> None:
         root = Root(self.path)
         try:
+            want = self.direct_io if self.direct_io is not None else self.durability != "none"
+            self._direct = want and probe_direct(root.fd, self._scratch)
+            if self.direct_io and not self._direct:
+                raise OSError(errno.EINVAL, "the file system does not allow direct I/O")
             catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"), owner_token())
         except BaseException:
             root.close()
@@ -235,7 +257,8 @@ class FileStore(StorageBackend):
         if not keys:
             return []
         value_nbytes = sum(len(p) for p in values[0])
-        nbytes = value_nbytes + HEADER_NBYTES
+        direct = self._direct and all(len(v) == 1 and is_aligned(v[0]) for v in values)
+        nbytes = file_nbytes(value_nbytes, padded=direct)
         res = catalog.reserve(keys, parent, key_namespace(keys[0]), nbytes, self.capacity_bytes)
         admitted = [i for i, ok in enumerate(res.admitted) if ok]
         statuses = [BlockStatus.FAILED if ok else BlockStatus.NO_SPACE for ok in res.admitted]
@@ -252,7 +275,7 @@ class FileStore(StorageBackend):
                 admitted,
                 self._pool().map(
                     lambda i: self._write_one(
-                        root, keys[i], values[i], fingerprint, abandoned, errors
+                        root, keys[i], values[i], fingerprint, abandoned, errors, direct
                     ),
                     admitted,
                 ),
@@ -284,6 +307,7 @@ class FileStore(StorageBackend):
         fingerprint: str,
         abandoned: threading.Event,
         errors: list[str],
+        direct: bool,
     ) -> BlockStatus:
         if abandoned.is_set():
             return BlockStatus.FAILED
@@ -295,16 +319,34 @@ class FileStore(StorageBackend):
                 h.update(piece)
             checksum = h.intdigest()
         nbytes = sum(len(p) for p in pieces)
-        header = pack_header(key, nbytes, checksum, time.time(), fingerprint)
+        header = pack_header(key, nbytes, checksum, time.time(), fingerprint, padded=direct)
         parts, name = block_location(key)
+        chunks: Sequence[bytes | memoryview] = (
+            direct_chunks(header, pieces[0], self._scratch) if direct else (header, *pieces)
+        )
         try:
-            if root.write_atomic(parts, name, (header, *pieces), self.durability, abandoned):
+            if root.write_atomic(parts, name, chunks, self.durability, abandoned, direct):
+                self._count(direct_writes=int(direct))
                 return BlockStatus.OK
             return BlockStatus.FAILED
+        except DirectIORefused as exc:
+            self._refuse_direct(root, exc)
+            return self._write_one(root, key, pieces, fingerprint, abandoned, errors, False)
         except OSError as exc:
             self._count(io_errors=1)
             errors.append(f"{key}: {exc}")
             return BlockStatus.NO_SPACE if exc.errno == errno.ENOSPC else BlockStatus.FAILED
+
+    def _refuse_direct(self, root: Root, exc: OSError) -> None:
+        """The probe passed but a direct read or write was refused (a stricter device
+        alignment, a file system mounted over part of the root...): stop trying."""
+        if self._direct:
+            self._direct = False
+            log.warning(
+                "file store %s: direct I/O refused (%s); using the page cache from now on",
+                root.path,
+                exc,
+            )
 
     def _pool(self) -> ThreadPoolExecutor:
         pool = self._executor
@@ -367,8 +409,15 @@ class FileStore(StorageBackend):
         self, root: Root, key: str, buf: memoryview, fingerprint: str, errors: list[str]
     ) -> BlockStatus:
         parts, name = block_location(key)
+        scratch = self._scratch
+        direct = self._direct and is_aligned(buf)
         try:
-            found = root.read_into(parts, name, HEADER_NBYTES, buf)
+            try:
+                found = root.read_into(parts, name, read_views(buf, scratch, direct), direct)
+            except DirectIORefused as exc:
+                self._refuse_direct(root, exc)
+                direct = False
+                found = root.read_into(parts, name, read_views(buf, scratch, direct))
         except NotARegularFile as exc:
             why = str(exc)
         except OSError as exc:
@@ -378,7 +427,8 @@ class FileStore(StorageBackend):
         else:
             if found is None:
                 return BlockStatus.MISSING
-            check = self._check(key, found, buf, fingerprint)
+            finish_read(buf, scratch, direct)
+            check = self._check(key, bytes(scratch.header), found, buf, fingerprint)
             if check is None:
                 return BlockStatus.OK
             why = check
@@ -388,8 +438,9 @@ class FileStore(StorageBackend):
         return BlockStatus.CORRUPT
 
     @staticmethod
-    def _check(key: str, found: tuple[bytes, int], buf: memoryview, fingerprint: str) -> str | None:
-        raw, got = found
+    def _check(key: str, raw: bytes, got: int, buf: memoryview, fingerprint: str) -> str | None:
+        if got < len(raw):
+            return f"file of {got} B, shorter than a header"
         try:
             header = unpack_header(raw)
         except HeaderError as exc:
@@ -398,8 +449,11 @@ class FileStore(StorageBackend):
             return "file holds another key"
         if header.fingerprint != fingerprint:
             return f"layout {header.fingerprint}, expected {fingerprint}"
-        if header.payload_nbytes != len(buf) or got != len(buf):
-            return f"payload of {header.payload_nbytes} B, file holds {got}, expected {len(buf)}"
+        if header.payload_nbytes != len(buf):
+            return f"payload of {header.payload_nbytes} B, expected {len(buf)}"
+        if got != header.file_nbytes:
+            # shorter, or longer (it filled more than a valid file can: see read_into)
+            return f"{got} B read, its header says the file has {header.file_nbytes}"
         if xxhash.xxh3_64_intdigest(buf) != header.checksum:
             return "payload checksum mismatch"
         return None

@@ -1,0 +1,119 @@
+"""Direct I/O for block files: page-aligned scratch, the chunks of a direct write, the probe.
+
+With ``O_DIRECT`` a write goes from the caller's memory to the device without a copy into the
+page cache — on a small host that copy, and the page allocations behind it, cost as much CPU
+as the rest of the pipeline. The kernel then needs every buffer address, length and file
+offset to be a multiple of the device's logical block size; 4096 (a page) satisfies every
+device. The store's header is one page; a value whose memory starts on a page boundary (a
+staging slot: see :func:`kvpipe._staging.stride_for`) goes out as its whole pages, and its
+last partial page is copied into a page of zeros — so the file is padded to a page multiple
+(format version 2, :mod:`._format`). Anything else is written through the page cache.
+
+All of this blocks; the store calls it from its worker threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import threading
+from typing import Final
+
+import numpy as np
+
+from ._format import HEADER_NBYTES, PAGE
+
+__all__ = (
+    "MIN_DIRECT_NBYTES",
+    "Scratch",
+    "direct_chunks",
+    "finish_read",
+    "is_aligned",
+    "probe_direct",
+    "read_views",
+)
+
+#: Values smaller than this are written through the page cache: per-file costs dominate them.
+MIN_DIRECT_NBYTES: Final = 64 << 10
+
+
+class Scratch(threading.local):
+    """Per-thread page-aligned pages: a header, the tail of a direct write, read padding."""
+
+    def __init__(self) -> None:
+        self._mem = mmap.mmap(-1, 3 * PAGE)  # anonymous maps start on a page boundary
+        view = memoryview(self._mem)
+        self.header = view[:HEADER_NBYTES]
+        self.tail = view[PAGE : 2 * PAGE]
+        self.pad = view[2 * PAGE : 3 * PAGE]
+
+
+def is_aligned(value: memoryview) -> bool:
+    """Whether ``value`` can be written directly: large enough, starting on a page."""
+    if len(value) < MIN_DIRECT_NBYTES:
+        return False
+    address: int = np.frombuffer(value, np.uint8).ctypes.data
+    return address % PAGE == 0
+
+
+def direct_chunks(header: bytes, value: memoryview, scratch: Scratch) -> list[memoryview]:
+    """The page-aligned chunks of a direct write of ``header`` then ``value`` (which
+    :func:`is_aligned` accepted): the header page, the value's whole pages in place, and its
+    last partial page copied into a zero-padded scratch page."""
+    scratch.header[:] = header
+    whole = len(value) // PAGE * PAGE
+    chunks = [scratch.header, value[:whole]]
+    rest = len(value) - whole
+    if rest:
+        scratch.tail[:rest] = value[whole:]
+        scratch.tail[rest:] = bytes(PAGE - rest)
+        chunks.append(scratch.tail)
+    return chunks
+
+
+def read_views(into: memoryview, scratch: Scratch, direct: bool) -> list[memoryview]:
+    """Where one ``preadv`` of a block file goes: the header page, the payload into ``into``,
+    and up to a page more (the padding of a version-2 file; more than that and the count
+    read shows the file too long). With ``direct`` (``into`` accepted by :func:`is_aligned`),
+    the last partial page of the payload lands in a scratch page: :func:`finish_read` moves
+    it."""
+    if not direct:
+        return [scratch.header, into, scratch.pad]
+    whole = len(into) // PAGE * PAGE
+    return [scratch.header, into[:whole], scratch.tail, scratch.pad]
+
+
+def finish_read(into: memoryview, scratch: Scratch, direct: bool) -> None:
+    """Complete a direct read of :func:`read_views`: copy the payload's last partial page."""
+    whole = len(into) // PAGE * PAGE
+    if direct and whole < len(into):
+        into[whole:] = scratch.tail[: len(into) - whole]
+
+
+def probe_direct(dir_fd: int, scratch: Scratch) -> bool:
+    """Whether the file system under ``dir_fd`` takes page-aligned ``O_DIRECT`` writes (tmpfs,
+    for one, refuses to open with it). Leaves nothing behind.
+
+    Raises:
+        OSError: Anything but the file system refusing direct I/O (no space, permissions...).
+    """
+    name = f".direct-probe.{os.getpid()}.{secrets.token_hex(4)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT
+    try:
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        scratch.tail[:] = bytes(PAGE)
+        return os.write(fd, scratch.tail) == PAGE
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.close(fd)
+        os.unlink(name, dir_fd=dir_fd)

@@ -1,0 +1,272 @@
+"""FileStore with direct I/O: which writes go past the page cache, the padded (version 2)
+files they make, reading both versions, refusals and fallbacks, and tampered padded files."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe._blockformat import value_nbytes
+from kvpipe._staging import StagingPool, ThreadRunner
+from kvpipe.backends import BlockStatus
+from kvpipe.backends.file import _direct
+from kvpipe.backends.file._format import HEADER_NBYTES, PAGE, file_nbytes, unpack_header
+from kvpipe.backends.file._fs import DirectIORefused, Root
+from kvpipe.backends.file._inspect import inspect_store
+from kvpipe.testing.conformance import Batches
+
+from .test_file_hostile import block_file
+
+#: A value of a few pages and a partial one: direct writes pad it.
+LARGE = value_nbytes(3 * (64 << 10) + 13)
+
+
+@asynccontextmanager
+async def batches(value: int = LARGE, slots: int = 16) -> AsyncIterator[Batches]:
+    pool = StagingPool(value, slots)
+    async with ThreadRunner() as runner:
+        yield Batches(pool, runner)
+    assert pool.in_use == 0, "staging left leased"
+
+
+def values(n: int, size: int = LARGE, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def version_of(path: Path) -> int:
+    with open(path, "rb") as f:
+        magic, version = struct.unpack("<4sH", f.read(6))
+    assert magic == b"KVPF"
+    return int(version)
+
+
+async def round_trip(store: kvpipe.FileStore, b: Batches, n: int = 4, seed: int = 0) -> Any:
+    keys, _ = b.keys(n, seed=seed)
+    vals = values(n, b.pool.slot_nbytes, seed)
+    assert await b.put(store, keys, vals) == [BlockStatus.OK] * n
+    statuses, got = await b.get(store, keys)
+    assert statuses == [BlockStatus.OK] * n
+    assert got == vals
+    return keys
+
+
+def test_staging_slots_of_64_kib_and_more_start_on_a_page() -> None:
+    for value, aligned in ((LARGE, True), (64 << 10, True), (4096 + 61, False)):
+        pool = StagingPool(value, 5)
+        addresses = [pool.slot(i).ctypes.data for i in range(5)]
+        assert all(a % PAGE == 0 for a in addresses) is aligned
+        assert all(_direct.is_aligned(pool.slot(i).data) for i in range(5)) is aligned
+
+
+async def test_aligned_values_are_written_directly_as_padded_files(tmp_path: Path) -> None:
+    async with kvpipe.FileStore(tmp_path, durability="data") as store, batches() as b:
+        keys = await round_trip(store, b)
+        assert store.statistics()["direct_writes"] == 4
+    for key in keys:
+        path = block_file(tmp_path, key)
+        assert version_of(path) == 2
+        assert path.stat().st_size == file_nbytes(LARGE, padded=True) > HEADER_NBYTES + LARGE
+        raw = path.read_bytes()
+        header = unpack_header(raw[:HEADER_NBYTES])
+        assert header.padded and header.payload_nbytes == LARGE
+        assert raw[HEADER_NBYTES + LARGE :] == bytes(len(raw) - HEADER_NBYTES - LARGE)  # zeros
+
+
+@pytest.mark.parametrize(
+    ("durability", "direct_io", "expected"),
+    [("none", None, False), ("data", False, False), ("none", True, True), ("full", None, True)],
+)
+async def test_when_direct_io_is_used(
+    tmp_path: Path, durability: Any, direct_io: bool | None, expected: bool
+) -> None:
+    async with (
+        kvpipe.FileStore(tmp_path, durability=durability, direct_io=direct_io) as store,
+        batches() as b,
+    ):
+        keys = await round_trip(store, b)
+        assert store.statistics().get("direct_writes", 0) == (4 if expected else 0)
+    assert version_of(block_file(tmp_path, keys[0])) == (2 if expected else 1)
+    assert block_file(tmp_path, keys[0]).stat().st_size == file_nbytes(LARGE, padded=expected)
+
+
+async def test_small_and_unaligned_values_go_through_the_page_cache(tmp_path: Path) -> None:
+    small = value_nbytes(4096 + 13)
+    async with kvpipe.FileStore(tmp_path) as store:
+        async with batches(small) as b:
+            keys = await round_trip(store, b)
+            assert version_of(block_file(tmp_path, keys[0])) == 1
+        async with batches() as b:  # in parts: pieces of the cache, not a staging slot
+            keys, _ = b.keys(2, seed=5)
+            vals = values(2, LARGE, 5)
+            pieces = np.zeros(8 * (LARGE + 512), np.uint8)
+            assert await b.put(store, keys, vals, pieces=pieces) == [BlockStatus.OK] * 2
+            assert (await b.get(store, keys))[1] == vals
+            assert version_of(block_file(tmp_path, keys[0])) == 1
+        assert store.statistics().get("direct_writes", 0) == 0
+
+
+async def test_both_versions_read_back_from_one_store(tmp_path: Path) -> None:
+    async with batches() as b:
+        async with kvpipe.FileStore(tmp_path, direct_io=False) as store:
+            old = await round_trip(store, b, seed=1)
+        async with kvpipe.FileStore(tmp_path) as store:
+            new = await round_trip(store, b, seed=2)
+            statuses, got = await b.get(store, [*old, *new])
+            assert statuses == [BlockStatus.OK] * 8
+            assert got == [*values(4, LARGE, 1), *values(4, LARGE, 2)]
+    assert {version_of(block_file(tmp_path, k)) for k in old} == {1}
+    assert {version_of(block_file(tmp_path, k)) for k in new} == {2}
+    report = inspect_store(str(tmp_path), verify=True)
+    assert report.blocks == 8 and not report.corrupt
+
+
+async def test_direct_io_required_but_refused_fails_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvpipe.backends.file.store.probe_direct", lambda fd, scratch: False)
+    with pytest.raises(kvpipe.BackendError, match="direct I/O"):
+        await kvpipe.FileStore(tmp_path, direct_io=True).open()
+    async with kvpipe.FileStore(tmp_path) as store, batches() as b:  # auto: falls back
+        keys = await round_trip(store, b)
+    assert version_of(block_file(tmp_path, keys[0])) == 1
+
+
+async def test_a_refused_direct_write_falls_back_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[bool] = []
+    real = Root.write_atomic
+
+    def refuse_direct(self: Root, *args: Any, **kwargs: Any) -> bool:
+        direct = bool(args[5] if len(args) > 5 else kwargs.get("direct", False))
+        calls.append(direct)
+        if direct:
+            raise DirectIORefused(errno.EINVAL, "direct I/O refused: Invalid argument")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Root, "write_atomic", refuse_direct)
+    caplog.set_level(logging.WARNING, "kvpipe.file_store")
+    async with kvpipe.FileStore(tmp_path) as store, batches() as b:
+        keys = await round_trip(store, b, seed=3)
+        await round_trip(store, b, seed=4)
+        assert store.statistics().get("direct_writes", 0) == 0
+        assert "io_errors" not in store.statistics()
+    assert version_of(block_file(tmp_path, keys[0])) == 1
+    assert calls.count(True) <= 4  # the first batch tried, the second did not
+    assert calls[-4:] == [False] * 4
+    assert sum("direct I/O refused" in r.getMessage() for r in caplog.records) == 1
+
+
+def _tamper(path: Path, how: str) -> None:
+    size = path.stat().st_size
+    if how == "padding dropped":
+        os.truncate(path, HEADER_NBYTES + LARGE)
+    elif how == "page added":
+        with open(path, "ab") as f:
+            f.write(bytes(PAGE))
+    elif how == "one byte short":
+        os.truncate(path, size - 1)
+    elif how == "payload byte flipped":
+        with open(path, "r+b") as f:
+            f.seek(HEADER_NBYTES + 100)
+            byte = f.read(1)
+            f.seek(HEADER_NBYTES + 100)
+            f.write(bytes([byte[0] ^ 1]))
+    elif how == "last padding byte set":
+        with open(path, "r+b") as f:
+            f.seek(size - 1)
+            f.write(b"\x01")
+    elif how == "header only":
+        os.truncate(path, HEADER_NBYTES)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["padding dropped", "page added", "one byte short", "payload byte flipped", "header only"],
+)
+async def test_tampered_padded_files_are_corrupt(tmp_path: Path, how: str) -> None:
+    async with kvpipe.FileStore(tmp_path) as store, batches() as b:
+        keys = await round_trip(store, b, n=2, seed=6)
+        _tamper(block_file(tmp_path, keys[1]), how)
+        statuses, got = await b.get(store, keys)
+        assert statuses == [BlockStatus.OK, BlockStatus.CORRUPT]
+        assert got[0] == values(2, LARGE, 6)[0]
+        assert not block_file(tmp_path, keys[1]).exists()  # quarantined
+        assert store.statistics()["corrupt"] == 1
+
+
+async def test_padding_is_not_part_of_the_checksum(tmp_path: Path) -> None:
+    async with kvpipe.FileStore(tmp_path) as store, batches() as b:
+        keys = await round_trip(store, b, n=1, seed=7)
+        _tamper(block_file(tmp_path, keys[0]), "last padding byte set")
+        statuses, got = await b.get(store, keys)
+        assert statuses == [BlockStatus.OK] and got == values(1, LARGE, 7)
+
+
+async def test_pipeline_writes_large_blocks_directly(tmp_path: Path) -> None:
+    layout = kvpipe.CacheLayout.gqa(
+        num_layers=4, num_kv_heads=2, head_dim=64, block_size=64, dtype="bfloat16"
+    )
+    assert layout.block_nbytes >= 64 << 10
+    src = kvpipe.create_kv_cache(layout, 8)
+    dst = kvpipe.create_kv_cache(layout, 8)
+    rng = np.random.default_rng(8)
+    for rows in src.byte_rows:
+        rows[:] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
+    tokens = np.arange(8 * 64 - 10)
+    async with kvpipe.FileStore(tmp_path) as store:
+        async with kvpipe.open_pipeline(src, store, namespace="d") as pipe:
+            w = await pipe.write(tokens, np.arange(8), include_partial=True)
+            assert w.written == 8
+        async with kvpipe.open_pipeline(dst, store, namespace="d") as pipe:
+            r = await pipe.read(tokens, np.arange(8), include_partial=True, require_all=True)
+            assert r.loaded == 8
+        assert store.statistics()["direct_writes"] == 8
+    for a, b in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a, b)
+
+
+async def test_a_refused_direct_read_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = Root.read_into
+    calls: list[bool] = []
+
+    def refuse_direct(self: Root, parts: Any, name: str, views: Any, direct: bool = False) -> Any:
+        calls.append(direct)
+        if direct:
+            raise DirectIORefused(errno.EINVAL, "direct I/O refused: Invalid argument")
+        return real(self, parts, name, views, direct)
+
+    async with kvpipe.FileStore(tmp_path) as store, batches() as b:
+        keys, _ = b.keys(4, seed=9)
+        vals = values(4, LARGE, 9)
+        assert await b.put(store, keys, vals) == [BlockStatus.OK] * 4
+        monkeypatch.setattr(Root, "read_into", refuse_direct)
+        statuses, got = await b.get(store, keys)
+        assert statuses == [BlockStatus.OK] * 4 and got == vals
+    assert calls.count(True) >= 1 and calls[-1] is False
+
+
+async def test_a_fifo_at_a_large_blocks_name_is_quarantined_not_a_refusal(tmp_path: Path) -> None:
+    async with kvpipe.FileStore(tmp_path) as store, batches() as b:
+        keys = await round_trip(store, b, n=2, seed=10)
+        path = block_file(tmp_path, keys[1])
+        path.unlink()
+        os.mkfifo(path, 0o600)
+        statuses, _ = await b.get(store, keys)
+        assert statuses == [BlockStatus.OK, BlockStatus.CORRUPT]
+        assert not path.exists()
+        await round_trip(store, b, n=2, seed=11)
+        assert store.statistics()["direct_writes"] == 4  # direct I/O still on
