@@ -2,15 +2,17 @@
 
 Per block size: the pipeline writes N blocks (gather from a layer-major cache, checksum, one
 file per block through the file store with its durability) and reads them back into another
-cache (verify, scatter). The baseline writes the same payload bytes from one contiguous
-buffer, one file per block, with the same ``fdatasync`` policy — with one thread and with
-four, whichever is faster that round — and reads those files back. Reads of both come from
-the page cache (the files were just written); see ``docs/performance.md`` for what that
-means on this machine.
+cache (verify, scatter). Store and pipelines stay open for every round, as a server keeps
+them; each round writes new blocks and deletes them afterwards (untimed), as the baselines
+delete their files. The baselines write the same payload bytes from one contiguous buffer,
+one file per block, with the same ``fdatasync`` policy — through the page cache with one
+thread and with four, and with ``O_DIRECT`` (whole pages) with four — and read those files
+back the same way; each round's ratio is against the fastest of them.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import tempfile
@@ -24,6 +26,7 @@ import numpy as np
 
 from .._cache import KVCache, create_kv_cache
 from .._config import PipelineConfig
+from .._keys import as_tokens, block_keys
 from .._layout import CacheLayout
 from ..backends.file import FileStore
 from ..pipeline import open_pipeline
@@ -54,6 +57,7 @@ class FileBenchConfig:
         cold_reads: Evict the written files from the page cache before reading them back
             (both contenders), so reads measure the disk, not memory copies.
         write_in_place: The pipeline's ``write_in_place`` (off by default, as in production).
+        store_threads: The file store's ``threads``.
     """
 
     sizes: tuple[str, ...] = ("256KiB", "2MiB", "8MiB")
@@ -64,6 +68,7 @@ class FileBenchConfig:
     directory: str = "."
     request_blocks: int = 32
     write_in_place: bool = False
+    store_threads: int = FileStore.DEFAULT_THREADS
 
 
 def _raw_write(root: str, buf: np.ndarray, threads: int, durability: str) -> None:
@@ -84,6 +89,53 @@ def _raw_write(root: str, buf: np.ndarray, threads: int, durability: str) -> Non
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(len(buf))))
+
+
+def _raw_write_direct(root: str, buf: np.ndarray, threads: int, durability: str) -> None:
+    """Like :func:`_raw_write` with ``O_DIRECT``: ``buf``'s rows are page-aligned whole pages."""
+
+    def one(i: int) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
+        fd = os.open(os.path.join(root, f"{i}.blk"), flags, 0o600)
+        try:
+            view = memoryview(buf[i]).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+            if durability != "none":
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(buf))))
+
+
+def _raw_read_direct(root: str, out: np.ndarray, threads: int) -> None:
+    """Like :func:`_raw_read` with ``O_DIRECT`` into page-aligned rows."""
+
+    def one(i: int) -> None:
+        fd = os.open(os.path.join(root, f"{i}.blk"), os.O_RDONLY | os.O_DIRECT)
+        try:
+            view = memoryview(out[i]).cast("B")
+            got = 0
+            while got < len(view):
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    raise OSError("short read")
+                got += n
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(out))))
+
+
+def _page_aligned_copy(rows: np.ndarray) -> np.ndarray:
+    """A copy of 2-D ``rows`` in anonymous (page-aligned) memory; rows must be whole pages."""
+    assert rows.shape[1] % mmap.PAGESIZE == 0, "direct I/O baseline needs whole pages"
+    out = np.frombuffer(mmap.mmap(-1, rows.nbytes), np.uint8).reshape(rows.shape)
+    out[:] = rows
+    return out
 
 
 def drop_cached(root: str) -> int:
@@ -136,6 +188,8 @@ async def _bench_size(
         rows[:] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
     contiguous = np.concatenate([np.ascontiguousarray(r) for r in src.byte_rows], axis=1)
     readback = np.empty_like(contiguous)
+    direct_src = _page_aligned_copy(contiguous)
+    direct_out = _page_aligned_copy(np.zeros_like(contiguous))
     workdir = tempfile.mkdtemp(prefix=f"kvpipe-bench-{name}-", dir=cfg.directory)
     round_no = [0]
     config = PipelineConfig(
@@ -144,53 +198,73 @@ async def _bench_size(
         write_in_place=cfg.write_in_place,
     )
     write_m, read_m = Measurement(n * nbytes), Measurement(n * nbytes)
+    store_root = os.path.join(workdir, "store")
+    store = FileStore(
+        store_root,
+        durability=cfg.durability,  # type: ignore[arg-type]
+        threads=cfg.store_threads,
+    )
 
-    async def pipeline_round() -> float:
+    async def pipeline_round(wpipe: Any, rpipe: Any) -> float:
         round_no[0] += 1
-        root = os.path.join(workdir, f"store-{round_no[0]}")
-        async with FileStore(root, durability=cfg.durability) as store:  # type: ignore[arg-type]
-            async with open_pipeline(src, store, config=config, namespace="bench") as pipe:
-                w = await _move(pipe, n, cfg.request_blocks, round_no[0], write=True, cache=src)
-            if cfg.cold_reads:
-                await anyio.to_thread.run_sync(drop_cached, root)
-            async with open_pipeline(dst, store, config=config, namespace="bench") as pipe:
-                r = await _move(pipe, n, cfg.request_blocks, round_no[0], write=False, cache=dst)
-        await anyio.to_thread.run_sync(shutil.rmtree, root)
+        w = await _move(wpipe, n, cfg.request_blocks, round_no[0], write=True, cache=src)
+        if cfg.cold_reads:
+            await anyio.to_thread.run_sync(drop_cached, os.path.join(store_root, "blocks"))
+        r = await _move(rpipe, n, cfg.request_blocks, round_no[0], write=False, cache=dst)
+        await store.delete(_round_keys(wpipe, n, cfg.request_blocks, round_no[0], layout))
         write_m.add("pipeline", w)
         read_m.add("pipeline", r)
         tick(f"{name} pipeline")
         return w
 
-    def raw_round(threads: int) -> Callable[[], Any]:
+    def raw_round(threads: int, direct: bool = False) -> Callable[[], Any]:
+        label = f"direct{threads}" if direct else f"raw{threads}"
+
         async def go() -> float:
-            root = os.path.join(workdir, f"raw-{threads}")
+            root = os.path.join(workdir, label)
             os.makedirs(root, exist_ok=True)
+            write, read = (
+                (_raw_write_direct, _raw_read_direct) if direct else (_raw_write, _raw_read)
+            )
+            data, out = (direct_src, direct_out) if direct else (contiguous, readback)
             async with Timer() as tw:
-                await anyio.to_thread.run_sync(
-                    _raw_write, root, contiguous, threads, cfg.durability
-                )
+                await anyio.to_thread.run_sync(write, root, data, threads, cfg.durability)
             if cfg.cold_reads:
                 await anyio.to_thread.run_sync(drop_cached, root)
             async with Timer() as tr:
-                await anyio.to_thread.run_sync(_raw_read, root, readback, threads)
+                await anyio.to_thread.run_sync(read, root, out, threads)
             await anyio.to_thread.run_sync(shutil.rmtree, root)
-            write_m.add(f"raw{threads}", tw.seconds)
-            read_m.add(f"raw{threads}", tr.seconds)
-            tick(f"{name} raw x{threads}")
+            write_m.add(label, tw.seconds)
+            read_m.add(label, tr.seconds)
+            tick(f"{name} {'direct' if direct else 'raw'} x{threads}")
             return tw.seconds
 
         return go
 
+    baselines = ["raw1", "raw4", "direct4"]
     try:
-        await interleave(
-            {"pipeline": pipeline_round, "raw1": raw_round(1), "raw4": raw_round(4)}, cfg.rounds
-        )
+        async with (
+            store,
+            open_pipeline(src, store, config=config, namespace="bench") as wpipe,
+            open_pipeline(dst, store, config=config, namespace="bench") as rpipe,
+        ):
+            await interleave(
+                {
+                    "pipeline": lambda: pipeline_round(wpipe, rpipe),
+                    "raw1": raw_round(1),
+                    "raw4": raw_round(4),
+                    "direct4": raw_round(4, direct=True),
+                },
+                cfg.rounds,
+            )
+            statistics = dict(store.statistics())
     finally:
         await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
     # drop the warm-up round recorded by the closures
     for m in (write_m, read_m):
         m.seconds = {k: v[1:] for k, v in m.seconds.items()}
     assert np.array_equal(readback, contiguous)
+    assert np.array_equal(direct_out, contiguous)
     return {
         "block_size": name,
         "block_bytes": nbytes,
@@ -198,9 +272,18 @@ async def _bench_size(
         "durability": cfg.durability,
         "write_in_place": cfg.write_in_place,
         "cold_reads": cfg.cold_reads,
-        "write": write_m.summary("pipeline", ["raw1", "raw4"]),
-        "read": read_m.summary("pipeline", ["raw1", "raw4"]),
+        "direct_writes": int(statistics.get("direct_writes", 0)),
+        "store_threads": cfg.store_threads,
+        "write": _summary(write_m, baselines),
+        "read": _summary(read_m, baselines),
     }
+
+
+def _summary(m: Measurement, baselines: list[str]) -> dict[str, Any]:
+    """The pipeline against every baseline, and against the page-cache ones alone."""
+    out = m.summary("pipeline", baselines)
+    out["ratio_vs_buffered"] = round(m.ratio("pipeline", ["raw1", "raw4"]), 3)
+    return out
 
 
 async def _move(
@@ -211,8 +294,7 @@ async def _move(
 
     async def one(first: int) -> None:
         count = min(per, n - first)
-        tokens = np.arange(first * 1000, first * 1000 + count * cache.layout.block_size)
-        tokens += round_no * 10**9
+        tokens = _tokens(first, count, cache.layout.block_size, round_no)
         ids = np.arange(first, first + count)
         result = await (pipe.write(tokens, ids) if write else pipe.read(tokens, ids))
         if not result.complete:
@@ -224,6 +306,21 @@ async def _move(
     if failures:
         raise RuntimeError(f"benchmark request incomplete: {failures[0]}")
     return t.seconds
+
+
+def _round_keys(pipe: Any, n: int, per: int, round_no: int, layout: CacheLayout) -> list[str]:
+    """The keys :func:`_move` wrote in round ``round_no`` (to delete them afterwards)."""
+    keys: list[str] = []
+    for first in range(0, n, per):
+        tokens = _tokens(first, min(per, n - first), layout.block_size, round_no)
+        keys += block_keys(pipe.scope, as_tokens(tokens), layout.block_size, False).keys
+    return keys
+
+
+def _tokens(first: int, count: int, block_size: int, round_no: int) -> np.ndarray:
+    """The tokens of the request writing blocks ``first .. first + count`` in a round."""
+    tokens = np.arange(first * 1000, first * 1000 + count * block_size)
+    return tokens + round_no * 10**9
 
 
 async def run_filestore_bench(

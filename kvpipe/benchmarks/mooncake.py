@@ -120,6 +120,7 @@ class _Placement:
     client: Any
     server: LocalMooncake
     segment_host: str
+    segment_pid: int
 
 
 def _client(server: LocalMooncake, segment_bytes: int) -> Any:
@@ -155,7 +156,8 @@ async def _placement(name: str, cfg: MooncakeBenchConfig) -> AsyncIterator[_Plac
         else:
             client = await run_sync(_client, server, segment)
             host = str(client.get_hostname())
-        yield _Placement(name, client, server, host)
+        owner = holder.pid if holder is not None else os.getpid()
+        yield _Placement(name, client, server, host, owner)
     finally:
         with anyio.CancelScope(shield=True):
             if client is not None:
@@ -330,6 +332,7 @@ async def _bench_size(
         "blocks": n,
         "placement": place.name,
         "segment_host": place.segment_host,
+        "segment_pid": place.segment_pid,
         "pipeline": {
             "request_blocks": cfg.request_blocks(layout),
             "concurrency": cfg.concurrency,
