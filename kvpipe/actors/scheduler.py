@@ -27,6 +27,9 @@ log = logging.getLogger("kvpipe.scheduler")
 
 #: Sequences longer than this have their keys hashed in a worker thread.
 _THREAD_KEYS_TOKENS = 32768
+#: Keys per ``exists`` call at least (more when slices are larger): a call costs a worker
+#: thread's round trip, and asking about a few dozen keys past a miss costs next to nothing.
+PROBE_CHUNK_MIN = 64
 
 
 async def probe_leading(
@@ -34,15 +37,16 @@ async def probe_leading(
 ) -> int:
     """How many of ``keys`` (blocks ``first``...) are stored, counting from the first one.
 
-    Asks the backend a chunk at a time and stops at the first chunk with a miss. Each call
-    gets at most ``slice_timeout``.
+    Asks the backend a chunk at a time (``slice_blocks`` keys, at least
+    :data:`PROBE_CHUNK_MIN`) and stops at the first chunk with a miss. Each call gets at most
+    ``slice_timeout``.
 
     Raises:
         BackendError: The backend failed an ``exists`` call.
         OperationTimeout: An ``exists`` call took longer than ``slice_timeout``.
     """
     found = 0
-    step = ctx.slice_blocks
+    step = max(ctx.slice_blocks, PROBE_CHUNK_MIN)
     for lo in range(0, len(keys), step):
         chunk = keys[lo : lo + step]
         batch = ctx.key_batch(request_id, chunk, first + lo, tokens)
