@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 import kvpipe
 from tests.helpers import LAYOUTS
+from tests.watchdog import keep_stderr, watch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the real standard error for the watchdog before pytest captures it."""
+    keep_stderr()
+
+
+@pytest.fixture(autouse=True)
+def _watchdog(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Leave every thread's and task's stack on standard error if a test hangs."""
+    with watch(request.node.nodeid):
+        yield
 
 
 @pytest.fixture
