@@ -5,8 +5,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
-# Re-install when pyproject.toml changes.
-HASH   := $(shell cksum pyproject.toml | cut -d' ' -f1)
+# Re-install when the packaging or the C extension changes.
+HASH   := $(shell cat pyproject.toml setup.py kvpipe/backends/file/_fileio.c | cksum | cut -d' ' -f1)
 
 .PHONY: run test lint unit bench clean
 
@@ -64,4 +64,5 @@ bench: system-deps $(VENV)/.base-$(HASH)
 	  --markdown docs/benchmarks/suite.md --plot docs/img --doc docs/performance.md
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build
+	rm -f kvpipe/backends/file/_fileio.*.so

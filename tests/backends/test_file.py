@@ -11,6 +11,8 @@ import kvpipe
 from kvpipe.backends import StorageBackend
 from kvpipe.testing import BackendConformance
 
+pytestmark = pytest.mark.usefixtures("file_reads")
+
 
 class TestFileStoreConformance(BackendConformance):
     @pytest.fixture(params=["none", "data", "full"])

@@ -19,13 +19,15 @@ import kvpipe
 from kvpipe._blockformat import value_nbytes
 from kvpipe._staging import StagingPool, ThreadRunner
 from kvpipe.backends import BlockStatus
-from kvpipe.backends.file import _direct
+from kvpipe.backends.file import _direct, _fileio, _reads
 from kvpipe.backends.file._format import HEADER_NBYTES, PAGE, file_nbytes, unpack_header
 from kvpipe.backends.file._fs import DirectIORefused, Root
 from kvpipe.backends.file._inspect import inspect_store
 from kvpipe.testing.conformance import Batches
 
 from .test_file_hostile import block_file
+
+pytestmark = pytest.mark.usefixtures("file_reads")
 
 #: A value of a few pages and a partial one: direct writes pad it.
 LARGE = value_nbytes(3 * (64 << 10) + 13)
@@ -237,8 +239,23 @@ async def test_pipeline_writes_large_blocks_directly(tmp_path: Path) -> None:
         assert np.array_equal(a, b)
 
 
+class _RefusingNative:
+    """The native reader, but a file system that refuses direct reads."""
+
+    NOT_REGULAR = _reads.NOT_REGULAR_CODE
+
+    def __init__(self) -> None:
+        self.direct_calls = 0
+
+    def read_files(self, fd: int, paths: Any, views: Any, direct: bool) -> list[int]:
+        if direct:
+            self.direct_calls += 1
+            return [-errno.EINVAL] * len(paths)
+        return _fileio.read_files(fd, paths, views, direct)
+
+
 async def test_a_refused_direct_read_falls_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file_reads: str
 ) -> None:
     real = Root.read_into
     calls: list[bool] = []
@@ -249,14 +266,23 @@ async def test_a_refused_direct_read_falls_back(
             raise DirectIORefused(errno.EINVAL, "direct I/O refused: Invalid argument")
         return real(self, parts, name, views, direct)
 
+    native = _RefusingNative()
     async with kvpipe.FileStore(tmp_path) as store, batches() as b:
         keys, _ = b.keys(4, seed=9)
         vals = values(4, LARGE, 9)
         assert await b.put(store, keys, vals) == [BlockStatus.OK] * 4
         monkeypatch.setattr(Root, "read_into", refuse_direct)
+        if file_reads == "native":
+            monkeypatch.setattr(_reads, "_fileio", native)
         statuses, got = await b.get(store, keys)
         assert statuses == [BlockStatus.OK] * 4 and got == vals
+        refused = (calls.count(True), native.direct_calls)
+        statuses, got = await b.get(store, keys)  # direct I/O is off for good now
+        assert statuses == [BlockStatus.OK] * 4 and got == vals
+        assert (calls.count(True), native.direct_calls) == refused
     assert calls.count(True) >= 1 and calls[-1] is False
+    if file_reads == "native":
+        assert native.direct_calls >= 1  # refused there first, then by os calls
 
 
 async def test_a_fifo_at_a_large_blocks_name_is_quarantined_not_a_refusal(tmp_path: Path) -> None:
@@ -270,3 +296,14 @@ async def test_a_fifo_at_a_large_blocks_name_is_quarantined_not_a_refusal(tmp_pa
         assert not path.exists()
         await round_trip(store, b, n=2, seed=11)
         assert store.statistics()["direct_writes"] == 4  # direct I/O still on
+
+
+async def test_the_store_reads_and_probes_natively_where_it_can(
+    tmp_path: Path, file_reads: str
+) -> None:
+    async with kvpipe.FileStore(tmp_path) as store, batches() as b:
+        assert store._native is (file_reads == "native")
+        keys = await round_trip(store, b, n=4, seed=12)
+        block_file(tmp_path, keys[2]).unlink()
+        # the probe stops at the first missing file: the last one is there but not counted
+        assert list(await store.exists(b.key_batch(keys))) == [True, True, False, False]

@@ -33,6 +33,8 @@ from kvpipe.backends.file import FileStore
 from kvpipe.backends.file._format import HEADER_NBYTES, block_location, pack_header
 from kvpipe.testing.conformance import Batches
 
+pytestmark = pytest.mark.usefixtures("file_reads")
+
 T = TypeVar("T")
 
 #: Payload bytes per block in the backend-level tests (a value adds the 48-byte trailer).

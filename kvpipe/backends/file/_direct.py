@@ -19,7 +19,8 @@ import mmap
 import os
 import secrets
 import threading
-from typing import Final
+from dataclasses import dataclass
+from typing import Final, final
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from ._format import HEADER_NBYTES, PAGE
 
 __all__ = (
     "MIN_DIRECT_NBYTES",
+    "Pages",
     "Scratch",
     "direct_chunks",
     "finish_read",
@@ -39,15 +41,51 @@ __all__ = (
 MIN_DIRECT_NBYTES: Final = 64 << 10
 
 
+@final
+@dataclass(frozen=True, slots=True)
+class Pages:
+    """Three page-aligned scratch pages for one file: its header, the tail of a direct
+    write or read, and room for a version-2 file's padding."""
+
+    header: memoryview
+    tail: memoryview
+    pad: memoryview
+
+
 class Scratch(threading.local):
-    """Per-thread page-aligned pages: a header, the tail of a direct write, read padding."""
+    """Per-thread page-aligned scratch: :class:`Pages` for as many files as a batch needs."""
 
     def __init__(self) -> None:
-        self._mem = mmap.mmap(-1, 3 * PAGE)  # anonymous maps start on a page boundary
-        view = memoryview(self._mem)
-        self.header = view[:HEADER_NBYTES]
-        self.tail = view[PAGE : 2 * PAGE]
-        self.pad = view[2 * PAGE : 3 * PAGE]
+        self._pages: list[Pages] = []
+        self._grow(1)
+
+    def _grow(self, n: int) -> None:
+        mem = mmap.mmap(-1, 3 * PAGE * n)  # anonymous maps start on a page boundary
+        view = memoryview(mem)
+        self._pages = [
+            Pages(
+                view[3 * PAGE * i : 3 * PAGE * i + HEADER_NBYTES],
+                view[3 * PAGE * i + PAGE : 3 * PAGE * i + 2 * PAGE],
+                view[3 * PAGE * i + 2 * PAGE : 3 * PAGE * (i + 1)],
+            )
+            for i in range(n)
+        ]
+
+    def pages(self, n: int) -> list[Pages]:
+        """Scratch for ``n`` files (valid until the next call from this thread)."""
+        if n > len(self._pages):
+            self._grow(max(n, 2 * len(self._pages)))
+        return self._pages[:n]
+
+    @property
+    def header(self) -> memoryview:
+        """The first file's header page."""
+        return self._pages[0].header
+
+    @property
+    def tail(self) -> memoryview:
+        """The first file's tail page."""
+        return self._pages[0].tail
 
 
 def is_aligned(value: memoryview) -> bool:
@@ -73,23 +111,23 @@ def direct_chunks(header: bytes, value: memoryview, scratch: Scratch) -> list[me
     return chunks
 
 
-def read_views(into: memoryview, scratch: Scratch, direct: bool) -> list[memoryview]:
+def read_views(into: memoryview, pages: Pages, direct: bool) -> list[memoryview]:
     """Where one ``preadv`` of a block file goes: the header page, the payload into ``into``,
     and up to a page more (the padding of a version-2 file; more than that and the count
     read shows the file too long). With ``direct`` (``into`` accepted by :func:`is_aligned`),
-    the last partial page of the payload lands in a scratch page: :func:`finish_read` moves
+    the last partial page of the payload lands in the tail page: :func:`finish_read` moves
     it."""
     if not direct:
-        return [scratch.header, into, scratch.pad]
+        return [pages.header, into, pages.pad]
     whole = len(into) // PAGE * PAGE
-    return [scratch.header, into[:whole], scratch.tail, scratch.pad]
+    return [pages.header, into[:whole], pages.tail, pages.pad]
 
 
-def finish_read(into: memoryview, scratch: Scratch, direct: bool) -> None:
+def finish_read(into: memoryview, pages: Pages, direct: bool) -> None:
     """Complete a direct read of :func:`read_views`: copy the payload's last partial page."""
     whole = len(into) // PAGE * PAGE
     if direct and whole < len(into):
-        into[whole:] = scratch.tail[: len(into) - whole]
+        into[whole:] = pages.tail[: len(into) - whole]
 
 
 def probe_direct(dir_fd: int, scratch: Scratch) -> bool:

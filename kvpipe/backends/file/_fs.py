@@ -137,6 +137,15 @@ class Root:
         """Close the root descriptor."""
         os.close(self.fd)
 
+    def confined_opens(self) -> bool:
+        """Whether this kernel resolves paths beneath the root in one call (``openat2``), as
+        the native reader needs."""
+        fd = _openat2(self.fd, ".", os.O_PATH | os.O_DIRECTORY)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
+
     @contextmanager
     def directory(self, parts: Sequence[str], create: bool) -> Iterator[int]:
         """An open descriptor of ``root/parts...`` (created ``0700`` when ``create``).

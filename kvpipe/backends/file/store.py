@@ -30,24 +30,16 @@ from ..._results import ResidencyEntry
 from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from .._inflight import InFlight
 from ._catalog import Catalog
-from ._direct import (
-    Scratch,
-    direct_chunks,
-    finish_read,
-    is_aligned,
-    probe_direct,
-    read_views,
-)
+from ._direct import Scratch, direct_chunks, is_aligned, probe_direct
 from ._format import (
-    HeaderError,
     block_location,
     file_nbytes,
     key_namespace,
     pack_header,
-    unpack_header,
 )
-from ._fs import DirectIORefused, Durability, NotARegularFile, Root, owner_token
+from ._fs import DirectIORefused, Durability, Root, owner_token
 from ._inspect import recover
+from ._reads import ReadHooks, native_available, read_batch, read_one, regular_files
 
 __all__ = ("FileStore",)
 
@@ -110,6 +102,7 @@ class FileStore(StorageBackend):
         self.scan_on_open = scan_on_open
         self.direct_io = direct_io
         self._direct = False  # decided at open
+        self._native = False  # batch reads and probes in native code: decided at open
         self._scratch = Scratch()
         self._root: Root | None = None
         self._catalog: Catalog | None = None
@@ -147,6 +140,7 @@ class FileStore(StorageBackend):
             self._direct = want and probe_direct(root.fd, self._scratch)
             if self.direct_io and not self._direct:
                 raise OSError(errno.EINVAL, "the file system does not allow direct I/O")
+            self._native = native_available() and root.confined_opens()
             catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"), owner_token())
         except BaseException:
             root.close()
@@ -381,12 +375,34 @@ class FileStore(StorageBackend):
         fingerprint: str,
     ) -> list[BlockStatus]:
         errors: list[str] = []
-        statuses = list(
-            self._pool().map(
-                lambda i: self._read_one(root, keys[i], buffers[i], fingerprint, errors),
-                range(len(keys)),
+        hooks = ReadHooks(lambda: self._direct, self._refuse_direct, self._count, errors)
+        scratch = self._scratch
+        if self._native:
+            # ``threads`` batches, each read in one native call on an executor thread
+            step = -(-len(keys) // self.threads)
+            starts = range(0, len(keys), step)
+            statuses = [
+                s
+                for part in self._pool().map(
+                    lambda lo: read_batch(
+                        hooks,
+                        root,
+                        keys[lo : lo + step],
+                        buffers[lo : lo + step],
+                        fingerprint,
+                        scratch,
+                    ),
+                    starts,
+                )
+                for s in part
+            ]
+        else:
+            statuses = list(
+                self._pool().map(
+                    lambda i: read_one(hooks, root, keys[i], buffers[i], fingerprint, scratch),
+                    range(len(keys)),
+                )
             )
-        )
         if errors:  # one line per batch, not per block
             log.warning(
                 "file store %s: %d of %d blocks could not be read: %s",
@@ -405,65 +421,14 @@ class FileStore(StorageBackend):
         self._count(blocks_read=len(ok))
         return statuses
 
-    def _read_one(
-        self, root: Root, key: str, buf: memoryview, fingerprint: str, errors: list[str]
-    ) -> BlockStatus:
-        parts, name = block_location(key)
-        scratch = self._scratch
-        direct = self._direct and is_aligned(buf)
-        try:
-            try:
-                found = root.read_into(parts, name, read_views(buf, scratch, direct), direct)
-            except DirectIORefused as exc:
-                self._refuse_direct(root, exc)
-                direct = False
-                found = root.read_into(parts, name, read_views(buf, scratch, direct))
-        except NotARegularFile as exc:
-            why = str(exc)
-        except OSError as exc:
-            errors.append(f"{key}: {exc}")
-            self._count(io_errors=1)
-            return BlockStatus.FAILED
-        else:
-            if found is None:
-                return BlockStatus.MISSING
-            finish_read(buf, scratch, direct)
-            check = self._check(key, bytes(scratch.header), found, buf, fingerprint)
-            if check is None:
-                return BlockStatus.OK
-            why = check
-        errors.append(f"{key}: corrupt ({why}), quarantined")
-        if root.quarantine(parts, name):
-            self._count(quarantined=1)
-        return BlockStatus.CORRUPT
-
-    @staticmethod
-    def _check(key: str, raw: bytes, got: int, buf: memoryview, fingerprint: str) -> str | None:
-        if got < len(raw):
-            return f"file of {got} B, shorter than a header"
-        try:
-            header = unpack_header(raw)
-        except HeaderError as exc:
-            return str(exc)
-        if header.key != key:
-            return "file holds another key"
-        if header.fingerprint != fingerprint:
-            return f"layout {header.fingerprint}, expected {fingerprint}"
-        if header.payload_nbytes != len(buf):
-            return f"payload of {header.payload_nbytes} B, expected {len(buf)}"
-        if got != header.file_nbytes:
-            # shorter, or longer (it filled more than a valid file can: see read_into)
-            return f"{got} B read, its header says the file has {header.file_nbytes}"
-        if xxhash.xxh3_64_intdigest(buf) != header.checksum:
-            return "payload checksum mismatch"
-        return None
-
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
         """Whether each block file exists, stopping at the first missing one."""
         root, _ = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
 
         def probe() -> list[bool]:
+            if self._native:
+                return regular_files(root, keys)
             out: list[bool] = []
             for key in keys:
                 if out and not out[-1]:

@@ -1,0 +1,286 @@
+/* kvpipe.backends.file._fileio: read many block files in one call, without the GIL.
+ *
+ * A worker thread that reads a block file from Python goes through the GIL after every
+ * system call (open, read, close); beside a busy event loop each of those waits, and for
+ * small blocks that, not the disk, sets the pace. read_files() takes a batch of files and
+ * their destination buffers, releases the GIL once, and for each file opens it confined to
+ * the store's root (openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
+ * RESOLVE_NO_MAGICLINKS, O_NOFOLLOW, O_NONBLOCK so a FIFO cannot block), reads it from
+ * offset 0 with preadv until the buffers are full or the file ends, and closes it.
+ * Everything else (which files, what the bytes mean) stays in Python.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+
+/* Result for something other than a regular file at a block's name. */
+#define NOT_REGULAR (-1000000)
+#define MAX_VIEWS 16
+
+static int open_confined(int dir_fd, const char *path, int flags) {
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = (unsigned long long)(flags | O_NOFOLLOW | O_CLOEXEC);
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    return (int)syscall(SYS_openat2, dir_fd, path, &how, sizeof how);
+}
+
+static long not_regular_or(int fd, long err) {
+    struct stat st;
+    if (fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {
+        return NOT_REGULAR;
+    }
+    return err;
+}
+
+/* One file: bytes read (>= 0), NOT_REGULAR, or -errno. */
+static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, int direct) {
+    int flags = O_RDONLY | O_NONBLOCK;
+    int fd = open_confined(dir_fd, path, flags | (direct ? O_DIRECT : 0));
+    if (fd < 0) {
+        int err = errno;
+        if (!(direct && err == EINVAL)) {
+            return -err;
+        }
+        /* A FIFO (say) refuses O_DIRECT; so may the file system. Tell them apart. */
+        fd = open_confined(dir_fd, path, flags);
+        if (fd < 0) {
+            return -errno;
+        }
+        long out = not_regular_or(fd, -EINVAL);
+        close(fd);
+        return out;
+    }
+    long got = 0;
+    int at = 0;
+    while (at < cnt) {
+        ssize_t r = preadv(fd, iov + at, cnt - at, got);
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            got = not_regular_or(fd, -errno);
+            break;
+        }
+        if (r == 0) {
+            break;
+        }
+        got += r;
+        while (at < cnt && (size_t)r >= iov[at].iov_len) {
+            r -= (ssize_t)iov[at].iov_len;
+            at++;
+        }
+        if (at < cnt && r > 0) {
+            iov[at].iov_base = (char *)iov[at].iov_base + r;
+            iov[at].iov_len -= (size_t)r;
+        }
+    }
+    close(fd);
+    return got;
+}
+
+PyDoc_STRVAR(read_files_doc,
+"read_files(dir_fd, paths, views, direct) -> list[int]\n\n"
+"Read each file paths[i] (relative to dir_fd, never through a symbolic link or out of it)\n"
+"from offset 0 into the writable buffers views[i], in order, until they are full or the file\n"
+"ends. Per file: the bytes read, -errno, or NOT_REGULAR. direct: open with O_DIRECT (every\n"
+"buffer's address and length must then suit the device). The GIL is released throughout.");
+
+static PyObject *read_files(PyObject *self, PyObject *args) {
+    (void)self;
+    int dir_fd, direct;
+    PyObject *paths_obj, *views_obj;
+    if (!PyArg_ParseTuple(args, "iOOp", &dir_fd, &paths_obj, &views_obj, &direct)) {
+        return NULL;
+    }
+    PyObject *paths = PySequence_Fast(paths_obj, "paths must be a sequence");
+    if (paths == NULL) {
+        return NULL;
+    }
+    PyObject *views = PySequence_Fast(views_obj, "views must be a sequence");
+    if (views == NULL) {
+        Py_DECREF(paths);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(paths);
+    PyObject *result = NULL;
+    const char **cpaths = NULL;
+    struct iovec *iov = NULL;
+    int *counts = NULL;
+    long *got = NULL;
+    Py_buffer *bufs = NULL;
+    Py_ssize_t nbufs = 0;
+
+    if (PySequence_Fast_GET_SIZE(views) != n) {
+        PyErr_SetString(PyExc_ValueError, "one list of views per path");
+        goto done;
+    }
+    cpaths = calloc((size_t)n + 1, sizeof *cpaths);
+    iov = calloc((size_t)n * MAX_VIEWS + 1, sizeof *iov);
+    counts = calloc((size_t)n + 1, sizeof *counts);
+    got = calloc((size_t)n + 1, sizeof *got);
+    bufs = calloc((size_t)n * MAX_VIEWS + 1, sizeof *bufs);
+    if (!cpaths || !iov || !counts || !got || !bufs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PySequence_Fast_GET_ITEM(paths, i);
+        if (!PyBytes_Check(p)) {
+            PyErr_SetString(PyExc_TypeError, "paths must be bytes");
+            goto done;
+        }
+        cpaths[i] = PyBytes_AS_STRING(p);
+        PyObject *vs = PySequence_Fast(PySequence_Fast_GET_ITEM(views, i), "views[i] must be a sequence");
+        if (vs == NULL) {
+            goto done;
+        }
+        Py_ssize_t m = PySequence_Fast_GET_SIZE(vs);
+        if (m > MAX_VIEWS) {
+            Py_DECREF(vs);
+            PyErr_SetString(PyExc_ValueError, "too many views for one file");
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(vs, j), &bufs[nbufs],
+                                   PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+                Py_DECREF(vs);
+                goto done;
+            }
+            iov[i * MAX_VIEWS + j].iov_base = bufs[nbufs].buf;
+            iov[i * MAX_VIEWS + j].iov_len = (size_t)bufs[nbufs].len;
+            nbufs++;
+        }
+        counts[i] = (int)m;
+        Py_DECREF(vs);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        got[i] = read_one(dir_fd, cpaths[i], iov + i * MAX_VIEWS, counts[i], direct);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    if (result == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLong(got[i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    for (Py_ssize_t k = 0; k < nbufs; k++) {
+        PyBuffer_Release(&bufs[k]);
+    }
+    free(cpaths);
+    free(iov);
+    free(counts);
+    free(got);
+    free(bufs);
+    Py_DECREF(paths);
+    Py_DECREF(views);
+    return result;
+}
+
+PyDoc_STRVAR(regular_files_doc,
+"regular_files(dir_fd, paths, stop_at_missing) -> list[bool]\n\n"
+"Whether each of paths (relative to dir_fd, never through a symbolic link or out of it) is\n"
+"a regular file. With stop_at_missing, every path after the first that is not one is\n"
+"answered False without being looked at. The GIL is released throughout.");
+
+static PyObject *regular_files(PyObject *self, PyObject *args) {
+    (void)self;
+    int dir_fd, stop;
+    PyObject *paths_obj;
+    if (!PyArg_ParseTuple(args, "iOp", &dir_fd, &paths_obj, &stop)) {
+        return NULL;
+    }
+    PyObject *paths = PySequence_Fast(paths_obj, "paths must be a sequence");
+    if (paths == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(paths);
+    const char **cpaths = calloc((size_t)n + 1, sizeof *cpaths);
+    char *found = calloc((size_t)n + 1, 1);
+    PyObject *result = NULL;
+    if (!cpaths || !found) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PySequence_Fast_GET_ITEM(paths, i);
+        if (!PyBytes_Check(p)) {
+            PyErr_SetString(PyExc_TypeError, "paths must be bytes");
+            goto done;
+        }
+        cpaths[i] = PyBytes_AS_STRING(p);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int fd = open_confined(dir_fd, cpaths[i], O_PATH);
+        if (fd >= 0) {
+            struct stat st;
+            found[i] = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+            close(fd);
+        }
+        if (stop && !found[i]) {
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    if (result == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = found[i] ? Py_True : Py_False;
+        Py_INCREF(v);
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    free(cpaths);
+    free(found);
+    Py_DECREF(paths);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"read_files", read_files, METH_VARARGS, read_files_doc},
+    {"regular_files", regular_files, METH_VARARGS, regular_files_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fileio",
+    "Batched, confined block-file reads without the GIL (see read_files).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fileio(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "NOT_REGULAR", NOT_REGULAR) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_VIEWS", MAX_VIEWS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,190 @@
+"""Reading block files (blocking; the store runs this in its worker threads).
+
+Two ways, one verdict. Where the native reader (:mod:`._fileio`, a C extension built at
+install) is there, a batch of files is read in one call that holds no GIL between its system
+calls — beside a busy event loop, a worker thread that goes back through the GIL after every
+``open``, ``read`` and ``close`` waits at each, and for small blocks that sets the pace.
+Otherwise each file is read through :meth:`Root.read_into`. Either way every file's header,
+size and checksum are checked, and a file that fails is quarantined and reported ``CORRUPT``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, final
+
+import xxhash
+
+from .._base import BlockStatus
+from ._direct import Pages, Scratch, finish_read, is_aligned, read_views
+from ._format import HeaderError, block_location, unpack_header
+from ._fs import DirectIORefused, NotARegularFile, Root
+
+_fileio: Any
+try:
+    from . import _fileio
+except ImportError:  # not built (no C compiler at install): read through os calls
+    _fileio = None
+
+__all__ = (
+    "NOT_REGULAR_CODE",
+    "ReadHooks",
+    "check_file",
+    "native_available",
+    "read_batch",
+    "read_one",
+    "regular_files",
+)
+
+#: What the native reader answers for something other than a regular file.
+NOT_REGULAR_CODE: Final = -1000000
+
+
+def native_available() -> bool:
+    """Whether the native batch reader was built."""
+    return _fileio is not None
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ReadHooks:
+    """What reading needs from the store.
+
+    Attributes:
+        direct: Whether direct I/O is on now.
+        refuse_direct: Turn direct I/O off for good (a direct read was refused).
+        count: Add to the store's counters.
+        errors: Where one batch's error lines go (the store logs them once per batch).
+    """
+
+    direct: Callable[[], bool]
+    refuse_direct: Callable[[Root, OSError], None]
+    count: Callable[..., None]
+    errors: list[str]
+
+
+def read_one(
+    hooks: ReadHooks, root: Root, key: str, buf: memoryview, fingerprint: str, scratch: Scratch
+) -> BlockStatus:
+    """Read and check one block file through ``os`` calls."""
+    parts, name = block_location(key)
+    pages = scratch.pages(1)[0]
+    direct = hooks.direct() and is_aligned(buf)
+    try:
+        try:
+            got = root.read_into(parts, name, read_views(buf, pages, direct), direct)
+        except DirectIORefused as exc:
+            hooks.refuse_direct(root, exc)
+            direct = False
+            got = root.read_into(parts, name, read_views(buf, pages, direct))
+    except NotARegularFile as exc:
+        return _quarantine(hooks, root, key, str(exc))
+    except OSError as exc:
+        hooks.errors.append(f"{key}: {exc}")
+        hooks.count(io_errors=1)
+        return BlockStatus.FAILED
+    if got is None:
+        return BlockStatus.MISSING
+    return _judge(hooks, root, key, buf, pages, direct, got, fingerprint)
+
+
+def read_batch(
+    hooks: ReadHooks,
+    root: Root,
+    keys: Sequence[str],
+    bufs: Sequence[memoryview],
+    fingerprint: str,
+    scratch: Scratch,
+) -> list[BlockStatus]:
+    """Read and check a batch of block files in one native call (see the module docstring);
+    a file the native reader could not handle its way is read again by :func:`read_one`."""
+    assert _fileio is not None
+    pages = scratch.pages(len(keys))
+    direct = hooks.direct()
+    flags = [direct and is_aligned(b) for b in bufs]
+    if any(f != direct for f in flags):  # one mode per call: mixed batches go one by one
+        return [
+            read_one(hooks, root, k, b, fingerprint, scratch)
+            for k, b in zip(keys, bufs, strict=True)
+        ]
+    paths = [os.path.join(*parts, name).encode() for parts, name in map(block_location, keys)]
+    views = [read_views(b, p, direct) for b, p in zip(bufs, pages, strict=True)]
+    results = _fileio.read_files(root.fd, paths, views, direct)
+    statuses: list[BlockStatus] = []
+    for key, buf, page, got in zip(keys, bufs, pages, results, strict=True):
+        if got >= 0:
+            statuses.append(_judge(hooks, root, key, buf, page, direct, got, fingerprint))
+        elif got == _fileio.NOT_REGULAR:
+            statuses.append(_quarantine(hooks, root, key, "not a regular file"))
+        elif got == -errno.ENOENT:
+            statuses.append(BlockStatus.MISSING)
+        elif got in (-errno.EINVAL, -errno.ENOSYS, -errno.EPERM):
+            # EINVAL: direct I/O refused (read_one turns it off); ENOSYS/EPERM: no openat2
+            # here (read_one walks the path instead).
+            statuses.append(read_one(hooks, root, key, buf, fingerprint, scratch))
+        else:
+            why = {errno.ELOOP: "crosses a symbolic link", errno.EXDEV: "leaves the store"}
+            hooks.errors.append(f"{key}: {why.get(-got, os.strerror(-got))}")
+            hooks.count(io_errors=1)
+            statuses.append(BlockStatus.FAILED)
+    return statuses
+
+
+def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
+    """Whether each key's block file is there (a regular file), in one native call, stopping
+    at the first that is not."""
+    assert _fileio is not None
+    paths = [os.path.join(*parts, name).encode() for parts, name in map(block_location, keys)]
+    found: list[bool] = _fileio.regular_files(root.fd, paths, True)
+    return found
+
+
+def _judge(
+    hooks: ReadHooks,
+    root: Root,
+    key: str,
+    buf: memoryview,
+    pages: Pages,
+    direct: bool,
+    got: int,
+    fingerprint: str,
+) -> BlockStatus:
+    """The verdict on a block file read into ``buf`` (``got`` bytes in all)."""
+    finish_read(buf, pages, direct)
+    why = check_file(key, bytes(pages.header), got, buf, fingerprint)
+    if why is None:
+        return BlockStatus.OK
+    return _quarantine(hooks, root, key, why)
+
+
+def _quarantine(hooks: ReadHooks, root: Root, key: str, why: str) -> BlockStatus:
+    hooks.errors.append(f"{key}: corrupt ({why}), quarantined")
+    if root.quarantine(*block_location(key)):
+        hooks.count(quarantined=1)
+    return BlockStatus.CORRUPT
+
+
+def check_file(key: str, raw: bytes, got: int, buf: memoryview, fingerprint: str) -> str | None:
+    """Why a block file read as ``raw`` (its header) and ``buf`` (its payload), ``got`` bytes
+    in all, cannot be trusted; ``None`` when it can."""
+    if got < len(raw):
+        return f"file of {got} B, shorter than a header"
+    try:
+        header = unpack_header(raw)
+    except HeaderError as exc:
+        return str(exc)
+    if header.key != key:
+        return "file holds another key"
+    if header.fingerprint != fingerprint:
+        return f"layout {header.fingerprint}, expected {fingerprint}"
+    if header.payload_nbytes != len(buf):
+        return f"payload of {header.payload_nbytes} B, expected {len(buf)}"
+    if got != header.file_nbytes:
+        # shorter, or longer (it filled more than a valid file can: see Root.read_into)
+        return f"{got} B read, its header says the file has {header.file_nbytes}"
+    if xxhash.xxh3_64_intdigest(buf) != header.checksum:
+        return "payload checksum mismatch"
+    return None
