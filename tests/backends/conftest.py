@@ -6,14 +6,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpipe.backends.file import _reads
+from kvpipe.backends.file import _native
 
 
 @pytest.fixture(params=["native", "os"])
-def file_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Run a file-store test with the native batch reader and with plain ``os`` reads."""
+def file_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run a file-store test with the native batch reads and writes (the C extension) and
+    with plain ``os`` calls."""
     if request.param == "os":
-        monkeypatch.setattr(_reads, "_fileio", None)
+        monkeypatch.setattr(_native, "fileio", None)
     else:
-        assert _reads.native_available(), "the native reader was not built (see setup.py)"
+        assert _native.fileio is not None, "the C extension was not built (see setup.py)"
     yield request.param

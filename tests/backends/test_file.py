@@ -11,7 +11,7 @@ import kvpipe
 from kvpipe.backends import StorageBackend
 from kvpipe.testing import BackendConformance
 
-pytestmark = pytest.mark.usefixtures("file_reads")
+pytestmark = pytest.mark.usefixtures("file_io")
 
 
 class TestFileStoreConformance(BackendConformance):

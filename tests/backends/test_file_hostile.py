@@ -33,7 +33,7 @@ from kvpipe.backends.file import FileStore
 from kvpipe.backends.file._format import HEADER_NBYTES, block_location, pack_header
 from kvpipe.testing.conformance import Batches
 
-pytestmark = pytest.mark.usefixtures("file_reads")
+pytestmark = pytest.mark.usefixtures("file_io")
 
 T = TypeVar("T")
 

@@ -77,16 +77,6 @@ class Scratch(threading.local):
             self._grow(max(n, 2 * len(self._pages)))
         return self._pages[:n]
 
-    @property
-    def header(self) -> memoryview:
-        """The first file's header page."""
-        return self._pages[0].header
-
-    @property
-    def tail(self) -> memoryview:
-        """The first file's tail page."""
-        return self._pages[0].tail
-
 
 def is_aligned(value: memoryview) -> bool:
     """Whether ``value`` can be written directly: large enough, starting on a page."""
@@ -96,18 +86,18 @@ def is_aligned(value: memoryview) -> bool:
     return address % PAGE == 0
 
 
-def direct_chunks(header: bytes, value: memoryview, scratch: Scratch) -> list[memoryview]:
+def direct_chunks(header: bytes, value: memoryview, pages: Pages) -> list[memoryview]:
     """The page-aligned chunks of a direct write of ``header`` then ``value`` (which
     :func:`is_aligned` accepted): the header page, the value's whole pages in place, and its
-    last partial page copied into a zero-padded scratch page."""
-    scratch.header[:] = header
+    last partial page copied into a zero-padded tail page."""
+    pages.header[:] = header
     whole = len(value) // PAGE * PAGE
-    chunks = [scratch.header, value[:whole]]
+    chunks = [pages.header, value[:whole]]
     rest = len(value) - whole
     if rest:
-        scratch.tail[:rest] = value[whole:]
-        scratch.tail[rest:] = bytes(PAGE - rest)
-        chunks.append(scratch.tail)
+        pages.tail[:rest] = value[whole:]
+        pages.tail[rest:] = bytes(PAGE - rest)
+        chunks.append(pages.tail)
     return chunks
 
 
@@ -145,9 +135,10 @@ def probe_direct(dir_fd: int, scratch: Scratch) -> bool:
         if exc.errno == errno.EINVAL:
             return False
         raise
+    page = scratch.pages(1)[0].tail
     try:
-        scratch.tail[:] = bytes(PAGE)
-        return os.write(fd, scratch.tail) == PAGE
+        page[:] = bytes(PAGE)
+        return os.write(fd, page) == PAGE
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False

@@ -1,4 +1,4 @@
-/* kvpipe.backends.file._fileio: read many block files in one call, without the GIL.
+/* kvpipe.backends.file._fileio: read and write many block files in one call, without the GIL.
  *
  * A worker thread that reads a block file from Python goes through the GIL after every
  * system call (open, read, close); beside a busy event loop each of those waits, and for
@@ -7,7 +7,9 @@
  * the store's root (openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
  * RESOLVE_NO_MAGICLINKS, O_NOFOLLOW, O_NONBLOCK so a FIFO cannot block), reads it from
  * offset 0 with preadv until the buffers are full or the file ends, and closes it.
- * Everything else (which files, what the bytes mean) stays in Python.
+ * write_files() publishes a batch of files atomically the same way the Python path does
+ * (temporary file, fdatasync, rename, directory fsync per durability). Everything else
+ * (which files, headers, checksums, what the bytes mean) stays in Python.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -260,7 +262,196 @@ done:
     return result;
 }
 
+/* One file: 0 published, ABANDONED, or -errno (nothing published, no temporary file left). */
+#define ABANDONED 1
+
+static long write_one(int dir_fd, const char *dir, const char *tmp, const char *name,
+                      struct iovec *iov, int cnt, int durability, int direct,
+                      volatile const char *abandoned) {
+    int dfd = open_confined(dir_fd, dir, O_RDONLY | O_DIRECTORY);
+    if (dfd < 0) {
+        return -errno;
+    }
+    long out = 0;
+    int fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC |
+                    (direct ? O_DIRECT : 0), 0600);
+    if (fd < 0) {
+        out = -errno;
+        close(dfd);
+        return out;
+    }
+    long done = 0;
+    int at = 0;
+    while (at < cnt) {
+        ssize_t w = pwritev(fd, iov + at, cnt - at, done);
+        if (w < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            out = -errno;
+            break;
+        }
+        if (w == 0) {
+            out = -EIO;
+            break;
+        }
+        done += w;
+        while (at < cnt && (size_t)w >= iov[at].iov_len) {
+            w -= (ssize_t)iov[at].iov_len;
+            at++;
+        }
+        if (at < cnt && w > 0) {
+            iov[at].iov_base = (char *)iov[at].iov_base + w;
+            iov[at].iov_len -= (size_t)w;
+        }
+    }
+    if (out == 0 && durability >= 1 && fdatasync(fd) != 0) {
+        out = -errno;
+    }
+    if (close(fd) != 0 && out == 0) {
+        out = -errno;
+    }
+    if (out == 0 && *abandoned) {
+        out = ABANDONED;
+    }
+    if (out == 0 && renameat(dfd, tmp, dfd, name) != 0) {
+        out = -errno;
+    }
+    if (out != 0) {
+        unlinkat(dfd, tmp, 0);
+    } else if (durability >= 2 && fsync(dfd) != 0) {
+        out = -errno; /* published, but the directory may not be durable: report it */
+    }
+    close(dfd);
+    return out;
+}
+
+PyDoc_STRVAR(write_files_doc,
+"write_files(dir_fd, dirs, temps, names, chunks, durability, direct, abandoned) -> list[int]\n\n"
+"Publish each file atomically: write chunks[i] into dirs[i]/temps[i] (created 0600, never\n"
+"through a link; dirs[i] beneath dir_fd), fdatasync it (durability >= 1), rename it over\n"
+"dirs[i]/names[i], and with durability 2 fsync the directory. When abandoned[0] is set the\n"
+"file is removed instead of published. Per file: 0, ABANDONED or -errno; a file not\n"
+"published leaves no temporary file. The GIL is released throughout.");
+
+static PyObject *write_files(PyObject *self, PyObject *args) {
+    (void)self;
+    int dir_fd, durability, direct;
+    PyObject *dirs_obj, *temps_obj, *names_obj, *chunks_obj, *abandoned_obj;
+    if (!PyArg_ParseTuple(args, "iOOOOipO", &dir_fd, &dirs_obj, &temps_obj, &names_obj,
+                          &chunks_obj, &durability, &direct, &abandoned_obj)) {
+        return NULL;
+    }
+    Py_buffer flag;
+    if (PyObject_GetBuffer(abandoned_obj, &flag, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *seqs[4] = {NULL, NULL, NULL, NULL};
+    PyObject *objs[4] = {dirs_obj, temps_obj, names_obj, chunks_obj};
+    PyObject *result = NULL;
+    const char **strs = NULL;
+    struct iovec *iov = NULL;
+    int *counts = NULL;
+    long *codes = NULL;
+    Py_buffer *bufs = NULL;
+    Py_ssize_t nbufs = 0, n = 0;
+    if (flag.len < 1) {
+        PyErr_SetString(PyExc_ValueError, "abandoned must hold a byte");
+        goto done;
+    }
+    for (int k = 0; k < 4; k++) {
+        seqs[k] = PySequence_Fast(objs[k], "expected a sequence");
+        if (seqs[k] == NULL) {
+            goto done;
+        }
+    }
+    n = PySequence_Fast_GET_SIZE(seqs[0]);
+    for (int k = 1; k < 4; k++) {
+        if (PySequence_Fast_GET_SIZE(seqs[k]) != n) {
+            PyErr_SetString(PyExc_ValueError, "dirs, temps, names and chunks differ in length");
+            goto done;
+        }
+    }
+    strs = calloc(3 * (size_t)n + 1, sizeof *strs);
+    iov = calloc((size_t)n * MAX_VIEWS + 1, sizeof *iov);
+    counts = calloc((size_t)n + 1, sizeof *counts);
+    codes = calloc((size_t)n + 1, sizeof *codes);
+    bufs = calloc((size_t)n * MAX_VIEWS + 1, sizeof *bufs);
+    if (!strs || !iov || !counts || !codes || !bufs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (int k = 0; k < 3; k++) {
+            PyObject *p = PySequence_Fast_GET_ITEM(seqs[k], i);
+            if (!PyBytes_Check(p)) {
+                PyErr_SetString(PyExc_TypeError, "dirs, temps and names must be bytes");
+                goto done;
+            }
+            strs[3 * i + k] = PyBytes_AS_STRING(p);
+        }
+        PyObject *cs = PySequence_Fast(PySequence_Fast_GET_ITEM(seqs[3], i), "chunks[i] must be a sequence");
+        if (cs == NULL) {
+            goto done;
+        }
+        Py_ssize_t m = PySequence_Fast_GET_SIZE(cs);
+        if (m > MAX_VIEWS) {
+            Py_DECREF(cs);
+            PyErr_SetString(PyExc_ValueError, "too many chunks for one file");
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(cs, j), &bufs[nbufs],
+                                   PyBUF_C_CONTIGUOUS) < 0) {
+                Py_DECREF(cs);
+                goto done;
+            }
+            iov[i * MAX_VIEWS + j].iov_base = bufs[nbufs].buf;
+            iov[i * MAX_VIEWS + j].iov_len = (size_t)bufs[nbufs].len;
+            nbufs++;
+        }
+        counts[i] = (int)m;
+        Py_DECREF(cs);
+    }
+    volatile const char *abandoned = (volatile const char *)flag.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        codes[i] = *abandoned ? ABANDONED
+                              : write_one(dir_fd, strs[3 * i], strs[3 * i + 1], strs[3 * i + 2],
+                                          iov + i * MAX_VIEWS, counts[i], durability, direct,
+                                          abandoned);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    if (result == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLong(codes[i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    for (Py_ssize_t k = 0; k < nbufs; k++) {
+        PyBuffer_Release(&bufs[k]);
+    }
+    PyBuffer_Release(&flag);
+    for (int k = 0; k < 4; k++) {
+        Py_XDECREF(seqs[k]);
+    }
+    free(strs);
+    free(iov);
+    free(counts);
+    free(codes);
+    free(bufs);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"write_files", write_files, METH_VARARGS, write_files_doc},
     {"read_files", read_files, METH_VARARGS, read_files_doc},
     {"regular_files", regular_files, METH_VARARGS, regular_files_doc},
     {NULL, NULL, 0, NULL},
@@ -278,7 +469,8 @@ PyMODINIT_FUNC PyInit__fileio(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "NOT_REGULAR", NOT_REGULAR) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_VIEWS", MAX_VIEWS) < 0) {
+        PyModule_AddIntConstant(m, "MAX_VIEWS", MAX_VIEWS) < 0 ||
+        PyModule_AddIntConstant(m, "ABANDONED", ABANDONED) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -2,8 +2,20 @@ from collections.abc import Sequence
 
 NOT_REGULAR: int
 MAX_VIEWS: int
+ABANDONED: int
 
 def read_files(
     dir_fd: int, paths: Sequence[bytes], views: Sequence[Sequence[memoryview]], direct: bool, /
 ) -> list[int]: ...
 def regular_files(dir_fd: int, paths: Sequence[bytes], stop_at_missing: bool, /) -> list[bool]: ...
+def write_files(
+    dir_fd: int,
+    dirs: Sequence[bytes],
+    temps: Sequence[bytes],
+    names: Sequence[bytes],
+    chunks: Sequence[Sequence[bytes | memoryview]],
+    durability: int,
+    direct: bool,
+    abandoned: bytearray,
+    /,
+) -> list[int]: ...

@@ -14,23 +14,17 @@ import errno
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, final
+from typing import final
 
 import xxhash
 
 from .._base import BlockStatus
+from . import _native
 from ._direct import Pages, Scratch, finish_read, is_aligned, read_views
 from ._format import HeaderError, block_location, unpack_header
 from ._fs import DirectIORefused, NotARegularFile, Root
 
-_fileio: Any
-try:
-    from . import _fileio
-except ImportError:  # not built (no C compiler at install): read through os calls
-    _fileio = None
-
 __all__ = (
-    "NOT_REGULAR_CODE",
     "ReadHooks",
     "check_file",
     "native_available",
@@ -39,13 +33,11 @@ __all__ = (
     "regular_files",
 )
 
-#: What the native reader answers for something other than a regular file.
-NOT_REGULAR_CODE: Final = -1000000
 
 
 def native_available() -> bool:
     """Whether the native batch reader was built."""
-    return _fileio is not None
+    return _native.fileio is not None
 
 
 @final
@@ -101,7 +93,8 @@ def read_batch(
 ) -> list[BlockStatus]:
     """Read and check a batch of block files in one native call (see the module docstring);
     a file the native reader could not handle its way is read again by :func:`read_one`."""
-    assert _fileio is not None
+    fileio = _native.fileio
+    assert fileio is not None
     pages = scratch.pages(len(keys))
     direct = hooks.direct()
     flags = [direct and is_aligned(b) for b in bufs]
@@ -112,12 +105,12 @@ def read_batch(
         ]
     paths = [os.path.join(*parts, name).encode() for parts, name in map(block_location, keys)]
     views = [read_views(b, p, direct) for b, p in zip(bufs, pages, strict=True)]
-    results = _fileio.read_files(root.fd, paths, views, direct)
+    results = fileio.read_files(root.fd, paths, views, direct)
     statuses: list[BlockStatus] = []
     for key, buf, page, got in zip(keys, bufs, pages, results, strict=True):
         if got >= 0:
             statuses.append(_judge(hooks, root, key, buf, page, direct, got, fingerprint))
-        elif got == _fileio.NOT_REGULAR:
+        elif got == fileio.NOT_REGULAR:
             statuses.append(_quarantine(hooks, root, key, "not a regular file"))
         elif got == -errno.ENOENT:
             statuses.append(BlockStatus.MISSING)
@@ -136,9 +129,10 @@ def read_batch(
 def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
     """Whether each key's block file is there (a regular file), in one native call, stopping
     at the first that is not."""
-    assert _fileio is not None
+    fileio = _native.fileio
+    assert fileio is not None
     paths = [os.path.join(*parts, name).encode() for parts, name in map(block_location, keys)]
-    found: list[bool] = _fileio.regular_files(root.fd, paths, True)
+    found: list[bool] = fileio.regular_files(root.fd, paths, True)
     return found
 
 

@@ -16,30 +16,31 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar, final
 
 import anyio
-import xxhash
 
 from ..._errors import BackendError, ConfigError
 from ..._results import ResidencyEntry
 from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from .._inflight import InFlight
 from ._catalog import Catalog
-from ._direct import Scratch, direct_chunks, is_aligned, probe_direct
+from ._direct import Scratch, is_aligned, probe_direct
 from ._format import (
     block_location,
     file_nbytes,
     key_namespace,
-    pack_header,
 )
-from ._fs import DirectIORefused, Durability, Root, owner_token
+from ._fs import Durability, Root, owner_token
 from ._inspect import recover
 from ._reads import ReadHooks, native_available, read_batch, read_one, regular_files
+from ._writes import Abandon, WriteHooks, write_batch, write_one
+
+#: Values in more pieces than this (a header and up to 15) are written through os calls.
+MAX_NATIVE_CHUNKS: Final = 16
 
 __all__ = ("FileStore",)
 
@@ -222,7 +223,7 @@ class FileStore(StorageBackend):
         """
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        abandoned = threading.Event()
+        abandoned = Abandon()
         try:
             return await batch.run_sync(
                 self._inflight.track(self._put_sync),
@@ -246,7 +247,7 @@ class FileStore(StorageBackend):
         values: list[list[memoryview]],
         parent: str | None,
         fingerprint: str,
-        abandoned: threading.Event,
+        abandoned: Abandon,
     ) -> list[BlockStatus]:
         if not keys:
             return []
@@ -264,15 +265,11 @@ class FileStore(StorageBackend):
                 root.discard(*block_location(key))
         written: list[str] = []
         errors: list[str] = []
+        hooks = WriteHooks(self.durability, self._refuse_direct, self._count, errors, abandoned)
         try:
             for i, status in zip(
                 admitted,
-                self._pool().map(
-                    lambda i: self._write_one(
-                        root, keys[i], values[i], fingerprint, abandoned, errors, direct
-                    ),
-                    admitted,
-                ),
+                self._write(hooks, root, admitted, keys, values, fingerprint, direct),
                 strict=True,
             ):
                 statuses[i] = status
@@ -293,43 +290,34 @@ class FileStore(StorageBackend):
             )
         return statuses
 
-    def _write_one(
+    def _write(
         self,
+        hooks: WriteHooks,
         root: Root,
-        key: str,
-        pieces: list[memoryview],
+        admitted: list[int],
+        keys: list[str],
+        values: list[list[memoryview]],
         fingerprint: str,
-        abandoned: threading.Event,
-        errors: list[str],
         direct: bool,
-    ) -> BlockStatus:
-        if abandoned.is_set():
-            return BlockStatus.FAILED
-        if len(pieces) == 1:
-            checksum = xxhash.xxh3_64_intdigest(pieces[0])
-        else:
-            h = xxhash.xxh3_64()
-            for piece in pieces:
-                h.update(piece)
-            checksum = h.intdigest()
-        nbytes = sum(len(p) for p in pieces)
-        header = pack_header(key, nbytes, checksum, time.time(), fingerprint, padded=direct)
-        parts, name = block_location(key)
-        chunks: Sequence[bytes | memoryview] = (
-            direct_chunks(header, pieces[0], self._scratch) if direct else (header, *pieces)
-        )
-        try:
-            if root.write_atomic(parts, name, chunks, self.durability, abandoned, direct):
-                self._count(direct_writes=int(direct))
-                return BlockStatus.OK
-            return BlockStatus.FAILED
-        except DirectIORefused as exc:
-            self._refuse_direct(root, exc)
-            return self._write_one(root, key, pieces, fingerprint, abandoned, errors, False)
-        except OSError as exc:
-            self._count(io_errors=1)
-            errors.append(f"{key}: {exc}")
-            return BlockStatus.NO_SPACE if exc.errno == errno.ENOSPC else BlockStatus.FAILED
+    ) -> list[BlockStatus]:
+        """Publish the admitted blocks: ``threads`` shares, each in one native call on an
+        executor thread, or file by file through os calls."""
+        scratch = self._scratch
+        if self._native and all(len(v) < MAX_NATIVE_CHUNKS for v in values):
+            step = max(1, -(-len(admitted) // self.threads))
+            shares = [admitted[lo : lo + step] for lo in range(0, len(admitted), step)]
+
+            def share(part: list[int]) -> list[BlockStatus]:
+                vals = [values[i] for i in part]
+                ks = [keys[i] for i in part]
+                return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch)
+
+            return [s for part in self._pool().map(share, shares) for s in part]
+
+        def one(i: int) -> BlockStatus:
+            return write_one(hooks, root, keys[i], values[i], fingerprint, direct, scratch)
+
+        return list(self._pool().map(one, admitted))
 
     def _refuse_direct(self, root: Root, exc: OSError) -> None:
         """The probe passed but a direct read or write was refused (a stricter device

@@ -1,0 +1,168 @@
+"""Writing block files (blocking; the store runs this in its worker threads).
+
+As with reads (:mod:`._reads`), two ways to the same files: where the native extension
+(:mod:`._fileio`) is there, a worker thread publishes its share of a batch in one call that
+holds no GIL between system calls (temporary file, write, ``fdatasync``, rename); otherwise,
+or for a file the native call could not publish its way (its shard directory does not exist
+yet, direct I/O refused), each file goes through :meth:`Root.write_atomic`. The header and
+its checksum are made in Python either way.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, final
+
+import xxhash
+
+from .._base import BlockStatus
+from . import _native
+from ._direct import Pages, Scratch, direct_chunks
+from ._format import block_location, pack_header, temp_name
+from ._fs import HOST, DirectIORefused, Durability, Root
+
+__all__ = ("Abandon", "WriteHooks", "write_batch", "write_one")
+
+_DURABILITY: Final = {"none": 0, "data": 1, "full": 2}
+
+
+@final
+class Abandon:
+    """Set when a put's caller stopped waiting: no file not yet renamed into place is
+    published after that (a byte the native writer reads too)."""
+
+    __slots__ = ("flag",)
+
+    def __init__(self) -> None:
+        self.flag = bytearray(1)
+
+    def set(self) -> None:
+        """Abandon the put."""
+        self.flag[0] = 1
+
+    def is_set(self) -> bool:
+        """Whether the put was abandoned."""
+        return bool(self.flag[0])
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class WriteHooks:
+    """What writing needs from the store.
+
+    Attributes:
+        durability: The store's durability.
+        refuse_direct: Turn direct I/O off for good (a direct write was refused).
+        count: Add to the store's counters.
+        errors: Where one batch's error lines go (the store logs them once per batch).
+        abandoned: The put's :class:`Abandon`.
+    """
+
+    durability: Durability
+    refuse_direct: Callable[[Root, OSError], None]
+    count: Callable[..., None]
+    errors: list[str]
+    abandoned: Abandon
+
+
+def _checksum(pieces: Sequence[memoryview]) -> int:
+    if len(pieces) == 1:
+        return xxhash.xxh3_64_intdigest(pieces[0])
+    h = xxhash.xxh3_64()
+    for piece in pieces:
+        h.update(piece)
+    return h.intdigest()
+
+
+def _chunks(
+    key: str, pieces: Sequence[memoryview], fingerprint: str, direct: bool, pages: Pages
+) -> Sequence[bytes | memoryview]:
+    """A block file's contents: its header, then the value (page-aligned for direct I/O)."""
+    nbytes = sum(len(p) for p in pieces)
+    header = pack_header(key, nbytes, _checksum(pieces), time.time(), fingerprint, direct)
+    return direct_chunks(header, pieces[0], pages) if direct else (header, *pieces)
+
+
+def write_one(
+    hooks: WriteHooks,
+    root: Root,
+    key: str,
+    pieces: Sequence[memoryview],
+    fingerprint: str,
+    direct: bool,
+    scratch: Scratch,
+) -> BlockStatus:
+    """Publish one block file through ``os`` calls."""
+    if hooks.abandoned.is_set():
+        return BlockStatus.FAILED
+    parts, name = block_location(key)
+    chunks = _chunks(key, pieces, fingerprint, direct, scratch.pages(1)[0])
+    try:
+        if root.write_atomic(parts, name, chunks, hooks.durability, hooks.abandoned, direct):
+            hooks.count(direct_writes=int(direct))
+            return BlockStatus.OK
+        return BlockStatus.FAILED
+    except DirectIORefused as exc:
+        hooks.refuse_direct(root, exc)
+        return write_one(hooks, root, key, pieces, fingerprint, False, scratch)
+    except OSError as exc:
+        return _failed(hooks, key, exc.errno or errno.EIO, str(exc))
+
+
+def write_batch(
+    hooks: WriteHooks,
+    root: Root,
+    keys: Sequence[str],
+    values: Sequence[Sequence[memoryview]],
+    fingerprint: str,
+    direct: bool,
+    scratch: Scratch,
+) -> list[BlockStatus]:
+    """Publish a batch of block files in one native call (see the module docstring)."""
+    fileio = _native.fileio
+    assert fileio is not None
+    pages = scratch.pages(len(keys))
+    where = [block_location(k) for k in keys]
+    dirs = [os.path.join(*parts).encode() for parts, _ in where]
+    names = [name.encode() for _, name in where]
+    pid = os.getpid()
+    temps = [temp_name(name, HOST, pid, secrets.token_hex(4)).encode() for _, name in where]
+    chunks = [
+        _chunks(k, v, fingerprint, direct, p) for k, v, p in zip(keys, values, pages, strict=True)
+    ]
+    codes = fileio.write_files(
+        root.fd,
+        dirs,
+        temps,
+        names,
+        chunks,
+        _DURABILITY[hooks.durability],
+        direct,
+        hooks.abandoned.flag,
+    )
+    statuses: list[BlockStatus] = []
+    for key, value, code in zip(keys, values, codes, strict=True):
+        if code == 0:
+            hooks.count(direct_writes=int(direct))
+            statuses.append(BlockStatus.OK)
+        elif code == fileio.ABANDONED:
+            statuses.append(BlockStatus.FAILED)
+        elif code == -errno.ENOENT or code == -errno.EINVAL:
+            # ENOENT: the shard directory does not exist yet (write_one makes it); EINVAL:
+            # direct I/O refused (write_one turns it off and writes through the page cache).
+            statuses.append(write_one(hooks, root, key, value, fingerprint, direct, scratch))
+        else:
+            why = {errno.ELOOP: "crosses a symbolic link", errno.EXDEV: "leaves the store"}
+            statuses.append(_failed(hooks, key, -code, why.get(-code, os.strerror(-code))))
+    return statuses
+
+
+def _failed(hooks: WriteHooks, key: str, err: int, why: str) -> BlockStatus:
+    hooks.count(io_errors=1)
+    hooks.errors.append(f"{key}: {why}")
+    return BlockStatus.NO_SPACE if err == errno.ENOSPC else BlockStatus.FAILED

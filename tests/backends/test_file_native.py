@@ -1,0 +1,132 @@
+"""The file store's C extension on its own: confined batch reads, probes and atomic batch
+writes, and what each answers for missing files, links, FIFOs, wrong sizes and abandonment."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpipe.backends.file import _native
+
+fileio = _native.fileio
+pytestmark = pytest.mark.skipif(fileio is None, reason="the C extension was not built")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    (tmp_path / "d").mkdir()
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield tmp_path, fd
+    finally:
+        os.close(fd)
+
+
+def test_read_files_fills_views_in_order_and_counts(root: tuple[Path, int]) -> None:
+    path, fd = root
+    (path / "d" / "a").write_bytes(b"0123456789")
+    (path / "d" / "b").write_bytes(b"xy")
+    head, body, extra = bytearray(4), bytearray(4), bytearray(8)
+    head2 = bytearray(4)
+    got = fileio.read_files(
+        fd,
+        [b"d/a", b"d/b"],
+        [[memoryview(head), memoryview(body), memoryview(extra)], [memoryview(head2)]],
+        False,
+    )
+    assert got == [10, 2]
+    assert (bytes(head), bytes(body), bytes(extra[:2])) == (b"0123", b"4567", b"89")
+    assert bytes(head2[:2]) == b"xy"
+
+
+def test_read_files_reports_what_it_cannot_read(root: tuple[Path, int]) -> None:
+    path, fd = root
+    (path / "d" / "ok").write_bytes(b"data")
+    os.mkfifo(path / "d" / "fifo")
+    (path / "d" / "dir").mkdir()
+    (path.parent / "secret").write_bytes(b"secret")
+    os.symlink(path.parent / "secret", path / "d" / "link")
+    names = [b"d/missing", b"d/fifo", b"d/dir", b"d/link", b"../secret", b"/etc/hostname"]
+    bufs = [bytearray(16) for _ in names]
+    got = fileio.read_files(fd, names, [[memoryview(b)] for b in bufs], False)
+    assert got[0] == -errno.ENOENT
+    assert got[1] == fileio.NOT_REGULAR and got[2] == fileio.NOT_REGULAR
+    assert got[3] == -errno.ELOOP  # a link is never followed
+    assert got[4] == -errno.EXDEV and got[5] == -errno.EXDEV  # nothing outside the root
+    assert all(b == bytearray(16) for b in bufs)  # nothing was read into any buffer
+
+
+def test_read_files_rejects_read_only_buffers_and_bad_arguments(root: tuple[Path, int]) -> None:
+    _, fd = root
+    with pytest.raises(BufferError):
+        fileio.read_files(fd, [b"d/x"], [[memoryview(b"readonly")]], False)
+    with pytest.raises(TypeError):
+        fileio.read_files(fd, ["d/x"], [[memoryview(bytearray(1))]], False)
+    with pytest.raises(ValueError):
+        fileio.read_files(fd, [b"d/x"], [], False)
+    with pytest.raises(ValueError):
+        fileio.read_files(fd, [b"d/x"], [[memoryview(bytearray(1))] * 17], False)
+
+
+def test_regular_files_stops_at_the_first_miss(root: tuple[Path, int]) -> None:
+    path, fd = root
+    for name in ("a", "b", "d"):
+        (path / "d" / name).write_bytes(b"x")
+    os.symlink(path / "d" / "a", path / "d" / "link")
+    paths = [b"d/a", b"d/b", b"d/c", b"d/d"]
+    assert fileio.regular_files(fd, paths, True) == [True, True, False, False]
+    assert fileio.regular_files(fd, paths, False) == [True, True, False, True]
+    assert fileio.regular_files(fd, [b"d/link", b"d", b"../d/a"], False) == [False] * 3
+
+
+def test_write_files_publishes_atomically(root: tuple[Path, int]) -> None:
+    path, fd = root
+    flag = bytearray(1)
+    got = fileio.write_files(
+        fd,
+        [b"d", b"d"],
+        [b".a.tmp", b".b.tmp"],
+        [b"a", b"b"],
+        [[b"head", memoryview(b"-body")], [b"b"]],
+        1,
+        False,
+        flag,
+    )
+    assert got == [0, 0]
+    assert (path / "d" / "a").read_bytes() == b"head-body"
+    assert (path / "d" / "b").read_bytes() == b"b"
+    assert sorted(os.listdir(path / "d")) == ["a", "b"]  # no temporary file left
+    assert oct((path / "d" / "a").stat().st_mode & 0o777) == "0o600"
+
+
+def test_write_files_publishes_nothing_once_abandoned(root: tuple[Path, int]) -> None:
+    path, fd = root
+    flag = bytearray(b"\x01")
+    got = fileio.write_files(fd, [b"d"], [b".a.tmp"], [b"a"], [[b"x"]], 2, False, flag)
+    assert got == [fileio.ABANDONED]
+    assert os.listdir(path / "d") == []
+
+
+def test_write_files_failures_leave_no_temporary_file(root: tuple[Path, int]) -> None:
+    path, fd = root
+    (path / "d" / ".busy.tmp").write_bytes(b"someone else's")
+    (path / "elsewhere").mkdir()
+    os.symlink(path / "elsewhere", path / "linkdir")
+    got = fileio.write_files(
+        fd,
+        [b"missing", b"d", b"linkdir", b"/tmp"],
+        [b".t1", b".busy.tmp", b".t3", b".t4"],
+        [b"a", b"b", b"c", b"e"],
+        [[b"1"], [b"2"], [b"3"], [b"4"]],
+        1,
+        False,
+        bytearray(1),
+    )
+    assert got[:2] == [-errno.ENOENT, -errno.EEXIST] and got[3] == -errno.EXDEV
+    assert got[2] in (-errno.ELOOP, -errno.ENOTDIR)  # a linked directory is never entered
+    assert os.listdir(path / "d") == [".busy.tmp"]  # untouched, nothing published
+    assert os.listdir(path / "elsewhere") == []
