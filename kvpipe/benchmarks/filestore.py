@@ -58,6 +58,7 @@ class FileBenchConfig:
             (both contenders), so reads measure the disk, not memory copies.
         write_in_place: The pipeline's ``write_in_place`` (off by default, as in production).
         store_threads: The file store's ``threads``.
+        slice_mib: Slices carry at least this many MiB (and at least 8 blocks).
     """
 
     sizes: tuple[str, ...] = ("256KiB", "2MiB", "8MiB")
@@ -69,6 +70,7 @@ class FileBenchConfig:
     request_blocks: int = 32
     write_in_place: bool = False
     store_threads: int = FileStore.DEFAULT_THREADS
+    slice_mib: int = 8
 
 
 def _raw_write(root: str, buf: np.ndarray, threads: int, durability: str) -> None:
@@ -193,7 +195,7 @@ async def _bench_size(
     workdir = tempfile.mkdtemp(prefix=f"kvpipe-bench-{name}-", dir=cfg.directory)
     round_no = [0]
     config = PipelineConfig(
-        slice_block_num=8,
+        slice_block_num=max(8, (cfg.slice_mib << 20) // nbytes),
         staging_bytes=max(512 << 20, 64 * nbytes),
         write_in_place=cfg.write_in_place,
     )
@@ -274,6 +276,8 @@ async def _bench_size(
         "cold_reads": cfg.cold_reads,
         "direct_writes": int(statistics.get("direct_writes", 0)),
         "store_threads": cfg.store_threads,
+        "slice_block_num": config.slice_block_num,
+        "request_blocks": cfg.request_blocks,
         "write": _summary(write_m, baselines),
         "read": _summary(read_m, baselines),
     }

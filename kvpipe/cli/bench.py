@@ -116,6 +116,14 @@ def _file_markdown(records: list[dict[str, Any]]) -> list[str]:
                 f"**{w['ratio_median']}** | {w.get('ratio_vs_buffered', '-')} |"
             )
         lines.append("")
+    if all("slice_block_num" in r for r in records):
+        slices = ", ".join(f"{r['block_size']}: {r['slice_block_num']}" for r in records)
+        lines += [
+            f"Pipeline: requests of {records[0]['request_blocks']} blocks, all in flight at "
+            f"once; slices of {slices} blocks; file store threads={records[0]['store_threads']}; "
+            "checksums on.",
+            "",
+        ]
     return lines
 
 
@@ -260,6 +268,7 @@ async def _run_scenario(
             cold_reads=not args.warm_reads,
             write_in_place=args.in_place,
             **({"store_threads": args.store_threads} if args.store_threads else {}),
+            **({"slice_mib": args.slice_mib} if args.slice_mib else {}),
         )
         return await run_filestore_bench(fcfg, tick)
     mcfg = MooncakeBenchConfig(
@@ -267,7 +276,7 @@ async def _run_scenario(
         placements=tuple(args.placement or PLACEMENTS),
         total_bytes=args.mib << 20,
         rounds=rounds,
-        slice_bytes=args.slice_mib << 20,
+        slice_bytes=(args.slice_mib or 32) << 20,
         concurrency=args.concurrency,
         io_threads=args.io_threads,
         verify_checksums=not args.no_checksums,
@@ -390,7 +399,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mooncake: where the data lands — local: this process's segment, remote: "
         "another process's (repeatable; default: both)",
     )
-    add("--slice-mib", type=int, default=32, help="mooncake: MiB per pipeline slice")
+    add(
+        "--slice-mib",
+        type=int,
+        default=None,
+        help="MiB per pipeline slice (file: at least, and at least 8 blocks; default 8; "
+        "mooncake: default 32)",
+    )
     add("--concurrency", type=int, default=2, help="mooncake: pipeline requests in flight")
     add("--io-threads", type=int, default=2, help="mooncake: the pipeline's io_threads")
     add("--no-checksums", action="store_true", help="mooncake: pipeline without checksums")

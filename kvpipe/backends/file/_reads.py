@@ -34,7 +34,6 @@ __all__ = (
 )
 
 
-
 def native_available() -> bool:
     """Whether the native batch reader was built."""
     return _native.fileio is not None
