@@ -73,9 +73,15 @@ class FileBenchConfig:
     slice_mib: int = 8
 
 
-def _raw_write(root: str, buf: np.ndarray, threads: int, durability: str) -> None:
+def _raw_write(
+    root: str, buf: np.ndarray, threads: int, durability: str, direct: bool = False
+) -> None:
+    """Write each row of ``buf`` to its own file under ``root``, ``threads`` at a time, with
+    ``durability``'s syncs; ``direct``: with ``O_DIRECT`` (rows page-aligned whole pages)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+
     def one(i: int) -> None:
-        fd = os.open(os.path.join(root, f"{i}.blk"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(os.path.join(root, f"{i}.blk"), flags, 0o600)
         try:
             view = memoryview(buf[i]).cast("B")
             while view:
@@ -91,45 +97,6 @@ def _raw_write(root: str, buf: np.ndarray, threads: int, durability: str) -> Non
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(len(buf))))
-
-
-def _raw_write_direct(root: str, buf: np.ndarray, threads: int, durability: str) -> None:
-    """Like :func:`_raw_write` with ``O_DIRECT``: ``buf``'s rows are page-aligned whole pages."""
-
-    def one(i: int) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
-        fd = os.open(os.path.join(root, f"{i}.blk"), flags, 0o600)
-        try:
-            view = memoryview(buf[i]).cast("B")
-            while view:
-                view = view[os.write(fd, view) :]
-            if durability != "none":
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(len(buf))))
-
-
-def _raw_read_direct(root: str, out: np.ndarray, threads: int) -> None:
-    """Like :func:`_raw_read` with ``O_DIRECT`` into page-aligned rows."""
-
-    def one(i: int) -> None:
-        fd = os.open(os.path.join(root, f"{i}.blk"), os.O_RDONLY | os.O_DIRECT)
-        try:
-            view = memoryview(out[i]).cast("B")
-            got = 0
-            while got < len(view):
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    raise OSError("short read")
-                got += n
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(len(out))))
 
 
 def _page_aligned_copy(rows: np.ndarray) -> np.ndarray:
@@ -159,9 +126,12 @@ def drop_cached(root: str) -> int:
     return n
 
 
-def _raw_read(root: str, out: np.ndarray, threads: int) -> None:
+def _raw_read(root: str, out: np.ndarray, threads: int, direct: bool = False) -> None:
+    """Read the files :func:`_raw_write` wrote back into the rows of ``out``."""
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+
     def one(i: int) -> None:
-        fd = os.open(os.path.join(root, f"{i}.blk"), os.O_RDONLY)
+        fd = os.open(os.path.join(root, f"{i}.blk"), flags)
         try:
             view = memoryview(out[i]).cast("B")
             got = 0
@@ -225,16 +195,15 @@ async def _bench_size(
         async def go() -> float:
             root = os.path.join(workdir, label)
             os.makedirs(root, exist_ok=True)
-            write, read = (
-                (_raw_write_direct, _raw_read_direct) if direct else (_raw_write, _raw_read)
-            )
             data, out = (direct_src, direct_out) if direct else (contiguous, readback)
             async with Timer() as tw:
-                await anyio.to_thread.run_sync(write, root, data, threads, cfg.durability)
+                await anyio.to_thread.run_sync(
+                    _raw_write, root, data, threads, cfg.durability, direct
+                )
             if cfg.cold_reads:
                 await anyio.to_thread.run_sync(drop_cached, root)
             async with Timer() as tr:
-                await anyio.to_thread.run_sync(read, root, out, threads)
+                await anyio.to_thread.run_sync(_raw_read, root, out, threads, direct)
             await anyio.to_thread.run_sync(shutil.rmtree, root)
             write_m.add(label, tw.seconds)
             read_m.add(label, tr.seconds)

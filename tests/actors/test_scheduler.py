@@ -50,30 +50,27 @@ async def test_write_of_an_entirely_stored_prefix_finishes_without_slices() -> N
         assert h.sent("slicer") == []
 
 
-async def test_dedup_probe_stops_at_the_first_chunk_with_a_miss(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(scheduler_module, "PROBE_CHUNK_MIN", 1)
-    store = ScriptedStore()
-    async with harness(store, slice_blocks=2) as h:
-        state = h.write_state(TOKENS, np.arange(10))
-        assert state.keys is not None
-        store.inner._data.update({k: b"x" for k in state.keys.keys[:3]})
-        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+@pytest.mark.parametrize(
+    ("chunk_min", "calls"),
+    [
         # chunks of 2: [0,1] all there, [2,3] has a miss → stop; 3 probes would be wasteful
-        assert [c.first_block for c in store.calls_of("exists")] == [0, 2]
-        assert state.skipped == 3
-
-
-async def test_probe_chunks_are_at_least_probe_chunk_min_keys() -> None:
+        (1, [(0, 2), (2, 2)]),
+        # the default minimum: one call for all ten keys, not five
+        (scheduler_module.PROBE_CHUNK_MIN, [(0, 10)]),
+    ],
+)
+async def test_dedup_probe_asks_in_chunks_and_stops_at_the_first_chunk_with_a_miss(
+    monkeypatch: pytest.MonkeyPatch, chunk_min: int, calls: list[tuple[int, int]]
+) -> None:
+    monkeypatch.setattr(scheduler_module, "PROBE_CHUNK_MIN", chunk_min)
     store = ScriptedStore()
     async with harness(store, slice_blocks=2) as h:
         state = h.write_state(TOKENS, np.arange(10))
         assert state.keys is not None
         store.inner._data.update({k: b"x" for k in state.keys.keys[:3]})
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
-        assert [len(c.keys) for c in store.calls_of("exists")] == [10]  # one call, not five
-        assert state.skipped == 3 and scheduler_module.PROBE_CHUNK_MIN >= 10
+        assert [(c.first_block, len(c.keys)) for c in store.calls_of("exists")] == calls
+        assert state.skipped == 3
 
 
 async def test_failed_dedup_probe_writes_everything() -> None:

@@ -48,6 +48,39 @@ static long not_regular_or(int fd, long err) {
     return err;
 }
 
+/* preadv (or pwritev) from offset 0 through iov until it is all done or, reading, the file
+ * ends: the bytes moved, or -errno. */
+static long transfer(int fd, struct iovec *iov, int cnt, int writing) {
+    long moved = 0;
+    int at = 0;
+    while (at < cnt) {
+        ssize_t r = writing ? pwritev(fd, iov + at, cnt - at, moved)
+                            : preadv(fd, iov + at, cnt - at, moved);
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return -errno;
+        }
+        if (r == 0) {
+            if (writing) {
+                return -EIO;
+            }
+            break;
+        }
+        moved += r;
+        while (at < cnt && (size_t)r >= iov[at].iov_len) {
+            r -= (ssize_t)iov[at].iov_len;
+            at++;
+        }
+        if (at < cnt && r > 0) {
+            iov[at].iov_base = (char *)iov[at].iov_base + r;
+            iov[at].iov_len -= (size_t)r;
+        }
+    }
+    return moved;
+}
+
 /* One file: bytes read (>= 0), NOT_REGULAR, or -errno. */
 static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, int direct) {
     int flags = O_RDONLY | O_NONBLOCK;
@@ -66,32 +99,58 @@ static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, i
         close(fd);
         return out;
     }
-    long got = 0;
-    int at = 0;
-    while (at < cnt) {
-        ssize_t r = preadv(fd, iov + at, cnt - at, got);
-        if (r < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            got = not_regular_or(fd, -errno);
-            break;
-        }
-        if (r == 0) {
-            break;
-        }
-        got += r;
-        while (at < cnt && (size_t)r >= iov[at].iov_len) {
-            r -= (ssize_t)iov[at].iov_len;
-            at++;
-        }
-        if (at < cnt && r > 0) {
-            iov[at].iov_base = (char *)iov[at].iov_base + r;
-            iov[at].iov_len -= (size_t)r;
-        }
+    long got = transfer(fd, iov, cnt, 0);
+    if (got < 0) {
+        got = not_regular_or(fd, got);
     }
     close(fd);
     return got;
+}
+
+/* Take the buffers of sequence `item` (at most MAX_VIEWS) into bufs[*nbufs...] and `iov`;
+ * their number into *count. -1 with an exception set on error (what was taken stays counted
+ * in *nbufs, for the caller to release). */
+static int take_buffers(PyObject *item, int flags, Py_buffer *bufs, Py_ssize_t *nbufs,
+                        struct iovec *iov, int *count) {
+    PyObject *seq = PySequence_Fast(item, "each file's buffers must be a sequence");
+    if (seq == NULL) {
+        return -1;
+    }
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    if (m > MAX_VIEWS) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many buffers for one file");
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, j), &bufs[*nbufs], flags) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        iov[j].iov_base = bufs[*nbufs].buf;
+        iov[j].iov_len = (size_t)bufs[*nbufs].len;
+        (*nbufs)++;
+    }
+    *count = (int)m;
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* A list of n ints from `values`; NULL with an exception set on error. */
+static PyObject *int_list(const long *values, Py_ssize_t n) {
+    PyObject *result = PyList_New(n);
+    if (result == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLong(values[i]);
+        if (v == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+    return result;
 }
 
 PyDoc_STRVAR(read_files_doc,
@@ -146,46 +205,17 @@ static PyObject *read_files(PyObject *self, PyObject *args) {
             goto done;
         }
         cpaths[i] = PyBytes_AS_STRING(p);
-        PyObject *vs = PySequence_Fast(PySequence_Fast_GET_ITEM(views, i), "views[i] must be a sequence");
-        if (vs == NULL) {
+        if (take_buffers(PySequence_Fast_GET_ITEM(views, i), PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS,
+                         bufs, &nbufs, iov + i * MAX_VIEWS, &counts[i]) < 0) {
             goto done;
         }
-        Py_ssize_t m = PySequence_Fast_GET_SIZE(vs);
-        if (m > MAX_VIEWS) {
-            Py_DECREF(vs);
-            PyErr_SetString(PyExc_ValueError, "too many views for one file");
-            goto done;
-        }
-        for (Py_ssize_t j = 0; j < m; j++) {
-            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(vs, j), &bufs[nbufs],
-                                   PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-                Py_DECREF(vs);
-                goto done;
-            }
-            iov[i * MAX_VIEWS + j].iov_base = bufs[nbufs].buf;
-            iov[i * MAX_VIEWS + j].iov_len = (size_t)bufs[nbufs].len;
-            nbufs++;
-        }
-        counts[i] = (int)m;
-        Py_DECREF(vs);
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         got[i] = read_one(dir_fd, cpaths[i], iov + i * MAX_VIEWS, counts[i], direct);
     }
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    if (result == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = PyLong_FromLong(got[i]);
-        if (v == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, v);
-    }
+    result = int_list(got, n);
 done:
     for (Py_ssize_t k = 0; k < nbufs; k++) {
         PyBuffer_Release(&bufs[k]);
@@ -280,30 +310,9 @@ static long write_one(int dir_fd, const char *dir, const char *tmp, const char *
         close(dfd);
         return out;
     }
-    long done = 0;
-    int at = 0;
-    while (at < cnt) {
-        ssize_t w = pwritev(fd, iov + at, cnt - at, done);
-        if (w < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            out = -errno;
-            break;
-        }
-        if (w == 0) {
-            out = -EIO;
-            break;
-        }
-        done += w;
-        while (at < cnt && (size_t)w >= iov[at].iov_len) {
-            w -= (ssize_t)iov[at].iov_len;
-            at++;
-        }
-        if (at < cnt && w > 0) {
-            iov[at].iov_base = (char *)iov[at].iov_base + w;
-            iov[at].iov_len -= (size_t)w;
-        }
+    long moved = transfer(fd, iov, cnt, 1);
+    if (moved < 0) {
+        out = moved;
     }
     if (out == 0 && durability >= 1 && fdatasync(fd) != 0) {
         out = -errno;
@@ -390,28 +399,10 @@ static PyObject *write_files(PyObject *self, PyObject *args) {
             }
             strs[3 * i + k] = PyBytes_AS_STRING(p);
         }
-        PyObject *cs = PySequence_Fast(PySequence_Fast_GET_ITEM(seqs[3], i), "chunks[i] must be a sequence");
-        if (cs == NULL) {
+        if (take_buffers(PySequence_Fast_GET_ITEM(seqs[3], i), PyBUF_C_CONTIGUOUS, bufs, &nbufs,
+                         iov + i * MAX_VIEWS, &counts[i]) < 0) {
             goto done;
         }
-        Py_ssize_t m = PySequence_Fast_GET_SIZE(cs);
-        if (m > MAX_VIEWS) {
-            Py_DECREF(cs);
-            PyErr_SetString(PyExc_ValueError, "too many chunks for one file");
-            goto done;
-        }
-        for (Py_ssize_t j = 0; j < m; j++) {
-            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(cs, j), &bufs[nbufs],
-                                   PyBUF_C_CONTIGUOUS) < 0) {
-                Py_DECREF(cs);
-                goto done;
-            }
-            iov[i * MAX_VIEWS + j].iov_base = bufs[nbufs].buf;
-            iov[i * MAX_VIEWS + j].iov_len = (size_t)bufs[nbufs].len;
-            nbufs++;
-        }
-        counts[i] = (int)m;
-        Py_DECREF(cs);
     }
     volatile const char *abandoned = (volatile const char *)flag.buf;
     Py_BEGIN_ALLOW_THREADS
@@ -422,18 +413,7 @@ static PyObject *write_files(PyObject *self, PyObject *args) {
                                           abandoned);
     }
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    if (result == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = PyLong_FromLong(codes[i]);
-        if (v == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, v);
-    }
+    result = int_list(codes, n);
 done:
     for (Py_ssize_t k = 0; k < nbufs; k++) {
         PyBuffer_Release(&bufs[k]);
