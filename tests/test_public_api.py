@@ -93,3 +93,19 @@ def test_import_does_not_load_cuda_or_paddle() -> None:
     imported, heavy = out.stdout.strip().splitlines()
     assert Path(imported) == Path(kvpipe.__file__)
     assert heavy == "[]"
+
+
+def test_the_cli_and_the_pipeline_import_without_pytest() -> None:
+    """``make run`` installs kvpipe without its test extras: nothing it imports needs pytest."""
+    code = (
+        "import sys; sys.modules['pytest'] = None\n"
+        "import kvpipe, kvpipe.cli, kvpipe.testing.scenarios\n"
+        "try:\n"
+        "    kvpipe.testing.BackendConformance\n"
+        "except ImportError:\n"
+        "    print('conformance needs pytest')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "conformance needs pytest", out.stderr
