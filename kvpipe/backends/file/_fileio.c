@@ -136,6 +136,16 @@ static int take_buffers(PyObject *item, int flags, Py_buffer *bufs, Py_ssize_t *
     return 0;
 }
 
+/* The bytes of path `item` into *out; -1 with an exception set when it is not bytes. */
+static int take_path(PyObject *item, const char **out) {
+    if (!PyBytes_Check(item)) {
+        PyErr_SetString(PyExc_TypeError, "paths must be bytes");
+        return -1;
+    }
+    *out = PyBytes_AS_STRING(item);
+    return 0;
+}
+
 /* A list of n ints from `values`; NULL with an exception set on error. */
 static PyObject *int_list(const long *values, Py_ssize_t n) {
     PyObject *result = PyList_New(n);
@@ -199,12 +209,9 @@ static PyObject *read_files(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *p = PySequence_Fast_GET_ITEM(paths, i);
-        if (!PyBytes_Check(p)) {
-            PyErr_SetString(PyExc_TypeError, "paths must be bytes");
+        if (take_path(PySequence_Fast_GET_ITEM(paths, i), &cpaths[i]) < 0) {
             goto done;
         }
-        cpaths[i] = PyBytes_AS_STRING(p);
         if (take_buffers(PySequence_Fast_GET_ITEM(views, i), PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS,
                          bufs, &nbufs, iov + i * MAX_VIEWS, &counts[i]) < 0) {
             goto done;
@@ -256,12 +263,9 @@ static PyObject *regular_files(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *p = PySequence_Fast_GET_ITEM(paths, i);
-        if (!PyBytes_Check(p)) {
-            PyErr_SetString(PyExc_TypeError, "paths must be bytes");
+        if (take_path(PySequence_Fast_GET_ITEM(paths, i), &cpaths[i]) < 0) {
             goto done;
         }
-        cpaths[i] = PyBytes_AS_STRING(p);
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -392,12 +396,9 @@ static PyObject *write_files(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         for (int k = 0; k < 3; k++) {
-            PyObject *p = PySequence_Fast_GET_ITEM(seqs[k], i);
-            if (!PyBytes_Check(p)) {
-                PyErr_SetString(PyExc_TypeError, "dirs, temps and names must be bytes");
+            if (take_path(PySequence_Fast_GET_ITEM(seqs[k], i), &strs[3 * i + k]) < 0) {
                 goto done;
             }
-            strs[3 * i + k] = PyBytes_AS_STRING(p);
         }
         if (take_buffers(PySequence_Fast_GET_ITEM(seqs[3], i), PyBUF_C_CONTIGUOUS, bufs, &nbufs,
                          iov + i * MAX_VIEWS, &counts[i]) < 0) {

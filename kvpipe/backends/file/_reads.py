@@ -11,7 +11,6 @@ size and checksum are checked, and a file that fails is quarantined and reported
 from __future__ import annotations
 
 import errno
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import final
@@ -102,9 +101,8 @@ def read_batch(
             read_one(hooks, root, k, b, fingerprint, scratch)
             for k, b in zip(keys, bufs, strict=True)
         ]
-    paths = [os.path.join(*parts, name).encode() for parts, name in map(block_location, keys)]
     views = [read_views(b, p, direct) for b, p in zip(bufs, pages, strict=True)]
-    results = fileio.read_files(root.fd, paths, views, direct)
+    results = fileio.read_files(root.fd, _native.block_paths(keys), views, direct)
     statuses: list[BlockStatus] = []
     for key, buf, page, got in zip(keys, bufs, pages, results, strict=True):
         if got >= 0:
@@ -118,8 +116,7 @@ def read_batch(
             # here (read_one walks the path instead).
             statuses.append(read_one(hooks, root, key, buf, fingerprint, scratch))
         else:
-            why = {errno.ELOOP: "crosses a symbolic link", errno.EXDEV: "leaves the store"}
-            hooks.errors.append(f"{key}: {why.get(-got, os.strerror(-got))}")
+            hooks.errors.append(f"{key}: {_native.errno_text(-got)}")
             hooks.count(io_errors=1)
             statuses.append(BlockStatus.FAILED)
     return statuses
@@ -130,8 +127,7 @@ def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
     at the first that is not."""
     fileio = _native.fileio
     assert fileio is not None
-    paths = [os.path.join(*parts, name).encode() for parts, name in map(block_location, keys)]
-    found: list[bool] = fileio.regular_files(root.fd, paths, True)
+    found: list[bool] = fileio.regular_files(root.fd, _native.block_paths(keys), True)
     return found
 
 

@@ -123,9 +123,15 @@ def write_batch(
     direct: bool,
     scratch: Scratch,
 ) -> list[BlockStatus]:
-    """Publish a batch of block files in one native call (see the module docstring)."""
+    """Publish a batch of block files in one native call (see the module docstring); values
+    in more pieces than the call takes are published one by one by :func:`write_one`."""
     fileio = _native.fileio
     assert fileio is not None
+    if any(len(v) >= fileio.MAX_VIEWS for v in values):  # the header is one more chunk
+        return [
+            write_one(hooks, root, k, v, fingerprint, direct, scratch)
+            for k, v in zip(keys, values, strict=True)
+        ]
     pages = scratch.pages(len(keys))
     where = [block_location(k) for k in keys]
     dirs = [os.path.join(*parts).encode() for parts, _ in where]
@@ -157,8 +163,7 @@ def write_batch(
             # direct I/O refused (write_one turns it off and writes through the page cache).
             statuses.append(write_one(hooks, root, key, value, fingerprint, direct, scratch))
         else:
-            why = {errno.ELOOP: "crosses a symbolic link", errno.EXDEV: "leaves the store"}
-            statuses.append(_failed(hooks, key, -code, why.get(-code, os.strerror(-code))))
+            statuses.append(_failed(hooks, key, -code, _native.errno_text(-code)))
     return statuses
 
 

@@ -39,13 +39,11 @@ from ._inspect import recover
 from ._reads import ReadHooks, native_available, read_batch, read_one, regular_files
 from ._writes import Abandon, WriteHooks, write_batch, write_one
 
-#: Values in more pieces than this (a header and up to 15) are written through os calls.
-MAX_NATIVE_CHUNKS: Final = 16
-
 __all__ = ("FileStore",)
 
 log = logging.getLogger("kvpipe.file_store")
 T = TypeVar("T")
+U = TypeVar("U")
 _DURABILITIES = ("none", "data", "full")
 
 
@@ -303,21 +301,26 @@ class FileStore(StorageBackend):
         """Publish the admitted blocks: ``threads`` shares, each in one native call on an
         executor thread, or file by file through os calls."""
         scratch = self._scratch
-        if self._native and all(len(v) < MAX_NATIVE_CHUNKS for v in values):
-            step = max(1, -(-len(admitted) // self.threads))
-            shares = [admitted[lo : lo + step] for lo in range(0, len(admitted), step)]
+        if self._native:
 
             def share(part: list[int]) -> list[BlockStatus]:
                 vals = [values[i] for i in part]
                 ks = [keys[i] for i in part]
                 return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch)
 
-            return [s for part in self._pool().map(share, shares) for s in part]
+            return self._in_shares(share, admitted)
 
         def one(i: int) -> BlockStatus:
             return write_one(hooks, root, keys[i], values[i], fingerprint, direct, scratch)
 
         return list(self._pool().map(one, admitted))
+
+    def _in_shares(self, fn: Callable[[list[T]], list[U]], items: list[T]) -> list[U]:
+        """``fn`` over ``threads`` consecutive shares of ``items`` on the executor, the
+        results in order."""
+        step = max(1, -(-len(items) // self.threads))
+        shares = [items[lo : lo + step] for lo in range(0, len(items), step)]
+        return [r for part in self._pool().map(fn, shares) for r in part]
 
     def _refuse_direct(self, root: Root, exc: OSError) -> None:
         """The probe passed but a direct read or write was refused (a stricter device
@@ -365,25 +368,13 @@ class FileStore(StorageBackend):
         errors: list[str] = []
         hooks = ReadHooks(lambda: self._direct, self._refuse_direct, self._count, errors)
         scratch = self._scratch
-        if self._native:
-            # ``threads`` batches, each read in one native call on an executor thread
-            step = -(-len(keys) // self.threads)
-            starts = range(0, len(keys), step)
-            statuses = [
-                s
-                for part in self._pool().map(
-                    lambda lo: read_batch(
-                        hooks,
-                        root,
-                        keys[lo : lo + step],
-                        buffers[lo : lo + step],
-                        fingerprint,
-                        scratch,
-                    ),
-                    starts,
-                )
-                for s in part
-            ]
+        if self._native:  # ``threads`` shares, each read in one native call
+
+            def share(part: list[int]) -> list[BlockStatus]:
+                bufs = [buffers[i] for i in part]
+                return read_batch(hooks, root, [keys[i] for i in part], bufs, fingerprint, scratch)
+
+            statuses = self._in_shares(share, list(range(len(keys))))
         else:
             statuses = list(
                 self._pool().map(
