@@ -12,7 +12,7 @@ from typing import Any, Final, final
 
 from ._errors import ConfigError
 
-__all__ = ("PipelineConfig",)
+__all__ = ("PipelineConfig", "in_place_refusal")
 
 #: FastDeploy's AttentionStore variables, accepted when the KVPIPE_ ones are unset.
 _FALLBACK_ENV: Final = {
@@ -57,7 +57,8 @@ class PipelineConfig:
             event loop more (per-row checksum and copy calls contend for the GIL; see
             docs/performance.md). Needs ``verify_checksums`` (a write abandoned on a timeout
             may read rows the caller has since reused; the checksum catches such a block on
-            read); without it writes are gathered.
+            read); without it writes are gathered. Where it cannot apply, the pipeline logs
+            why at open and ``Pipeline.statistics().write_path`` says ``"gathered"``.
         close_timeout: Seconds ``aclose`` waits for in-flight requests and worker threads.
     """
 
@@ -149,3 +150,29 @@ def _parse(name: str, kind: str, raw: str) -> Any:
             return False
         raise ConfigError(name, f"{raw!r} is not a boolean (use 1/0, true/false)")
     return raw
+
+
+def in_place_refusal(
+    config: PipelineConfig,
+    *,
+    device: str,
+    accepts_parts: bool,
+    rows_contiguous: bool,
+    store_name: str,
+) -> str | None:
+    """Why writes are gathered although ``config.write_in_place`` asks for them in place;
+    ``None`` when they go in place (or were not asked to)."""
+    if not config.write_in_place:
+        return None
+    if device != "cpu":
+        return f"the cache is on {device}, not in host memory"
+    if not accepts_parts:
+        return f"store {store_name} takes contiguous values only (accepts_parts is False)"
+    if not config.verify_checksums:
+        return (
+            "verify_checksums is off (a write abandoned on a timeout may read rows the caller "
+            "has since reused; only the checksum catches such a block)"
+        )
+    if not rows_contiguous:
+        return "the cache's block rows are not C-contiguous"
+    return None

@@ -21,7 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ._blockformat import value_nbytes
 from ._cache import KVCache
-from ._config import PipelineConfig
+from ._config import PipelineConfig, in_place_refusal
 from ._engine import CopyEngine, HostEngine, OrderMark
 from ._errors import (
     ConfigError,
@@ -125,13 +125,17 @@ class Pipeline:
         self._engine: CopyEngine | None = None
         self._device_driver = device_driver
         self._registered: list[memoryview] = []
-        self._in_place = (
-            cache.device == "cpu"
-            and store.accepts_parts
-            and self.config.write_in_place
-            and self.config.verify_checksums
-            and all(rows.flags.c_contiguous for rows in cache.byte_rows)
+        refusal = in_place_refusal(
+            self.config,
+            device=cache.device,
+            accepts_parts=store.accepts_parts,
+            rows_contiguous=all(rows.flags.c_contiguous for rows in cache.byte_rows),
+            store_name=store.name,
         )
+        if refusal is not None:
+            log.warning("write_in_place=True, but writes are gathered into staging: %s", refusal)
+        self._in_place = self.config.write_in_place and refusal is None
+        self._write_path_note = refusal or ""
         self.slice_blocks = min(self.config.slice_block_num, pool_slots)
         if self.slice_blocks < self.config.slice_block_num:
             log.warning(
@@ -698,6 +702,8 @@ class Pipeline:
             slice_blocks=self.slice_blocks,
             backend=dict(self.store.statistics()),
             threads_running=self._runner.running if self._runner is not None else 0,
+            write_path="in place" if self._in_place else "gathered",
+            write_path_note=self._write_path_note,
         )
 
 

@@ -110,23 +110,39 @@ async def test_writes_are_gathered_by_default() -> None:
 
 
 @pytest.mark.parametrize(
-    ("accepts", "config", "expect_parts"),
+    ("accepts", "config", "expect_parts", "why"),
     [
-        (True, {}, True),
-        (False, {}, False),  # a store that wants contiguous values gets them gathered
-        (True, {"write_in_place": False}, False),
-        (True, {"verify_checksums": False}, False),  # no checksum: no safety net, gather
+        (True, {}, True, ""),
+        # a store that wants contiguous values gets them gathered
+        (False, {}, False, "accepts_parts is False"),
+        (True, {"write_in_place": False}, False, ""),
+        # no checksum: no safety net, gather
+        (True, {"verify_checksums": False}, False, "verify_checksums is off"),
     ],
 )
 async def test_path_choice_and_registration(
-    accepts: bool, config: dict[str, object], expect_parts: bool
+    accepts: bool,
+    config: dict[str, object],
+    expect_parts: bool,
+    why: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     layout = LAYOUTS["mla"]()
     cache = kvpipe.create_kv_cache(layout, num_blocks=8)
     fill_random(cache, seed=1)
     store = RecordingStore(accepts_parts=accepts)
-    await write_all(store, cache, tokens(3, 4, layout.block_size), **config)
+    with caplog.at_level("WARNING", logger="kvpipe"):
+        async with kvpipe.open_pipeline(cache, store, config=CONFIG.replace(**config)) as pipe:
+            assert (await pipe.write(tokens(3, 4, layout.block_size), [0, 1, 2, 3])).complete
+            stats = pipe.statistics()
     assert set(store.in_parts) == {expect_parts}
+    # The path taken is reported, and a refused write_in_place says why, once, at open.
+    assert stats.write_path == ("in place" if expect_parts else "gathered")
+    assert why in stats.write_path_note and bool(why) == bool(stats.write_path_note)
+    refused = [r for r in caplog.records if "write_in_place=True, but" in r.getMessage()]
+    assert len(refused) == (1 if why else 0)
+    if why:
+        assert why in refused[0].getMessage()
     tensors = [rows.nbytes for rows in cache.byte_rows]
     # Staging always; the cache's tensors too when they are sent in place.
     assert len(store.registered) == 1 + (len(tensors) if expect_parts else 0)

@@ -229,6 +229,7 @@ async def _bench_size(
                 cfg.rounds,
             )
             statistics = dict(store.statistics())
+            write_path = wpipe.statistics().write_path
     finally:
         await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
     # drop the warm-up round recorded by the closures
@@ -242,6 +243,7 @@ async def _bench_size(
         "blocks": n,
         "durability": cfg.durability,
         "write_in_place": cfg.write_in_place,
+        "write_path": write_path,
         "cold_reads": cfg.cold_reads,
         "direct_writes": int(statistics.get("direct_writes", 0)),
         "store_threads": cfg.store_threads,

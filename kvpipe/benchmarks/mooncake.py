@@ -308,6 +308,7 @@ async def _bench_size(
                 "upsert_from": direct_round("upsert_from"),
             }
             await interleave(contenders, cfg.rounds, warmed)
+            write_path = wpipe.statistics().write_path
     finally:
         with anyio.CancelScope(shield=True):
             for buf in (values, readback):
@@ -340,6 +341,7 @@ async def _bench_size(
             "io_threads": config.io_threads,
             "verify_checksums": config.verify_checksums,
             "write_in_place": config.write_in_place,
+            "write_path": write_path,
             "staging_bytes": config.staging_bytes,
         },
         "write": write,

@@ -168,8 +168,14 @@ def _pipeline_line(records: list[dict[str, Any]]) -> str:
         f"Pipeline: {p['concurrency']} requests in flight, each of {slices} slices of "
         f"~{mib:.3g} MiB ({per_size}); io_threads={p['io_threads']}; checksums "
         f"{'on' if p['verify_checksums'] else 'off'}; writes "
-        f"{'sent in place' if p.get('write_in_place') else 'gathered into staging'}."
+        f"{_write_path(p)}."
     )
+
+
+def _write_path(params: dict[str, Any]) -> str:
+    """How a run's writes went, as the pipeline reported it (older records: as asked)."""
+    path = params.get("write_path", "in place" if params.get("write_in_place") else "gathered")
+    return "sent in place" if path == "in place" else "gathered into staging"
 
 
 def _file_table(records: list[dict[str, Any]]) -> Table:
@@ -305,6 +311,11 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
             require_matplotlib()
         except PlotsUnavailable as exc:
             raise ui.UsageError(str(exc)) from None
+    if args.in_place and args.no_checksums:
+        raise ui.UsageError(
+            "--in-place needs checksums (without them the pipeline gathers its writes: a write "
+            "abandoned on a timeout could store rows the caller has since reused)"
+        )
     for name in ("mib", "rounds", "slice_mib", "concurrency", "io_threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
