@@ -1,7 +1,7 @@
 """Mooncake Store throughput: the pipeline over :class:`kvpipe.MooncakeStore` versus the
 direct Mooncake client, on the same client, the same value sizes, in the same run.
 
-Per block size and placement, interleaved rounds (after one warm-up) of three contenders:
+Per block size and placement, interleaved rounds (after one warm-up) of four contenders:
 
 - ``pipeline``: ``pipe.write`` of N blocks from a layer-major cache (dedup probe, gather into
   registered staging, checksum trailer, ``batch_upsert_from`` per slice), then ``pipe.read``
@@ -10,6 +10,10 @@ Per block size and placement, interleaved rounds (after one warm-up) of three co
   the pipeline stores) from a contiguous buffer registered with the same client, then one
   ``batch_get_into`` of them into another registered buffer.
 - ``upsert_from``: the same with ``batch_upsert_from`` (the call the backend uses).
+- ``loop``: the least a gathered offload must do, by hand (:mod:`._handloop`): per slice of
+  the pipeline's size, gather, XXH3 and ``batch_upsert_from``; then ``batch_get_into``,
+  verify and scatter, in one thread. The write and read ratios are against the direct
+  client; ``ratio_vs_loop`` says what the pipeline's machinery costs over this loop.
 
 Every contender's keys are removed after its round (untimed), so the store never fills up.
 One call of all N values from one thread is the direct client's best shape measured here:
@@ -50,6 +54,7 @@ from .._layout import CacheLayout
 from ..backends.mooncake import MooncakeStore
 from ..backends.mooncake_local import LocalMooncake
 from ..pipeline import Pipeline, open_pipeline
+from ._handloop import hand_loop
 from ._measure import Measurement, Timer, interleave
 from ._segment_holder import start_holder, stop_holder
 from .filestore import LAYOUTS
@@ -234,9 +239,10 @@ async def _bench_size(
     src, dst = _random_cache(layout, n), create_kv_cache(layout, n)
     values = np.frombuffer(np.random.default_rng(1).bytes(n * vsize), np.uint8).copy()
     readback = np.zeros_like(values)
+    loop_staging = np.zeros((n, vsize), np.uint8)
     src_ptrs = [values.ctypes.data + i * vsize for i in range(n)]
     dst_ptrs = [readback.ctypes.data + i * vsize for i in range(n)]
-    for buf in (values, readback):
+    for buf in (values, readback, loop_staging):
         if await run_sync(client.register_buffer, buf.ctypes.data, buf.nbytes) != 0:
             raise RuntimeError("register_buffer failed")
     write_m, read_m = Measurement(n * nbytes), Measurement(n * nbytes)
@@ -299,6 +305,26 @@ async def _bench_size(
 
                 return go
 
+            async def loop_round() -> float:
+                state["round"] += 1
+                keys = [f"loop-{state['round']}-{i}" for i in range(n)]
+                w, r = await run_sync(
+                    lambda: hand_loop(
+                        client,
+                        src,
+                        dst,
+                        loop_staging,
+                        keys,
+                        cfg.slice_blocks(layout),
+                        checksums=cfg.verify_checksums,
+                    )
+                )
+                await clear(n)
+                record(write_m, "loop", w)
+                record(read_m, "loop", r)
+                tick(f"{label}: hand loop")
+                return w
+
             def warmed(r: int) -> None:
                 state["recording"] = True
 
@@ -306,12 +332,13 @@ async def _bench_size(
                 "pipeline": pipeline_round,
                 "put_from": direct_round("put_from"),
                 "upsert_from": direct_round("upsert_from"),
+                "loop": loop_round,
             }
             await interleave(contenders, cfg.rounds, warmed)
             write_path = wpipe.statistics().write_path
     finally:
         with anyio.CancelScope(shield=True):
-            for buf in (values, readback):
+            for buf in (values, readback, loop_staging):
                 await run_sync(client.unregister_buffer, buf.ctypes.data)
     if holders != {place.segment_host}:
         raise RuntimeError(f"data landed in {sorted(holders)}, not in {place.segment_host}")
@@ -326,6 +353,14 @@ async def _bench_size(
     write = write_m.summary("pipeline", ["put_from", "upsert_from"])
     write["ratio_vs_put_from"] = round(write_m.ratio("pipeline", ["put_from"]), 3)
     write["ratio_vs_upsert_from"] = round(write_m.ratio("pipeline", ["upsert_from"]), 3)
+    read = read_m.summary("pipeline", ["get_into"])
+    for summary, m, direct in (
+        (write, write_m, ["put_from", "upsert_from"]),
+        (read, read_m, ["get_into"]),
+    ):
+        summary["loop_gbps_median"] = round(m.gbps("loop")[0], 3)
+        summary["ratio_vs_loop"] = round(m.ratio("pipeline", ["loop"]), 3)
+        summary["loop_vs_direct"] = round(m.ratio("loop", direct), 3)
     return {
         "block_size": name,
         "block_bytes": nbytes,
@@ -345,7 +380,7 @@ async def _bench_size(
             "staging_bytes": config.staging_bytes,
         },
         "write": write,
-        "read": read_m.summary("pipeline", ["get_into"]),
+        "read": read,
     }
 
 

@@ -130,8 +130,9 @@ def _file_markdown(records: list[dict[str, Any]]) -> list[str]:
 def _mooncake_markdown(records: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| block | data in | write | pipeline GB/s (median / best) | put_from GB/s | "
-        "upsert_from GB/s | ratio (median) | vs put_from | vs upsert_from |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "upsert_from GB/s | ratio (median) | vs put_from | vs upsert_from | hand loop GB/s | "
+        "hand loop vs direct | pipeline vs hand loop |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
         w = r["write"]
@@ -139,22 +140,28 @@ def _mooncake_markdown(records: list[dict[str, Any]]) -> list[str]:
             f"| {r['block_size']} | {_WHERE[r['placement']]} | write | "
             f"{w['gbps_median']} / {w['gbps_best']} | {w['put_from_gbps_median']} | "
             f"{w['upsert_from_gbps_median']} | **{w['ratio_median']}** | "
-            f"{w['ratio_vs_put_from']} | {w['ratio_vs_upsert_from']} |"
+            f"{w['ratio_vs_put_from']} | {w['ratio_vs_upsert_from']} | {_loop_cells(w)} |"
         )
     lines += [
         "",
         "| block | data in | read | pipeline GB/s (median / best) | get_into GB/s | "
-        "ratio (median) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "ratio (median) | hand loop GB/s | hand loop vs direct | pipeline vs hand loop |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
         g = r["read"]
         lines.append(
             f"| {r['block_size']} | {_WHERE[r['placement']]} | read | "
             f"{g['gbps_median']} / {g['gbps_best']} | {g['get_into_gbps_median']} | "
-            f"**{g['ratio_median']}** |"
+            f"**{g['ratio_median']}** | {_loop_cells(g)} |"
         )
     return [*lines, "", _pipeline_line(records), ""]
+
+
+def _loop_cells(summary: dict[str, Any]) -> str:
+    """The hand-loop columns of a Mooncake row (``-`` for records from before it ran)."""
+    keys = ("loop_gbps_median", "loop_vs_direct", "ratio_vs_loop")
+    return " | ".join(str(summary.get(k, "-")) for k in keys)
 
 
 def _pipeline_line(records: list[dict[str, Any]]) -> str:
@@ -200,7 +207,8 @@ def _file_table(records: list[dict[str, Any]]) -> Table:
 
 def _mooncake_table(records: list[dict[str, Any]]) -> Table:
     table = Table(title="kvpipe bench: pipeline over MooncakeStore vs the direct client")
-    for col in ("block", "data in", "op", "pipeline GB/s", "direct GB/s", "ratio"):
+    cols = ("block", "data in", "op", "pipeline GB/s", "direct GB/s", "ratio", "vs hand loop")
+    for col in cols:
         table.add_column(col, justify="right")
     for r in records:
         w, g = r["write"], r["read"]
@@ -211,6 +219,7 @@ def _mooncake_table(records: list[dict[str, Any]]) -> Table:
             f"{w['gbps_median']} / {w['gbps_best']}",
             f"put {w['put_from_gbps_median']}, upsert {w['upsert_from_gbps_median']}",
             str(w["ratio_median"]),
+            str(w.get("ratio_vs_loop", "-")),
         )
         table.add_row(
             r["block_size"],
@@ -219,6 +228,7 @@ def _mooncake_table(records: list[dict[str, Any]]) -> Table:
             f"{g['gbps_median']} / {g['gbps_best']}",
             f"get {g['get_into_gbps_median']}",
             str(g["ratio_median"]),
+            str(g.get("ratio_vs_loop", "-")),
         )
     return table
 

@@ -87,6 +87,9 @@ def test_mooncake_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
             assert rec[op]["gbps_median"] > 0 and rec[op][f"{baseline}_gbps_median"] > 0
             assert rec[op]["ratio_median"] > 0
         assert rec["write"]["ratio_vs_put_from"] > 0 and rec["write"]["ratio_vs_upsert_from"] > 0
+        for op in ("write", "read"):  # the hand loop ran (and checked its own bytes)
+            assert rec[op]["loop_gbps_median"] > 0
+            assert rec[op]["ratio_vs_loop"] > 0 and rec[op]["loop_vs_direct"] > 0
     text = md.read_text()
     assert "| 256KiB | this process | write |" in text
     assert "| 256KiB | another process | read |" in text
