@@ -46,7 +46,6 @@ from typing import Any, Final
 
 import anyio
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from ..benchmarks import report
 from ..benchmarks._workload import CpuWatch
@@ -59,6 +58,7 @@ from ..benchmarks.plots import PlotsUnavailable, plot_all, require_matplotlib
 from ..benchmarks.scaling import ScalingBenchConfig, run_scaling_bench
 from ..benchmarks.sweeps import SweepBenchConfig, run_sweep_bench
 from . import _console as ui
+from ._bench_tables import file_markdown, file_table, mooncake_markdown, mooncake_table
 
 __all__ = ("COMMAND", "DEFAULT_ROUNDS", "SCENARIOS", "markdown")
 
@@ -73,14 +73,13 @@ DEFAULT_ROUNDS: Final = {
     "lag": 3,
     "overhead": 7,
 }
-_WHERE: Final = {"local": "this process", "remote": "another process"}
 
 
 def markdown(results: dict[str, Any]) -> str:
     """The results as markdown: per scenario, a line on how it was measured and a table per
     operation (for ``docs/performance.md``)."""
     lines: list[str] = []
-    for scenario, tables in (("file", _file_markdown), ("mooncake", _mooncake_markdown)):
+    for scenario, tables in (("file", file_markdown), ("mooncake", mooncake_markdown)):
         records = results.get(scenario)
         if not records:
             continue
@@ -95,142 +94,6 @@ def markdown(results: dict[str, Any]) -> str:
         if results.get(scenario):
             lines += [f"## {scenario}", "", report.markdown(results, scenario)]
     return "\n".join(lines)
-
-
-def _file_markdown(records: list[dict[str, Any]]) -> list[str]:
-    lines: list[str] = []
-    for rec_kind in ("write", "read"):
-        lines += [
-            f"| block | durability | {rec_kind} | pipeline GB/s (median / best) | "
-            "raw x1 GB/s | raw x4 GB/s | O_DIRECT x4 GB/s | ratio (median) | "
-            "vs page-cache raw |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in records:
-            w = r[rec_kind]
-            kind = rec_kind + (" (cold)" if rec_kind == "read" and r["cold_reads"] else "")
-            lines.append(
-                f"| {r['block_size']} | {r['durability']} | {kind} | "
-                f"{w['gbps_median']} / {w['gbps_best']} | {w['raw1_gbps_median']} | "
-                f"{w['raw4_gbps_median']} | {w.get('direct4_gbps_median', '-')} | "
-                f"**{w['ratio_median']}** | {w.get('ratio_vs_buffered', '-')} |"
-            )
-        lines.append("")
-    if all("slice_block_num" in r for r in records):
-        slices = ", ".join(f"{r['block_size']}: {r['slice_block_num']}" for r in records)
-        lines += [
-            f"Pipeline: requests of {records[0]['request_blocks']} blocks, all in flight at "
-            f"once; slices of {slices} blocks; file store threads={records[0]['store_threads']}; "
-            "checksums on.",
-            "",
-        ]
-    return lines
-
-
-def _mooncake_markdown(records: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| block | data in | write | pipeline GB/s (median / best) | put_from GB/s | "
-        "upsert_from GB/s | ratio (median) | vs put_from | vs upsert_from | hand loop GB/s | "
-        "hand loop vs direct | pipeline vs hand loop |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in records:
-        w = r["write"]
-        lines.append(
-            f"| {r['block_size']} | {_WHERE[r['placement']]} | write | "
-            f"{w['gbps_median']} / {w['gbps_best']} | {w['put_from_gbps_median']} | "
-            f"{w['upsert_from_gbps_median']} | **{w['ratio_median']}** | "
-            f"{w['ratio_vs_put_from']} | {w['ratio_vs_upsert_from']} | {_loop_cells(w)} |"
-        )
-    lines += [
-        "",
-        "| block | data in | read | pipeline GB/s (median / best) | get_into GB/s | "
-        "ratio (median) | hand loop GB/s | hand loop vs direct | pipeline vs hand loop |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in records:
-        g = r["read"]
-        lines.append(
-            f"| {r['block_size']} | {_WHERE[r['placement']]} | read | "
-            f"{g['gbps_median']} / {g['gbps_best']} | {g['get_into_gbps_median']} | "
-            f"**{g['ratio_median']}** | {_loop_cells(g)} |"
-        )
-    return [*lines, "", _pipeline_line(records), ""]
-
-
-def _loop_cells(summary: dict[str, Any]) -> str:
-    """The hand-loop columns of a Mooncake row (``-`` for records from before it ran)."""
-    keys = ("loop_gbps_median", "loop_vs_direct", "ratio_vs_loop")
-    return " | ".join(str(summary.get(k, "-")) for k in keys)
-
-
-def _pipeline_line(records: list[dict[str, Any]]) -> str:
-    """How the pipeline of a Mooncake run was configured, in one sentence."""
-    p = records[0]["pipeline"]
-    blocks = {r["block_size"]: r["pipeline"]["slice_block_num"] for r in records}
-    mib = max(r["pipeline"]["slice_block_num"] * r["value_bytes"] for r in records) / (1 << 20)
-    per_size = ", ".join(f"{size}: {n} blocks" for size, n in blocks.items())
-    slices = -(-p["request_blocks"] // p["slice_block_num"])
-    return (
-        f"Pipeline: {p['concurrency']} requests in flight, each of {slices} slices of "
-        f"~{mib:.3g} MiB ({per_size}); io_threads={p['io_threads']}; checksums "
-        f"{'on' if p['verify_checksums'] else 'off'}; writes "
-        f"{_write_path(p)}."
-    )
-
-
-def _write_path(params: dict[str, Any]) -> str:
-    """How a run's writes went, as the pipeline reported it (older records: as asked)."""
-    path = params.get("write_path", "in place" if params.get("write_in_place") else "gathered")
-    return "sent in place" if path == "in place" else "gathered into staging"
-
-
-def _file_table(records: list[dict[str, Any]]) -> Table:
-    table = Table(title="kvpipe bench: pipeline over the file store vs raw files")
-    cols = ("block", "op", "pipeline GB/s", "raw x1 / x4 / direct x4", "ratio", "vs x1/x4")
-    for col in cols:
-        table.add_column(col, justify="right")
-    for r in records:
-        for op in ("write", "read"):
-            w = r[op]
-            table.add_row(
-                r["block_size"],
-                op,
-                f"{w['gbps_median']} / {w['gbps_best']}",
-                f"{w['raw1_gbps_median']} / {w['raw4_gbps_median']} / "
-                f"{w.get('direct4_gbps_median', '-')}",
-                str(w["ratio_median"]),
-                str(w.get("ratio_vs_buffered", "-")),
-            )
-    return table
-
-
-def _mooncake_table(records: list[dict[str, Any]]) -> Table:
-    table = Table(title="kvpipe bench: pipeline over MooncakeStore vs the direct client")
-    cols = ("block", "data in", "op", "pipeline GB/s", "direct GB/s", "ratio", "vs hand loop")
-    for col in cols:
-        table.add_column(col, justify="right")
-    for r in records:
-        w, g = r["write"], r["read"]
-        table.add_row(
-            r["block_size"],
-            _WHERE[r["placement"]],
-            "write",
-            f"{w['gbps_median']} / {w['gbps_best']}",
-            f"put {w['put_from_gbps_median']}, upsert {w['upsert_from_gbps_median']}",
-            str(w["ratio_median"]),
-            str(w.get("ratio_vs_loop", "-")),
-        )
-        table.add_row(
-            r["block_size"],
-            _WHERE[r["placement"]],
-            "read",
-            f"{g['gbps_median']} / {g['gbps_best']}",
-            f"get {g['get_into_gbps_median']}",
-            str(g["ratio_median"]),
-            str(g.get("ratio_vs_loop", "-")),
-        )
-    return table
 
 
 async def _run_new_scenario(
@@ -359,9 +222,9 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     results["command"] = "kvpipe bench " + " ".join(f"--scenario {s}" for s in scenarios)
     results["command"] += _options(args)
     if results.get("file"):
-        io.out.print(_file_table(results["file"]))
+        io.out.print(file_table(results["file"]))
     if results.get("mooncake"):
-        io.out.print(_mooncake_table(results["mooncake"]))
+        io.out.print(mooncake_table(results["mooncake"]))
     for scenario in report.NEW_SCENARIOS:
         if results.get(scenario):
             for table in report.tables(results, scenario):
