@@ -14,9 +14,9 @@ import sys
 import cuda.bindings.driver as cu
 import pytest
 
+import kvpipe._runtime as runtime
 import kvpipe.cuda as kc
 import kvpipe.cuda._open as opener
-import kvpipe.pipeline as pipeline
 import tests.cuda.conftest as conftest
 import tests.cuda.test_gpu as gpu_tests
 from tests.cuda.fake_driver import FakeDriver
@@ -31,7 +31,7 @@ class _Shared(FakeDriver):
 
 
 def main() -> int:
-    pipeline.probe_device = lambda: PROBE  # type: ignore[assignment]
+    runtime.probe_device = lambda: PROBE  # type: ignore[assignment]
     conftest.probe_device = lambda: PROBE  # type: ignore[assignment]
     opener.CudaDriver = _Shared  # type: ignore[assignment,misc]
     gpu_tests.CudaDriver = _Shared  # type: ignore[assignment,misc]

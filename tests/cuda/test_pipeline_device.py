@@ -203,7 +203,7 @@ async def test_pinned_staging_is_registered_with_the_store(fake: FakeDriver) -> 
     store = RegisteringStore()
     cfg = kvpipe.PipelineConfig(staging_bytes=1 << 20)
     async with kvpipe.open_pipeline(cache, store, config=cfg, device_driver=fake) as pipe:
-        engine = pipe._engine
+        engine = pipe._runtime.engine
         assert engine is not None
         staging = engine.staging  # type: ignore[attr-defined]
         assert store.registered == [staging.host_ptr]
