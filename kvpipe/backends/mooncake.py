@@ -15,7 +15,8 @@ until it is stored anew. ``health_check`` is never used (it reports healthy with
 dead). A restarted master has lost every key: lookups fall to 0, there are no stale hits.
 
 The residency index is kept in Mooncake too, as small records under ``kvpipe-res@``: one per
-(block key, node), plus a registry of node ids, so nodes never overwrite each other's records.
+(block key, node), plus a registry of node ids, so nodes never overwrite each other's records
+(:mod:`._mooncake_index`).
 
 The vendor import happens only here; without the package, :class:`MooncakeStore` raises
 :class:`kvpipe.Unsupported` saying what to install.
@@ -23,7 +24,6 @@ The vendor import happens only here; without the package, :class:`MooncakeStore`
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -35,9 +35,10 @@ import anyio
 import numpy as np
 
 from .._errors import BackendError, Unsupported
-from .._results import Residency, ResidencyEntry
+from .._results import ResidencyEntry
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from ._inflight import InFlight
+from ._mooncake_index import ResidencyIndex
 
 __all__ = ("MooncakeStore",)
 
@@ -46,8 +47,6 @@ T = TypeVar("T")
 
 NO_SPACE: Final = -200
 NOT_FOUND: Final = -704
-_RES_PREFIX: Final = "kvpipe-res@"
-_NODES_KEY: Final = "kvpipe-res-nodes"
 _DISTRUST_MAX: Final = 100_000
 
 
@@ -149,11 +148,11 @@ class MooncakeStore(StorageBackend):
             self._check_installed()  # fail at construction, not at first use
         self._registered: Counter[tuple[int, int]] = Counter()
         self._distrust: OrderedDict[str, None] = OrderedDict()
-        self._nodes: set[str] = set()
         self._limiter = anyio.CapacityLimiter(4)
         self._open_lock = anyio.Lock()
         self._counters: Counter[str] = Counter()
         self._inflight = InFlight(lambda: BackendError(self.name, "call", "the store is closing"))
+        self._index = ResidencyIndex(self.name, self._call)
 
     @staticmethod
     def _check_installed() -> None:
@@ -385,59 +384,21 @@ class MooncakeStore(StorageBackend):
     # -- residency ---------------------------------------------------------------------------
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
-        """One small record per (key, node); the node joins the registry of node ids."""
-        client = await self._ready()
-        for node in {e.node_id for e in entries}:
-            await self._register_node(client, node)
-        keys = [f"{_RES_PREFIX}{validate_key(e.key)}@{e.node_id}" for e in entries]
-        values = [json.dumps({"r": e.residency.value, "t": e.updated_at}).encode() for e in entries]
-        if keys:
-            rc = await self._call(client.upsert_batch, keys, values)
-            if rc != 0:
-                raise BackendError(self.name, "upsert_batch", f"returned {rc}")
+        """One small record per (key, node); the node joins the registry of node ids (see
+        :mod:`._mooncake_index`).
 
-    async def _register_node(self, client: Any, node: str) -> None:
-        """Make sure ``node`` is in the registry (checked on every flush: a restarted master
-        has lost it, and two nodes registering at once can overwrite each other — the loser
-        finds itself missing here and adds itself again)."""
-        for attempt in range(5):
-            nodes = await self._known_nodes(client)
-            if node in nodes:
-                self._nodes.add(node)
-                return
-            rc = await self._call(
-                client.upsert, _NODES_KEY, "\n".join(sorted({*nodes, node})).encode()
-            )
-            if rc != 0:
-                raise BackendError(self.name, "upsert", f"node registry: returned {rc}")
-            await anyio.sleep(0.005 * attempt)
-        raise BackendError(self.name, "upsert", f"node registry: {node!r} did not stick")
-
-    async def _known_nodes(self, client: Any) -> set[str]:
-        raw = await self._call(client.get, _NODES_KEY)
-        return {n for n in bytes(raw).decode().split("\n") if n}
+        Raises:
+            BackendError: A vendor call failed.
+        """
+        await self._index.put(await self._ready(), entries)
 
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
-        """Every node's record for each key (reads the node registry, then the records)."""
-        client = await self._ready()
-        keys = [validate_key(k) for k in keys]
-        nodes = sorted(await self._known_nodes(client))
-        if not nodes or not keys:
-            return [() for _ in keys]
-        names = [f"{_RES_PREFIX}{key}@{node}" for key in keys for node in nodes]
-        raws = await self._call(client.get_batch, names)
-        if len(raws) != len(names):
-            raise BackendError(self.name, "get_batch", f"{len(raws)} values for {len(names)}")
-        out: list[tuple[ResidencyEntry, ...]] = []
-        for i, key in enumerate(keys):
-            found = []
-            for j, node in enumerate(nodes):
-                raw = bytes(raws[i * len(nodes) + j])
-                if raw:  # b"" is a missing record (or a failed get: no record is trusted)
-                    rec = json.loads(raw)
-                    found.append(ResidencyEntry(key, node, Residency(rec["r"]), float(rec["t"])))
-            out.append(tuple(found))
-        return out
+        """Every node's record for each key (reads the node registry, then the records).
+
+        Raises:
+            BackendError: A vendor call failed.
+        """
+        return await self._index.get(await self._ready(), keys)
 
     def statistics(self) -> Mapping[str, float]:
         """Counters of this client (blocks moved, codes seen, distrusted keys)."""

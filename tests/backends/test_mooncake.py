@@ -71,7 +71,7 @@ async def test_node_registry_repairs_itself_at_the_next_flush(
     """Mooncake has no compare-and-set: the node list can be overwritten by another node that
     read it before this one registered, and a restarted master loses it. Each flush reads it
     and puts its node back, so such a loss lasts until that node's next flush, no longer."""
-    from kvpipe.backends.mooncake import _NODES_KEY
+    from kvpipe.backends._mooncake_index import NODES_KEY
 
     mooncake_client.remove_all()
     now = 1.0
@@ -88,7 +88,7 @@ async def test_node_registry_repairs_itself_at_the_next_flush(
             await store.put_residency([entry])
         assert await nodes_of("blk-1") == {"node-a", "node-b"}
         # node-b's stale read-modify-write lands after node-a registered: node-a is lost.
-        assert mooncake_client.upsert(_NODES_KEY, b"node-b") == 0
+        assert mooncake_client.upsert(NODES_KEY, b"node-b") == 0
         assert await nodes_of("blk-1") == {"node-b"}
         entry = kvpipe.ResidencyEntry("blk-2", "node-a", kvpipe.Residency.GPU, now)
         await store.put_residency([entry])
@@ -96,7 +96,7 @@ async def test_node_registry_repairs_itself_at_the_next_flush(
         assert await nodes_of("blk-2") == {"node-a"}
         # A restarted master has no list at all (every key is lost with it; here only the
         # list): the next flush of each node brings it back.
-        assert mooncake_client.remove(_NODES_KEY, True) == 0
+        assert mooncake_client.remove(NODES_KEY, True) == 0
         assert await nodes_of("blk-1") == set()
         entry = kvpipe.ResidencyEntry("blk-3", "node-b", kvpipe.Residency.EVICTED, now)
         await store.put_residency([entry])

@@ -1,0 +1,104 @@
+"""The residency index of :class:`kvpipe.MooncakeStore`, kept in Mooncake itself.
+
+One small JSON record per (block key, node) under ``kvpipe-res@<key>@<node>``, so nodes never
+overwrite each other's records, and a registry of node ids under ``kvpipe-res-nodes`` that
+``get_residency`` reads to know which records to ask for. Mooncake has no compare-and-set, so
+the registry is read, changed and written back: every flush checks it and puts its node back
+if a concurrent registration overwrote it or a restarted master lost it.
+
+This module calls the vendor client it is handed; it does not import the vendor package.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, final
+
+import anyio
+
+from .._errors import BackendError
+from .._results import Residency, ResidencyEntry
+from ._base import validate_key
+
+__all__ = ("NODES_KEY", "RES_PREFIX", "ResidencyIndex")
+
+RES_PREFIX: Final = "kvpipe-res@"
+NODES_KEY: Final = "kvpipe-res-nodes"
+#: Tries to get a node into the registry before giving up (each one read back).
+_REGISTER_TRIES: Final = 5
+
+
+@final
+class ResidencyIndex:
+    """Residency records over a vendor client.
+
+    Args:
+        name: The store's name (for errors).
+        call: Runs a blocking vendor function in a worker thread and translates its
+            exceptions into :class:`kvpipe.BackendError` (the store's own call path).
+    """
+
+    def __init__(self, name: str, call: Callable[..., Awaitable[Any]]) -> None:
+        self._name = name
+        self._call = call
+
+    async def put(self, client: Any, entries: Sequence[ResidencyEntry]) -> None:
+        """Replace each (key, node) record; every node of ``entries`` joins the registry.
+
+        Raises:
+            BackendError: A vendor call failed, or a node would not stay in the registry.
+        """
+        for node in {e.node_id for e in entries}:
+            await self._register(client, node)
+        keys = [f"{RES_PREFIX}{validate_key(e.key)}@{e.node_id}" for e in entries]
+        values = [json.dumps({"r": e.residency.value, "t": e.updated_at}).encode() for e in entries]
+        if keys:
+            rc = await self._call(client.upsert_batch, keys, values)
+            if rc != 0:
+                raise BackendError(self._name, "upsert_batch", f"returned {rc}")
+
+    async def get(self, client: Any, keys: Sequence[str]) -> list[tuple[ResidencyEntry, ...]]:
+        """Every registered node's record for each key (an empty tuple: none).
+
+        Raises:
+            BackendError: A vendor call failed or answered with the wrong number of values.
+        """
+        keys = [validate_key(k) for k in keys]
+        nodes = sorted(await self._nodes(client))
+        if not nodes or not keys:
+            return [() for _ in keys]
+        names = [f"{RES_PREFIX}{key}@{node}" for key in keys for node in nodes]
+        raws = await self._call(client.get_batch, names)
+        if len(raws) != len(names):
+            raise BackendError(self._name, "get_batch", f"{len(raws)} values for {len(names)}")
+        out: list[tuple[ResidencyEntry, ...]] = []
+        for i, key in enumerate(keys):
+            found = []
+            for j, node in enumerate(nodes):
+                raw = bytes(raws[i * len(nodes) + j])
+                if raw:  # b"" is a missing record (or a failed get: no record is trusted)
+                    rec = json.loads(raw)
+                    found.append(ResidencyEntry(key, node, Residency(rec["r"]), float(rec["t"])))
+            out.append(tuple(found))
+        return out
+
+    async def _register(self, client: Any, node: str) -> None:
+        """Make sure ``node`` is in the registry (checked on every flush: a restarted master
+        has lost it, and two nodes registering at once can overwrite each other — the loser
+        finds itself missing here and adds itself again)."""
+        for attempt in range(_REGISTER_TRIES):
+            nodes = await self._nodes(client)
+            if node in nodes:
+                return
+            rc = await self._call(
+                client.upsert, NODES_KEY, "\n".join(sorted({*nodes, node})).encode()
+            )
+            if rc != 0:
+                raise BackendError(self._name, "upsert", f"node registry: returned {rc}")
+            await anyio.sleep(0.005 * attempt)
+        raise BackendError(self._name, "upsert", f"node registry: {node!r} did not stick")
+
+    async def _nodes(self, client: Any) -> set[str]:
+        raw = await self._call(client.get, NODES_KEY)
+        return {n for n in bytes(raw).decode().split("\n") if n}
