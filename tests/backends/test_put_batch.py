@@ -12,7 +12,7 @@ import pytest
 from kvpipe._keys import Scope, as_tokens
 from kvpipe._staging import StagingPool, ThreadRunner
 from kvpipe.backends import PutBatch
-from kvpipe.backends.file._fs import _write_all
+from kvpipe.backends.file._sysio import write_all
 
 SCOPE = Scope("t", "0123456789abcdef")
 
@@ -93,7 +93,7 @@ def test_write_all_handles_more_pieces_than_iov_max(tmp_path: Path) -> None:
     ]
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        _write_all(fd, chunks)
+        write_all(fd, chunks)
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == b"".join(bytes(c) for c in chunks)

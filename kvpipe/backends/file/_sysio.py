@@ -1,0 +1,152 @@
+"""System-call helpers of the file store: ``openat2`` through ctypes, whole-buffer
+``preadv`` / ``writev``, direct I/O refusals, and who owns a temporary file or catalog row
+(``host:pid``, and whether that process still runs). Blocking; run in threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import re
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Final
+
+__all__ = (
+    "HOST",
+    "DirectIORefused",
+    "NotARegularFile",
+    "UnsafePath",
+    "alive",
+    "openat2",
+    "owner_is_dead",
+    "owner_token",
+    "read_fully",
+    "refused",
+    "write_all",
+)
+
+HOST: Final = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "host"
+
+
+class UnsafePath(OSError):
+    """A path component was invalid or led through a symbolic link."""
+
+
+class DirectIORefused(OSError):
+    """The file system (or the device's alignment) refused a direct (``O_DIRECT``) read or
+    write."""
+
+
+class NotARegularFile(OSError):
+    """Something other than a regular file (a directory, FIFO, socket...) sits at a block's
+    name."""
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+
+# openat2(2) (Linux >= 5.6) resolves a whole relative path in one call and refuses, in the
+# kernel, any symbolic link (RESOLVE_NO_SYMLINKS) or escape from the directory
+# (RESOLVE_BENEATH). Where it is missing, paths are walked one component at a time.
+_SYS_OPENAT2: Final = {"x86_64": 437, "aarch64": 437}.get(platform.machine())
+_RESOLVE: Final = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
+_libc: ctypes.CDLL | None = None
+_have_openat2 = _SYS_OPENAT2 is not None and sys.platform == "linux"
+
+
+def openat2(dir_fd: int, rel: str, flags: int, mode: int = 0) -> int | None:
+    """``openat2`` beneath ``dir_fd``; ``None`` when the kernel lacks it.
+
+    Raises:
+        UnsafePath: The path crosses a symbolic link or leaves the directory.
+        OSError: Anything else (``FileNotFoundError`` ...).
+    """
+    global _libc, _have_openat2
+    if not _have_openat2:
+        return None
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE)
+    fd = int(
+        _libc.syscall(_SYS_OPENAT2, dir_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    )
+    if fd >= 0:
+        return fd
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EPERM):  # no such syscall, or a seccomp filter refuses it
+        _have_openat2 = False
+        return None
+    if err in (errno.ELOOP, errno.EXDEV):
+        raise UnsafePath(err, f"{rel!r} crosses a symbolic link or leaves the store")
+    raise OSError(err, os.strerror(err), rel)
+
+
+def owner_token() -> str:
+    """This process as a catalog owner, ``host:pid``."""
+    return f"{HOST}:{os.getpid()}"
+
+
+def owner_is_dead(owner: str | None) -> bool:
+    """Whether ``owner`` (``host:pid``) is a process of this host that no longer runs."""
+    if not owner or ":" not in owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    return host == HOST and pid.isdigit() and not alive(int(pid))
+
+
+def alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+#: Buffers per ``writev`` call (Linux's ``IOV_MAX``).
+_IOV_MAX: Final = 1024
+
+
+def refused(exc: OSError, direct: bool) -> OSError:
+    """``exc`` as :class:`DirectIORefused` when it is direct I/O's ``EINVAL``."""
+    if direct and exc.errno == errno.EINVAL and type(exc) is OSError:
+        return DirectIORefused(errno.EINVAL, f"direct I/O refused: {exc.strerror}")
+    return exc
+
+
+def read_fully(fd: int, views: list[memoryview]) -> int:
+    """``preadv`` from offset 0 into ``views`` until they are full or the file ends; the
+    bytes read."""
+    views = [v for v in views if len(v)]
+    got = at = 0
+    while at < len(views):
+        n = os.preadv(fd, views[at : at + _IOV_MAX], got)
+        if n == 0:
+            break
+        got += n
+        while at < len(views) and n >= len(views[at]):
+            n -= len(views[at])
+            at += 1
+        if at < len(views) and n:
+            views[at] = views[at][n:]
+    return got
+
+
+def write_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:
+    views = [memoryview(c).cast("B") for c in chunks if len(c)]
+    at = 0
+    while at < len(views):
+        n = os.writev(fd, views[at : at + _IOV_MAX])
+        while at < len(views) and n >= len(views[at]):
+            n -= len(views[at])
+            at += 1
+        if at < len(views) and n:
+            views[at] = views[at][n:]
