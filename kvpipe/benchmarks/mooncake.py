@@ -239,7 +239,9 @@ async def _bench_size(
     src, dst = _random_cache(layout, n), create_kv_cache(layout, n)
     values = np.frombuffer(np.random.default_rng(1).bytes(n * vsize), np.uint8).copy()
     readback = np.zeros_like(values)
-    loop_staging = np.zeros((n, vsize), np.uint8)
+    # the hand loop's own staging and read cache: it must not fill the pipeline's ``dst``,
+    # whose bytes are checked at the end
+    loop_staging, loop_dst = np.zeros((n, vsize), np.uint8), create_kv_cache(layout, n)
     src_ptrs = [values.ctypes.data + i * vsize for i in range(n)]
     dst_ptrs = [readback.ctypes.data + i * vsize for i in range(n)]
     for buf in (values, readback, loop_staging):
@@ -312,7 +314,7 @@ async def _bench_size(
                     lambda: hand_loop(
                         client,
                         src,
-                        dst,
+                        loop_dst,
                         loop_staging,
                         keys,
                         cfg.slice_blocks(layout),
@@ -344,9 +346,10 @@ async def _bench_size(
         raise RuntimeError(f"data landed in {sorted(holders)}, not in {place.segment_host}")
     if not np.array_equal(values, readback):
         raise RuntimeError("direct client: read back different bytes")
-    for rows_a, rows_b in zip(src.byte_rows, dst.byte_rows, strict=True):
-        if not np.array_equal(rows_a, rows_b):
-            raise RuntimeError("pipeline: read back different bytes")
+    for who, cache in (("pipeline", dst), ("hand loop", loop_dst)):
+        for rows_a, rows_b in zip(src.byte_rows, cache.byte_rows, strict=True):
+            if not np.array_equal(rows_a, rows_b):
+                raise RuntimeError(f"{who}: read back different bytes")
     # the read baseline of a round: the faster of its two get_into runs
     after_put, after_upsert = (read_m.seconds[f"get_into@{c}"] for c in ("put_from", "upsert_from"))
     read_m.seconds["get_into"] = [min(p) for p in zip(after_put, after_upsert, strict=True)]
