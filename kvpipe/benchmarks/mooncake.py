@@ -10,10 +10,11 @@ Per block size and placement, interleaved rounds (after one warm-up) of four con
   the pipeline stores) from a contiguous buffer registered with the same client, then one
   ``batch_get_into`` of them into another registered buffer.
 - ``upsert_from``: the same with ``batch_upsert_from`` (the call the backend uses).
-- ``loop``: the least a gathered offload must do, by hand (:mod:`._handloop`): per slice of
-  the pipeline's size, gather, XXH3 and ``batch_upsert_from``; then ``batch_get_into``,
-  verify and scatter, in one thread. The write and read ratios are against the direct
-  client; ``ratio_vs_loop`` says what the pipeline's machinery costs over this loop.
+- ``loop``: the least a gathered offload must do, by hand (:mod:`._mooncake_baselines`):
+  per slice of the pipeline's size, gather, XXH3 and ``batch_upsert_from``; then
+  ``batch_get_into``, verify and scatter, in one thread. The write and read ratios are
+  against the direct client; ``ratio_vs_loop`` says what the pipeline's machinery costs over
+  this loop.
 
 Every contender's keys are removed after its round (untimed), so the store never fills up.
 One call of all N values from one thread is the direct client's best shape measured here:
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -54,8 +54,8 @@ from .._layout import CacheLayout
 from ..backends.mooncake import MooncakeStore
 from ..backends.mooncake_local import LocalMooncake
 from ..pipeline import Pipeline, open_pipeline
-from ._handloop import hand_loop
 from ._measure import Measurement, Timer, interleave
+from ._mooncake_baselines import direct_put_get, hand_loop, holder_of
 from ._segment_holder import start_holder, stop_holder
 from .filestore import LAYOUTS
 
@@ -172,28 +172,6 @@ async def _placement(name: str, cfg: MooncakeBenchConfig) -> AsyncIterator[_Plac
             await run_sync(server.stop)
 
 
-def _holder_of(client: Any, key: str) -> str:
-    """The transport endpoint of the segment holding ``key``'s (first) replica."""
-    (replica, *_) = client.get_replica_desc(key)
-    return str(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
-
-
-def _direct(
-    client: Any, put: Callable[..., Any], keys: list[str], src: list[int], dst: list[int], size: int
-) -> tuple[float, float]:
-    """One put of every value, then one get of them; (put, get) seconds. Blocking."""
-    sizes = [size] * len(keys)
-    started = time.perf_counter()
-    codes = put(keys, src, sizes)
-    put_done = time.perf_counter()
-    got = client.batch_get_into(keys, dst, sizes)
-    get_done = time.perf_counter()
-    if any(c != 0 for c in codes) or any(g != size for g in got):
-        bad = sorted({c for c in codes if c != 0} | {g for g in got if g != size})
-        raise RuntimeError(f"direct client: {put.__name__}/batch_get_into codes {bad[:5]}")
-    return put_done - started, get_done - put_done
-
-
 async def _move(
     pipe: Pipeline, cfg: MooncakeBenchConfig, n: int, round_no: int, *, write: bool
 ) -> float:
@@ -296,9 +274,11 @@ async def _bench_size(
                 async def go() -> float:
                     state["round"] += 1
                     keys = [f"direct-{state['round']}-{i}" for i in range(n)]
-                    w, r = await run_sync(_direct, client, put, keys, src_ptrs, dst_ptrs, vsize)
+                    w, r = await run_sync(
+                        direct_put_get, client, put, keys, src_ptrs, dst_ptrs, vsize
+                    )
                     for key in (keys[0], keys[-1]):
-                        holders.add(await run_sync(_holder_of, client, key))
+                        holders.add(await run_sync(holder_of, client, key))
                     await clear(n)
                     record(write_m, contender, w)
                     record(read_m, f"get_into@{contender}", r)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvpipe
-from kvpipe.benchmarks._handloop import hand_loop
+from kvpipe.benchmarks._mooncake_baselines import hand_loop
 from tests.helpers import LAYOUTS, fill_random
 
 

@@ -1,7 +1,8 @@
-"""The least work a gathered offload must do, written by hand: the Mooncake benchmark's
-"hand loop" contender.
+"""The Mooncake benchmark's baselines: the direct client (one put and one get of contiguous
+values) and the hand loop, plus where a key's replica lives.
 
-The direct client moves values that already lie contiguous; a server's blocks do not (a
+The hand loop is the least work a gathered offload must do, written by hand. The direct
+client moves values that already lie contiguous; a server's blocks do not (a
 layer-major cache holds each block as one row per layer and role). Any offload that keeps the
 vendor's one-copy put must first gather each block into a registered buffer, and a reload
 must scatter it back. This loop does just that with the vendor client, slice by slice in one
@@ -14,6 +15,7 @@ to the direct client is the price of the gather, the checksum and the scatter th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from .._cache import KVCache
 from .._hostcopy import gather, scatter
 from .._plan import copy_plan, layout_segments
 
-__all__ = ("hand_loop",)
+__all__ = ("direct_put_get", "hand_loop", "holder_of")
 
 
 def hand_loop(
@@ -81,3 +83,25 @@ def hand_loop(
                     raise RuntimeError(f"hand loop: block {i} came back different")
         scatter(copy_plan(segments, range(lo, hi), range(lo, hi)), staging, dst.byte_rows)
     return wrote - started, time.perf_counter() - wrote
+
+
+def direct_put_get(
+    client: Any, put: Callable[..., Any], keys: list[str], src: list[int], dst: list[int], size: int
+) -> tuple[float, float]:
+    """One put of every value, then one get of them; (put, get) seconds. Blocking."""
+    sizes = [size] * len(keys)
+    started = time.perf_counter()
+    codes = put(keys, src, sizes)
+    put_done = time.perf_counter()
+    got = client.batch_get_into(keys, dst, sizes)
+    get_done = time.perf_counter()
+    if any(c != 0 for c in codes) or any(g != size for g in got):
+        bad = sorted({c for c in codes if c != 0} | {g for g in got if g != size})
+        raise RuntimeError(f"direct client: {put.__name__}/batch_get_into codes {bad[:5]}")
+    return put_done - started, get_done - put_done
+
+
+def holder_of(client: Any, key: str) -> str:
+    """The transport endpoint of the segment holding ``key``'s (first) replica."""
+    (replica, *_) = client.get_replica_desc(key)
+    return str(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
