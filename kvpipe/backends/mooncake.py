@@ -216,6 +216,10 @@ class MooncakeStore(StorageBackend):
         most ``setup_timeout`` seconds. Closing the vendor client under a running call crashes
         the process, so past that the client is left open (and logged), never closed.
 
+        Unregistering and closing get ``setup_timeout`` seconds more together (the vendor's
+        ``close`` takes ~2 s, and may wait on a master that is gone): past that they are left
+        to finish in their worker thread, logged, and ``aclose`` returns.
+
         Cancellation: shielded.
         """
         with anyio.CancelScope(shield=True):
@@ -233,11 +237,20 @@ class MooncakeStore(StorageBackend):
                     )
                     return
                 self._client = None
-                for ptr, _ in self._registered:
-                    await anyio.to_thread.run_sync(client.unregister_buffer, ptr)
-                self._registered.clear()
-                if self._own_client:
-                    await anyio.to_thread.run_sync(client.close)
+                registered, self._registered = list(self._registered), Counter()
+                with anyio.move_on_after(self.setup_timeout) as bound:
+                    for ptr, _ in registered:
+                        await anyio.to_thread.run_sync(
+                            client.unregister_buffer, ptr, abandon_on_cancel=True
+                        )
+                    if self._own_client:
+                        await anyio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+                if bound.cancelled_caught:
+                    log.error(
+                        "mooncake: unregistering staging and closing the client took more "
+                        "than %.0f s; left to finish in a worker thread",
+                        self.setup_timeout,
+                    )
 
     async def _ready(self) -> Any:
         if self._client is None:

@@ -102,3 +102,63 @@ async def test_node_registry_repairs_itself_at_the_next_flush(
         await store.put_residency([entry])
         assert await nodes_of("blk-1") == {"node-b"}
         assert await nodes_of("blk-3") == {"node-b"}
+
+
+class StuckCloseClient:
+    """A vendor-client stand-in whose ``close`` does not return until released (as the real
+    one can wait on a master that is gone)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.closing = threading.Event()
+        self.unregistered: list[int] = []
+
+    def setup(self, *args: object) -> int:
+        return 0
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+    def close(self) -> None:
+        self.closing.set()
+        self.release.wait(30)
+
+
+async def test_close_is_bounded_when_the_vendor_close_hangs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``aclose`` is shielded, so an unbounded vendor ``close`` would hang the caller for good;
+    it gives up after ``setup_timeout`` seconds, says so, and leaves the close to its thread."""
+    import anyio
+    import numpy as np
+
+    from kvpipe.backends import mooncake as mc
+
+    fake = StuckCloseClient()
+    monkeypatch.setattr(mc, "_load_client", lambda: fake)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    try:
+        store = kvpipe.MooncakeStore(
+            f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata", setup_timeout=0.3
+        )
+        await store.open()
+        staging = np.zeros(4096, np.uint8)
+        await store.register_staging(staging.data)
+        started = anyio.current_time()
+        with caplog.at_level("ERROR", logger="kvpipe.mooncake"):
+            await store.aclose()
+        took = anyio.current_time() - started
+        assert fake.closing.is_set() and fake.unregistered == [staging.ctypes.data]
+        assert took < 5, took  # bounded by setup_timeout (0.3 s), not by the stuck close
+        assert any("left to finish" in r.getMessage() for r in caplog.records)
+        await store.aclose()  # idempotent: nothing left to close
+    finally:
+        fake.release.set()
+        await listener.aclose()

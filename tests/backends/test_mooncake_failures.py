@@ -627,10 +627,10 @@ async def test_full_store_default_master_result_is_honest_though_it_may_evict(
 async def test_store_close_while_an_abandoned_vendor_call_runs_does_not_crash(
     local_mooncake: Callable[..., LocalMooncake],
 ) -> None:
-    """KNOWN BUG, fails today. With the master dead a put blocks ~4.4 s in the vendor; the
-    slice timeout abandons it, the pipeline (``close_timeout=1``) gives up on the thread, and
-    ``MooncakeStore.aclose`` then closes the vendor client under the running call: the
-    process dies of SIGSEGV. It must exit normally (waiting for, or leaking, the client)."""
+    """With the master dead a put blocks ~4.4 s in the vendor; the slice timeout abandons it
+    and the pipeline (``close_timeout=1``) gives up on the thread. ``MooncakeStore.aclose``
+    used to close the vendor client under the running call, and the process died of SIGSEGV;
+    it now waits for the call (``InFlight.drain``) and the process exits normally."""
     server = await start_server(local_mooncake)
     args = ("--master", server.master_address, "--metadata", server.metadata_url)
     with anyio.fail_after(60):
