@@ -59,7 +59,9 @@ class PipelineConfig:
             may read rows the caller has since reused; the checksum catches such a block on
             read); without it writes are gathered. Where it cannot apply, the pipeline logs
             why at open and ``Pipeline.statistics().write_path`` says ``"gathered"``.
-        close_timeout: Seconds ``aclose`` waits for in-flight requests and worker threads.
+        close_timeout: Seconds ``aclose`` waits for in-flight requests and worker threads,
+            and (separately) for the store to unregister the staging; past that, staging
+            still registered is kept allocated, never freed under the store (logged).
     """
 
     slice_block_num: int = 500

@@ -53,6 +53,9 @@ __all__ = ("Runtime",)
 
 log = logging.getLogger("kvpipe.pipeline")
 _STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
+#: Staging whose unregistration was abandoned on the close timeout: kept alive for good (the
+#: store's call may still be running on it). Grows only when a store's unregister hangs.
+_KEPT_STAGING: list[memoryview] = []
 
 
 @final
@@ -99,6 +102,7 @@ class Runtime:
         self.engine: CopyEngine | None = None
         self._device_driver = device_driver
         self._registered: list[memoryview] = []
+        self._unregister_abandoned = False
         refusal = in_place_refusal(
             self.config,
             device=cache.device,
@@ -164,12 +168,25 @@ class Runtime:
             self._registered.append(buffer)
 
     async def _unregister(self) -> None:
+        """Unregister what was registered, within ``close_timeout`` seconds in all (a store
+        whose vendor call hangs must not hang the close, which is shielded); past that the
+        staging is marked as possibly still in use, so it is never freed under the store."""
         registered, self._registered = self._registered, []
-        for buffer in registered:
-            try:
-                await self.store.unregister_staging(buffer)
-            except Exception as exc:
-                log.warning("unregistering staging from %s failed: %r", self.store.name, exc)
+        with anyio.move_on_after(self.config.close_timeout) as bound:
+            for buffer in registered:
+                try:
+                    await self.store.unregister_staging(buffer)
+                except Exception as exc:
+                    log.warning("unregistering staging from %s failed: %r", self.store.name, exc)
+        if bound.cancelled_caught:
+            self._unregister_abandoned = True
+            _KEPT_STAGING.extend(registered)  # host staging: never freed under the store
+            log.error(
+                "unregistering staging from %s took more than %.0f s; going on without it "
+                "(the staging memory is kept, not freed)",
+                self.store.name,
+                self.config.close_timeout,
+            )
 
     async def _open_device(self) -> None:
         """Open the CUDA engine (see :func:`kvpipe.cuda._open.open_device_path`)."""
@@ -193,7 +210,7 @@ class Runtime:
             await self._unregister()
         engine, self.engine = self.engine, None
         if engine is not None:
-            await engine.aclose(staging_in_use=staging_in_use)
+            await engine.aclose(staging_in_use=staging_in_use or self._unregister_abandoned)
 
     async def start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
         """Create the actors' channels and context, and start their supervisor in ``tg``."""

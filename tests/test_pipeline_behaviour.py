@@ -242,3 +242,29 @@ async def test_backends_get_a_read_only_private_copy_of_the_tokens() -> None:
     async with kvpipe.open_pipeline(_cache(), Peek()) as pipe:
         assert (await pipe.write(tokens, np.arange(4))).complete
     assert not np.shares_memory(seen[0], tokens) and tokens[0] == 0
+
+
+class HangingUnregisterStore(kvpipe.MemoryStore):
+    """A store whose ``unregister_staging`` never returns (a vendor call waiting on a server
+    that is gone)."""
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        await anyio.Event().wait()
+
+
+async def test_close_is_bounded_when_the_store_never_unregisters(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Closing is shielded from cancellation, so it bounds its own waits: a store stuck in
+    ``unregister_staging`` costs ``close_timeout`` seconds, is logged, and the staging is kept
+    alive rather than freed under the store."""
+    from kvpipe import _runtime
+
+    config = kvpipe.PipelineConfig(close_timeout=0.2, staging_bytes=1 << 20)
+    kept = len(_runtime._KEPT_STAGING)
+    with caplog.at_level("ERROR", logger="kvpipe.pipeline"), anyio.fail_after(10):
+        async with kvpipe.open_pipeline(_cache(), HangingUnregisterStore(), config=config) as pipe:
+            assert (await pipe.write(np.arange(2 * BLOCK), [0, 1])).written == 2
+    assert pipe.closed
+    assert any("unregistering staging" in r.getMessage() for r in caplog.records)
+    assert len(_runtime._KEPT_STAGING) == kept + 1
