@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, final
 
@@ -159,11 +159,14 @@ def in_place_refusal(
     *,
     device: str,
     accepts_parts: bool,
-    rows_contiguous: bool,
+    rows_contiguous: Callable[[], bool],
     store_name: str,
 ) -> str | None:
     """Why writes are gathered although ``config.write_in_place`` asks for them in place;
-    ``None`` when they go in place (or were not asked to)."""
+    ``None`` when they go in place (or were not asked to).
+
+    ``rows_contiguous`` is asked only for a cache in host memory (a device cache has no host
+    rows to look at)."""
     if not config.write_in_place:
         return None
     if device != "cpu":
@@ -175,6 +178,6 @@ def in_place_refusal(
             "verify_checksums is off (a write abandoned on a timeout may read rows the caller "
             "has since reused; only the checksum catches such a block)"
         )
-    if not rows_contiguous:
+    if not rows_contiguous():
         return "the cache's block rows are not C-contiguous"
     return None

@@ -107,9 +107,7 @@ class Runtime:
             self.config,
             device=cache.device,
             accepts_parts=store.accepts_parts,
-            # (a device cache has no host rows to look at: it is refused for its device first)
-            rows_contiguous=cache.device != "cpu"
-            or all(rows.flags.c_contiguous for rows in cache.byte_rows),
+            rows_contiguous=lambda: all(rows.flags.c_contiguous for rows in cache.byte_rows),
             store_name=store.name,
         )
         if refusal is not None:

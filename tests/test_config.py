@@ -277,7 +277,7 @@ def test_bad_override_names_the_field() -> None:
         ({}, {"device": "cuda:0"}, "cache is on cuda:0"),
         ({}, {"accepts_parts": False}, "store s takes contiguous values only"),
         ({"verify_checksums": False}, {}, "verify_checksums is off"),
-        ({}, {"rows_contiguous": False}, "not C-contiguous"),
+        ({}, {"rows_contiguous": lambda: False}, "not C-contiguous"),
     ],
 )
 def test_in_place_refusal_says_why(
@@ -287,7 +287,7 @@ def test_in_place_refusal_says_why(
     args: dict[str, object] = {
         "device": "cpu",
         "accepts_parts": True,
-        "rows_contiguous": True,
+        "rows_contiguous": lambda: True,
         "store_name": "s",
     }
     got = in_place_refusal(cfg, **{**args, **where})  # type: ignore[arg-type]

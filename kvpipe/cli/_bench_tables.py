@@ -127,22 +127,18 @@ def mooncake_table(records: list[dict[str, Any]]) -> Table:
         table.add_column(col, justify="right")
     for r in records:
         w, g = r["write"], r["read"]
-        table.add_row(
-            r["block_size"],
-            _WHERE[r["placement"]],
-            "write",
-            f"{w['gbps_median']} / {w['gbps_best']}",
-            f"put {w['put_from_gbps_median']}, upsert {w['upsert_from_gbps_median']}",
-            str(w["ratio_median"]),
-            str(w.get("ratio_vs_loop", "-")),
-        )
-        table.add_row(
-            r["block_size"],
-            _WHERE[r["placement"]],
-            "read",
-            f"{g['gbps_median']} / {g['gbps_best']}",
-            f"get {g['get_into_gbps_median']}",
-            str(g["ratio_median"]),
-            str(g.get("ratio_vs_loop", "-")),
-        )
+        direct = {
+            "write": f"put {w['put_from_gbps_median']}, upsert {w['upsert_from_gbps_median']}",
+            "read": f"get {g['get_into_gbps_median']}",
+        }
+        for op, m in (("write", w), ("read", g)):
+            table.add_row(
+                r["block_size"],
+                _WHERE[r["placement"]],
+                op,
+                f"{m['gbps_median']} / {m['gbps_best']}",
+                direct[op],
+                str(m["ratio_median"]),
+                str(m.get("ratio_vs_loop", "-")),
+            )
     return table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -109,8 +110,6 @@ class StuckCloseClient:
     one can wait on a master that is gone)."""
 
     def __init__(self) -> None:
-        import threading
-
         self.release = threading.Event()
         self.closing = threading.Event()
         self.unregistered: list[int] = []
