@@ -23,7 +23,7 @@ from ._blockformat import value_nbytes
 from ._cache import KVCache
 from ._config import PipelineConfig, in_place_refusal
 from ._engine import CopyEngine, HostEngine, OrderMark
-from ._errors import ConfigError, KVPipeError, OperationTimeout, PipelineClosed
+from ._errors import ConfigError, PipelineClosed
 from ._keys import Scope
 from ._plan import layout_segments
 from ._results import PipelineStatistics
@@ -388,21 +388,11 @@ class Runtime:
         log.warning(
             "request %s: no outcome by its deadline; ending it as timed out", state.request_id
         )
-        if isinstance(state, WriteState):
-            state.stop("total_timeout", "deadline passed")
-        elif isinstance(state, ReadState):
-            state.abort("total_timeout", "deadline passed")
-        else:
-            state.fail(OperationTimeout(f"{state.request_id} timed out"))
+        state.end("total_timeout", "deadline passed")
 
     @staticmethod
     def _cancel(state: RequestState) -> None:
-        if isinstance(state, WriteState):
-            state.stop("cancelled", "caller cancelled")
-        elif isinstance(state, ReadState):
-            state.abort("cancelled", "caller cancelled")
-        else:
-            state.fail(KVPipeError("caller cancelled"))
+        state.end("cancelled", "caller cancelled")
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ class Swapper(Actor[SliceJob]):
             await self.send("writer", job)
             return True
         assert isinstance(state, WriteState)
-        state.stop("total_timeout", "deadline passed waiting for the writer")
+        state.end("total_timeout", "deadline passed waiting for the writer")
         return False
 
     async def _gather_and_seal(self, job: SliceJob, blocks: Any, digests: list[bytes]) -> None:
