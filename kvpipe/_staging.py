@@ -167,6 +167,21 @@ class StagingPool:
             waiter.slots = self._take(waiter.count)
             waiter.event.set()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has let go of the buffer."""
+        return self.buffer.size == 0
+
+    def close(self) -> bool:
+        """Let go of the buffer, so it is freed by reference counting as soon as no view of
+        it is left — whatever else still refers to the pool (a traceback, a reference cycle).
+        Kept, and ``False`` returned, while a lease is outstanding (a worker thread abandoned
+        at close may still use it)."""
+        if self._leases:
+            return False
+        self.buffer = np.empty((0, self.stride), np.uint8)
+        return True
+
     def slot(self, index: int) -> Rows:
         """The bytes of one slot (``slot_nbytes`` long)."""
         row: Rows = self.buffer[index, : self.slot_nbytes]
@@ -253,6 +268,7 @@ class ThreadRunner:
         self._idle = anyio.Event()
         self._idle.set()
         self._close_timeout = close_timeout
+        self._deadline: float | None = None
 
     @property
     def running(self) -> int:
@@ -263,16 +279,23 @@ class ThreadRunner:
         self._open = True
         return self
 
+    def close_by(self, deadline: float) -> None:
+        """Wait for running threads at exit until ``deadline`` (event-loop clock) rather than
+        ``close_timeout`` from then: the pipeline's one close deadline."""
+        self._deadline = deadline
+
     async def __aexit__(self, *exc_info: Any) -> None:
-        with anyio.move_on_after(self._close_timeout, shield=True) as scope:
+        deadline = self._deadline
+        if deadline is None:
+            deadline = anyio.current_time() + self._close_timeout
+        with anyio.move_on_at(deadline, shield=True) as scope:
             await self._idle.wait()
         self._open = False
         if scope.cancelled_caught:
             log.error(
-                "%d worker thread(s) still running after %.1f s at close; abandoning them "
+                "%d worker thread(s) still running at the close deadline; abandoning them "
                 "(their staging slots stay leased)",
                 self._running,
-                self._close_timeout,
             )
 
     async def run(
@@ -299,15 +322,22 @@ class ThreadRunner:
             self._idle = anyio.Event()
         call = _Call()
         token = anyio.lowlevel.current_token()
+        # The thread takes the call out of this box: the worker thread's frame keeps its last
+        # item (``work``) alive for a moment after it has reported the result, and that must
+        # not keep the arguments (staging views) alive past the caller's close.
+        box: list[Any] = [fn, args]
 
         def work() -> T | None:
+            f, a = box
+            box.clear()
             with call.lock:
                 if call.abandoned:
                     return None  # the caller gave up before it started: do nothing
                 call.started = True
             try:
-                return fn(*args)
+                return f(*a)  # type: ignore[no-any-return]
             finally:
+                del f, a
                 with call.lock:
                     call.done = True
                     abandoned = call.abandoned
