@@ -142,6 +142,17 @@ def block_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def seed(text: str) -> int:
+    """An argparse type: a random seed, an int ``>= 0`` (numpy refuses negative seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
 def format_counts(counts: Mapping[str, float]) -> str:
     """``{"complete": 3, "incomplete": 1}`` → ``"complete 3, incomplete 1"`` (``"-"`` if empty)."""
     return (

@@ -304,7 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--concurrency", type=int, default=4, metavar="N", help="requests in flight at once")
     add("--slice-block-num", type=int, default=16, metavar="N", help="blocks per slice")
     add("--staging-mib", type=int, default=256, metavar="MIB", help="staging per pipeline")
-    add("--seed", type=int, default=0, help="seed of the workload and of the cache contents")
+    add("--seed", type=ui.seed, default=0, help="seed of the workload and of the cache contents")
     add("--json", action="store_true", help="print the summary as JSON, without progress bars")
     _metrics_page.add_arguments(parser)
 

@@ -162,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--store", choices=STORES, default="memory", help="the store under the faults")
     add("--scenario", action="append", metavar="NAME", help=f"run these (repeatable): {names}")
     add("--all", action="store_true", help="run every scenario (the default with no --scenario)")
-    add("--seed", type=int, default=0, help="seed of the fault plans and workloads")
+    add("--seed", type=ui.seed, default=0, help="seed of the fault plans and workloads")
     add("--dir", default=None, help="where file stores go (default: a temporary directory)")
     add("--json", action="store_true", help="print the results as JSON")
 

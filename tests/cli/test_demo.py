@@ -114,7 +114,13 @@ def test_bad_values_exit_2_with_one_line(
 
 @pytest.mark.parametrize(
     "args",
-    [["--layout", "nope"], ["--blocks-per-request", "9-5"], ["--blocks-per-request", "x"], []],
+    [
+        ["--layout", "nope"],
+        ["--blocks-per-request", "9-5"],
+        ["--blocks-per-request", "x"],
+        ["--seed", "-1"],
+        [],
+    ],
 )
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
     argv = ["demo", *args] if args else []  # no subcommand at all is a usage error too
