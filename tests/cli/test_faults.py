@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.cli import main
+from kvpipe.testing.scenarios import SCENARIOS
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, object]]:
@@ -62,4 +63,12 @@ def test_mooncake_with_a_real_master(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_an_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["faults", "--scenario", "nope"]) == 2
-    assert "unknown scenario" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown scenario" in err and "--list" in err
+
+
+def test_list_names_every_scenario_and_runs_none(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["faults", "--list", "--scenario", "nope"]) == 0
+    out = capsys.readouterr().out
+    listed = {line.split()[0] for line in out.splitlines()}
+    assert listed == {s.name for s in SCENARIOS} | {"kill_mid_write"}, out
