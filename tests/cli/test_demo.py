@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import kvpipe
-from kvpipe.cli import _reportable, main
+from kvpipe.cli import _reportable, build_parser, main
 from kvpipe.cli import demo as demo_cmd
 from kvpipe.cli._console import UsageError
 
@@ -148,14 +148,34 @@ def test_incomplete_writes_exit_1(
     assert s["writes"]["stop_reasons"] == {"incomplete_slice": s["writes"]["incomplete"]}
 
 
-def test_human_summary_and_logging_restored(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [["--log-level", "info", "demo", *SMALL], ["demo", "--log-level", "info", *SMALL]],
+    ids=["log-level before the command", "log-level after it"],
+)
+def test_human_summary_and_logging_restored(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
     logger = logging.getLogger("kvpipe")
     before = (logger.level, list(logger.handlers), logger.propagate)
-    assert main(["--log-level", "info", "demo", *SMALL]) == 0
+    assert main(argv) == 0
     captured = capsys.readouterr()
     assert "skipped by dedup" in captured.out and "OK: all" in captured.out
     assert "INFO" in captured.err and "kvpipe." in captured.err  # kvpipe's log, on stderr
     assert (logger.level, list(logger.handlers), logger.propagate) == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "level"),
+    [
+        (["demo"], "WARNING"),
+        (["--log-level", "error", "demo"], "ERROR"),
+        (["demo", "--log-level", "debug"], "DEBUG"),
+        (["--log-level", "error", "faults", "--log-level", "info"], "INFO"),
+    ],
+)
+def test_log_level_before_or_after_the_command(argv: list[str], level: str) -> None:
+    assert build_parser().parse_args(argv).log_level == level
 
 
 def test_errors_inside_task_groups_are_reported() -> None:
