@@ -65,11 +65,15 @@ class UsageError(Exception):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` after an option's help, unless it has no meaningful default."""
+    """Shows ``(default: X)`` after an option's help, unless it has no meaningful default; a
+    list default as it is typed (``256KiB 2MiB``), not as a Python list."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or action.default is False or "default:" in (action.help or ""):
             return action.help
+        if isinstance(action.default, list | tuple):
+            typed = " ".join(str(v) for v in action.default).replace("%", "%%")
+            return f"{action.help or ''} (default: {typed})"
         return super()._get_help_string(action)
 
 

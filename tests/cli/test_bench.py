@@ -203,3 +203,9 @@ def test_in_place_without_checksums_is_refused(capsys: pytest.CaptureFixture[str
     rc = main(["bench", "--scenario", "mooncake", "--in-place", "--no-checksums"])
     assert rc == 2
     assert "--in-place needs checksums" in capsys.readouterr().err
+
+
+def test_help_shows_a_list_default_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the help's own line breaks aside
+    assert "block sizes (default: 256KiB 2MiB 8MiB)" in out and "['" not in out, out
