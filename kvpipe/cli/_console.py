@@ -189,7 +189,7 @@ class PhaseTally:
         results: The results of the requests done, in the order they finished.
         moved: Blocks written (writes) or loaded (reads).
         verified: Blocks the command verified (reads).
-        seconds: Wall time of the phase, set by the command.
+        seconds: Wall time of the phase, set by :meth:`finish`.
     """
 
     progress: Progress
@@ -206,6 +206,12 @@ class PhaseTally:
         self.moved += moved
         nbytes = self.moved * self.block_nbytes
         self.progress.update(self.task, advance=result.requested, nbytes=nbytes)
+
+    def finish(self, seconds: float) -> None:
+        """End the phase after ``seconds`` of wall time: its bar stops its clock, so the rate
+        it shows stays the phase's own while later phases run."""
+        self.seconds = seconds
+        self.progress.stop_task(self.task)
 
     def summary(self, stats: PipelineStatistics) -> dict[str, Any]:
         """The phase as JSON-ready numbers (what :func:`phase_rows` shows), given the

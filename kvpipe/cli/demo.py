@@ -147,7 +147,7 @@ async def _timed(
 ) -> dict[str, Any]:
     started = time.perf_counter()
     await job
-    phase.seconds = time.perf_counter() - started
+    phase.finish(time.perf_counter() - started)
     return phase.summary(pipe.statistics())  # before the pipeline closes
 
 

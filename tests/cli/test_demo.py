@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from rich.progress import Progress
 
 import kvpipe
+from kvpipe.cli import _console as ui
 from kvpipe.cli import _reportable, build_parser, main
 from kvpipe.cli import demo as demo_cmd
 from kvpipe.cli._console import UsageError
@@ -200,3 +202,25 @@ def test_python_dash_m_kvpipe() -> None:
     # not a terminal: no progress bar redraws, no colour codes, nothing on stderr
     assert "\x1b" not in proc.stdout and "\r" not in proc.stdout
     assert proc.stderr == ""
+
+
+async def test_a_finished_phase_bar_keeps_its_rate() -> None:
+    """The write bar's GB/s stays the write phase's own while the read phase runs (it kept
+    falling before: its clock ran on). Virtual time: rich's progress reads our clock."""
+    now = 0.0
+    progress = Progress(ui._ByteRateColumn(), get_time=lambda: now, disable=True)
+    tally = ui.PhaseTally(progress, progress.add_task("write", total=4, nbytes=0), 1000)
+
+    async def job() -> None:
+        nonlocal now
+        now += 2.0
+        progress.update(tally.task, advance=4, nbytes=4 * 10**9)
+
+    layout = kvpipe.CacheLayout.gqa(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
+    cache = kvpipe.create_kv_cache(layout, 4)
+    async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore()) as pipe:
+        await demo_cmd._timed(tally, pipe, job())
+    column, task = ui._ByteRateColumn(), progress.tasks[0]
+    assert column.render(task).plain == "2 GB/s"
+    now += 10.0  # the read phase
+    assert column.render(task).plain == "2 GB/s"
