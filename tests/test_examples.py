@@ -14,6 +14,7 @@ PD_EXAMPLE = REPO / "examples" / "pd_disaggregation.py"
 REQUESTS = 6
 
 
+@pytest.mark.slow  # real time: prefill and decode processes
 @pytest.mark.parametrize("store", ["mooncake", "file"])
 def test_pd_disaggregation_example_verifies_every_request(store: str, tmp_path: Path) -> None:
     """Prefill and decode processes over a Mooncake the example starts itself, or over a

@@ -51,6 +51,9 @@ from tests.backends.mooncake_worker import (
     zero,
 )
 
+# Real time: a real Mooncake master and workers killed, frozen and restarted.
+pytestmark = pytest.mark.slow
+
 SEED = 8080
 LAYOUT = prefill_layout()  # 128 KiB blocks
 BS = LAYOUT.block_size

@@ -16,6 +16,7 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str,
     return code, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow  # real time: fault scenarios with real deadlines
 def test_every_scenario_on_the_memory_store(capsys: pytest.CaptureFixture[str]) -> None:
     code, report = _run(capsys, "--store", "memory", "--all")
     assert code == 0 and report["ok"] is True
@@ -23,6 +24,7 @@ def test_every_scenario_on_the_memory_store(capsys: pytest.CaptureFixture[str]) 
     assert "hang_slice" in names and "crash_loop" in names and len(names) == 13
 
 
+@pytest.mark.slow  # real time: a writer process killed mid-write
 def test_file_store_with_the_process_kill(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -46,6 +48,7 @@ def test_file_store_with_the_process_kill(
     assert list(tmp_path.iterdir()) == []  # cleaned up
 
 
+@pytest.mark.slow  # real time: a real Mooncake master
 def test_mooncake_with_a_real_master(capsys: pytest.CaptureFixture[str]) -> None:
     code, report = _run(
         capsys,
