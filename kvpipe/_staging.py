@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,8 @@ import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
+
+from ._errors import ConfigError
 
 __all__ = ("StagingLease", "StagingPool", "ThreadRunner", "stride_for")
 
@@ -44,6 +47,21 @@ def stride_for(slot_nbytes: int) -> int:
     :data:`PAGE_ALIGNED_SLOT`, else to 64 bytes (a cache line)."""
     align = _PAGE if slot_nbytes >= PAGE_ALIGNED_SLOT else _LINE
     return -(-slot_nbytes // align) * align
+
+
+def _available() -> str:
+    """How much memory the OS reports available (``MemAvailable``), for error messages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return f"{int(line.split()[1]) * 1024} B"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return f"{os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')} B"
+    except (AttributeError, ValueError, OSError):
+        return "an unknown amount"
 
 
 def _page_aligned(shape: tuple[int, int]) -> Rows:
@@ -75,6 +93,7 @@ class StagingPool:
 
     Raises:
         ValueError: No slot, an empty slot, or a ``buffer`` of the wrong shape or type.
+        ConfigError: The buffer cannot be allocated (names the bytes asked and available).
     """
 
     def __init__(self, slot_nbytes: int, capacity_slots: int, buffer: Rows | None = None) -> None:
@@ -85,7 +104,15 @@ class StagingPool:
         self.capacity = capacity_slots
         if buffer is None:
             # Uninitialised: pages are touched (and so resident) only as slots are first used.
-            buffer = _page_aligned((capacity_slots, self.stride))
+            try:
+                buffer = _page_aligned((capacity_slots, self.stride))
+            except MemoryError:
+                raise ConfigError(
+                    "staging_bytes",
+                    f"could not allocate {capacity_slots * self.stride} B of staging "
+                    f"({capacity_slots} slots of {self.stride} B); {_available()} of memory is "
+                    "available now",
+                ) from None
         elif (
             buffer.dtype != np.uint8
             or buffer.shape != (capacity_slots, self.stride)

@@ -75,6 +75,8 @@ class Pipeline:
             raise ConfigError(
                 "store", f"expected a kvpipe.StorageBackend, got {type(store).__name__}"
             )
+        if store.closed:
+            raise ConfigError("store", f"the {store.name} store is closed; open a new one")
         self.config = config if config is not None else PipelineConfig()
         if not isinstance(self.config, PipelineConfig):
             raise ConfigError("config", "expected a kvpipe.PipelineConfig")

@@ -193,3 +193,9 @@ def test_plot_without_matplotlib(
     rc = main(["bench", "--smoke", "--scenario", "overhead", "--plot", str(tmp_path)])
     assert rc == 2
     assert "plots" in capsys.readouterr().err
+
+
+def test_help_shows_a_list_default_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the help's own line breaks aside
+    assert "block sizes (default: 256KiB 2MiB 8MiB)" in out and "['" not in out, out

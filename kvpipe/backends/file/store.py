@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -92,6 +93,10 @@ class FileStore(StorageBackend):
             raise ConfigError("capacity_bytes", f"must be positive, got {capacity_bytes!r}")
         if threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {threads!r}")
+        if isinstance(stale_temp_after, bool) or not (
+            isinstance(stale_temp_after, int | float) and 0 < stale_temp_after < math.inf
+        ):
+            raise ConfigError("stale_temp_after", f"must be finite and > 0, got {stale_temp_after}")
         self.path = os.fspath(root)
         self.durability: Durability = durability
         self.capacity_bytes = capacity_bytes
@@ -160,6 +165,11 @@ class FileStore(StorageBackend):
                 log.warning("file store %s: recovered at open: %s", root.path, report)
         self._root, self._catalog = root, catalog
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvpipe-file")
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` has run: every later call is refused."""
+        return self._inflight.closing
 
     async def aclose(self, timeout: float = 30.0) -> None:
         """Close the catalog and the root descriptor, once the worker threads still running
