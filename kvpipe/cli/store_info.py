@@ -48,7 +48,8 @@ def _render(report: StoreReport, io: ui.CommandIO) -> None:
         (
             "catalog",
             f"{report.catalog_blocks:,} blocks, "
-            f"{ui.format_bytes(report.catalog_bytes)}; {report.untracked:,} files untracked",
+            f"{ui.format_bytes(report.catalog_bytes)}; {report.untracked:,} files untracked"
+            + (f"; {report.catalog_pending:,} unsettled" if report.catalog_pending else ""),
         ),
         ("residency records", f"{report.residency_records:,}"),
     ]

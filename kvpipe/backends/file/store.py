@@ -27,7 +27,7 @@ from ..._errors import BackendError, ConfigError
 from ..._results import ResidencyEntry
 from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from .._inflight import InFlight
-from ._catalog import Catalog
+from ._catalog import Catalog, CatalogFull
 from ._direct import Scratch, is_aligned, probe_direct
 from ._format import (
     block_location,
@@ -37,6 +37,7 @@ from ._format import (
 from ._fs import Durability, Root, owner_token
 from ._inspect import recover
 from ._reads import ReadHooks, native_available, read_batch, read_one, regular_files
+from ._space import room, settle
 from ._writes import Abandon, WriteHooks, write_batch, write_one
 
 __all__ = ("FileStore",)
@@ -252,7 +253,12 @@ class FileStore(StorageBackend):
         value_nbytes = sum(len(p) for p in values[0])
         direct = self._direct and all(len(v) == 1 and is_aligned(v[0]) for v in values)
         nbytes = file_nbytes(value_nbytes, padded=direct)
-        res = catalog.reserve(keys, parent, key_namespace(keys[0]), nbytes, self.capacity_bytes)
+        space = key_namespace(keys[0])
+        try:
+            res = catalog.reserve(keys, parent, space, nbytes, self.capacity_bytes, room(root))
+        except CatalogFull:
+            self._count(no_space=len(keys))
+            return [BlockStatus.NO_SPACE] * len(keys)
         admitted = [i for i, ok in enumerate(res.admitted) if ok]
         statuses = [BlockStatus.FAILED if ok else BlockStatus.NO_SPACE for ok in res.admitted]
         if res.admitted.count(False):
@@ -274,9 +280,11 @@ class FileStore(StorageBackend):
                 if status is BlockStatus.OK:
                     written.append(keys[i])
         finally:
-            catalog.settle(
-                written, [keys[i] for i in admitted if statuses[i] is not BlockStatus.OK]
-            )
+            failed = [keys[i] for i in admitted if statuses[i] is not BlockStatus.OK]
+            for key in settle(catalog, root, written, failed):  # the disk filled meanwhile
+                statuses[keys.index(key)] = BlockStatus.NO_SPACE
+                written.remove(key)
+                self._count(no_space=1)
         self._count(blocks_written=len(written), bytes_written=len(written) * value_nbytes)
         if errors:  # one line per batch, not per block
             log.warning(
@@ -393,8 +401,11 @@ class FileStore(StorageBackend):
         bad = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.CORRUPT]
         ok = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.OK]
         if bad:
-            catalog.remove(bad)
             self._count(corrupt=len(bad))
+            try:
+                catalog.remove(bad)
+            except CatalogFull as exc:  # their files are gone; the next open forgets them
+                log.warning("file store %s: cannot forget corrupt blocks: %s", root.path, exc)
         if ok and self.capacity_bytes is not None:
             catalog.touch(ok)
         self._count(blocks_read=len(ok))
