@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -16,7 +17,7 @@ from ._catalog import Catalog, CatalogFull
 from ._format import BLOCK_SUFFIX, HEADER_NBYTES, HeaderError, block_location, unpack_header
 from ._fs import Root, owner_is_dead
 
-__all__ = ("RecoveryReport", "StoreReport", "inspect_store", "recover")
+__all__ = ("RecoveryReport", "StoreReport", "inspect_store", "is_store", "recover")
 
 log = logging.getLogger("kvpipe.file_store")
 
@@ -136,6 +137,14 @@ class StoreReport:
     verified: bool = False
 
 
+def is_store(path: str) -> bool:
+    """Whether the directory ``path`` is a file store's root: it holds the catalog (every
+    open makes it) or a ``blocks/`` directory."""
+    return os.path.isfile(os.path.join(path, "catalog.sqlite3")) or os.path.isdir(
+        os.path.join(path, "blocks")
+    )
+
+
 def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) -> StoreReport:
     """Walk a store without changing it.
 
@@ -143,7 +152,15 @@ def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) 
         path: The store root.
         verify: Also read every payload and check its checksum (reads the whole store).
         stale_after: Age after which a temporary file counts as stale.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file store (see :func:`is_store`).
+        OSError: ``path`` cannot be opened as a directory.
     """
+    if os.path.isdir(path) and not is_store(path):
+        raise FileNotFoundError(
+            errno.ENOENT, "not a kvpipe store (no catalog.sqlite3, no blocks/)", path
+        )
     root = Root(path, create=False)
     report = StoreReport(root.path, verified=verify)
     try:

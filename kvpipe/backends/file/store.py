@@ -34,7 +34,7 @@ from ._format import (
     file_nbytes,
     key_namespace,
 )
-from ._fs import Durability, Root, owner_token
+from ._fs import Durability, Root, owner_token, store_root
 from ._inspect import recover
 from ._reads import ReadHooks, native_available, read_batch, read_one, regular_files
 from ._space import room, settle
@@ -53,7 +53,8 @@ class FileStore(StorageBackend):
     """Blocks as files under ``root``.
 
     Args:
-        root: The store's directory (created ``0700``). May be shared by processes.
+        root: The store's directory (created ``0700``), a non-empty ``str`` or
+            ``os.PathLike[str]``. May be shared by processes.
         durability: ``"none"`` (rename only), ``"data"`` (``fdatasync`` each file before it
             is published) or ``"full"`` (also sync the directory after the rename).
         capacity_bytes: When set, stay under it by evicting prefix tails, least recently
@@ -67,6 +68,10 @@ class FileStore(StorageBackend):
             least 64 KiB that start on a page, as staging slots do). ``None`` (default): when
             ``durability`` is not ``"none"`` and the file system allows it. ``True``: opening
             fails where the file system does not allow it. ``False``: never.
+
+    Raises:
+        TypeError: ``root`` is not a ``str`` or ``os.PathLike[str]``.
+        ConfigError: ``root`` is empty, or another argument is out of range.
 
     Use ``async with FileStore(...) as store`` or ``await store.open()``; calls open it on
     first use otherwise.
@@ -88,13 +93,13 @@ class FileStore(StorageBackend):
         scan_on_open: bool = True,
         direct_io: bool | None = None,
     ) -> None:
+        self.path = store_root(root)
         if durability not in _DURABILITIES:
             raise ConfigError("durability", f"must be one of {_DURABILITIES}, got {durability!r}")
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ConfigError("capacity_bytes", f"must be positive, got {capacity_bytes!r}")
         if threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {threads!r}")
-        self.path = os.fspath(root)
         self.durability: Durability = durability
         self.capacity_bytes = capacity_bytes
         self.threads = threads
