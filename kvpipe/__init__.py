@@ -19,6 +19,7 @@ from ._errors import OperationTimeout as OperationTimeout
 from ._errors import PipelineClosed as PipelineClosed
 from ._errors import RequestError as RequestError
 from ._errors import Unsupported as Unsupported
+from ._errors import WrongEventLoop as WrongEventLoop
 from ._layout import CacheLayout as CacheLayout
 from ._results import ActorCrash as ActorCrash
 from ._results import BlockLocation as BlockLocation
@@ -83,6 +84,7 @@ __all__ = (
     "StorageBackend",
     "Unsupported",
     "WriteResult",
+    "WrongEventLoop",
     "common_prefix",
     "create_host_cache",
     "create_kv_cache",

@@ -141,13 +141,13 @@ class HostEngine(CopyEngine):
         self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
     ) -> None:
         """See :meth:`CopyEngine.gather` (``after`` is always ``None`` for host caches)."""
-        await self._run(plan, gather, plan, self.cache.byte_rows, self.pool.buffer, hold=lease)
+        await self._run(plan, gather, plan, self.cache.byte_rows, lease.pool.buffer, hold=lease)
 
     async def scatter(
         self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
     ) -> None:
         """See :meth:`CopyEngine.scatter`."""
-        await self._run(plan, scatter, plan, self.pool.buffer, self.cache.byte_rows, hold=lease)
+        await self._run(plan, scatter, plan, lease.pool.buffer, self.cache.byte_rows, hold=lease)
 
     async def gather_then(
         self,
@@ -160,7 +160,7 @@ class HostEngine(CopyEngine):
         """See :meth:`CopyEngine.gather_then`: copy and ``then`` in one worker call."""
 
         def both() -> None:
-            gather(plan, self.cache.byte_rows, self.pool.buffer)
+            gather(plan, self.cache.byte_rows, lease.pool.buffer)
             then()
 
         await self._run(plan, both, hold=lease)

@@ -12,18 +12,20 @@ unregistered, copy engine closed).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any, final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._blockformat import value_nbytes
 from ._cache import KVCache
 from ._config import PipelineConfig
 from ._engine import CopyEngine, HostEngine, OrderMark
-from ._errors import ConfigError, PipelineClosed
+from ._errors import ConfigError, PipelineClosed, WrongEventLoop
 from ._keys import Scope
 from ._plan import layout_segments
 from ._results import PipelineStatistics
@@ -37,6 +39,7 @@ from .actors import (
     PipelineHooks,
     Reader,
     Scheduler,
+    SliceJob,
     Slicer,
     Supervisor,
     Swapper,
@@ -128,6 +131,8 @@ class Runtime:
         self.metrics = Metrics()
         self.observers = Observers(self.metrics.counters)
         self._supervisor: Supervisor | None = None
+        self._loop: object = None
+        self._thread = 0
         #: When closing must be over (event-loop clock): set once, by :meth:`aclose`.
         self.close_deadline: float | None = None
 
@@ -217,6 +222,8 @@ class Runtime:
         """Create the actors' channels and context, and start their supervisor in ``tg``."""
         cfg = self.config
         self._runner = runner
+        self._loop = anyio.lowlevel.current_token().native_token
+        self._thread = threading.get_ident()
         copy_limiter = anyio.CapacityLimiter(cfg.copy_threads)
         pool = self._pool
         assert pool is not None
@@ -243,6 +250,7 @@ class Runtime:
             hooks=self._hooks,
             outboxes=self._outboxes,
             engine=engine,
+            keep_values=self.store.keeps_values and isinstance(engine, HostEngine),
             metrics=self.metrics,
             observers=self.observers,
         )
@@ -332,15 +340,15 @@ class Runtime:
                 item = recv.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
-            lease = getattr(item, "lease", None)
-            if lease is not None and not lease.released:
-                lease.release()
+            if isinstance(item, SliceJob) and not item.lease.released:
+                item.release()
 
     # -- the common path ---------------------------------------------------------------------
 
     async def run_marked(self, state: WriteState | ReadState, stream: int | None) -> None:
         """:meth:`run` with the producer's mark recorded now (device caches) and released
         when the request has ended (copies still in flight hold their own reference)."""
+        self.check_loop()
         engine = self.engine if self._open else None
         state.after = engine.mark(stream) if engine is not None else None
         try:
@@ -350,8 +358,26 @@ class Runtime:
             if mark is not None:
                 mark.release()
 
+    def check_loop(self) -> None:
+        """Refuse a call from another thread or event loop than the pipeline's own: its
+        actors would never see it, and the caller would wait for its whole deadline.
+
+        Raises:
+            WrongEventLoop: It is not the pipeline's loop.
+        """
+        if self._thread and (
+            threading.get_ident() != self._thread
+            or anyio.lowlevel.current_token().native_token is not self._loop
+        ):
+            raise WrongEventLoop(
+                "this pipeline runs on the event loop of the thread that opened it; it was "
+                "called from another loop or thread (open a pipeline per event loop, or hand "
+                "the call to its loop)"
+            )
+
     async def run(self, state: RequestState) -> None:
         """Submit ``state`` and wait for its end, by its deadline plus the slack."""
+        self.check_loop()
         if not self._open:
             raise PipelineClosed(f"pipeline is not open ({self._closed_reason or 'not started'})")
         self._in_flight.add(state)

@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from ._errors import ConfigError
 
-__all__ = ("StagingLease", "StagingPool", "ThreadRunner", "stride_for")
+__all__ = ("StagingLease", "StagingPool", "ThreadRunner", "private_lease", "stride_for")
 
 log = logging.getLogger("kvpipe.staging")
 
@@ -263,6 +263,13 @@ class StagingLease:
         """Writable memoryviews of the first ``count`` leased slots (all by default)."""
         n = len(self.slots) if count is None else count
         return [self.view(i).data for i in range(n)]
+
+
+def private_lease(slot_nbytes: int, count: int) -> StagingLease:
+    """``count`` slots of new memory of their own (a pool made for them alone): what a put
+    is gathered into when the store keeps the values it is given."""
+    pool = StagingPool(slot_nbytes, count)
+    return pool._lease(pool._take(count))
 
 
 @final

@@ -40,7 +40,7 @@ class Writer(Actor[SliceJob]):
         try:
             await self._write(msg)
         finally:
-            msg.lease.release()
+            msg.release()
 
     async def _write(self, job: SliceJob) -> None:
         ctx, spec, state = self.ctx, job.spec, job.state
