@@ -42,6 +42,11 @@ class PipelineConfig:
         queue_depth: Capacity of every channel between actors.
         copy_threads: Worker threads for gather/scatter copies on the host path.
         io_threads: Worker threads available to backends for blocking I/O.
+        worker_nice: How much lower than the event loop's thread kvpipe's worker threads
+            (copies, checksums, backend I/O) run: their nice value is raised by this much
+            (Linux; 0 to 19, 0: the same priority). On a machine with few cores this keeps
+            the server's event loop answering while kvpipe copies at full speed
+            (docs/performance.md, event-loop lag).
         node_id: This node's name in the residency index (``flush_index``).
         max_restarts: Crashes of one actor tolerated within ``restart_window`` seconds;
             one more closes the pipeline.
@@ -63,6 +68,7 @@ class PipelineConfig:
     queue_depth: int = 64
     copy_threads: int = 2
     io_threads: int = 8
+    worker_nice: int = 10
     node_id: str = field(default_factory=socket.gethostname)
     max_restarts: int = 3
     restart_window: float = 60.0
@@ -73,7 +79,10 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.type == "int":
+            if f.name == "worker_nice":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+                    raise ConfigError(f.name, f"must be an int from 0 to 19, got {value!r}")
+            elif f.type == "int":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ConfigError(f.name, f"must be an int >= 1, got {value!r}")
             elif f.type == "float":

@@ -10,6 +10,7 @@ Waiters are served first come, first served, so a large slice is not starved by 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import os
@@ -23,11 +24,11 @@ import anyio
 import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
-import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
 from ._errors import ConfigError
+from ._workers import WorkerThreads
 
 __all__ = ("StagingLease", "StagingPool", "ThreadRunner", "private_lease", "stride_for")
 
@@ -278,13 +279,13 @@ class _Call:
     while the thread ran, the thread itself (through the event loop). A call whose caller
     gave up before the thread started never starts."""
 
-    __slots__ = ("abandoned", "done", "lock", "started")
+    __slots__ = ("abandoned", "lock", "outcome", "started")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.started = False
-        self.done = False
         self.abandoned = False
+        self.outcome: tuple[bool, Any] | None = None
 
 
 @final
@@ -296,7 +297,8 @@ class ThreadRunner:
     Use as an async context manager; leaving it waits (bounded) for running threads.
     """
 
-    def __init__(self, close_timeout: float = 10.0) -> None:
+    def __init__(self, close_timeout: float = 10.0, *, nice: int = 0) -> None:
+        self._threads = WorkerThreads(nice)
         self._open = False
         self._running = 0
         self._idle = anyio.Event()
@@ -325,6 +327,7 @@ class ThreadRunner:
         with anyio.move_on_at(deadline, shield=True) as scope:
             await self._idle.wait()
         self._open = False
+        self._threads.shutdown()
         if scope.cancelled_caught:
             log.error(
                 "%d worker thread(s) still running at the close deadline; abandoning them "
@@ -339,7 +342,7 @@ class ThreadRunner:
         hold: StagingLease | None = None,
         limiter: anyio.CapacityLimiter | None = None,
     ) -> T:
-        """Call ``fn(*args)`` in a worker thread and return its result.
+        """Call ``fn(*args)`` in one of the runner's worker threads and return its result.
 
         Cancellation: cancelling the caller stops the wait at once; the thread runs on, and
         ``hold`` stays leased until it returns. Exceptions from ``fn`` propagate.
@@ -356,45 +359,57 @@ class ThreadRunner:
             self._idle = anyio.Event()
         call = _Call()
         token = anyio.lowlevel.current_token()
-        # The thread takes the call out of this box: the worker thread's frame keeps its last
-        # item (``work``) alive for a moment after it has reported the result, and that must
-        # not keep the arguments (staging views) alive past the caller's close.
+        done = anyio.Event()
+        # The thread takes the call out of this box, so nothing of the arguments (staging
+        # views) outlives the call in a worker thread's frame.
         box: list[Any] = [fn, args]
 
-        def work() -> T | None:
+        def report(ok: bool, value: Any) -> None:  # on the event loop's thread
+            if call.abandoned:
+                self._finish(hold)  # the caller gave up while the thread ran
+            else:
+                call.outcome = (ok, value)
+                done.set()
+
+        def work() -> None:
             f, a = box
             box.clear()
             with call.lock:
                 if call.abandoned:
-                    return None  # the caller gave up before it started: do nothing
+                    return  # the caller gave up before it started: do nothing
                 call.started = True
             try:
-                return f(*a)  # type: ignore[no-any-return]
-            finally:
-                del f, a
-                with call.lock:
-                    call.done = True
-                    abandoned = call.abandoned
-                if abandoned:
-                    # The caller gave up: let go of the staging on the event loop's thread.
-                    try:
-                        anyio.from_thread.run_sync(self._finish, hold, token=token)
-                    except RuntimeError as exc:  # the event loop is gone: nothing to release
-                        log.debug("abandoned worker thread ended after its loop: %s", exc)
+                ok, value = True, f(*a)
+            except BaseException as exc:
+                ok, value = False, exc
+            del f, a
+            try:
+                token.backend_class.run_sync_soon(report, (ok, value), token.native_token)
+            except Exception as exc:  # the event loop is gone: nothing to release
+                log.debug("worker thread ended after its event loop: %r", exc)
 
         try:
-            value = await anyio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+            async with limiter if limiter is not None else contextlib.nullcontext():
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                self._threads.submit(work)
+                await done.wait()
         except BaseException:
             with call.lock:
-                running = call.started and not call.done
+                started = call.started
                 call.abandoned = True
-            if not running:
-                # fn raised, the thread ended as the caller was cancelled, or it never started
-                # (and now never will): nothing uses the staging any more.
-                self._finish(hold)
-            raise  # else the thread finishes the call when it returns
+            if not started:
+                self._finish(hold)  # it never ran, and now never will
+            raise  # else its report finishes the call when it returns
         self._finish(hold)
-        return value  # type: ignore[return-value]
+        outcome, call.outcome = call.outcome, None
+        assert outcome is not None
+        ok, value = outcome
+        if ok:
+            return value  # type: ignore[no-any-return]
+        try:
+            raise value
+        finally:
+            value = None
 
     def _finish(self, hold: StagingLease | None) -> None:
         if hold is not None:

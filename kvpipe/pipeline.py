@@ -422,7 +422,7 @@ async def open_pipeline(
         observer=observer,
     )
     runtime = pipe._runtime
-    runner = ThreadRunner(pipe.config.close_timeout)
+    runner = ThreadRunner(pipe.config.close_timeout, nice=pipe.config.worker_nice)
     error: BaseException | None = None
     tg: anyio.abc.TaskGroup | None = None
     try:
