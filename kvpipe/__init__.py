@@ -41,6 +41,7 @@ from .backends import MemoryStore as MemoryStore
 from .backends import MooncakeStore as MooncakeStore
 from .backends import PutBatch as PutBatch
 from .backends import StorageBackend as StorageBackend
+from .backends import ValueClient as ValueClient
 from .metrics import PipelineMetrics as PipelineMetrics
 from .pipeline import Pipeline as Pipeline
 from .pipeline import open_pipeline as open_pipeline
@@ -82,6 +83,7 @@ __all__ = (
     "SliceOutcome",
     "StorageBackend",
     "Unsupported",
+    "ValueClient",
     "WriteResult",
     "common_prefix",
     "create_host_cache",
