@@ -297,14 +297,7 @@ class KVPipeAttentionStore:
                 timeout=timeout,
                 request_id=str(task_id),
             )
-            if r.stop_reason is not None:
-                log.warning(
-                    "kvpipe write %s: stored %d of %d blocks (%s)",
-                    task_id,
-                    r.skipped + r.written,
-                    r.requested,
-                    r.stop_reason,
-                )
+            # an incomplete write is logged once, by the pipeline (request id = task id)
             return r.skipped + r.written
 
         return int(self._call("write", task_id, run, timeout, 0))
@@ -348,14 +341,6 @@ class KVPipeAttentionStore:
                     partial.stop_reason,
                 )
                 return partial.loaded
-            if r.stop_reason not in (None, "not_stored"):
-                log.warning(
-                    "kvpipe read %s: loaded %d of %d blocks (%s)",
-                    task_id,
-                    r.loaded,
-                    r.requested,
-                    r.stop_reason,
-                )
             return r.loaded
 
         return int(self._call("read", task_id, run, timeout, 0))
