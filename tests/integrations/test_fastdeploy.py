@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -384,3 +385,51 @@ def test_fd_query(fs: KVPipeStorage) -> None:
     fs.batch_set(["k1", "v1", "k2"], [p] * 3, [4] * 3)
     assert fs.query(k_cache_keys=["k1", "k2"], v_cache_keys=["v1", "v2"]) == 1
     assert fs.query(k_cache_keys=["k1"], v_cache_keys=["v1", "v2"]) == 0
+
+
+@pytest.mark.slow
+def test_prefill_to_decode_over_a_shared_file_store(tmp_path: Path) -> None:
+    """A prefill process writes (partial last block included) through its own instance; the
+    decode side (this process) reads all-or-nothing: byte-exact; with the store gone the read
+    fails cleanly (count short of the blocks, no exception)."""
+    env = dict(os.environ, FD_PD_TRANSFER_VIA_STORAGE="1", KVPIPE_STORE=f"file://{tmp_path}")
+    code = textwrap.dedent(
+        """
+        import numpy as np, paddle
+        from kvpipe.integrations.fastdeploy import KVPipeAttentionStore
+        paddle.set_device("cpu")
+        paddle.seed(7)
+        k = [paddle.randn([8, 2, 4, 8]).astype("bfloat16") for _ in range(2)]
+        v = [paddle.randn([8, 2, 4, 8]).astype("bfloat16") for _ in range(2)]
+        with KVPipeAttentionStore(layer_num=2, block_token_size=4, splitwise_role="prefill") as p:
+            assert p.write("req", k, v, list(range(14)), [0, 1, 2, 3], 0) == 4
+        np.save("PATH", np.stack([np.stack([t[:4].numpy() for t in k]),
+                                  np.stack([t[:4].numpy() for t in v])]))
+        """
+    ).replace("PATH", str(tmp_path / "src.npy"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    src = np.load(tmp_path / "src.npy")
+    old = {k: os.environ.get(k) for k in ("FD_PD_TRANSFER_VIA_STORAGE", "KVPIPE_STORE")}
+    os.environ.update(FD_PD_TRANSFER_VIA_STORAGE="1", KVPIPE_STORE=f"file://{tmp_path}")
+    try:
+        dk, dv = _gqa(False)
+        with KVPipeAttentionStore(
+            layer_num=LAYERS, block_token_size=BS, splitwise_role="decode"
+        ) as d:
+            assert d.read("req", dk, dv, list(range(14)), [10, 11, 12, 13], 0) == 4
+            got = np.stack(
+                [np.stack([t[10:14].numpy() for t in dk]), np.stack([t[10:14].numpy() for t in dv])]
+            )
+            assert got.tobytes() == src.tobytes()
+            for f in tmp_path.rglob("*.kvb"):
+                f.unlink()
+            assert d.read("req", dk, dv, list(range(14)), [20, 21, 22, 23], 0) < 4
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
