@@ -6,7 +6,6 @@ back verified. See ``docs/architecture.md`` and ``docs/embedding.md``.
 """
 
 from ._cache import KVCache as KVCache
-from ._cache import create_host_cache as create_host_cache
 from ._cache import create_kv_cache as create_kv_cache
 from ._config import PipelineConfig as PipelineConfig
 from ._errors import ActorCrashed as ActorCrashed
@@ -42,6 +41,7 @@ from .backends import MooncakeStore as MooncakeStore
 from .backends import PutBatch as PutBatch
 from .backends import StorageBackend as StorageBackend
 from .backends import ValueClient as ValueClient
+from .cuda._hostcache import create_host_cache as create_host_cache
 from .metrics import PipelineMetrics as PipelineMetrics
 from .pipeline import Pipeline as Pipeline
 from .pipeline import open_pipeline as open_pipeline

@@ -15,14 +15,13 @@ fails any check is never scattered into the cache.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ("TRAILER_NBYTES", "check_block", "seal_block", "seal_pieces", "value_nbytes")
+__all__ = ("TRAILER_NBYTES", "check_block", "seal_block", "value_nbytes")
 
 _TRAILER: Final = struct.Struct("<4sHHQ16sQ8x")
 TRAILER_NBYTES: Final = _TRAILER.size
@@ -45,27 +44,6 @@ def seal_block(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: b
     flags = FLAG_CHECKSUM if checksum else 0
     trailer = _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, key_digest, digest)
     value[payload_nbytes : payload_nbytes + TRAILER_NBYTES] = np.frombuffer(trailer, np.uint8)
-
-
-def seal_pieces(
-    trailer: Bytes,
-    pieces: Sequence[memoryview],
-    payload_nbytes: int,
-    key_digest: bytes,
-    checksum: bool,
-) -> None:
-    """Write into ``trailer`` (``TRAILER_NBYTES`` long) the trailer of a payload held in
-    ``pieces`` (their concatenation; same bytes as :func:`seal_block` of it gathered)."""
-    if checksum:
-        h = xxhash.xxh3_64()
-        for piece in pieces:
-            h.update(piece)
-        digest = h.intdigest()
-    else:
-        digest = 0
-    flags = FLAG_CHECKSUM if checksum else 0
-    packed = _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, key_digest, digest)
-    trailer[:TRAILER_NBYTES] = np.frombuffer(packed, np.uint8)
 
 
 def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bool) -> str | None:

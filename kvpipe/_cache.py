@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast, final
+from typing import Any, Literal, cast, final
 
 import numpy as np
 import numpy.typing as npt
 
+from ._device_tensors import device_pointers, device_tensor, parse_device
 from ._errors import LayoutError, Unsupported
 from ._layout import CacheLayout, RoleSpec, numpy_dtype
-from .cuda._tensors import device_pointers, device_tensor, parse_device
 
-if TYPE_CHECKING:
-    from .cuda._driver import Driver
-
-__all__ = ("KVCache", "create_host_cache", "create_kv_cache")
+__all__ = ("KVCache", "create_kv_cache")
 
 ByteRows = npt.NDArray[np.uint8]
 
@@ -128,7 +125,8 @@ def _leading_dim(t: Any) -> int:
 class KVCache:
     """The caller's KV cache: one tensor per ``(role, layer)``, in contract order.
 
-    Build one with :func:`create_kv_cache`, :func:`create_host_cache` or :meth:`from_tensors`.
+    Build one with :func:`create_kv_cache`, :func:`kvpipe.create_host_cache` or
+    :meth:`from_tensors`.
     kvpipe never resizes or reallocates the tensors; it reads and writes whole blocks of them.
     """
 
@@ -362,27 +360,3 @@ def create_kv_cache(
         ]
         return KVCache.from_tensors(layout, tensors)
     raise LayoutError(f"unknown framework {framework!r}; expected 'numpy' or 'paddle'")
-
-
-def create_host_cache(
-    layout: CacheLayout, num_blocks: int, *, device_driver: Driver | None = None
-) -> KVCache:
-    """Allocate a zeroed host cache in pinned memory: per role, exactly the bytes of the
-    device cache of the same layout (scales included, 2 bytes per bf16 element).
-
-    Pinned memory needs the CUDA driver; call :meth:`KVCache.free` to release it.
-
-    Args:
-        layout: The layout to allocate.
-        num_blocks: Blocks per tensor (> 0).
-        device_driver: Test seam: the driver interface to allocate with (default: the real
-            CUDA driver through cuda-python).
-
-    Raises:
-        LayoutError: ``num_blocks`` is not positive.
-        Unsupported: No CUDA driver or device here (use :func:`create_kv_cache` instead).
-        DeviceError: The driver failed the allocation.
-    """
-    from .cuda._hostcache import allocate_host_cache
-
-    return allocate_host_cache(layout, num_blocks, device_driver)

@@ -6,13 +6,13 @@ import dataclasses
 import math
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, final
 
 from ._errors import ConfigError
 
-__all__ = ("PipelineConfig", "in_place_refusal")
+__all__ = ("PipelineConfig",)
 
 #: FastDeploy's AttentionStore variables, accepted when the KVPIPE_ ones are unset.
 _FALLBACK_ENV: Final = {
@@ -49,16 +49,6 @@ class PipelineConfig:
             waiting for the actors and takes the result as it stands. A safety net: the
             actors themselves end every slice by the deadline.
         verify_checksums: Write a checksum into every block and verify it on read.
-        write_in_place: For a cache in host memory and a store that takes values in pieces
-            (``StorageBackend.accepts_parts``), send each block's rows straight from the
-            cache instead of gathering them into staging first (one pass over the bytes
-            less, but one call per (layer, role) row instead of one per block). Off by
-            default: on the 2-core test machine it measured no faster and disturbed the
-            event loop more (per-row checksum and copy calls contend for the GIL; see
-            docs/performance.md). Needs ``verify_checksums`` (a write abandoned on a timeout
-            may read rows the caller has since reused; the checksum catches such a block on
-            read); without it writes are gathered. Where it cannot apply, the pipeline logs
-            why at open and ``Pipeline.statistics().write_path`` says ``"gathered"``.
         close_timeout: Seconds ``aclose`` waits for in-flight requests and worker threads,
             and (separately) for the store to unregister the staging; past that, staging
             still registered is kept allocated, never freed under the store (logged).
@@ -77,7 +67,6 @@ class PipelineConfig:
     restart_window: float = 60.0
     deadline_slack: float = 0.25
     verify_checksums: bool = True
-    write_in_place: bool = False
     close_timeout: float = 10.0
 
     def __post_init__(self) -> None:
@@ -152,32 +141,3 @@ def _parse(name: str, kind: str, raw: str) -> Any:
             return False
         raise ConfigError(name, f"{raw!r} is not a boolean (use 1/0, true/false)")
     return raw
-
-
-def in_place_refusal(
-    config: PipelineConfig,
-    *,
-    device: str,
-    accepts_parts: bool,
-    rows_contiguous: Callable[[], bool],
-    store_name: str,
-) -> str | None:
-    """Why writes are gathered although ``config.write_in_place`` asks for them in place;
-    ``None`` when they go in place (or were not asked to).
-
-    ``rows_contiguous`` is asked only for a cache in host memory (a device cache has no host
-    rows to look at)."""
-    if not config.write_in_place:
-        return None
-    if device != "cpu":
-        return f"the cache is on {device}, not in host memory"
-    if not accepts_parts:
-        return f"store {store_name} takes contiguous values only (accepts_parts is False)"
-    if not config.verify_checksums:
-        return (
-            "verify_checksums is off (a write abandoned on a timeout may read rows the caller "
-            "has since reused; only the checksum catches such a block)"
-        )
-    if not rows_contiguous():
-        return "the cache's block rows are not C-contiguous"
-    return None

@@ -11,18 +11,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ._blockformat import TRAILER_NBYTES, check_block, seal_block, seal_pieces
-from ._plan import CopyPlan, CopySegment
+from ._blockformat import check_block, seal_block
+from ._plan import CopyPlan
 
-__all__ = (
-    "block_pieces",
-    "gather",
-    "piece_addresses",
-    "scatter",
-    "seal_pieces_into",
-    "seal_slots",
-    "verify_slots",
-)
+__all__ = ("gather", "scatter", "seal_slots", "verify_slots")
 
 Rows = npt.NDArray[np.uint8]
 
@@ -65,35 +57,3 @@ def verify_slots(
         check_block(staging[slot], payload_nbytes, digest, verify)
         for slot, digest in zip(slots, digests, strict=True)
     ]
-
-
-def block_pieces(
-    segments: Sequence[CopySegment], rows: Sequence[Rows], block: int
-) -> list[memoryview]:
-    """The read-only pieces of one cache block's payload, in contract order, where they lie
-    in the cache (no copy)."""
-    return [rows[seg.tensor][block].data.toreadonly() for seg in segments]
-
-
-def piece_addresses(
-    segments: Sequence[CopySegment], rows: Sequence[Rows], blocks: Sequence[int]
-) -> list[list[int]]:
-    """The address of every piece :func:`block_pieces` gives, per block (arithmetic on each
-    tensor's base address and row stride)."""
-    bases = [(rows[seg.tensor].ctypes.data, rows[seg.tensor].strides[0]) for seg in segments]
-    return [[base + int(b) * stride for base, stride in bases] for b in blocks]
-
-
-def seal_pieces_into(
-    pieces: Sequence[Sequence[memoryview]],
-    staging: Rows,
-    slots: Sequence[int],
-    payload_nbytes: int,
-    digests: Sequence[bytes],
-    checksum: bool,
-) -> None:
-    """Seal blocks whose payloads stay in the cache: each trailer goes into its slot at
-    ``payload_nbytes`` (where :func:`seal_slots` puts it)."""
-    for block, slot, digest in zip(pieces, slots, digests, strict=True):
-        trailer = staging[slot][payload_nbytes : payload_nbytes + TRAILER_NBYTES]
-        seal_pieces(trailer, block, payload_nbytes, digest, checksum)

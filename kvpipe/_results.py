@@ -231,10 +231,6 @@ class PipelineStatistics:
         backend: The backend's own statistics.
         threads_running: kvpipe's worker threads still running (including ones whose caller
             gave up); 0 after ``aclose`` unless a thread outlived the close timeout.
-        write_path: ``"gathered"`` (into staging, then stored) or ``"in place"`` (the store
-            reads each block's rows from the cache; ``PipelineConfig.write_in_place``).
-        write_path_note: Why writes are gathered although ``write_in_place`` was asked for
-            (empty otherwise).
     """
 
     open: bool
@@ -252,5 +248,3 @@ class PipelineStatistics:
     slice_blocks: int
     backend: Mapping[str, float] = field(default_factory=dict)
     threads_running: int = 0
-    write_path: str = "gathered"
-    write_path_note: str = ""

@@ -21,9 +21,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ._blockformat import value_nbytes
 from ._cache import KVCache
-from ._config import PipelineConfig, in_place_refusal
+from ._config import PipelineConfig
 from ._engine import CopyEngine, HostEngine, OrderMark
-from ._errors import ConfigError, KVPipeError, OperationTimeout, PipelineClosed
+from ._errors import ConfigError, PipelineClosed
 from ._keys import Scope
 from ._plan import layout_segments
 from ._results import PipelineStatistics
@@ -103,17 +103,6 @@ class Runtime:
         self._device_driver = device_driver
         self._registered: list[memoryview] = []
         self._unregister_abandoned = False
-        refusal = in_place_refusal(
-            self.config,
-            device=cache.device,
-            accepts_parts=store.accepts_parts,
-            rows_contiguous=lambda: all(rows.flags.c_contiguous for rows in cache.byte_rows),
-            store_name=store.name,
-        )
-        if refusal is not None:
-            log.warning("write_in_place=True, but writes are gathered into staging: %s", refusal)
-        self._in_place = self.config.write_in_place and refusal is None
-        self._write_path_note = refusal or ""
         self.slice_blocks = min(self.config.slice_block_num, pool_slots)
         if self.slice_blocks < self.config.slice_block_num:
             log.warning(
@@ -154,16 +143,12 @@ class Runtime:
         if self._pool is None:
             await self._open_device()
         assert self._pool is not None
-        buffers = [self._pool.buffer.data.cast("B")]
-        if self._in_place:
-            buffers += [rows.reshape(-1).data for rows in self.cache.byte_rows]
-        for buffer in buffers:
-            try:
-                await self.store.register_staging(buffer)
-            except Exception as exc:
-                await self._unregister()
-                raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
-            self._registered.append(buffer)
+        buffer = self._pool.buffer.data.cast("B")
+        try:
+            await self.store.register_staging(buffer)
+        except Exception as exc:
+            raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
+        self._registered.append(buffer)
 
     async def _unregister(self) -> None:
         """Unregister what was registered, within ``close_timeout`` seconds in all (a store
@@ -240,7 +225,6 @@ class Runtime:
             hooks=self._hooks,
             outboxes=self._outboxes,
             engine=engine,
-            in_place=self._in_place,
             metrics=self.metrics,
             observers=self.observers,
         )
@@ -264,7 +248,7 @@ class Runtime:
         self._open = True
         log.info(
             "pipeline open: %s; namespace=%s rank=%d/%d; store=%s; staging %d slots x %d B; "
-            "slices of %d blocks; writes %s; device path: %s (%s)",
+            "slices of %d blocks; device path: %s (%s)",
             self.layout.describe(),
             self.scope.namespace,
             self.scope.rank,
@@ -273,7 +257,6 @@ class Runtime:
             pool.capacity,
             pool.stride,
             self.slice_blocks,
-            "sent in place from the cache" if self._in_place else "gathered into staging",
             engine.name,
             engine.note,
         )
@@ -388,21 +371,11 @@ class Runtime:
         log.warning(
             "request %s: no outcome by its deadline; ending it as timed out", state.request_id
         )
-        if isinstance(state, WriteState):
-            state.stop("total_timeout", "deadline passed")
-        elif isinstance(state, ReadState):
-            state.abort("total_timeout", "deadline passed")
-        else:
-            state.fail(OperationTimeout(f"{state.request_id} timed out"))
+        state.end("total_timeout", "deadline passed")
 
     @staticmethod
     def _cancel(state: RequestState) -> None:
-        if isinstance(state, WriteState):
-            state.stop("cancelled", "caller cancelled")
-        elif isinstance(state, ReadState):
-            state.abort("cancelled", "caller cancelled")
-        else:
-            state.fail(KVPipeError("caller cancelled"))
+        state.end("cancelled", "caller cancelled")
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -432,6 +405,4 @@ class Runtime:
             slice_blocks=self.slice_blocks,
             backend=dict(self.store.statistics()),
             threads_running=self._runner.running if self._runner is not None else 0,
-            write_path="in place" if self._in_place else "gathered",
-            write_path_note=self._write_path_note,
         )

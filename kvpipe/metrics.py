@@ -47,7 +47,6 @@ _COUNTERS: Final = {
     "blocks_read": "Blocks loaded into the cache by reads, verified.",
     "bytes_read": "Payload bytes loaded into the cache.",
     "bytes_gathered": "Bytes gathered from the cache into staging for writes.",
-    "bytes_sent_in_place": "Bytes written straight from the host cache (no gather).",
     "blocks_flushed": "Blocks recorded in the residency index by flush_index.",
     "blocks_refetched": "Blocks fetched a second time after failing verification.",
     "blocks_failed_verify": "Fetched blocks that failed verification.",

@@ -12,7 +12,6 @@ import pytest
 
 import kvpipe
 from kvpipe import ConfigError, PipelineConfig
-from kvpipe._config import in_place_refusal
 
 INT_FIELDS = [
     "slice_block_num",
@@ -267,31 +266,3 @@ def test_bad_override_names_the_field() -> None:
     with pytest.raises(ConfigError) as info:
         PipelineConfig.from_env(environ={}, queue_depth=0)
     assert info.value.field == "queue_depth"
-
-
-@pytest.mark.parametrize(
-    ("changes", "where", "why"),
-    [
-        ({}, {}, None),
-        ({"write_in_place": False}, {"device": "cuda:0", "accepts_parts": False}, None),
-        ({}, {"device": "cuda:0"}, "cache is on cuda:0"),
-        ({}, {"accepts_parts": False}, "store s takes contiguous values only"),
-        ({"verify_checksums": False}, {}, "verify_checksums is off"),
-        ({}, {"rows_contiguous": lambda: False}, "not C-contiguous"),
-    ],
-)
-def test_in_place_refusal_says_why(
-    changes: dict[str, object], where: dict[str, object], why: str | None
-) -> None:
-    cfg = PipelineConfig(write_in_place=True).replace(**changes)
-    args: dict[str, object] = {
-        "device": "cpu",
-        "accepts_parts": True,
-        "rows_contiguous": lambda: True,
-        "store_name": "s",
-    }
-    got = in_place_refusal(cfg, **{**args, **where})  # type: ignore[arg-type]
-    if why is None:
-        assert got is None
-    else:
-        assert got is not None and why in got

@@ -13,11 +13,8 @@ from hypothesis import strategies as st
 from kvpipe import CacheLayout, create_kv_cache
 from kvpipe._blockformat import TRAILER_NBYTES, value_nbytes
 from kvpipe._hostcopy import (
-    block_pieces,
     gather,
-    piece_addresses,
     scatter,
-    seal_pieces_into,
     seal_slots,
     verify_slots,
 )
@@ -273,55 +270,3 @@ def test_seal_slots_length_mismatch_raises() -> None:
     staging = np.zeros((2, 100), dtype=np.uint8)
     with pytest.raises(ValueError):
         seal_slots(staging, [0, 1], 10, [bytes(16)], True)
-
-
-@pytest.mark.parametrize("name", sorted(HOST_LAYOUTS))
-@pytest.mark.parametrize("checksum", [True, False])
-def test_sealing_pieces_in_place_equals_gathering_then_sealing(name: str, checksum: bool) -> None:
-    """The pieces of a block are its gathered payload, and the trailer sealed over them is
-    byte for byte the one sealed after a gather."""
-    layout = HOST_LAYOUTS[name]()
-    cache = create_kv_cache(layout, num_blocks=CACHE_BLOCKS)
-    fill_random(cache, seed=11)
-    segments = layout_segments(layout)
-    payload = layout.block_nbytes
-    blocks = [9, 0, 15, 3]
-    slots = [2, 0, 1, 3]
-    digests = [key_digest(f"k{i}") for i in range(4)]
-    gathered = np.zeros((SLOTS, value_nbytes(payload)), np.uint8)
-    gather(copy_plan(segments, blocks, slots), cache.byte_rows, gathered)
-    seal_slots(gathered, slots, payload, digests, checksum)
-    in_place = np.zeros_like(gathered)
-    pieces = [block_pieces(segments, cache.byte_rows, b) for b in blocks]
-    seal_pieces_into(pieces, in_place, slots, payload, digests, checksum)
-    for block_pieces_, slot in zip(pieces, slots, strict=True):
-        assert all(p.readonly for p in block_pieces_)
-        assert b"".join(bytes(p) for p in block_pieces_) == gathered[slot][:payload].tobytes()
-        assert in_place[slot][payload:].tobytes() == gathered[slot][payload:].tobytes(), (
-            "trailers differ"
-        )
-        assert len(in_place[slot][payload:]) == TRAILER_NBYTES
-    # The sealed value verifies; a changed piece does not.
-    assert verify_slots(gathered, slots, payload, digests, True) == [None] * 4
-    if checksum:
-        cache.byte_rows[0][blocks[0]][0] ^= 1
-        joined = np.frombuffer(
-            b"".join(bytes(p) for p in block_pieces(segments, cache.byte_rows, blocks[0]))
-            + in_place[slots[0]][payload:].tobytes(),
-            np.uint8,
-        )
-        assert verify_slots(joined[None, :], [0], payload, digests[:1], True) == [
-            "checksum mismatch"
-        ]
-
-
-@pytest.mark.parametrize("name", sorted(HOST_LAYOUTS))
-def test_piece_addresses_are_where_the_pieces_are(name: str) -> None:
-    layout = HOST_LAYOUTS[name]()
-    cache = create_kv_cache(layout, num_blocks=CACHE_BLOCKS)
-    segments = layout_segments(layout)
-    blocks = [4, 0, 15]
-    addresses = piece_addresses(segments, cache.byte_rows, blocks)
-    for b, where in zip(blocks, addresses, strict=True):
-        pieces = block_pieces(segments, cache.byte_rows, b)
-        assert where == [np.frombuffer(p, np.uint8).ctypes.data for p in pieces]

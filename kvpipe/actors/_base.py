@@ -151,17 +151,12 @@ class SliceJob:
         spec: Which blocks.
         lease: Staging slots, one per block, in order.
         valid: Read path: leading blocks verified and to be scattered.
-        pieces: Write path, values sent in place: per block, its payload's pieces in the
-            host cache (its trailer is in its staging slot).
-        addresses: Their addresses, trailer last.
     """
 
     state: WriteState | ReadState
     spec: SliceSpec
     lease: StagingLease
     valid: int = 0
-    pieces: list[list[memoryview]] | None = None
-    addresses: list[list[int]] | None = None
 
 
 @dataclass(eq=False)
@@ -184,7 +179,6 @@ class ActorContext:
     hooks: PipelineHooks
     outboxes: dict[str, MemoryObjectSendStream[Any]]
     engine: CopyEngine
-    in_place: bool = False
     metrics: Metrics = field(default_factory=Metrics)
     observers: Observers | None = None
 
@@ -223,24 +217,10 @@ class ActorContext:
         return KeyBatch(self.scope, request_id, keys, first, tokens[:end])
 
     def staged_batch(self, job: SliceJob, kind: type[PutBatch] | type[GetBatch]) -> Any:
-        """The put or get batch of a slice job, over its staging lease (a put's values in
-        pieces when the job carries them)."""
+        """The put or get batch of a slice job, over its staging lease."""
         state, spec = job.state, job.spec
         assert state.keys is not None
         first = spec.first_block
-        extra: dict[str, Any] = {}
-        if job.pieces is not None:
-            trailers = [
-                self.pool.slot(s)[self.payload_nbytes : self.value_nbytes].data.toreadonly()
-                for s in job.lease.slots[: spec.count]
-            ]
-            extra["parts"] = [[*p, t] for p, t in zip(job.pieces, trailers, strict=True)]
-            if job.addresses is not None:
-                base, stride = self.pool.buffer.ctypes.data, self.pool.stride
-                extra["addresses"] = [
-                    [*a, base + s * stride + self.payload_nbytes]
-                    for a, s in zip(job.addresses, job.lease.slots, strict=False)
-                ]
         return kind(
             self.scope,
             state.request_id,
@@ -252,7 +232,6 @@ class ActorContext:
             value_nbytes=self.value_nbytes,
             runner=self.runner,
             limiter=self.io_limiter,
-            **extra,
         )
 
 

@@ -1,22 +1,43 @@
-"""Per-request state shared by the actors of one event loop, and how each request ends.
+"""Requests as the actors of one event loop see them: a pure state machine
+(:mod:`kvpipe._write_machine`, :mod:`kvpipe._read_machine`) plus what needs the event loop —
+the event the caller waits on, and the cancel scopes of the work in flight.
 
-A state ends exactly once (first outcome wins). After it has ended no actor sends anything of
-it to the store, and — for reads — nothing touches the caller's cache any more.
+Every request ends through one of two calls, whatever ended it: :meth:`RequestState.end`
+(``total_timeout``, ``cancelled``, ``actor_crashed``) or :meth:`RequestState.fail` (the
+pipeline closing, or — for ``lookup`` / ``locate`` / ``flush_index`` — the error the call
+raises). The first ending wins. When a request ends, its event is set and every cancel scope
+of its work in flight is cancelled; a read is settled only once no scatter into the caller's
+cache is running.
 
-Because every write and read ends here, this is also where a request that stopped short is
-logged, once, whatever stopped it: at WARNING with its id, the slice it stopped at, the
-blocks stored or loaded and the reason (at INFO when the caller cancelled it; at DEBUG for a
-read that simply found no more blocks stored, or whose failed block the reader has logged).
+A write or read that stopped short is logged here, once, whatever stopped it: at WARNING with
+its id, where it stopped, the blocks stored or loaded and the reason (at INFO when the caller
+cancelled it; at DEBUG for a read that simply found no more blocks stored, or whose failed
+block the reader has logged).
 """
 
 from __future__ import annotations
 
-from ._read_state import ReadState
-from ._request import CallState, RequestState, SlicedState, describe_error, error_label
-from ._write_state import WriteState
+import abc
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar, Literal
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from .._engine import OrderMark
+from .._errors import ActorCrashed, BackendError, KVPipeError, OperationTimeout, PipelineClosed
+from .._keys import BlockKeys, Tokens
+from .._plan import SliceSpec
+from .._read_machine import ReadMachine
+from .._results import ReadResult, ReadStopReason, SliceOutcome, WriteResult
+from .._write_machine import Ending, WriteMachine
 
 __all__ = (
     "CallState",
+    "Ending",
     "ReadState",
     "RequestState",
     "SlicedState",
@@ -24,3 +45,390 @@ __all__ = (
     "describe_error",
     "error_label",
 )
+
+log = logging.getLogger("kvpipe.requests")
+IntArray = npt.NDArray[np.int64]
+
+
+class RequestState(abc.ABC):
+    """Common part: id, deadline, the event the caller waits on, and cancel scopes."""
+
+    kind: ClassVar[str] = "request"
+
+    def __init__(self, request_id: str, deadline: float, started: float) -> None:
+        self.request_id = request_id
+        self.deadline = deadline
+        self.started = started
+        self._done = anyio.Event()
+        self._scopes: dict[object, tuple[int, anyio.CancelScope]] = {}
+
+    @property
+    def done(self) -> bool:
+        """Whether the request has ended."""
+        return self._done.is_set()
+
+    @property
+    @abc.abstractmethod
+    def error(self) -> BaseException | None:
+        """The error the caller sees instead of a result (``None``: none)."""
+
+    async def wait(self) -> None:
+        """Wait until the request has ended."""
+        await self._done.wait()
+
+    @contextmanager
+    def bound(
+        self, deadline: float, tag: object = None, first_block: int = 0
+    ) -> Iterator[anyio.CancelScope]:
+        """A cancel scope that ends at ``deadline`` or when the request ends — or, for a
+        read, when loading stops at or before ``first_block``. ``tag`` names it uniquely."""
+        scope = anyio.CancelScope(deadline=deadline)
+        key = tag if tag is not None else object()
+        self._scopes[key] = (first_block, scope)
+        if self.done:
+            scope.cancel()
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._scopes.pop(key, None)
+
+    def cancel_scopes(self, from_block: int = 0) -> None:
+        """Cancel work in flight on blocks at or after ``from_block``."""
+        for first, scope in list(self._scopes.values()):
+            if first >= from_block:
+                scope.cancel()
+
+    def _ended(self) -> None:
+        """The machine has ended: wake the caller, cancel all work in flight."""
+        if not self._done.is_set():
+            self._done.set()
+            self.cancel_scopes()
+            self._scopes.clear()
+
+    @abc.abstractmethod
+    def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
+        """End now: the total deadline passed, the caller was cancelled, or ``actor``
+        crashed while holding the request."""
+
+    @abc.abstractmethod
+    def fail(self, error: BaseException) -> None:
+        """End with ``error``, which the caller sees (the pipeline closing)."""
+
+    def crashed(self, actor: str, exc: BaseException) -> None:
+        """The actor holding this request crashed."""
+        self.end("actor_crashed", f"actor {actor!r} crashed: {exc!r}", actor=actor)
+
+    def describe(self) -> str:
+        """The request's id and how far it got, for logs."""
+        return f"{self.kind} {self.request_id}"
+
+    def outcome(self) -> str:
+        """How the request ended, as a metrics label (see :class:`~kvpipe.actors.Observer`)."""
+        error = self.error
+        return "ok" if error is None else error_label(error)
+
+
+class CallState(RequestState):
+    """A lookup, locate or flush_index: one value or one error."""
+
+    kind: ClassVar[str] = "call"
+
+    def __init__(
+        self,
+        request_id: str,
+        deadline: float,
+        started: float,
+        op: Literal["lookup", "locate", "flush"],
+        tokens: Tokens,
+        include_partial: bool,
+        **params: Any,
+    ) -> None:
+        super().__init__(request_id, deadline, started)
+        self.op = op
+        self.tokens = tokens
+        self.include_partial = include_partial
+        self.params = params
+        self.keys: BlockKeys | None = None
+        self.value: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def describe(self) -> str:
+        return f"{self.op} {self.request_id}"
+
+    def succeed(self, value: Any) -> None:
+        """End the request with a value."""
+        if not self.done:
+            self.value = value
+            self._ended()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self._error = error
+            self._ended()
+
+    def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
+        what = f"{self.op} {self.request_id}"
+        if cause == "total_timeout":
+            self.fail(OperationTimeout(f"{what} timed out ({detail})"))
+        elif cause == "cancelled":
+            self.fail(KVPipeError(f"{what}: {detail}"))
+        else:
+            self.fail(ActorCrashed(actor, detail))
+
+
+class SlicedState(RequestState):
+    """Common part of writes and reads: the blocks asked for, their keys and slices."""
+
+    def __init__(
+        self,
+        request_id: str,
+        deadline: float,
+        started: float,
+        tokens: Tokens,
+        block_ids: IntArray,
+        start_block: int,
+        end_block: int,
+        include_partial: bool,
+    ) -> None:
+        super().__init__(request_id, deadline, started)
+        self.tokens = tokens
+        self.block_ids = block_ids
+        self.start_block = start_block
+        self.end_block = end_block
+        self.include_partial = include_partial
+        self.keys: BlockKeys | None = None
+        #: Where the producer's device work stood at call time; copies wait for it.
+        self.after: OrderMark | None = None
+
+    @property
+    def requested(self) -> int:
+        """Blocks asked for."""
+        return self.end_block - self.start_block
+
+    @property
+    @abc.abstractmethod
+    def slices(self) -> tuple[SliceSpec, ...]:
+        """The planned slices."""
+
+
+class WriteState(SlicedState):
+    """A write (its decisions: :class:`~kvpipe._write_machine.WriteMachine`)."""
+
+    kind: ClassVar[str] = "write"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.machine = WriteMachine(self.request_id, self.start_block, self.end_block, self.started)
+        self._turn = anyio.Event()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.machine.error
+
+    @property
+    def result(self) -> WriteResult | None:
+        """The result, once settled."""
+        return self.machine.result
+
+    @property
+    def slices(self) -> tuple[SliceSpec, ...]:
+        return self.machine.slices
+
+    async def wait_turn(self, index: int) -> bool:
+        """Wait until slice ``index`` may go to the store; ``False`` if the write ended."""
+        while not self.machine.ended and self.machine.turn != index:
+            await self._turn.wait()
+        return not self.machine.ended
+
+    def planned(self, skipped: int, slices: tuple[SliceSpec, ...]) -> None:
+        """The probe found ``skipped`` leading blocks stored; the rest go as ``slices``."""
+        self.machine.planned(skipped, slices, anyio.current_time())
+        self._sync()
+
+    def slice_done(self, outcome: SliceOutcome, detail: str | None = None) -> None:
+        """Record a slice's outcome; the first incomplete slice ends the write."""
+        self.machine.slice_done(outcome, detail, anyio.current_time())
+        self._turn.set()
+        self._turn = anyio.Event()
+        self._sync()
+
+    def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
+        self.machine.end(cause, detail, anyio.current_time())
+        self._sync()
+
+    def fail(self, error: BaseException) -> None:
+        self.machine.fail(error)
+        self._sync()
+
+    def describe(self) -> str:
+        m = self.machine
+        where = f", at slice {m.turn}" if m.turn < len(m.slices) else ""
+        return (
+            f"write {self.request_id} ({m.skipped + m.written} of {self.requested} blocks "
+            f"stored{where})"
+        )
+
+    def outcome(self) -> str:
+        result = self.machine.result
+        if result is None:
+            return super().outcome()
+        return "complete" if result.complete else (result.stop_reason or "incomplete")
+
+    def _sync(self) -> None:
+        if not self.machine.ended or self.done:
+            return
+        self._turn.set()
+        self._ended()
+        result = self.machine.result
+        if result is not None and not result.complete:
+            self._log_stopped(result)
+
+    def _log_stopped(self, result: WriteResult) -> None:
+        level = logging.INFO if result.stop_reason == "cancelled" else logging.WARNING
+        if log.isEnabledFor(level):
+            log.log(
+                level,
+                "write %s incomplete: %d of %d blocks stored (%d skipped, %d written); stopped "
+                "at %s: %s (%s)",
+                self.request_id,
+                result.skipped + result.written,
+                result.requested,
+                result.skipped,
+                result.written,
+                self.machine.where_stopped(),
+                result.stop_reason,
+                result.error or "no detail",
+            )
+
+
+class ReadState(SlicedState):
+    """A read (its decisions: :class:`~kvpipe._read_machine.ReadMachine`)."""
+
+    kind: ClassVar[str] = "read"
+
+    def __init__(self, *args: Any, require_all: bool, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.require_all = require_all
+        self.machine = ReadMachine(self.request_id, self.start_block, self.end_block, self.started)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.machine.settled_error
+
+    @property
+    def result(self) -> ReadResult | None:
+        """The result, once settled."""
+        return self.machine.result
+
+    @property
+    def slices(self) -> tuple[SliceSpec, ...]:
+        return self.machine.slices
+
+    def plan(self, slices: tuple[SliceSpec, ...]) -> None:
+        """Set the slices; each must later be resolved exactly once (none: the read ends)."""
+        self.machine.plan(slices, anyio.current_time())
+        self._sync()
+
+    def stopped_before(self, block: int) -> bool:
+        """Whether ``block`` is at or past where loading stopped (or the read ended)."""
+        return self.machine.stopped_before(block)
+
+    def stop_at(
+        self,
+        block: int,
+        reason: ReadStopReason,
+        failed: Iterable[int] = (),
+        detail: str | None = None,
+    ) -> None:
+        """Loading cannot go past ``block``; work in flight on later blocks is cancelled."""
+        cancel_from = self.machine.stop_at(block, reason, failed, detail)
+        if cancel_from is not None:
+            self.cancel_scopes(cancel_from)
+
+    def resolve(self, index: int, loaded: int) -> None:
+        """Slice ``index`` is settled with ``loaded`` leading blocks in the cache."""
+        self.machine.resolve(index, loaded, anyio.current_time())
+        self._sync()
+
+    def scatter_begin(self) -> bool:
+        """Claim the right to write into the caller's cache; ``False`` once ended."""
+        return self.machine.scatter_begin()
+
+    def scatter_end(self) -> None:
+        """A scatter claimed by :meth:`scatter_begin` has finished."""
+        self.machine.scatter_end(anyio.current_time())
+        self._sync()
+
+    def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
+        self.machine.end(cause, detail, anyio.current_time())
+        self.cancel_scopes()
+        self._sync()
+
+    def fail(self, error: BaseException) -> None:
+        self.machine.fail(error, anyio.current_time())
+        self.cancel_scopes()
+        self._sync()
+
+    def describe(self) -> str:
+        stop = self.machine.stop_block
+        where = f", stopping at block {stop}" if stop is not None else ""
+        return f"read {self.request_id} ({self.requested} blocks{where})"
+
+    def outcome(self) -> str:
+        result = self.machine.result
+        if result is None:
+            return super().outcome()
+        return "complete" if result.complete else (result.stop_reason or "incomplete")
+
+    def _sync(self) -> None:
+        if not self.machine.ended or self.done:
+            return
+        self._ended()
+        result = self.machine.result
+        if result is not None and not result.complete:
+            level = _READ_STOP_LEVELS.get(result.stop_reason or "", logging.WARNING)
+            if log.isEnabledFor(level):
+                log.log(
+                    level,
+                    "read %s incomplete: %d of %d blocks loaded; stopped at %s: %s (%s)",
+                    self.request_id,
+                    result.loaded,
+                    result.requested,
+                    self.machine.where_stopped(),
+                    result.stop_reason,
+                    result.error or "no detail",
+                )
+
+
+#: Log levels of a read that stopped short, by reason (others: WARNING). Finding no more
+#: blocks stored is normal; a failed block was logged by the reader already.
+_READ_STOP_LEVELS: dict[str, int] = {
+    "not_stored": logging.DEBUG,
+    "failed_block": logging.DEBUG,
+    "cancelled": logging.INFO,
+}
+
+
+def error_label(exc: BaseException) -> str:
+    """A short label for the error a call ended with (metrics ``outcome``)."""
+    if isinstance(exc, PipelineClosed):
+        return "closed"
+    if isinstance(exc, OperationTimeout):
+        return "timeout"
+    if isinstance(exc, BackendError):
+        return "backend_error"
+    if isinstance(exc, ActorCrashed):
+        return "actor_crashed"
+    return "error"
+
+
+def describe_error(exc: BaseException) -> str:
+    """A short description of an error for results and logs."""
+    if isinstance(exc, KVPipeError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

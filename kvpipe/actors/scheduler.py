@@ -101,8 +101,9 @@ class Scheduler(Actor[RequestState]):
         assert state.keys is not None
         keys = state.keys.keys[state.start_block : state.end_block]
         with state.bound(state.deadline) as scope:
+            skipped = 0
             try:
-                state.skipped = await probe_leading(
+                skipped = await probe_leading(
                     ctx, state.request_id, keys, state.start_block, state.tokens
                 )
             except (BackendError, OperationTimeout) as exc:
@@ -111,20 +112,22 @@ class Scheduler(Actor[RequestState]):
                 log.warning(
                     "write %s: dedup probe failed, writing all blocks: %s", state.request_id, exc
                 )
-            ctx.metrics.counters["blocks_skipped"] += state.skipped
-            if state.skipped == state.requested:
-                state.finish_now(anyio.current_time())
-                return
-            state.slices = plan_slices(
-                state.start_block + state.skipped,
-                state.end_block,
-                ctx.slice_blocks,
-                ctx.layout.block_size,
-                len(state.tokens),
+            ctx.metrics.counters["blocks_skipped"] += skipped
+            state.planned(
+                skipped,
+                plan_slices(
+                    state.start_block + skipped,
+                    state.end_block,
+                    ctx.slice_blocks,
+                    ctx.layout.block_size,
+                    len(state.tokens),
+                ),
             )
+            if state.done:
+                return
             await self.send("slicer", state)
         if scope.cancelled_caught:  # the deadline, or the request ended (then a no-op)
-            state.stop("total_timeout", "deadline passed before the first slice was sent")
+            state.end("total_timeout", "deadline passed before the first slice was sent")
 
     async def _read(self, state: ReadState) -> None:
         ctx = self.ctx
@@ -158,7 +161,7 @@ class Scheduler(Actor[RequestState]):
             if state.slices:
                 await self.send("slicer", state)
         if scope.cancelled_caught:
-            state.abort("total_timeout", "deadline passed before the first slice was fetched")
+            state.end("total_timeout", "deadline passed before the first slice was fetched")
 
     async def _call(self, state: CallState) -> None:
         assert state.keys is not None

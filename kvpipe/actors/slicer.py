@@ -46,7 +46,7 @@ class Slicer(Actor[WriteState | ReadState]):
             if not sent:
                 detail = "deadline passed waiting for staging or a full queue"
                 if isinstance(msg, WriteState):
-                    msg.stop("total_timeout", detail)  # no-op when it had already ended
+                    msg.end("total_timeout", detail)  # no-op when it had already ended
                     return
                 if not msg.stopped_before(spec.first_block):
                     msg.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)

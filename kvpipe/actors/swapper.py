@@ -1,9 +1,7 @@
 """The swapper: copies between the caller's cache and staging.
 
 Write path: gather a slice's blocks (all layers and roles) into its staging slots and seal
-each with its trailer, then pass it to the writer. When the cache is in host memory and the
-store takes values in pieces (``accepts_parts``), nothing is gathered: the trailer is
-checksummed over the block's rows where they lie and the writer sends the rows themselves.
+each with its trailer, then pass it to the writer.
 Read path: scatter the verified leading blocks of a fetched slice into the caller's cache
 blocks.
 
@@ -21,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from .._hostcopy import block_pieces, piece_addresses, seal_pieces_into, seal_slots
+from .._hostcopy import seal_slots
 from .._plan import copy_plan
 from ._base import Actor, SliceJob
 from ._state import ReadState, RequestState, WriteState
@@ -50,22 +48,18 @@ class Swapper(Actor[SliceJob]):
                 msg.lease.release()
 
     async def _gather(self, job: SliceJob) -> bool:
-        """Gather (or, in place, only seal) and pass on; ``True`` when the writer took it."""
+        """Gather and seal, then pass on; ``True`` when the writer took it."""
         ctx, state, spec = self.ctx, job.state, job.spec
         if state.done:
             return False
         blocks = state.block_ids[spec.first_block : spec.end_block]
         with anyio.CancelScope(shield=True):
-            digests = ctx.digests_of(state, spec)
-            if ctx.in_place:
-                await self._seal_in_place(job, blocks, digests)
-            else:
-                await self._gather_and_seal(job, blocks, digests)
+            await self._gather_and_seal(job, blocks, ctx.digests_of(state, spec))
         with anyio.move_on_at(state.deadline):
             await self.send("writer", job)
             return True
         assert isinstance(state, WriteState)
-        state.stop("total_timeout", "deadline passed waiting for the writer")
+        state.end("total_timeout", "deadline passed waiting for the writer")
         return False
 
     async def _gather_and_seal(self, job: SliceJob, blocks: Any, digests: list[bytes]) -> None:
@@ -87,22 +81,6 @@ class Swapper(Actor[SliceJob]):
 
         await ctx.engine.gather_then(plan, job.lease, state.after, seal, on_host)
         ctx.metrics.counters["bytes_gathered"] += plan.nbytes
-
-    async def _seal_in_place(self, job: SliceJob, blocks: Any, digests: list[bytes]) -> None:
-        """Leave the payloads in the host cache: note where each block's pieces lie and
-        write its trailer (checksummed over the pieces) into its staging slot."""
-        ctx = self.ctx
-        rows = ctx.cache.byte_rows
-        slots = job.lease.slots[: len(blocks)]
-
-        def seal() -> tuple[list[list[memoryview]], list[list[int]]]:
-            pieces = [block_pieces(ctx.segments, rows, int(b)) for b in blocks]
-            seal_pieces_into(pieces, ctx.pool.buffer, slots, ctx.payload_nbytes, digests, True)
-            return pieces, piece_addresses(ctx.segments, rows, blocks)
-
-        nbytes = len(blocks) * ctx.payload_nbytes
-        job.pieces, job.addresses = await ctx.run_copy(nbytes, seal, hold=job.lease)
-        ctx.metrics.counters["bytes_sent_in_place"] += nbytes
 
     async def _scatter(self, job: SliceJob) -> None:
         ctx, spec = self.ctx, job.spec

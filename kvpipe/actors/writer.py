@@ -53,7 +53,7 @@ class Writer(Actor[SliceJob]):
             # own scope ends at the same deadline and reports the outcome. Just drop this one.
             return
         if anyio.current_time() >= state.deadline:
-            state.stop("total_timeout", "deadline passed before the slice was sent")
+            state.end("total_timeout", "deadline passed before the slice was sent")
             return
         started = anyio.current_time()
         deadline = min(started + ctx.config.slice_timeout, state.deadline)

@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import anyio
-import numpy as np
 
 from .._keys import Scope, Tokens
 from .._results import ResidencyEntry
@@ -143,8 +142,7 @@ class _StagedBatch(KeyBatch):
         return [self._lease.pool.slot(s).data for s in self._slots()]
 
     def staging_views(self) -> list[memoryview]:
-        """Read-only views of this batch's staging slots, one per key (for tests and tools;
-        a put's values may not all be there, see :attr:`PutBatch.parts`)."""
+        """Read-only views of this batch's staging slots, one per key (for tests and tools)."""
         return [m.toreadonly() for m in self._views()]
 
     def hold(self) -> Callable[[], None]:
@@ -174,115 +172,14 @@ class _StagedBatch(KeyBatch):
 
 
 class PutBatch(_StagedBatch):
-    """Blocks to store: one value per key, contiguous in staging (:attr:`values`) or, for a
-    backend that sets :attr:`StorageBackend.accepts_parts`, possibly in several pieces read
-    straight from the caller's host cache (:attr:`parts`).
+    """Blocks to store: one value per key, contiguous in staging (:attr:`values`)."""
 
-    Args:
-        parts: Per key, the read-only pieces whose concatenation is its value (the pipeline
-            passes the block's cache rows in contract order, then the trailer in staging);
-            ``None`` when every value is contiguous in its staging slot.
-        addresses: Per key, the address of each of its ``parts`` when the caller knows them
-            (saves working them out from the views); ``None`` otherwise.
-    """
-
-    __slots__ = ("_addresses", "_parts")
-
-    def __init__(
-        self,
-        scope: Scope,
-        request_id: str,
-        keys: Sequence[str],
-        first_block: int,
-        token_prefix: Tokens,
-        parent_key: str | None = None,
-        *,
-        lease: StagingLease,
-        value_nbytes: int,
-        runner: ThreadRunner,
-        limiter: anyio.CapacityLimiter | None,
-        offset: int = 0,
-        parts: Sequence[Sequence[memoryview]] | None = None,
-        addresses: Sequence[Sequence[int]] | None = None,
-    ) -> None:
-        super().__init__(
-            scope,
-            request_id,
-            keys,
-            first_block,
-            token_prefix,
-            parent_key,
-            lease=lease,
-            value_nbytes=value_nbytes,
-            runner=runner,
-            limiter=limiter,
-            offset=offset,
-        )
-        if parts is not None:
-            parts = [list(p) for p in parts[offset : offset + len(self.keys)]]
-            if len(parts) != len(self.keys) or any(
-                sum(len(m) for m in p) != value_nbytes for p in parts
-            ):
-                raise ValueError("each key needs parts adding up to value_nbytes")
-        if addresses is not None:
-            if parts is None:
-                raise ValueError("addresses come with parts")
-            addresses = addresses[offset : offset + len(self.keys)]
-            if [len(a) for a in addresses] != [len(p) for p in parts]:
-                raise ValueError("one address per part")
-        self._parts = parts
-        self._addresses = addresses
-
-    @property
-    def in_parts(self) -> bool:
-        """Whether the values come in pieces (see :attr:`parts`)."""
-        return self._parts is not None
+    __slots__ = ()
 
     @property
     def values(self) -> list[memoryview]:
-        """One read-only ``value_nbytes``-long buffer per key (views of staging memory).
-
-        Raises:
-            RuntimeError: The values come in pieces (:attr:`in_parts`); only a backend that
-                sets ``accepts_parts`` gets such a batch, and it must read :attr:`parts`.
-        """
-        if self._parts is not None:
-            raise RuntimeError(
-                "this batch's values come in parts; read PutBatch.parts (the backend sets "
-                "accepts_parts = True)"
-            )
+        """One read-only ``value_nbytes``-long buffer per key (views of staging memory)."""
         return [m.toreadonly() for m in self._views()]
-
-    @property
-    def parts(self) -> list[list[memoryview]]:
-        """Per key, the read-only byte pieces whose concatenation is its value: one piece
-        (its staging slot) for a contiguous batch, else the block's rows in the caller's
-        cache followed by its trailer.
-
-        A call abandoned on a timeout may still be reading the pieces after the write
-        returned and the caller reused its cache blocks; such a value fails its checksum
-        when read, so it is never loaded. The pipeline sends pieces only with checksums on.
-        """
-        if self._parts is None:
-            return [[m.toreadonly()] for m in self._views()]
-        return [list(p) for p in self._parts]
-
-    def part_addresses(self) -> list[list[tuple[int, int]]]:
-        """Per key, ``(address, nbytes)`` of each piece of :attr:`parts` (for transports
-        that move registered memory by address)."""
-        if self._parts is None:
-            return [[(a, self.value_nbytes)] for a in self.buffer_addresses()]
-        if self._addresses is not None:
-            return [
-                list(zip(a, map(len, p), strict=True))
-                for a, p in zip(self._addresses, self._parts, strict=True)
-            ]
-        return [[(_address(m), len(m)) for m in p] for p in self._parts]
-
-
-def _address(view: memoryview) -> int:
-    """The address of a contiguous buffer's first byte."""
-    return int(np.frombuffer(view, np.uint8).ctypes.data) if view.nbytes else 0
 
 
 class GetBatch(_StagedBatch):
@@ -311,16 +208,9 @@ class StorageBackend(abc.ABC):
     #: A short name for logs and statistics.
     name: str = "backend"
 
-    #: Whether :meth:`put_blocks` reads :attr:`PutBatch.parts`. Then, for a cache in host
-    #: memory, the pipeline hands over each block's rows where they are (no gather into
-    #: staging: one pass over the bytes less); otherwise every value comes contiguous in
-    #: staging and the backend may read :attr:`PutBatch.values`.
-    accepts_parts: bool = False
-
     @abc.abstractmethod
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
-        """Store ``batch.values[i]`` (or the concatenation of ``batch.parts[i]``, see
-        :attr:`accepts_parts`) under ``batch.keys[i]``.
+        """Store ``batch.values[i]`` under ``batch.keys[i]``.
 
         Returns:
             One status per key: ``OK`` when the block is durably stored (per the backend's
@@ -364,9 +254,8 @@ class StorageBackend(abc.ABC):
         """Every node's record for each key (an empty sequence when there is none)."""
 
     async def register_staging(self, buffer: memoryview) -> None:  # noqa: B027
-        """Called when a pipeline opens with each buffer values will be moved from or into:
-        its whole staging buffer and, when the backend :attr:`accepts_parts` and the cache
-        is in host memory, each of the cache's tensors.
+        """Called when a pipeline opens with the buffer values will be moved from or into:
+        its whole staging buffer.
 
         Backends with registered-memory transports (Mooncake) register it here. Default:
         nothing.

@@ -18,18 +18,11 @@ __all__ = ("MemoryStore",)
 Bytes = npt.NDArray[np.uint8]
 
 
-def _copies(values: Sequence[Sequence[memoryview]]) -> list[Bytes]:
-    """One read-only array per value, joined from its pieces."""
+def _copies(values: Sequence[memoryview]) -> list[Bytes]:
+    """One read-only array copy per value."""
     out = []
-    for pieces in values:
-        if len(pieces) == 1:
-            a = np.frombuffer(pieces[0], np.uint8).copy()
-        else:
-            a = np.empty(sum(len(p) for p in pieces), np.uint8)
-            at = 0
-            for p in pieces:
-                a[at : at + len(p)] = np.frombuffer(p, np.uint8)
-                at += len(p)
+    for value in values:
+        a = np.frombuffer(value, np.uint8).copy()
         a.flags.writeable = False
         out.append(a)
     return out
@@ -49,7 +42,6 @@ class MemoryStore(StorageBackend):
     """
 
     name = "memory"
-    accepts_parts = True
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
@@ -72,14 +64,14 @@ class MemoryStore(StorageBackend):
         return list(self._data)
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
-        """Copy every value (from staging, or its pieces from the cache) and store it (see
+        """Copy every value from staging and store it (see
         :class:`StorageBackend`).
 
         Cancellation: nothing of a cancelled call is stored.
         """
         for key in batch.keys:
             validate_key(key)
-        values = batch.parts
+        values = batch.values
         if len(values) * batch.value_nbytes <= _INLINE_BYTES:
             copies = _copies(values)
             await anyio.lowlevel.checkpoint()

@@ -1,9 +1,7 @@
 """Mooncake Store: the distributed KV store used across this field, as a kvpipe backend.
 
 Zero-copy: the pipeline's staging memory is registered once (``register_buffer``) and every
-slice moves with ``batch_upsert_from`` / ``batch_get_into`` straight from / into it; a write
-sent in place from a host cache (``put_in_pieces=True``; the cache's tensors are registered
-too) moves each block's rows with ``batch_put_from_multi_buffers``, with no gather at all.
+slice moves with ``batch_upsert_from`` / ``batch_get_into`` straight from / into it.
 Vendor calls block (the bindings release the GIL), so they run in worker threads; a slice
 timeout stops the wait, and the staging stays leased until the call returns.
 
@@ -62,35 +60,6 @@ def _load_client() -> Any:
     return MooncakeDistributedStore()
 
 
-#: Pieces per ``batch_put_from_multi_buffers`` call: each piece is one transfer task, and
-#: the TCP transport rejects tasks beyond its lane queue (a slice of 127 blocks x 64 pieces
-#: failed with "TCP lane queue-full" here), so a batch goes in calls of at most this many.
-_MAX_PIECES_PER_CALL: Final = 512
-
-
-def _put_pieces(put: Callable[..., list[int]]) -> Callable[..., list[int]]:
-    """``put(keys, ptrs, sizes)`` in calls of at most :data:`_MAX_PIECES_PER_CALL` pieces
-    (at least one key each); the codes of all calls, in key order."""
-
-    def run(keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        codes: list[int] = []
-        lo = 0
-        while lo < len(keys):
-            hi, pieces = lo, 0
-            while hi < len(keys) and (hi == lo or pieces + len(ptrs[hi]) <= _MAX_PIECES_PER_CALL):
-                pieces += len(ptrs[hi])
-                hi += 1
-            got = list(put(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi]))
-            if len(got) != hi - lo:
-                return codes + got  # the caller reports the count mismatch
-            codes += got
-            lo = hi
-        return codes
-
-    run.__name__ = put.__name__
-    return run
-
-
 @final
 class MooncakeStore(StorageBackend):
     """Blocks in a Mooncake Store.
@@ -107,13 +76,6 @@ class MooncakeStore(StorageBackend):
             when no master answers; the master is probed first).
         client: An already set-up ``MooncakeDistributedStore`` to use instead (not closed by
             :meth:`aclose`).
-        put_in_pieces: Take writes sent in place from a host cache (``accepts_parts``): each
-            block's rows go out with ``batch_put_from_multi_buffers``, one transfer task per
-            (layer, role) row, instead of being gathered into staging first. Off by default:
-            over TCP it measured slower into this process's segment (the vendor's
-            multi-buffer put ran at 0.53-0.61x of a contiguous put) and about half as fast
-            into another process's (many small transfers instead of one per block);
-            transports that handle scatter-gather lists natively (RDMA) may gain.
 
     Use ``async with MooncakeStore(...) as store`` or ``await store.open()``.
     """
@@ -132,7 +94,6 @@ class MooncakeStore(StorageBackend):
         local_buffer_size: int = 64 << 20,
         setup_timeout: float = 30.0,
         client: Any = None,
-        put_in_pieces: bool = False,
     ) -> None:
         self.master = master
         self.metadata = metadata
@@ -144,7 +105,6 @@ class MooncakeStore(StorageBackend):
         self.setup_timeout = setup_timeout
         self._client = client
         self._own_client = client is None
-        self.accepts_parts = put_in_pieces
         if client is None:
             self._check_installed()  # fail at construction, not at first use
         self._registered: Counter[tuple[int, int]] = Counter()
@@ -291,33 +251,17 @@ class MooncakeStore(StorageBackend):
     # -- blocks ------------------------------------------------------------------------------
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
-        """Zero-copy put: ``batch_upsert_from`` the staging buffers of a contiguous batch (a
-        put of a stored key replaces its value), ``batch_put_from_multi_buffers`` the pieces
-        of a batch sent in place from a host cache (the rows where they lie; a key already
-        stored is left as it is — keys name their content — except one distrusted after a
-        failed read, which is removed first).
+        """Zero-copy put: ``batch_upsert_from`` the batch's staging buffers (a put of a stored
+        key replaces its value).
 
         Cancellation: the wait stops; the vendor call runs on with the staging leased.
         """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        if batch.in_parts:
-            stale = [k for k in keys if k in self._distrust]
-            if stale:
-                await self._call(client.batch_remove, stale, True)
-            where = batch.part_addresses()
-            codes = await self._vendor(
-                batch,
-                _put_pieces(client.batch_put_from_multi_buffers),
-                keys,
-                [[a for a, _ in p] for p in where],
-                [[n for _, n in p] for p in where],
-            )
-        else:
-            sizes = [batch.value_nbytes] * len(keys)
-            codes = await self._vendor(
-                batch, client.batch_upsert_from, keys, batch.buffer_addresses(), sizes
-            )
+        sizes = [batch.value_nbytes] * len(keys)
+        codes = await self._vendor(
+            batch, client.batch_upsert_from, keys, batch.buffer_addresses(), sizes
+        )
         out = []
         for key, code in zip(keys, codes, strict=True):
             if code == 0:

@@ -56,7 +56,6 @@ class FileBenchConfig:
         request_blocks: Blocks per pipeline request; requests run concurrently.
         cold_reads: Evict the written files from the page cache before reading them back
             (both contenders), so reads measure the disk, not memory copies.
-        write_in_place: The pipeline's ``write_in_place`` (off by default, as in production).
         store_threads: The file store's ``threads``.
         slice_mib: Slices carry at least this many MiB (and at least 8 blocks).
     """
@@ -68,7 +67,6 @@ class FileBenchConfig:
     durability: str = "data"
     directory: str = "."
     request_blocks: int = 32
-    write_in_place: bool = False
     store_threads: int = FileStore.DEFAULT_THREADS
     slice_mib: int = 8
 
@@ -167,7 +165,6 @@ async def _bench_size(
     config = PipelineConfig(
         slice_block_num=max(8, (cfg.slice_mib << 20) // nbytes),
         staging_bytes=max(512 << 20, 64 * nbytes),
-        write_in_place=cfg.write_in_place,
     )
     write_m, read_m = Measurement(n * nbytes), Measurement(n * nbytes)
     store_root = os.path.join(workdir, "store")
@@ -229,7 +226,6 @@ async def _bench_size(
                 cfg.rounds,
             )
             statistics = dict(store.statistics())
-            write_path = wpipe.statistics().write_path
     finally:
         await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
     # drop the warm-up round recorded by the closures
@@ -242,8 +238,6 @@ async def _bench_size(
         "block_bytes": nbytes,
         "blocks": n,
         "durability": cfg.durability,
-        "write_in_place": cfg.write_in_place,
-        "write_path": write_path,
         "cold_reads": cfg.cold_reads,
         "direct_writes": int(statistics.get("direct_writes", 0)),
         "store_threads": cfg.store_threads,

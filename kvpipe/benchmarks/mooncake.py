@@ -81,7 +81,6 @@ class MooncakeBenchConfig:
         concurrency: Pipeline requests in flight at once.
         io_threads: The pipeline's worker threads for vendor calls.
         verify_checksums: The pipeline's checksums (on by default, as in production).
-        write_in_place: The pipeline's ``write_in_place`` (off by default, as in production).
     """
 
     sizes: tuple[str, ...] = ("256KiB", "2MiB", "8MiB")
@@ -93,7 +92,6 @@ class MooncakeBenchConfig:
     concurrency: int = 2
     io_threads: int = 2
     verify_checksums: bool = True
-    write_in_place: bool = False
 
     def slice_blocks(self, layout: CacheLayout) -> int:
         """Blocks per pipeline slice for ``layout``."""
@@ -232,14 +230,12 @@ async def _bench_size(
         slice_block_num=cfg.slice_blocks(layout),
         io_threads=cfg.io_threads,
         verify_checksums=cfg.verify_checksums,
-        write_in_place=cfg.write_in_place,
         staging_bytes=max(256 << 20, 4 * cfg.concurrency * cfg.slice_blocks(layout) * vsize),
     )
     store = MooncakeStore(
         place.server.master_address,
         place.server.metadata_url,
         client=client,
-        put_in_pieces=cfg.write_in_place,
     )
 
     def record(m: Measurement, contender: str, seconds: float) -> None:
@@ -317,7 +313,6 @@ async def _bench_size(
                 "loop": loop_round,
             }
             await interleave(contenders, cfg.rounds, warmed)
-            write_path = wpipe.statistics().write_path
     finally:
         with anyio.CancelScope(shield=True):
             for buf in (values, readback, loop_staging):
@@ -358,8 +353,6 @@ async def _bench_size(
             "slice_block_num": config.slice_block_num,
             "io_threads": config.io_threads,
             "verify_checksums": config.verify_checksums,
-            "write_in_place": config.write_in_place,
-            "write_path": write_path,
             "staging_bytes": config.staging_bytes,
         },
         "write": write,

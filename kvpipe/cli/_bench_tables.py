@@ -89,15 +89,8 @@ def _pipeline_line(records: list[dict[str, Any]]) -> str:
     return (
         f"Pipeline: {p['concurrency']} requests in flight, each of {slices} slices of "
         f"~{mib:.3g} MiB ({per_size}); io_threads={p['io_threads']}; checksums "
-        f"{'on' if p['verify_checksums'] else 'off'}; writes "
-        f"{_write_path(p)}."
+        f"{'on' if p['verify_checksums'] else 'off'}."
     )
-
-
-def _write_path(params: dict[str, Any]) -> str:
-    """How a run's writes went, as the pipeline reported it (older records: as asked)."""
-    path = params.get("write_path", "in place" if params.get("write_in_place") else "gathered")
-    return "sent in place" if path == "in place" else "gathered into staging"
 
 
 def file_table(records: list[dict[str, Any]]) -> Table:

@@ -145,7 +145,6 @@ async def _run_scenario(
             durability=args.durability,
             directory=args.dir,
             cold_reads=not args.warm_reads,
-            write_in_place=args.in_place,
             **({"store_threads": args.store_threads} if args.store_threads else {}),
             **({"slice_mib": args.slice_mib} if args.slice_mib else {}),
         )
@@ -159,7 +158,6 @@ async def _run_scenario(
         concurrency=args.concurrency,
         io_threads=args.io_threads,
         verify_checksums=not args.no_checksums,
-        write_in_place=args.in_place,
     )
     return await run_mooncake_bench(mcfg, tick)
 
@@ -184,11 +182,6 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
             require_matplotlib()
         except PlotsUnavailable as exc:
             raise ui.UsageError(str(exc)) from None
-    if args.in_place and args.no_checksums:
-        raise ui.UsageError(
-            "--in-place needs checksums (without them the pipeline gathers its writes: a write "
-            "abandoned on a timeout could store rows the caller has since reused)"
-        )
     for name in ("mib", "rounds", "slice_mib", "concurrency", "io_threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -293,12 +286,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--concurrency", type=int, default=2, help="mooncake: pipeline requests in flight")
     add("--io-threads", type=int, default=2, help="mooncake: the pipeline's io_threads")
     add("--no-checksums", action="store_true", help="mooncake: pipeline without checksums")
-    add(
-        "--in-place",
-        action="store_true",
-        help="file, mooncake: send writes in place from the cache (write_in_place=True; "
-        "Mooncake with put_in_pieces)",
-    )
     add(
         "--scaling-dir",
         metavar="DIR",

@@ -9,9 +9,10 @@
 
 Submodules: ``_driver`` (driver interface), ``_nvrtc`` (compile + disk cache), ``_kernels``
 (pure: names, packing, launch shapes, reference implementations), ``_pinned`` (pinned
-buffers), ``_resources`` (ledger, events, scratch), ``_engine``, ``_open``, ``_tensors``
-(device tensors, current streams), ``_hostcache`` (``create_host_cache``). The engine names
-below load on first use, so ``import kvpipe`` stays light.
+buffers), ``_resources`` (ledger, events, scratch), ``_engine``, ``_open``, ``_hostcache``
+(``create_host_cache``). Device tensors and current streams are recognised in the core
+(``kvpipe._device_tensors``: no driver calls). The engine names below load on first use,
+so ``import kvpipe`` stays light.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import anyio
 import anyio.lowlevel
 
 from .._cache import KVCache
+from .._device_tensors import current_stream
 from .._engine import CopyEngine, OrderMark
 from .._errors import DeviceError, RequestError
 from .._plan import CopyPlan, layout_segments
@@ -59,7 +60,6 @@ from ._resources import (
     Scratch,
     ScratchPool,
 )
-from ._tensors import current_stream
 
 __all__ = ("CudaEngine",)
 

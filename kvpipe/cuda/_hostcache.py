@@ -1,4 +1,4 @@
-"""Host caches in pinned memory, the same size as the device caches (``create_host_cache``).
+"""Host caches in pinned memory, the same size as the device caches (:func:`create_host_cache`).
 
 One pinned allocation per role holds that role's tensors of every layer, each exactly
 ``num_blocks * role.block_nbytes`` bytes — the device tensor's size, scales included at the
@@ -17,7 +17,7 @@ from .._layout import CacheLayout, numpy_dtype
 from ._driver import CudaDriver, Driver
 from ._pinned import PinnedBuffer
 
-__all__ = ("allocate_host_cache", "host_cache_nbytes")
+__all__ = ("create_host_cache", "host_cache_nbytes")
 
 
 def host_cache_nbytes(layout: CacheLayout, num_blocks: int) -> dict[str, int]:
@@ -27,19 +27,29 @@ def host_cache_nbytes(layout: CacheLayout, num_blocks: int) -> dict[str, int]:
     }
 
 
-def allocate_host_cache(
-    layout: CacheLayout, num_blocks: int, driver: Driver | None = None
+def create_host_cache(
+    layout: CacheLayout, num_blocks: int, *, device_driver: Driver | None = None
 ) -> KVCache:
-    """See :func:`kvpipe.create_host_cache`.
+    """Allocate a zeroed host cache in pinned memory: per role, exactly the bytes of the
+    device cache of the same layout (scales included, 2 bytes per bf16 element).
+
+    Pinned memory needs the CUDA driver; call :meth:`KVCache.free` to release it.
+
+    Args:
+        layout: The layout to allocate.
+        num_blocks: Blocks per tensor (> 0).
+        device_driver: Test seam: the driver interface to allocate with (default: the real
+            CUDA driver through cuda-python).
 
     Raises:
         LayoutError: ``num_blocks`` is not positive.
-        Unsupported: No CUDA driver or device.
-        DeviceError: An allocation failed (what was allocated is freed).
+        Unsupported: No CUDA driver or device here (use :func:`kvpipe.create_kv_cache`
+            instead).
+        DeviceError: The driver failed the allocation (what was allocated is freed).
     """
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
-    drv = driver if driver is not None else CudaDriver()
+    drv = device_driver if device_driver is not None else CudaDriver()
     drv.open(0)
     buffers: list[PinnedBuffer] = []
     try:

@@ -11,6 +11,7 @@ import anyio
 import numpy as np
 
 from .._cache import KVCache
+from .._device_tensors import parse_device
 from .._errors import LayoutError, Unsupported
 from .._plan import layout_segments
 from .._staging import StagingPool, stride_for
@@ -19,7 +20,6 @@ from ._engine import CudaEngine
 from ._kernels import KERNELS, segment_table
 from ._nvrtc import load_kernels
 from ._resources import CudaOptions, EventPool, Ledger
-from ._tensors import parse_device
 
 if TYPE_CHECKING:
     from . import DeviceProbe

@@ -18,7 +18,6 @@ The built-in stores run exactly this suite.
 
 from __future__ import annotations
 
-import itertools
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -99,28 +98,14 @@ class Batches:
         backend: StorageBackend,
         keys: Sequence[str],
         values: Sequence[bytes],
-        *,
-        pieces: np.ndarray | None = None,
     ) -> list[BlockStatus]:
-        """Put ``values`` (each ``pool.slot_nbytes`` long) under ``keys``.
-
-        Args:
-            pieces: A registered ``uint8`` buffer: when given, each value is sent in parts
-                (as the pipeline sends a host cache's rows in place): uneven, non-adjacent
-                pieces in this buffer, the last 48 bytes in the staging slot.
-        """
+        """Put ``values`` (each ``pool.slot_nbytes`` long) under ``keys``."""
         statuses: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
         for positions, first, tokens, parent in self._runs(keys):
             lease = await self.pool.acquire(len(positions))
             try:
-                parts: list[list[memoryview]] | None = None
                 for i, pos in enumerate(positions):
                     self.pool.slot(lease.slots[i])[:] = np.frombuffer(values[pos], np.uint8)
-                if pieces is not None:
-                    parts = [
-                        self._scatter_pieces(pieces, j, values[pos], lease.slots[j])
-                        for j, pos in enumerate(positions)
-                    ]
                 batch = PutBatch(
                     _SCOPE,
                     "conformance",
@@ -132,7 +117,6 @@ class Batches:
                     value_nbytes=self.pool.slot_nbytes,
                     runner=self.runner,
                     limiter=None,
-                    parts=parts,
                 )
                 got = list(await backend.put_blocks(batch))
                 assert len(got) == len(positions), "one status per key"
@@ -141,25 +125,6 @@ class Batches:
             finally:
                 lease.release()
         return statuses
-
-    def _scatter_pieces(
-        self, buffer: np.ndarray, index: int, value: bytes, slot: int
-    ) -> list[memoryview]:
-        """Lay ``value`` out as the pipeline sends a block in place: payload pieces of uneven
-        sizes at gapped places of ``buffer`` (block ``index``'s region), trailer in staging."""
-        payload = len(value) - 48
-        cuts = [0, 1, payload // 3, payload // 3 + 7, payload]
-        region = len(buffer) // 8
-        assert region >= payload + 64 * len(cuts), "pieces buffer too small"
-        base = (index % 8) * region
-        out: list[memoryview] = []
-        at = base
-        for lo, hi in itertools.pairwise(cuts):
-            buffer[at : at + hi - lo] = np.frombuffer(value[lo:hi], np.uint8)
-            out.append(buffer[at : at + hi - lo].data.toreadonly())
-            at += hi - lo + 64  # a gap: pieces are not adjacent
-        out.append(self.pool.slot(slot)[payload:].data.toreadonly())
-        return out
 
     async def get(
         self, backend: StorageBackend, keys: Sequence[str]
@@ -243,29 +208,6 @@ class BackendConformance:
             statuses, got = await b.get(backend, keys)
             assert statuses == [BlockStatus.OK] * 6
             assert got == values
-
-    async def test_put_in_parts_is_byte_exact(self, backend: StorageBackend) -> None:
-        if not backend.accepts_parts:
-            pytest.skip("this backend takes contiguous values only (accepts_parts is False)")
-        async with self._batches(backend) as b:
-            buffer = np.zeros(8 * (b.pool.slot_nbytes + 512), np.uint8)
-            await backend.register_staging(buffer.data)
-            try:
-                keys, _ = b.keys(8, seed=20)
-                values = _values(8, b.pool.slot_nbytes, seed=20)
-                assert await b.put(backend, keys, values, pieces=buffer) == [BlockStatus.OK] * 8
-                statuses, got = await b.get(backend, keys)
-                assert statuses == [BlockStatus.OK] * 8
-                assert got == values
-                # Stored again in parts (a writer of the same prefix): still one sound value.
-                assert (
-                    await b.put(backend, keys[:3], values[:3], pieces=buffer)
-                    == [BlockStatus.OK] * 3
-                )
-                statuses, got = await b.get(backend, keys[:3])
-                assert statuses == [BlockStatus.OK] * 3 and got == values[:3]
-            finally:
-                await backend.unregister_staging(buffer.data)
 
     async def test_partial_block_keys_are_ordinary_keys(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:
@@ -403,22 +345,18 @@ class BackendConformance:
         for rows in src.byte_rows:
             rows[:] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
         tokens = np.arange(8 * 11 + 3)
-        # Gathered, then sent in place (the same as gathered for a store without parts).
-        for in_place in (False, True):
-            config = PipelineConfig(
-                slice_block_num=4, staging_bytes=1 << 22, write_in_place=in_place
-            )
-            # A fresh namespace: a store shared between tests may hold (and lease) old keys.
-            namespace = f"conf{secrets.token_hex(4)}"
-            async with open_pipeline(src, backend, config=config, namespace=namespace) as pipe:
-                w = await pipe.write(tokens, np.arange(12), include_partial=True)
-                assert w.complete and w.written == 12, w
-                assert await pipe.lookup(tokens, include_partial=True) == 12
-            ids = np.arange(31, 19, -1)
-            dst.byte_rows[0][:] = 0
-            async with open_pipeline(dst, backend, config=config, namespace=namespace) as pipe:
-                r = await pipe.read(tokens, ids, include_partial=True, require_all=True)
-                assert r.loaded == 12
-                assert pipe.statistics().staging_in_use_bytes == 0
-            for a, b in zip(src.byte_rows, dst.byte_rows, strict=True):
-                assert np.array_equal(a[np.arange(12)], b[ids])
+        config = PipelineConfig(slice_block_num=4, staging_bytes=1 << 22)
+        # A fresh namespace: a store shared between tests may hold (and lease) old keys.
+        namespace = f"conf{secrets.token_hex(4)}"
+        async with open_pipeline(src, backend, config=config, namespace=namespace) as pipe:
+            w = await pipe.write(tokens, np.arange(12), include_partial=True)
+            assert w.complete and w.written == 12, w
+            assert await pipe.lookup(tokens, include_partial=True) == 12
+        ids = np.arange(31, 19, -1)
+        dst.byte_rows[0][:] = 0
+        async with open_pipeline(dst, backend, config=config, namespace=namespace) as pipe:
+            r = await pipe.read(tokens, ids, include_partial=True, require_all=True)
+            assert r.loaded == 12
+            assert pipe.statistics().staging_in_use_bytes == 0
+        for a, b in zip(src.byte_rows, dst.byte_rows, strict=True):
+            assert np.array_equal(a[np.arange(12)], b[ids])

@@ -182,8 +182,6 @@ class FaultyStore(StorageBackend):
 
     def __init__(self, inner: StorageBackend, plan: FaultPlan) -> None:
         self.inner = inner
-        # Values in pieces (straight from a host cache) when the inner store takes them.
-        self.accepts_parts = inner.accepts_parts
         self.plan = plan
         self.calls: list[StoreCall] = []
         self._counts: dict[str, int] = {}

@@ -57,7 +57,7 @@ class Harness:
             "w", now + timeout, now, toks, np.asarray(ids, np.int64), start, end, False
         )
         state.keys = block_keys(self.ctx.scope, toks, BLOCK, False)
-        state.slices = plan_slices(start, end, self.ctx.slice_blocks, BLOCK, len(toks))
+        state.planned(0, plan_slices(start, end, self.ctx.slice_blocks, BLOCK, len(toks)))
         return state
 
     def read_state(self, tokens: Any, ids: Any, *, timeout: float = 30.0) -> ReadState:

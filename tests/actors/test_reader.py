@@ -49,7 +49,7 @@ async def test_a_block_corrupt_in_transit_is_fetched_again_and_kept() -> None:
     async with harness(store, slice_blocks=8) as h:
         await _store_all(h)
         state, job = await _read_slice(h)
-        assert job.valid == 8 and state.stop_block is None
+        assert job.valid == 8 and state.machine.stop_block is None
         assert [c.first_block for c in store.calls_of("get")] == [0, 3]  # blocks 3.. again
         assert store.deleted == []
         job.lease.release()
@@ -61,8 +61,8 @@ async def test_a_corrupt_block_stops_loading_and_is_deleted() -> None:
         await _store_all(h)
         state, job = await _read_slice(h)
         assert job.valid == 3
-        assert state.stop_block == 3 and state.stop_reason == "failed_block"
-        assert 3 in state.failed
+        assert state.machine.stop_block == 3 and state.machine.stop_reason == "failed_block"
+        assert 3 in state.machine.failed
         assert store.deleted == [store.calls_of("get")[0].keys[3]]
         assert h.ctx.metrics.counters["blocks_failed_verify"] == 1
         job.lease.release()
@@ -85,8 +85,8 @@ async def test_a_block_the_store_returns_for_another_key_is_rejected() -> None:
         # first fetch: blocks 1 and 2 come back crosswise; the second fetch (of blocks 1..)
         # gets block 1 right and swaps 2 and 3: loading stops at block 2
         assert job.valid == 2
-        assert state.stop_reason == "failed_block"
-        assert "another key" in (state.stop_detail or "")
+        assert state.machine.stop_reason == "failed_block"
+        assert "another key" in (state.machine.stop_detail or "")
         job.lease.release()
 
 

@@ -32,7 +32,7 @@ async def test_write_skips_the_stored_leading_blocks_and_plans_the_rest() -> Non
         await _store_first(store, probe.keys.keys, 3)
         store._data[probe.keys.keys[5]] = b"x"  # a non-leading hit does not count
         await sched.handle(state)
-        assert state.skipped == 3
+        assert state.machine.skipped == 3
         assert [(s.first_block, s.count) for s in state.slices] == [(3, 4), (7, 3)]
         assert h.sent("slicer") == [state]
         assert not state.done
@@ -70,7 +70,7 @@ async def test_dedup_probe_asks_in_chunks_and_stops_at_the_first_chunk_with_a_mi
         store.inner._data.update({k: b"x" for k in state.keys.keys[:3]})
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert [(c.first_block, len(c.keys)) for c in store.calls_of("exists")] == calls
-        assert state.skipped == 3
+        assert state.machine.skipped == 3
 
 
 async def test_failed_dedup_probe_writes_everything() -> None:
@@ -78,7 +78,7 @@ async def test_failed_dedup_probe_writes_everything() -> None:
     async with harness(store) as h:
         state = h.write_state(TOKENS, np.arange(10))
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
-        assert state.skipped == 0 and len(state.slices) == 3
+        assert state.machine.skipped == 0 and len(state.slices) == 3
         assert h.ctx.metrics.counters["probe_errors"] == 1
 
 
@@ -91,7 +91,7 @@ async def test_read_stops_at_the_first_block_not_stored() -> None:
         store._data[state.keys.keys[7]] = b"x"
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert [(s.first_block, s.count) for s in state.slices] == [(0, 4), (4, 2)]
-        assert state.stop_block == 6 and state.stop_reason == "not_stored"
+        assert state.machine.stop_block == 6 and state.machine.stop_reason == "not_stored"
         assert h.sent("slicer") == [state]
 
 

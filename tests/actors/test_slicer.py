@@ -51,7 +51,7 @@ async def test_waiting_for_staging_is_bounded_by_the_deadline() -> None:
 async def test_an_ended_write_gets_no_more_slices() -> None:
     async with harness(kvpipe.MemoryStore(), slice_blocks=4) as h:
         state = h.write_state(TOKENS, np.arange(10))
-        state.stop("cancelled")
+        state.end("cancelled", "test")
         await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
         assert h.sent("swapper") == []
 
@@ -64,6 +64,6 @@ async def test_read_slices_past_the_stop_are_resolved_without_fetching() -> None
         await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
         jobs = h.sent("reader")
         assert [j.spec.index for j in jobs] == [0, 1]
-        assert state.pending == {0, 1}
+        assert state.machine.pending == {0, 1}
         for j in jobs:
             j.lease.release()

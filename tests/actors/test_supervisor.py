@@ -6,11 +6,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import trio.testing
 
 from kvpipe.actors import Actor, ChildSpec, Metrics, PipelineHooks, Supervisor
-from kvpipe.actors._state import RequestState
+from kvpipe.actors._state import CallState, RequestState
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ class Boom(Actor[RequestState]):
 
 def _state(rid: str) -> RequestState:
     now = anyio.current_time()
-    return RequestState(rid, now + 100, now)
+    return CallState(rid, now + 100, now, "lookup", np.arange(4), False)
 
 
 async def _run(

@@ -60,7 +60,7 @@ async def test_a_finished_read_is_never_scattered() -> None:
         from kvpipe._plan import plan_slices
 
         state.plan(plan_slices(0, 6, 6, BLOCK, len(TOKENS)))
-        state.abort("cancelled")
+        state.end("cancelled", "test")
         lease = await h.ctx.pool.acquire(6)
         before = [rows.copy() for rows in h.ctx.cache.byte_rows]
         await Swapper(h.ctx, h.inboxes["swapper"]).handle(

@@ -4,7 +4,6 @@ files they make, reading both versions, refusals and fallbacks, and tampered pad
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import struct
@@ -19,14 +18,14 @@ import pytest
 import kvpipe
 from kvpipe._blockformat import value_nbytes
 from kvpipe._staging import StagingPool, ThreadRunner
-from kvpipe.backends import BlockStatus, PutBatch
+from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import _direct, _fileio, _native
 from kvpipe.backends.file._format import HEADER_NBYTES, PAGE, file_nbytes, unpack_header
 from kvpipe.backends.file._fs import DirectIORefused, Root
 from kvpipe.backends.file._inspect import inspect_store
 from kvpipe.testing.conformance import Batches
 
-from .test_file_hostile import SCOPE, block_file
+from .test_file_hostile import block_file
 
 pytestmark = pytest.mark.usefixtures("file_io")
 
@@ -126,18 +125,11 @@ async def test_when_direct_io_is_used(
     assert block_file(tmp_path, keys[0]).stat().st_size == file_nbytes(LARGE, padded=expected)
 
 
-async def test_small_and_unaligned_values_go_through_the_page_cache(tmp_path: Path) -> None:
+async def test_small_values_go_through_the_page_cache(tmp_path: Path) -> None:
     small = value_nbytes(4096 + 13)
     async with kvpipe.FileStore(tmp_path) as store:
         async with batches(small) as b:
             keys = await round_trip(store, b)
-            assert version_of(block_file(tmp_path, keys[0])) == 1
-        async with batches() as b:  # in parts: pieces of the cache, not a staging slot
-            keys, _ = b.keys(2, seed=5)
-            vals = values(2, LARGE, 5)
-            pieces = np.zeros(8 * (LARGE + 512), np.uint8)
-            assert await b.put(store, keys, vals, pieces=pieces) == [BlockStatus.OK] * 2
-            assert (await b.get(store, keys))[1] == vals
             assert version_of(block_file(tmp_path, keys[0])) == 1
         assert store.statistics().get("direct_writes", 0) == 0
 
@@ -320,40 +312,3 @@ async def test_the_store_reads_and_probes_natively_where_it_can(
         block_file(tmp_path, keys[2]).unlink()
         # the probe stops at the first missing file: the last one is there but not counted
         assert list(await store.exists(b.key_batch(keys))) == [True, True, False, False]
-
-
-async def test_values_in_more_pieces_than_a_native_call_takes(tmp_path: Path) -> None:
-    """A block sent in place as 40 rows (more buffers than one native call takes) is still
-    published, file by file, and reads back byte-exact."""
-    async with kvpipe.FileStore(tmp_path) as store, batches() as b:
-        keys, tokens = b.keys(2, seed=13)
-        vals = values(2, LARGE, 13)
-        rows = np.zeros((2, LARGE + 40 * 64), np.uint8)  # gaps: the rows are not adjacent
-        parts: list[list[memoryview]] = []
-        for i, value in enumerate(vals):
-            cuts = np.linspace(0, LARGE, 41, dtype=int)
-            pieces = []
-            for n, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-                at = lo + 64 * n
-                rows[i, at : at + hi - lo] = np.frombuffer(value[lo:hi], np.uint8)
-                pieces.append(rows[i, at : at + hi - lo].data.toreadonly())
-            parts.append(pieces)
-        lease = await b.pool.acquire(2)
-        try:
-            batch = PutBatch(
-                SCOPE,
-                "pieces",
-                keys,
-                0,
-                tokens,
-                lease=lease,
-                value_nbytes=LARGE,
-                runner=b.runner,
-                limiter=None,
-                parts=parts,
-            )
-            assert list(await store.put_blocks(batch)) == [BlockStatus.OK] * 2
-        finally:
-            lease.release()
-        statuses, got = await b.get(store, keys)
-        assert statuses == [BlockStatus.OK] * 2 and got == vals

@@ -213,22 +213,6 @@ async def test_pinned_staging_is_registered_with_the_store(fake: FakeDriver) -> 
     fake.assert_clean()  # the engine freed everything at close
 
 
-async def test_write_in_place_on_a_device_cache_is_gathered_and_says_why(
-    fake: FakeDriver,
-) -> None:
-    """A device cache has no host rows to send in place (nor to inspect: asking for them
-    raises), so writes are gathered through pinned staging and the reason is reported."""
-    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 4)
-    store = kvpipe.MemoryStore()  # takes values in pieces
-    cfg = kvpipe.PipelineConfig(slice_block_num=3, write_in_place=True)
-    async with kvpipe.open_pipeline(cache, store, config=cfg, device_driver=fake) as pipe:
-        stats = pipe.statistics()
-        assert stats.write_path == "gathered"
-        assert "not in host memory" in stats.write_path_note
-    free_device_cache(fake, cache)
-    fake.assert_clean()
-
-
 async def test_a_copy_failure_fails_the_slice_and_the_pipeline_goes_on(
     fake: FakeDriver, producer: int
 ) -> None:

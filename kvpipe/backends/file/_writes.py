@@ -70,29 +70,20 @@ class WriteHooks:
     abandoned: Abandon
 
 
-def _checksum(pieces: Sequence[memoryview]) -> int:
-    if len(pieces) == 1:
-        return xxhash.xxh3_64_intdigest(pieces[0])
-    h = xxhash.xxh3_64()
-    for piece in pieces:
-        h.update(piece)
-    return h.intdigest()
-
-
 def _chunks(
-    key: str, pieces: Sequence[memoryview], fingerprint: str, direct: bool, pages: Pages
+    key: str, value: memoryview, fingerprint: str, direct: bool, pages: Pages
 ) -> Sequence[bytes | memoryview]:
     """A block file's contents: its header, then the value (page-aligned for direct I/O)."""
-    nbytes = sum(len(p) for p in pieces)
-    header = pack_header(key, nbytes, _checksum(pieces), time.time(), fingerprint, direct)
-    return direct_chunks(header, pieces[0], pages) if direct else (header, *pieces)
+    checksum = xxhash.xxh3_64_intdigest(value)
+    header = pack_header(key, len(value), checksum, time.time(), fingerprint, direct)
+    return direct_chunks(header, value, pages) if direct else (header, value)
 
 
 def write_one(
     hooks: WriteHooks,
     root: Root,
     key: str,
-    pieces: Sequence[memoryview],
+    value: memoryview,
     fingerprint: str,
     direct: bool,
     scratch: Scratch,
@@ -101,7 +92,7 @@ def write_one(
     if hooks.abandoned.is_set():
         return BlockStatus.FAILED
     parts, name = block_location(key)
-    chunks = _chunks(key, pieces, fingerprint, direct, scratch.pages(1)[0])
+    chunks = _chunks(key, value, fingerprint, direct, scratch.pages(1)[0])
     try:
         if root.write_atomic(parts, name, chunks, hooks.durability, hooks.abandoned, direct):
             hooks.count(direct_writes=int(direct))
@@ -109,7 +100,7 @@ def write_one(
         return BlockStatus.FAILED
     except DirectIORefused as exc:
         hooks.refuse_direct(root, exc)
-        return write_one(hooks, root, key, pieces, fingerprint, False, scratch)
+        return write_one(hooks, root, key, value, fingerprint, False, scratch)
     except OSError as exc:
         return _failed(hooks, key, exc.errno or errno.EIO, str(exc))
 
@@ -118,20 +109,14 @@ def write_batch(
     hooks: WriteHooks,
     root: Root,
     keys: Sequence[str],
-    values: Sequence[Sequence[memoryview]],
+    values: Sequence[memoryview],
     fingerprint: str,
     direct: bool,
     scratch: Scratch,
 ) -> list[BlockStatus]:
-    """Publish a batch of block files in one native call (see the module docstring); values
-    in more pieces than the call takes are published one by one by :func:`write_one`."""
+    """Publish a batch of block files in one native call (see the module docstring)."""
     fileio = _native.fileio
     assert fileio is not None
-    if any(len(v) >= fileio.MAX_VIEWS for v in values):  # the header is one more chunk
-        return [
-            write_one(hooks, root, k, v, fingerprint, direct, scratch)
-            for k, v in zip(keys, values, strict=True)
-        ]
     pages = scratch.pages(len(keys))
     where = [block_location(k) for k in keys]
     dirs = [os.path.join(*parts).encode() for parts, _ in where]

@@ -72,7 +72,6 @@ class FileStore(StorageBackend):
     """
 
     name = "file"
-    accepts_parts = True
     #: Worker threads a batch's file I/O is spread over, unless told otherwise.
     DEFAULT_THREADS: Final = 4
 
@@ -228,7 +227,7 @@ class FileStore(StorageBackend):
                 root,
                 catalog,
                 keys,
-                batch.parts,
+                batch.values,
                 batch.parent_key,
                 batch.scope.fingerprint,
                 abandoned,
@@ -242,15 +241,15 @@ class FileStore(StorageBackend):
         root: Root,
         catalog: Catalog,
         keys: list[str],
-        values: list[list[memoryview]],
+        values: list[memoryview],
         parent: str | None,
         fingerprint: str,
         abandoned: Abandon,
     ) -> list[BlockStatus]:
         if not keys:
             return []
-        value_nbytes = sum(len(p) for p in values[0])
-        direct = self._direct and all(len(v) == 1 and is_aligned(v[0]) for v in values)
+        value_nbytes = len(values[0])
+        direct = self._direct and all(is_aligned(v) for v in values)
         nbytes = file_nbytes(value_nbytes, padded=direct)
         res = catalog.reserve(keys, parent, key_namespace(keys[0]), nbytes, self.capacity_bytes)
         admitted = [i for i, ok in enumerate(res.admitted) if ok]
@@ -294,7 +293,7 @@ class FileStore(StorageBackend):
         root: Root,
         admitted: list[int],
         keys: list[str],
-        values: list[list[memoryview]],
+        values: list[memoryview],
         fingerprint: str,
         direct: bool,
     ) -> list[BlockStatus]:

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, final
 
-from .._errors import LayoutError, RequestError
-from .._layout import CacheLayout
+from ._errors import LayoutError, RequestError
+from ._layout import CacheLayout
 
 __all__ = ("DeviceTensor", "current_stream", "device_pointers", "device_tensor", "parse_device")
 

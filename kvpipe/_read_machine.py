@@ -1,0 +1,232 @@
+"""The state machine of one read: events in, decisions out — no event loop, no I/O.
+
+A read's slices are fetched concurrently, but only the leading run of verified blocks counts.
+This is the one place that knows a read's invariants:
+
+- **Leading run.** ``loaded`` is the leading run of fully loaded slices plus the loaded head
+  of the first short one; nothing at or past the point where loading stopped
+  (:meth:`ReadMachine.stop_at`) is fetched or scattered any more.
+- **Nothing scattered after an abort.** Once the read is aborted (deadline, cancellation,
+  crash, closing) :meth:`~ReadMachine.scatter_begin` refuses; scatters already running finish
+  first, and only then is the read settled — so when the caller gets its result nothing
+  writes into its cache any more.
+- **Settled exactly once.** Every planned slice is resolved once; the result (or the error)
+  is set once and never changes.
+
+Events: :meth:`~ReadMachine.plan`, :meth:`~ReadMachine.stop_at`, :meth:`~ReadMachine.resolve`,
+:meth:`~ReadMachine.scatter_begin` / :meth:`~ReadMachine.scatter_end`, :meth:`~ReadMachine.end`
+and :meth:`~ReadMachine.fail`. Decisions: :meth:`~ReadMachine.stopped_before` (fetch or
+scatter this slice at all?), the block from which work in flight must be cancelled (returned
+by :meth:`~ReadMachine.stop_at`; everything once :attr:`~ReadMachine.aborted`), and
+:attr:`~ReadMachine.result`. Time is an input (``now``), never read here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import final
+
+from ._plan import SliceSpec
+from ._results import ReadResult, ReadStopReason
+from ._write_machine import Ending
+
+__all__ = ("ReadMachine",)
+
+
+@final
+class ReadMachine:
+    """One read (see the module docstring).
+
+    Args:
+        request_id: The request's id (for the result).
+        start_block: First block asked for.
+        end_block: One past the last block asked for.
+        started: When the call was made.
+    """
+
+    __slots__ = (
+        "_error",
+        "_scatters",
+        "aborted",
+        "end_block",
+        "failed",
+        "loaded_per_slice",
+        "pending",
+        "request_id",
+        "result",
+        "settled_error",
+        "slices",
+        "start_block",
+        "started",
+        "stop_block",
+        "stop_detail",
+        "stop_reason",
+    )
+
+    def __init__(self, request_id: str, start_block: int, end_block: int, started: float) -> None:
+        self.request_id = request_id
+        self.start_block = start_block
+        self.end_block = end_block
+        self.started = started
+        self.slices: tuple[SliceSpec, ...] = ()
+        self.stop_block: int | None = None
+        self.stop_reason: ReadStopReason | None = None
+        self.stop_detail: str | None = None
+        self.failed: set[int] = set()
+        self.loaded_per_slice: dict[int, int] = {}
+        self.pending: set[int] = set()
+        #: No new scatter may start (deadline, cancellation, crash or closing).
+        self.aborted = False
+        self.result: ReadResult | None = None
+        #: The error the caller sees instead of a result, once settled.
+        self.settled_error: BaseException | None = None
+        self._error: BaseException | None = None
+        self._scatters = 0
+
+    @property
+    def requested(self) -> int:
+        """Blocks asked for."""
+        return self.end_block - self.start_block
+
+    @property
+    def ended(self) -> bool:
+        """Whether the read is settled (a result or an error exists)."""
+        return self.result is not None or self.settled_error is not None
+
+    @property
+    def scatters(self) -> int:
+        """Scatters into the caller's cache running now."""
+        return self._scatters
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def stopped_before(self, block: int) -> bool:
+        """Whether ``block`` is at or past where loading stopped (or the read ended)."""
+        return (
+            self.aborted or self.ended or (self.stop_block is not None and block >= self.stop_block)
+        )
+
+    # -- events ------------------------------------------------------------------------------
+
+    def plan(self, slices: tuple[SliceSpec, ...], now: float) -> None:
+        """Set the slices; each must later be resolved exactly once. None: settle now."""
+        if self.ended:
+            return
+        self.slices = slices
+        self.pending = {s.index for s in slices}
+        if not slices:
+            self._settle(now)
+
+    def stop_at(
+        self,
+        block: int,
+        reason: ReadStopReason,
+        failed: Iterable[int] = (),
+        detail: str | None = None,
+    ) -> int | None:
+        """Loading cannot go past ``block``. Returns the block from which work in flight is
+        to be cancelled (``None``: loading had already stopped at or before it)."""
+        self.failed.update(failed)
+        if self.stop_block is not None and block >= self.stop_block:
+            return None
+        self.stop_block = block
+        self.stop_reason = reason
+        self.stop_detail = detail
+        return block
+
+    def resolve(self, index: int, loaded: int, now: float) -> None:
+        """Slice ``index`` is settled with ``loaded`` leading blocks in the cache (a second
+        resolution of the same slice is ignored). The read settles when no slice is pending
+        and no scatter is running."""
+        if index not in self.pending:
+            return
+        spec = next(s for s in self.slices if s.index == index)
+        if not 0 <= loaded <= spec.count:
+            raise ValueError(f"slice {index}: loaded {loaded} of {spec.count}")
+        self.pending.discard(index)
+        self.loaded_per_slice[index] = loaded
+        if not self.pending and self._scatters == 0:
+            self._settle(now)
+
+    def scatter_begin(self) -> bool:
+        """Claim the right to write into the caller's cache; ``False`` once aborted."""
+        if self.aborted or self.ended:
+            return False
+        self._scatters += 1
+        return True
+
+    def scatter_end(self, now: float) -> None:
+        """A scatter claimed by :meth:`scatter_begin` has finished."""
+        if self._scatters <= 0:
+            raise ValueError("scatter_end without scatter_begin")
+        self._scatters -= 1
+        if self._scatters == 0 and (self.aborted or not self.pending):
+            self._settle(now)
+
+    def end(self, cause: Ending, detail: str | None, now: float) -> None:
+        """Abort now: no new scatter starts; settled once the running ones have finished."""
+        if self.ended or self.aborted:
+            return
+        self.aborted = True
+        if self.stop_reason is None or self.stop_block is None:
+            self.stop_reason = cause
+            self.stop_detail = detail
+        if self._scatters == 0:
+            self._settle(now)
+
+    def fail(self, error: BaseException, now: float) -> None:
+        """Abort with an error the caller sees instead of a result (the pipeline closing)."""
+        if self.ended:
+            return
+        self.aborted = True
+        self._error = error
+        if self._scatters == 0:
+            self._settle(now)
+
+    # -- the result ----------------------------------------------------------------------------
+
+    def loaded(self) -> int:
+        """Blocks loaded so far, as a leading run."""
+        loaded = 0
+        for s in self.slices:
+            got = self.loaded_per_slice.get(s.index, 0)
+            loaded += got
+            if got < s.count:
+                break
+        return loaded
+
+    def _settle(self, now: float) -> None:
+        if self.ended:
+            return
+        if self._error is not None:
+            self.settled_error = self._error
+            return
+        loaded = self.loaded()
+        if loaded < self.requested and self.stop_reason is None:
+            self.stop_reason = "failed_block"
+        first_missing = self.start_block + loaded
+        failed = set(self.failed)
+        if loaded < self.requested and not any(b >= first_missing for b in failed):
+            failed.add(first_missing)
+        self.result = ReadResult(
+            request_id=self.request_id,
+            requested=self.requested,
+            loaded=loaded,
+            complete=loaded == self.requested,
+            failed_blocks=tuple(sorted(b for b in failed if b >= self.start_block)),
+            stop_reason=None if loaded == self.requested else self.stop_reason,
+            elapsed=now - self.started,
+            error=self.stop_detail,
+        )
+
+    def where_stopped(self) -> str:
+        """Where an incomplete read stopped, in words (for logs)."""
+        at = self.start_block + self.loaded()
+        return next(
+            (
+                f"slice {s.index} (blocks {s.first_block}-{s.end_block - 1})"
+                for s in self.slices
+                if s.first_block <= at < s.end_block
+            ),
+            "the probe, before any slice was planned",
+        )

@@ -1,0 +1,186 @@
+"""The state machine of one write: events in, decisions out — no event loop, no I/O.
+
+This is the one place that knows a write's invariants:
+
+- **Contiguous prefix.** Slices are stored strictly in order (:meth:`WriteMachine.is_turn`);
+  ``written`` counts the leading ``OK`` blocks of the slices, in order, and the first slice
+  that falls short ends the write: no later slice is sent.
+- **Counted is stored.** A slice's blocks count only through :meth:`~WriteMachine.slice_done`
+  with the backend's own leading run, and only while the write has not ended.
+- **Settled exactly once.** The first ending wins (:attr:`~WriteMachine.ended`); every later
+  event is ignored, so the result (or the error) never changes once it exists.
+- **Deadlines never extended**: :func:`slice_deadline`.
+
+Events: :meth:`~WriteMachine.planned` (the dedup probe is done), :meth:`~WriteMachine.slice_done`
+(a slice's store call ended, whatever the outcome), :meth:`~WriteMachine.end` (total deadline,
+caller cancelled, actor crashed) and :meth:`~WriteMachine.fail` (the pipeline is closing).
+Time is an input (``now``), never read here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, final
+
+from ._plan import SliceSpec
+from ._results import SliceOutcome, StopReason, WriteResult
+
+__all__ = ("Ending", "WriteMachine", "slice_deadline")
+
+#: Why a request ends from outside its own slices: its total deadline passed, its caller was
+#: cancelled, or an actor holding it crashed. (The pipeline closing is :meth:`fail`, with the
+#: error the caller sees.)
+Ending = Literal["total_timeout", "cancelled", "actor_crashed"]
+
+
+def slice_deadline(now: float, slice_timeout: float, deadline: float) -> float:
+    """When a slice sent at ``now`` must end: ``min(now + slice_timeout, deadline)``."""
+    return min(now + slice_timeout, deadline)
+
+
+@final
+class WriteMachine:
+    """One write (see the module docstring).
+
+    Args:
+        request_id: The request's id (for the result).
+        start_block: First block asked for.
+        end_block: One past the last block asked for.
+        started: When the call was made (the result's ``elapsed`` counts from it).
+    """
+
+    __slots__ = (
+        "end_block",
+        "error",
+        "outcomes",
+        "request_id",
+        "result",
+        "skipped",
+        "slices",
+        "start_block",
+        "started",
+        "stop_detail",
+        "stop_reason",
+        "turn",
+        "written",
+    )
+
+    def __init__(self, request_id: str, start_block: int, end_block: int, started: float) -> None:
+        self.request_id = request_id
+        self.start_block = start_block
+        self.end_block = end_block
+        self.started = started
+        self.skipped = 0
+        self.written = 0
+        self.slices: tuple[SliceSpec, ...] = ()
+        self.outcomes: list[SliceOutcome] = []
+        #: The index of the slice whose turn it is to go to the store.
+        self.turn = 0
+        self.stop_reason: StopReason | None = None
+        self.stop_detail: str | None = None
+        self.result: WriteResult | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def requested(self) -> int:
+        """Blocks asked for."""
+        return self.end_block - self.start_block
+
+    @property
+    def ended(self) -> bool:
+        """Whether the write has ended (a result or an error exists)."""
+        return self.result is not None or self.error is not None
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def may_send(self) -> bool:
+        """Whether another slice may still be leased, gathered or sent."""
+        return not self.ended
+
+    def is_turn(self, index: int) -> bool:
+        """Whether slice ``index`` may go to the store now."""
+        return not self.ended and self.turn == index
+
+    # -- events ------------------------------------------------------------------------------
+
+    def planned(self, skipped: int, slices: tuple[SliceSpec, ...], now: float) -> None:
+        """The probe found ``skipped`` leading blocks stored; the rest go as ``slices``.
+        With nothing left to write the write ends complete."""
+        if self.ended:
+            return
+        if not 0 <= skipped <= self.requested:
+            raise ValueError(f"skipped {skipped} of {self.requested} blocks")
+        self.skipped = skipped
+        self.slices = slices
+        if not slices:
+            self._settle(now)
+
+    def slice_done(self, outcome: SliceOutcome, detail: str | None, now: float) -> None:
+        """A slice's store call ended with ``outcome``; the first incomplete slice ends the
+        write, the last complete one settles it.
+
+        Raises:
+            ValueError: Not this slice's turn, or it claims more blocks than it carries.
+        """
+        if self.ended:
+            return
+        if outcome.index != self.turn or self.turn >= len(self.slices):
+            raise ValueError(f"slice {outcome.index} done out of turn (turn {self.turn})")
+        if not 0 <= outcome.written <= outcome.blocks:
+            raise ValueError(f"slice {outcome.index}: {outcome.written} of {outcome.blocks}")
+        if (outcome.outcome == "complete") != (outcome.written == outcome.blocks):
+            raise ValueError(f"slice {outcome.index}: {outcome.outcome} with {outcome.written}")
+        self.outcomes.append(outcome)
+        self.written += outcome.written
+        self.turn += 1
+        if outcome.outcome != "complete":
+            self.stop_reason = (
+                "incomplete_slice" if outcome.outcome == "incomplete" else outcome.outcome
+            )
+            self.stop_detail = detail
+            self._settle(now)
+        elif self.turn == len(self.slices):
+            self._settle(now)
+
+    def end(self, cause: Ending, detail: str | None, now: float) -> None:
+        """End now with what has been written (no later slice is sent)."""
+        if self.ended:
+            return
+        self.stop_reason = cause
+        self.stop_detail = detail
+        self._settle(now)
+
+    def fail(self, error: BaseException) -> None:
+        """End with an error the caller sees instead of a result (the pipeline closing)."""
+        if not self.ended:
+            self.error = error
+
+    def _settle(self, now: float) -> None:
+        stored = self.skipped + self.written
+        self.result = WriteResult(
+            request_id=self.request_id,
+            requested=self.requested,
+            skipped=self.skipped,
+            written=self.written,
+            complete=stored == self.requested,
+            stop_reason=self.stop_reason,
+            slices=tuple(self.outcomes),
+            elapsed=now - self.started,
+            error=self.stop_detail,
+        )
+
+    # -- for logs ----------------------------------------------------------------------------
+
+    def where_stopped(self) -> str:
+        """Where an incomplete write stopped, in words."""
+        last = self.outcomes[-1] if self.outcomes else None
+        if last is not None and last.outcome != "complete":
+            return (
+                f"slice {last.index} (blocks {last.first_block}-"
+                f"{last.first_block + last.blocks - 1}: {last.written} of {last.blocks} written)"
+            )
+        if self.turn < len(self.slices):
+            spec = self.slices[self.turn]
+            return (
+                f"slice {spec.index} (blocks {spec.first_block}-{spec.end_block - 1}: not stored)"
+            )
+        return "the dedup probe, before any slice was planned"

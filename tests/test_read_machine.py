@@ -1,0 +1,112 @@
+"""The read state machine, without an event loop: random interleavings of slice
+resolutions, stops, scatters and endings, checked against its invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpipe._plan import plan_slices
+from kvpipe._read_machine import ReadMachine
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(0, 30), st.integers(1, 6), st.data())
+def test_random_interleavings_keep_every_invariant(
+    blocks: int, per: int, data: st.DataObject
+) -> None:
+    m = ReadMachine("r", 0, blocks, started=0.0)
+    slices = plan_slices(0, blocks, per, 16, blocks * 16)
+    m.plan(slices, now=0.0)
+    loaded: dict[int, int] = {}
+    running = 0
+    settled_result = m.result
+    settled_error = m.settled_error
+    now = 0.0
+    for _ in range(data.draw(st.integers(0, 4 * len(slices) + 4))):
+        now += 1
+        was_aborted, was_ended = m.aborted, m.ended
+        event = data.draw(
+            st.sampled_from(["resolve", "resolve", "begin", "finish", "stop", "end", "fail"])
+        )
+        if event == "resolve" and m.pending:
+            index = data.draw(st.sampled_from(sorted(m.pending)))
+            got = data.draw(st.integers(0, slices[index].count))
+            if m.stopped_before(slices[index].first_block):
+                got = 0  # the actors resolve a slice past the stop with nothing loaded
+            m.resolve(index, got, now)
+            loaded.setdefault(index, got)
+        elif event == "begin":
+            ok = m.scatter_begin()
+            assert ok == (not was_aborted and not was_ended)  # nothing after an abort
+            running += ok
+        elif event == "finish" and running:
+            m.scatter_end(now)
+            running -= 1
+        elif event == "stop" and blocks:
+            m.stop_at(data.draw(st.integers(0, blocks - 1)), "failed_block", [], "bad")
+        elif event == "end":
+            m.end(
+                data.draw(st.sampled_from(["total_timeout", "cancelled", "actor_crashed"])),
+                "x",
+                now,
+            )
+        elif event == "fail":
+            m.fail(RuntimeError("closing"), now)
+        assert m.scatters == running
+        # settled only when no scatter runs after an abort; and only once
+        if m.ended and m.aborted:
+            assert running == 0 or was_ended
+        if settled_result is not None:
+            assert m.result is settled_result and m.settled_error is None
+        if settled_error is not None:
+            assert m.settled_error is settled_error and m.result is None
+        settled_result, settled_error = m.result, m.settled_error
+    if m.result is not None:
+        r = m.result
+        expect = 0
+        for s in slices:
+            got = loaded.get(s.index, 0)
+            expect += got
+            if got < s.count:
+                break
+        assert r.loaded == expect <= blocks
+        assert r.complete == (r.loaded == blocks)
+        assert (r.stop_reason is None) == r.complete
+        if not r.complete:
+            assert r.failed_blocks and min(b for b in r.failed_blocks if b >= r.loaded) >= r.loaded
+
+
+def test_an_aborted_read_waits_for_the_scatter_in_flight() -> None:
+    m = ReadMachine("r", 0, 8, started=0.0)
+    m.plan(plan_slices(0, 8, 4, 16, 128), now=0.0)
+    assert m.scatter_begin()
+    m.end("cancelled", "caller cancelled", now=1.0)
+    assert not m.ended and not m.scatter_begin()
+    m.resolve(0, 4, now=2.0)
+    m.scatter_end(now=3.0)
+    assert m.result is not None and m.result.loaded == 4 and m.result.stop_reason == "cancelled"
+    assert m.result.elapsed == 3.0
+
+
+def test_stop_at_only_moves_the_stop_earlier() -> None:
+    m = ReadMachine("r", 0, 12, started=0.0)
+    m.plan(plan_slices(0, 12, 4, 16, 192), now=0.0)
+    assert m.stop_at(8, "failed_block", [8]) == 8
+    assert m.stop_at(10, "failed_block", [10]) is None
+    assert m.stop_at(5, "slice_timeout", [5, 6, 7]) == 5
+    assert m.stopped_before(5) and not m.stopped_before(4)
+    for i, got in enumerate((4, 1, 0)):
+        m.resolve(i, got, now=1.0)
+    assert m.result is not None and m.result.loaded == 5
+    assert m.result.stop_reason == "slice_timeout" and m.result.failed_blocks == (5, 6, 7, 8, 10)
+
+
+def test_misuse_is_refused() -> None:
+    m = ReadMachine("r", 0, 4, started=0.0)
+    m.plan(plan_slices(0, 4, 4, 16, 64), now=0.0)
+    with pytest.raises(ValueError):
+        m.scatter_end(now=1.0)
+    with pytest.raises(ValueError):
+        m.resolve(0, 5, now=1.0)
