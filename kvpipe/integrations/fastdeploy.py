@@ -333,7 +333,12 @@ class KVPipeAttentionStore:
             except IncompleteRead as exc:
                 partial = exc.result
                 assert isinstance(partial, ReadResult)
-                log.warning(
+                # The pipeline logged the shortfall at WARNING already (request id = task
+                # id), except a block simply not stored: a normal miss to the pipeline, a
+                # failed handoff to the decode side. One WARNING per call either way.
+                level = logging.WARNING if partial.stop_reason == "not_stored" else logging.DEBUG
+                log.log(
+                    level,
                     "kvpipe read %s: all-or-nothing read loaded %d of %d blocks (%s)",
                     task_id,
                     partial.loaded,

@@ -388,10 +388,12 @@ def test_fd_query(fs: KVPipeStorage) -> None:
 
 
 @pytest.mark.slow
-def test_prefill_to_decode_over_a_shared_file_store(tmp_path: Path) -> None:
+def test_prefill_to_decode_over_a_shared_file_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A prefill process writes (partial last block included) through its own instance; the
     decode side (this process) reads all-or-nothing: byte-exact; with the store gone the read
-    fails cleanly (count short of the blocks, no exception)."""
+    fails cleanly (count short of the blocks, one WARNING, no exception)."""
     env = dict(os.environ, FD_PD_TRANSFER_VIA_STORAGE="1", KVPIPE_STORE=f"file://{tmp_path}")
     code = textwrap.dedent(
         """
@@ -426,7 +428,10 @@ def test_prefill_to_decode_over_a_shared_file_store(tmp_path: Path) -> None:
             assert got.tobytes() == src.tobytes()
             for f in tmp_path.rglob("*.kvb"):
                 f.unlink()
-            assert d.read("req", dk, dv, list(range(14)), [20, 21, 22, 23], 0) < 4
+            with caplog.at_level(logging.WARNING):
+                assert d.read("req", dk, dv, list(range(14)), [20, 21, 22, 23], 0) < 4
+            warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(warnings) == 1 and "req" in warnings[0].getMessage()
     finally:
         for k, v in old.items():
             if v is None:

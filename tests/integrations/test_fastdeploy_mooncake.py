@@ -1,0 +1,166 @@
+"""kvpipe.integrations.fastdeploy over a real Mooncake Store on 127.0.0.1 (master and metadata
+server started per test, see ``kvpipe.backends.mooncake_local``), then with its master killed.
+
+Bounds on call durations are the adapter's promise (a call returns by its ``timeout`` plus
+:data:`HOP_SLACK`, plus a little for a busy machine), never speed targets.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe.backends.mooncake_local import LocalMooncake
+from kvpipe.integrations.fastdeploy import HOP_SLACK, KVPipeAttentionStore
+
+paddle = pytest.importorskip("paddle")
+paddle.set_device("cpu")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS, BLOCKS, BS = 2, 32, 4
+TIMEOUT = 2.0  # each call's timeout once the master is gone
+BOUND = TIMEOUT + HOP_SLACK + 1.0  # what a caller may wait at most (1 s for a busy machine)
+
+
+@pytest.fixture
+def server() -> Iterator[LocalMooncake]:
+    """This test's own metadata server and master (the test kills the master)."""
+    with LocalMooncake() as started:
+        yield started
+
+
+def _url(server: LocalMooncake) -> str:
+    return f"mooncake://{server.master_address}?metadata={server.metadata_url}"
+
+
+def _caches(fill: bool) -> tuple[list[Any], list[Any]]:
+    def one() -> Any:
+        if fill:
+            return paddle.randn([BLOCKS, 2, BS, 8]).astype("bfloat16")
+        return paddle.zeros([BLOCKS, 2, BS, 8], dtype="bfloat16")
+
+    return [one() for _ in range(LAYERS)], [one() for _ in range(LAYERS)]
+
+
+def _rows(caches: list[Any], ids: list[int]) -> bytes:
+    return b"".join(np.ascontiguousarray(t[i].numpy()).tobytes() for t in caches for i in ids)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    started = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - started
+
+
+#: The pipeline's notice that a write goes on without its dedup probe: a degradation it
+#: reports once per write whatever the write's outcome, not the outcome the adapter promises
+#: to report once.
+DEDUP_NOTICE = "dedup probe failed"
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and DEDUP_NOTICE not in r.getMessage()
+    ]
+
+
+PREFILL = """
+import sys, numpy as np, paddle
+from kvpipe.integrations.fastdeploy import KVPipeAttentionStore
+paddle.set_device("cpu")
+paddle.seed(11)
+k = [paddle.randn([8, 2, 4, 8]).astype("bfloat16") for _ in range(2)]
+v = [paddle.randn([8, 2, 4, 8]).astype("bfloat16") for _ in range(2)]
+p = KVPipeAttentionStore(layer_num=2, block_token_size=4, splitwise_role="prefill")
+n = p.write("req", k, v, list(range(14)), [0, 1, 2, 3], 0, 20.0)
+np.save(sys.argv[1], np.stack([np.stack([t[:4].numpy() for t in k]),
+                               np.stack([t[:4].numpy() for t in v])]))
+print("written", n, flush=True)
+sys.stdin.readline()  # the blocks live in this client's segment: keep it until told
+p.close()
+print("closed", flush=True)
+"""
+
+
+def test_prefill_to_decode_over_mooncake_then_master_killed(
+    server: LocalMooncake,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A prefill process (store from ``KVPIPE_STORE=mooncake://...``) writes 14 tokens, 3 full
+    blocks and the partial last one; the decode side (this process, its own instance and
+    client contributing no memory) reads all 4 all-or-nothing into other block ids:
+    byte-exact. With the master killed, the decode read returns the honest count 0 with one
+    WARNING, no exception, by its timeout plus the slack."""
+    env = {
+        "FD_PD_TRANSFER_VIA_STORAGE": "1",
+        "KVPIPE_STORE": _url(server),
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    src_file = tmp_path / "src.npy"
+    prefill = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PREFILL), str(src_file)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert prefill.stdout is not None and prefill.stdin is not None
+        assert prefill.stdout.readline().split() == ["written", "4"], prefill.stderr
+        src = np.load(src_file)
+        store = kvpipe.MooncakeStore(
+            server.master_address, server.metadata_url, global_segment_size=0
+        )
+        dk, dv = _caches(False)
+        tokens = list(range(14))
+        with KVPipeAttentionStore(
+            layer_num=LAYERS, block_token_size=BS, splitwise_role="decode", store=store
+        ) as decode:
+            assert decode.all_or_nothing_read
+            assert decode.query("req", tokens, 0) == 0  # nothing bound yet
+            assert decode.read("req", dk, dv, tokens, [10, 11, 12, 13], 0, 10.0) == 4
+            got = np.stack(
+                [np.stack([t[10:14].numpy() for t in dk]), np.stack([t[10:14].numpy() for t in dv])]
+            )
+            assert got.tobytes() == src.tobytes()
+            assert decode.query("req", tokens, 0) == 4  # the partial block counts on decode
+
+            server.kill_master()
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                loaded, took = _timed(
+                    lambda: decode.read("req", dk, dv, tokens, [20, 21, 22, 23], 0, TIMEOUT)
+                )
+            assert loaded == 0
+            assert took < BOUND
+            warnings = _warnings(caplog)
+            assert len(warnings) == 1 and "req" in warnings[0], warnings
+            assert _rows(dk + dv, [20, 21, 22, 23]) == bytes(len(_rows(dk + dv, [20])) * 4)
+        prefill.stdin.write("exit\n")
+        prefill.stdin.flush()
+        out, err = prefill.communicate(timeout=90)
+        assert prefill.returncode == 0, err[-2000:]
+        assert "closed" in out
+    finally:
+        if prefill.poll() is None:
+            prefill.kill()
+            prefill.wait()
