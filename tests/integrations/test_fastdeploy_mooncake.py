@@ -21,7 +21,7 @@ import pytest
 
 import kvpipe
 from kvpipe.backends.mooncake_local import LocalMooncake
-from kvpipe.integrations.fastdeploy import HOP_SLACK, KVPipeAttentionStore
+from kvpipe.integrations.fastdeploy import HOP_SLACK, KVPipeAttentionStore, KVPipeStorage
 
 paddle = pytest.importorskip("paddle")
 paddle.set_device("cpu")
@@ -164,3 +164,60 @@ def test_prefill_to_decode_over_mooncake_then_master_killed(
         if prefill.poll() is None:
             prefill.kill()
             prefill.wait()
+
+
+def test_store_down_every_call_answers_nothing_with_one_warning(
+    server: LocalMooncake, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both adapters on a live master, then the master SIGKILLed: every call returns
+    FastDeploy's "nothing" (counts 0; -1 codes; ``exists`` all False; ``clear`` False) with
+    exactly one WARNING, no exception, by its timeout plus the slack; the caller's buffers
+    and caches are never written. (A write also gets the pipeline's dedup-probe notice.)"""
+    config = kvpipe.PipelineConfig(slice_block_num=2, slice_timeout=1.0, lookup_timeout=TIMEOUT)
+    k, v = _caches(True)
+    dk, dv = _caches(False)
+    stored, fresh = list(range(2 * BS)), list(range(1000, 1000 + 2 * BS))
+    host = np.arange(4 * 256, dtype=np.uint8)
+    out = np.full_like(host, 0xAA)
+    keys = [f"m_{i}_key" for i in range(4)]
+    ptrs, optrs = [host.ctypes.data + 256 * i for i in range(4)], [out.ctypes.data] * 4
+    as_store = kvpipe.MooncakeStore(
+        server.master_address, server.metadata_url, global_segment_size=64 << 20
+    )
+    kv_store = kvpipe.MooncakeStore(
+        server.master_address, server.metadata_url, global_segment_size=0
+    )
+    with (
+        KVPipeAttentionStore(
+            layer_num=LAYERS, block_token_size=BS, store=as_store, config=config
+        ) as attention,
+        KVPipeStorage(store=kv_store, timeout=TIMEOUT) as storage,
+    ):
+        assert attention.write("t0", k, v, stored, [0, 1], 0, 10.0) == 2
+        assert storage.batch_set(keys, ptrs, [256] * 4) == [0] * 4
+        assert storage.query(keys[:2], keys[2:]) == 2
+        server.kill_master()
+
+        calls: list[tuple[str, Callable[[], Any], Any]] = [
+            ("write", lambda: attention.write("t1", k, v, fresh, [2, 3], 0, TIMEOUT), 0),
+            ("read", lambda: attention.read("t2", dk, dv, stored, [4, 5], 0, TIMEOUT), 0),
+            ("query", lambda: attention.query("t3", stored, 0, TIMEOUT), 0),
+            ("batch_set", lambda: storage.batch_set(["n0", "n1"], ptrs[:2], [256] * 2), [-1] * 2),
+            ("batch_get", lambda: storage.batch_get(keys, optrs, [256] * 4), [-1] * 4),
+            ("exists", lambda: storage.exists(keys[:2]), dict.fromkeys(keys[:2], False)),
+            ("query", lambda: storage.query(keys[:2], keys[2:], None, None, TIMEOUT), 0),
+            ("clear", storage.clear, False),
+        ]
+        for name, call, nothing in calls:
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                result, took = _timed(call)
+            assert result == nothing, name
+            assert took < BOUND, (name, took)
+            assert len(_warnings(caplog)) == 1, (name, _warnings(caplog))
+        assert _rows(dk + dv, [4, 5]) == bytes(len(_rows(dk + dv, [4, 5])))
+        assert out.tobytes() == b"\xaa" * out.nbytes
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            attention.flush_token_index("t4", stored, 0, True)  # logged, never raised
+        assert len(_warnings(caplog)) <= 1
