@@ -37,7 +37,8 @@ class PipelineConfig:
         total_timeout: Seconds a whole write or read may take, from the call.
         lookup_timeout: Seconds a ``lookup`` / ``locate`` / ``flush_index`` may take.
         staging_bytes: Bytes of host staging memory (the bounded pool every slice borrows
-            from). A slice larger than the pool is cut to fit (logged at open).
+            from). A slice larger than the pool is cut to fit (logged at open). At most the
+            machine's physical memory.
         queue_depth: Capacity of every channel between actors.
         copy_threads: Worker threads for gather/scatter copies on the host path.
         io_threads: Worker threads available to backends for blocking I/O.
@@ -85,6 +86,13 @@ class PipelineConfig:
                     raise ConfigError(f.name, f"must be a bool, got {value!r}")
             elif f.type == "str" and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f.name, f"must be a non-empty string, got {value!r}")
+        physical = physical_memory()
+        if physical is not None and self.staging_bytes > physical:
+            raise ConfigError(
+                "staging_bytes",
+                f"{self.staging_bytes} B ({self.staging_bytes / 2**30:.1f} GiB) asked, but this "
+                f"machine has {physical} B ({physical / 2**30:.1f} GiB) of physical memory",
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> PipelineConfig:
@@ -124,6 +132,15 @@ class PipelineConfig:
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory of this machine, or ``None`` where the OS does not say."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
 
 
 def _parse(name: str, kind: str, raw: str) -> Any:

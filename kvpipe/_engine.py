@@ -100,12 +100,20 @@ class CopyEngine(abc.ABC):
             raise RequestError("stream= applies to device caches only; this cache is on the host")
         return None
 
-    async def aclose(self, *, staging_in_use: bool = False) -> None:  # noqa: B027
+    def close_by(self, deadline: float) -> None:  # noqa: B027
+        """Closing has begun: every wait of this engine (copies too) must end by
+        ``deadline`` (event-loop clock). Default: nothing waits."""
+
+    async def aclose(  # noqa: B027
+        self, *, staging_in_use: bool = False, deadline: float | None = None
+    ) -> None:
         """Release the engine's resources (default: nothing).
 
         Args:
             staging_in_use: Something may still use the staging (a worker thread abandoned
                 at close): an engine that owns the staging must leave it allocated.
+            deadline: When closing must be over (event-loop clock); what has not finished
+                by then is abandoned and its memory kept, not freed.
         """
 
 

@@ -128,6 +128,8 @@ class Runtime:
         self.metrics = Metrics()
         self.observers = Observers(self.metrics.counters)
         self._supervisor: Supervisor | None = None
+        #: When closing must be over (event-loop clock): set once, by :meth:`aclose`.
+        self.close_deadline: float | None = None
 
     @property
     def open(self) -> bool:
@@ -150,12 +152,18 @@ class Runtime:
             raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
         self._registered.append(buffer)
 
+    def _deadline(self) -> float:
+        """The close deadline (set once by :meth:`aclose`; a failed open gets its own)."""
+        if self.close_deadline is None:
+            self.close_deadline = anyio.current_time() + self.config.close_timeout
+        return self.close_deadline
+
     async def _unregister(self) -> None:
-        """Unregister what was registered, within ``close_timeout`` seconds in all (a store
-        whose vendor call hangs must not hang the close, which is shielded); past that the
-        staging is marked as possibly still in use, so it is never freed under the store."""
+        """Unregister what was registered, by the close deadline (a store whose vendor call
+        hangs must not hang the close, which is shielded); past that the staging is marked as
+        possibly still in use, so it is never freed under the store."""
         registered, self._registered = self._registered, []
-        with anyio.move_on_after(self.config.close_timeout) as bound:
+        with anyio.move_on_at(self._deadline()) as bound:
             for buffer in registered:
                 try:
                     await self.store.unregister_staging(buffer)
@@ -165,10 +173,9 @@ class Runtime:
             self._unregister_abandoned = True
             _KEPT_STAGING.extend(registered)  # host staging: never freed under the store
             log.error(
-                "unregistering staging from %s took more than %.0f s; going on without it "
-                "(the staging memory is kept, not freed)",
+                "unregistering staging from %s did not end by the close deadline; going on "
+                "without it (the staging memory is kept, not freed)",
                 self.store.name,
-                self.config.close_timeout,
             )
 
     async def _open_device(self) -> None:
@@ -187,13 +194,24 @@ class Runtime:
         )
 
     async def release(self, staging_in_use: bool) -> None:
-        """Unregister staging if still registered, and close the copy engine (after the
-        actors and worker threads are done)."""
+        """After the actors and worker threads are done: unregister staging if still
+        registered, close the copy engine (both by the close deadline), and let go of
+        everything big, so that the staging is freed now by reference counting, whatever
+        still refers to this runtime."""
         with anyio.CancelScope(shield=True):
             await self._unregister()
+        in_use = staging_in_use or self._unregister_abandoned
         engine, self.engine = self.engine, None
         if engine is not None:
-            await engine.aclose(staging_in_use=staging_in_use or self._unregister_abandoned)
+            await engine.aclose(staging_in_use=in_use, deadline=self._deadline())
+        pool, self._pool = self._pool, None
+        if pool is not None and not in_use and not pool.close():
+            log.error("staging still leased after close; keeping it allocated")
+        self._ctx = None
+        self._supervisor = None
+        self._runner = None
+        self._outboxes = {}
+        self._inboxes = {}
 
     async def start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
         """Create the actors' channels and context, and start their supervisor in ``tg``."""
@@ -267,25 +285,40 @@ class Runtime:
         error = PipelineClosed(f"pipeline closed: {self._closed_reason}")
         for state in list(self._in_flight):
             state.fail(error)
+        self._close_inboxes()
+
+    def _close_inboxes(self) -> None:
+        """No new message: every actor leaves its loop once its inbox is empty."""
+        for send in self._outboxes.values():
+            send.close()
 
     async def aclose(self) -> None:
-        """Stop accepting requests, let in-flight ones finish (at most ``close_timeout``),
-        stop the actors, drain their inboxes and unregister staging. Shielded."""
+        """Close by one deadline, ``close_timeout`` from now: stop accepting requests, let
+        in-flight ones finish until then, fail the rest, close the inboxes and let the actors
+        leave their loops (cancelled only if still running at the deadline), then drain and
+        unregister staging. What is still running at the deadline is abandoned and logged,
+        and its memory kept rather than freed under it. Shielded."""
         with anyio.CancelScope(shield=True):
             if self._ctx is None:
                 return
+            deadline = self._deadline()
             self._open = False
             self._closed_reason = self._closed_reason or "closed"
-            with anyio.move_on_after(self.config.close_timeout):
+            if self.engine is not None:
+                self.engine.close_by(deadline)
+            with anyio.move_on_at(deadline):
                 await self._idle.wait()
             error = PipelineClosed("pipeline closed")
             for state in list(self._in_flight):
                 state.fail(error)
-            if self._supervisor is not None:
-                self._supervisor.stop()
-            for send in self._outboxes.values():
-                send.close()
-            await anyio.lowlevel.checkpoint()
+            self._close_inboxes()
+            supervisor = self._supervisor
+            if supervisor is not None:
+                with anyio.move_on_at(deadline) as waited:
+                    await supervisor.wait_stopped()
+                if waited.cancelled_caught:
+                    log.error("actors still running at the close deadline; cancelling them")
+                    supervisor.cancel()
             for recv in self._inboxes.values():
                 self._drain(recv)
                 recv.close()
@@ -392,8 +425,12 @@ class Runtime:
             device_note=ctx.engine.note if ctx is not None else self._device.note,
             in_flight=dict(kinds),
             queue_depths={
-                stage: recv.statistics().current_buffer_used
-                for stage, recv in self._inboxes.items()
+                stage: (
+                    self._inboxes[stage].statistics().current_buffer_used
+                    if stage in self._inboxes
+                    else 0
+                )
+                for stage in _STAGES
             },
             queue_capacity=self.config.queue_depth,
             restarts=dict(metrics.restarts),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,8 @@ import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
+
+from ._errors import ConfigError
 
 __all__ = ("StagingLease", "StagingPool", "ThreadRunner", "stride_for")
 
@@ -44,6 +47,21 @@ def stride_for(slot_nbytes: int) -> int:
     :data:`PAGE_ALIGNED_SLOT`, else to 64 bytes (a cache line)."""
     align = _PAGE if slot_nbytes >= PAGE_ALIGNED_SLOT else _LINE
     return -(-slot_nbytes // align) * align
+
+
+def _available() -> str:
+    """How much memory the OS reports available (``MemAvailable``), for error messages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return f"{int(line.split()[1]) * 1024} B"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return f"{os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')} B"
+    except (AttributeError, ValueError, OSError):
+        return "an unknown amount"
 
 
 def _page_aligned(shape: tuple[int, int]) -> Rows:
@@ -75,6 +93,7 @@ class StagingPool:
 
     Raises:
         ValueError: No slot, an empty slot, or a ``buffer`` of the wrong shape or type.
+        ConfigError: The buffer cannot be allocated (names the bytes asked and available).
     """
 
     def __init__(self, slot_nbytes: int, capacity_slots: int, buffer: Rows | None = None) -> None:
@@ -85,7 +104,15 @@ class StagingPool:
         self.capacity = capacity_slots
         if buffer is None:
             # Uninitialised: pages are touched (and so resident) only as slots are first used.
-            buffer = _page_aligned((capacity_slots, self.stride))
+            try:
+                buffer = _page_aligned((capacity_slots, self.stride))
+            except MemoryError:
+                raise ConfigError(
+                    "staging_bytes",
+                    f"could not allocate {capacity_slots * self.stride} B of staging "
+                    f"({capacity_slots} slots of {self.stride} B); {_available()} of memory is "
+                    "available now",
+                ) from None
         elif (
             buffer.dtype != np.uint8
             or buffer.shape != (capacity_slots, self.stride)
@@ -166,6 +193,21 @@ class StagingPool:
             waiter = self._waiters.popleft()
             waiter.slots = self._take(waiter.count)
             waiter.event.set()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has let go of the buffer."""
+        return self.buffer.size == 0
+
+    def close(self) -> bool:
+        """Let go of the buffer, so it is freed by reference counting as soon as no view of
+        it is left — whatever else still refers to the pool (a traceback, a reference cycle).
+        Kept, and ``False`` returned, while a lease is outstanding (a worker thread abandoned
+        at close may still use it)."""
+        if self._leases:
+            return False
+        self.buffer = np.empty((0, self.stride), np.uint8)
+        return True
 
     def slot(self, index: int) -> Rows:
         """The bytes of one slot (``slot_nbytes`` long)."""
@@ -253,6 +295,7 @@ class ThreadRunner:
         self._idle = anyio.Event()
         self._idle.set()
         self._close_timeout = close_timeout
+        self._deadline: float | None = None
 
     @property
     def running(self) -> int:
@@ -263,16 +306,23 @@ class ThreadRunner:
         self._open = True
         return self
 
+    def close_by(self, deadline: float) -> None:
+        """Wait for running threads at exit until ``deadline`` (event-loop clock) rather than
+        ``close_timeout`` from then: the pipeline's one close deadline."""
+        self._deadline = deadline
+
     async def __aexit__(self, *exc_info: Any) -> None:
-        with anyio.move_on_after(self._close_timeout, shield=True) as scope:
+        deadline = self._deadline
+        if deadline is None:
+            deadline = anyio.current_time() + self._close_timeout
+        with anyio.move_on_at(deadline, shield=True) as scope:
             await self._idle.wait()
         self._open = False
         if scope.cancelled_caught:
             log.error(
-                "%d worker thread(s) still running after %.1f s at close; abandoning them "
+                "%d worker thread(s) still running at the close deadline; abandoning them "
                 "(their staging slots stay leased)",
                 self._running,
-                self._close_timeout,
             )
 
     async def run(
@@ -299,15 +349,22 @@ class ThreadRunner:
             self._idle = anyio.Event()
         call = _Call()
         token = anyio.lowlevel.current_token()
+        # The thread takes the call out of this box: the worker thread's frame keeps its last
+        # item (``work``) alive for a moment after it has reported the result, and that must
+        # not keep the arguments (staging views) alive past the caller's close.
+        box: list[Any] = [fn, args]
 
         def work() -> T | None:
+            f, a = box
+            box.clear()
             with call.lock:
                 if call.abandoned:
                     return None  # the caller gave up before it started: do nothing
                 call.started = True
             try:
-                return fn(*args)
+                return f(*a)  # type: ignore[no-any-return]
             finally:
+                del f, a
                 with call.lock:
                     call.done = True
                     abandoned = call.abandoned

@@ -312,9 +312,17 @@ class Actor(abc.ABC, Generic[M]):
         if self._held[state] <= 0:
             del self._held[state]
 
-    async def send(self, stage: str, msg: Any) -> None:
-        """Send ``msg`` to the inbox of ``stage`` (waits while it is full)."""
-        await self.ctx.outboxes[stage].send(msg)
+    async def send(self, stage: str, msg: Any) -> bool:
+        """Send ``msg`` to the inbox of ``stage`` (waits while it is full).
+
+        Returns ``False`` when the pipeline is closing (the inbox no longer takes messages):
+        the sender still owns what ``msg`` carries and lets go of it.
+        """
+        try:
+            await self.ctx.outboxes[stage].send(msg)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return False
+        return True
 
     @staticmethod
     @abc.abstractmethod

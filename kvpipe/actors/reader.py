@@ -45,8 +45,7 @@ class Reader(Actor[SliceJob]):
             if msg.valid:
                 state = msg.state
                 with anyio.move_on_at(state.deadline):
-                    await self.send("swapper", msg)
-                    owned = False
+                    owned = not await self.send("swapper", msg)
                 if owned:
                     assert isinstance(state, ReadState)
                     state.stop_at(msg.spec.first_block, "total_timeout", [msg.spec.first_block])
@@ -69,13 +68,15 @@ class Reader(Actor[SliceJob]):
         deadline = min(started + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, GetBatch)
         statuses: list[BlockStatus] | None = None
-        error: BackendError | None = None
+        # The error's description, not the error: a local holding the exception would hold
+        # this frame (and the job's staging) in a cycle through its traceback.
+        error: str | None = None
         with state.bound(deadline, ("get", spec.index), spec.first_block):
             try:
                 raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
                 statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
             except BackendError as exc:
-                error = exc
+                error = describe_error(exc)
         elapsed = anyio.current_time() - started
         if state.stopped_before(first):
             state.resolve(spec.index, 0)
@@ -84,7 +85,7 @@ class Reader(Actor[SliceJob]):
         if statuses is None:
             reason: ReadStopReason
             if error is not None:
-                reason, detail = "backend_error", describe_error(error)
+                reason, detail = "backend_error", error
             else:
                 reason = "total_timeout" if deadline >= state.deadline else "slice_timeout"
                 detail = f"slice {spec.index} ran out of time"

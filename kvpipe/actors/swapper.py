@@ -56,8 +56,7 @@ class Swapper(Actor[SliceJob]):
         with anyio.CancelScope(shield=True):
             await self._gather_and_seal(job, blocks, ctx.digests_of(state, spec))
         with anyio.move_on_at(state.deadline):
-            await self.send("writer", job)
-            return True
+            return await self.send("writer", job)
         assert isinstance(state, WriteState)
         state.end("total_timeout", "deadline passed waiting for the writer")
         return False

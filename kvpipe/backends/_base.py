@@ -268,6 +268,13 @@ class StorageBackend(abc.ABC):
         """Backend counters for :meth:`Pipeline.statistics` (default: none)."""
         return {}
 
+    @property
+    def closed(self) -> bool:
+        """Whether the backend was closed (:meth:`aclose`) and refuses calls; a pipeline
+        refuses a closed store at open. Default: ``False`` (a backend with nothing to close
+        never refuses calls)."""
+        return False
+
     async def aclose(self) -> None:  # noqa: B027
         """Release the backend's resources. Default: nothing."""
 

@@ -221,3 +221,9 @@ def test_integration_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     )
     assert list(tmp_path.glob("kvpipe-bench-*")) == []  # store directories removed
     assert "adapter GB/s" in capsys.readouterr().out
+
+
+def test_help_shows_a_list_default_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the help's own line breaks aside
+    assert "block sizes (default: 256KiB 2MiB 8MiB)" in out and "['" not in out, out
