@@ -41,6 +41,7 @@ from .backends import MemoryStore as MemoryStore
 from .backends import MooncakeStore as MooncakeStore
 from .backends import PutBatch as PutBatch
 from .backends import StorageBackend as StorageBackend
+from .backends import ValueClient as ValueClient
 from .cuda._hostcache import create_host_cache as create_host_cache
 from .metrics import PipelineMetrics as PipelineMetrics
 from .pipeline import Pipeline as Pipeline
@@ -83,6 +84,7 @@ __all__ = (
     "SliceOutcome",
     "StorageBackend",
     "Unsupported",
+    "ValueClient",
     "WriteResult",
     "WrongEventLoop",
     "common_prefix",

@@ -27,6 +27,13 @@ The others measure the pipeline itself (issue 7):
 - ``overhead``: fixed cost per request, slice and block of the actors against the same calls
   in a plain loop, as % of a 2 MiB block's copy time (:mod:`kvpipe.benchmarks.overhead`).
 
+And the FastDeploy adapter's cost (issue 15):
+
+- ``integration``: :class:`~kvpipe.integrations.fastdeploy.KVPipeAttentionStore` driven from 4
+  threads vs the pipeline called directly on its own loop (4 tasks), file store, 2 MiB
+  blocks, and the thread hop's latency p50 / p99 (:mod:`kvpipe.benchmarks.integration`;
+  needs Paddle).
+
 Rounds are interleaved after a warm-up; the ratio is the median over rounds of pipeline /
 best baseline of that round. Results: a table per scenario, ``--json PATH``,
 ``--markdown PATH``, PNG plots with ``--plot DIR`` (the ``plots`` extra), and the generated
@@ -50,6 +57,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from ..benchmarks import report
 from ..benchmarks._workload import CpuWatch
 from ..benchmarks.filestore import LAYOUTS, FileBenchConfig, run_filestore_bench
+from ..benchmarks.integration import IntegrationBenchConfig, run_integration_bench
 from ..benchmarks.lag import LagBenchConfig, run_lag_bench
 from ..benchmarks.memory import MemoryBenchConfig, run_memory_bench
 from ..benchmarks.mooncake import PLACEMENTS, MooncakeBenchConfig, run_mooncake_bench
@@ -72,6 +80,7 @@ DEFAULT_ROUNDS: Final = {
     "scaling": 5,
     "lag": 3,
     "overhead": 7,
+    "integration": 5,
 }
 
 
@@ -125,6 +134,13 @@ async def _run_new_scenario(
         if args.smoke:
             lag = replace(lag, memory_bytes=16 << 20, file_bytes=16 << 20, idle_seconds=0.05)
         return await run_lag_bench(lag, tick)
+    if scenario == "integration":
+        integration = IntegrationBenchConfig(
+            rounds=rounds, total_bytes=args.mib << 20, directory=args.dir
+        )
+        if args.smoke:
+            integration = replace(integration, layers=2, request_blocks=2, hops=20)
+        return await run_integration_bench(integration, tick)
     overhead = OverheadBenchConfig(rounds=rounds)
     if args.smoke:
         overhead = replace(overhead, requests=(4, 2, 8))
@@ -266,7 +282,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + "; 1 with --smoke)",
     )
     add("--durability", choices=("none", "data", "full"), default="data", help="file: fsync")
-    add("--dir", default=".", help="file: directory on the disk to measure")
+    add("--dir", default=".", help="file, integration: directory on the disk to measure")
     add("--warm-reads", action="store_true", help="file: read from the page cache, not the disk")
     add("--store-threads", type=int, default=None, help="file: the file store's threads")
     add(
@@ -298,7 +314,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lag: the pipelines' copy_threads and io_threads and the file store's threads "
         "(default: 2,8,4, the defaults)",
     )
-    add("--smoke", action="store_true", help="memory..overhead: a seconds-long run (CI)")
+    add("--smoke", action="store_true", help="memory..integration: a seconds-long run (CI)")
     add("--json", metavar="PATH", help="write the results as JSON")
     add("--markdown", metavar="PATH", help="write the results as markdown tables")
     add("--plot", metavar="DIR", help="write PNG plots there (needs the 'plots' extra)")
