@@ -82,9 +82,9 @@ class ServerBenchConfig:
 
     stores: tuple[str, ...] = ("memory",)
     cache_bytes: int = 256 << 20
-    passes: int = 4
+    passes: int = 8
     rounds: int = 7
-    idle_seconds: float = 1.0
+    idle_seconds: float = 1.5
     rate: float = 500.0
     connections: int = 16
     per_request: int = 16
