@@ -25,7 +25,11 @@ The others measure the pipeline itself (issue 7):
 - ``lag``: lateness of a 1 ms ticker on the pipeline's loop while it writes and reads at
   full speed (:mod:`kvpipe.benchmarks.lag`);
 - ``overhead``: fixed cost per request, slice and block of the actors against the same calls
-  in a plain loop, as % of a 2 MiB block's copy time (:mod:`kvpipe.benchmarks.overhead`).
+  in a plain loop, as % of a 2 MiB block's copy time (:mod:`kvpipe.benchmarks.overhead`);
+- ``server``: an ASGI app on uvicorn answering a steady stream of small HTTP requests from
+  another process while the same loop offloads and reloads 2 MiB blocks through kvpipe, then
+  through a hand-written offload (numpy in worker threads): the server's p99 latency and the
+  GB/s of each (:mod:`kvpipe.benchmarks.server`; needs the ``bench`` extra).
 
 And the FastDeploy adapter's cost (issue 15):
 
@@ -55,6 +59,7 @@ import anyio
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..benchmarks import report
+from ..benchmarks._asgi import UvicornUnavailable, require_uvicorn
 from ..benchmarks._workload import CpuWatch
 from ..benchmarks.filestore import LAYOUTS, FileBenchConfig, run_filestore_bench
 from ..benchmarks.integration import IntegrationBenchConfig, run_integration_bench
@@ -64,6 +69,7 @@ from ..benchmarks.mooncake import PLACEMENTS, MooncakeBenchConfig, run_mooncake_
 from ..benchmarks.overhead import OverheadBenchConfig, run_overhead_bench
 from ..benchmarks.plots import PlotsUnavailable, plot_all, require_matplotlib
 from ..benchmarks.scaling import ScalingBenchConfig, run_scaling_bench
+from ..benchmarks.server import ServerBenchConfig, run_server_bench
 from ..benchmarks.sweeps import SweepBenchConfig, run_sweep_bench
 from . import _console as ui
 from ._bench_tables import file_markdown, file_table, mooncake_markdown, mooncake_table
@@ -71,6 +77,8 @@ from ._bench_tables import file_markdown, file_table, mooncake_markdown, mooncak
 __all__ = ("COMMAND", "DEFAULT_ROUNDS", "SCENARIOS", "markdown")
 
 SCENARIOS: Final = ("file", "mooncake", *report.NEW_SCENARIOS)
+#: The server scenario's client rate when ``--server-rate`` is not given.
+SERVER_RATE: Final = 500.0
 #: Recorded rounds per scenario when ``--rounds`` is not given.
 DEFAULT_ROUNDS: Final = {
     "file": 7,
@@ -81,6 +89,7 @@ DEFAULT_ROUNDS: Final = {
     "lag": 3,
     "overhead": 7,
     "integration": 5,
+    "server": 7,
 }
 
 
@@ -141,6 +150,16 @@ async def _run_new_scenario(
         if args.smoke:
             integration = replace(integration, layers=2, request_blocks=2, hops=20)
         return await run_integration_bench(integration, tick)
+    if scenario == "server":
+        server = ServerBenchConfig(
+            stores=tuple(dict.fromkeys(args.server_store or ["memory"])),
+            rounds=rounds,
+            rate=args.server_rate,
+            directory=args.dir,
+        )
+        if args.smoke:
+            server = replace(server, cache_bytes=16 << 20, passes=1, idle_seconds=0.1)
+        return await run_server_bench(server, tick)
     overhead = OverheadBenchConfig(rounds=rounds)
     if args.smoke:
         overhead = replace(overhead, requests=(4, 2, 8))
@@ -185,6 +204,10 @@ def _options(args: argparse.Namespace) -> str:
         out += f" --sizes {' '.join(args.sizes)} --mib {args.mib}"
     if args.lag_threads:
         out += " --lag-threads " + ",".join(str(n) for n in args.lag_threads)
+    for store in args.server_store or ():
+        out += f" --server-store {store}"
+    if args.server_rate != SERVER_RATE:
+        out += f" --server-rate {args.server_rate:g}"
     return out + (" --smoke" if args.smoke else "")
 
 
@@ -193,6 +216,13 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     scenarios = args.scenario or ["file"]
     if "all" in scenarios:
         scenarios = list(SCENARIOS)
+    if "server" in scenarios:
+        try:
+            require_uvicorn()
+        except UvicornUnavailable as exc:
+            raise ui.UsageError(str(exc)) from None
+    if args.server_rate <= 0:
+        raise ui.UsageError(f"--server-rate must be > 0, got {args.server_rate}")
     if args.plot:
         try:
             require_matplotlib()
@@ -314,7 +344,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lag: the pipelines' copy_threads and io_threads and the file store's threads "
         "(default: 2,8,4, the defaults)",
     )
-    add("--smoke", action="store_true", help="memory..integration: a seconds-long run (CI)")
+    add(
+        "--server-store",
+        action="append",
+        choices=("memory", "file"),
+        help="server: the store offloaded to (repeatable; default: memory; file: under --dir)",
+    )
+    add(
+        "--server-rate",
+        type=float,
+        default=SERVER_RATE,
+        help="server: HTTP requests per second from the client process",
+    )
+    add("--smoke", action="store_true", help="memory..server: a seconds-long run (CI)")
     add("--json", metavar="PATH", help="write the results as JSON")
     add("--markdown", metavar="PATH", help="write the results as markdown tables")
     add("--plot", metavar="DIR", help="write PNG plots there (needs the 'plots' extra)")
