@@ -193,6 +193,10 @@ def _integration(result: dict[str, Any]) -> tuple[list[str], list[list[Any]], li
         f"Thread hop (a no-op through the adapter's portal, {result['threads']} threads at "
         f"once, {hop['calls']} calls): **p50 {hop['p50']} µs, p99 {hop['p99']} µs** "
         f"(mean {hop['mean']} µs).",
+    ]
+    return header, rows, note
+
+
 def _server(records: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]], list[str]]:
     header = [
         "store",
@@ -312,6 +316,7 @@ def markdown(results: dict[str, Any], scenario: str) -> str:
         lines += _overhead(data)
     elif scenario == "integration":
         header, rows, note = _integration(data)
+        lines += [*_md_table(header, rows), *note]
     elif scenario == "server":
         header, rows, note = _server(data)
         lines += [*_md_table(header, rows), *note]
