@@ -26,6 +26,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
+from anyio._core._eventloop import claim_worker_thread
 
 from ._errors import ConfigError
 from ._workers import WorkerThreads
@@ -379,7 +380,10 @@ class ThreadRunner:
                     return  # the caller gave up before it started: do nothing
                 call.started = True
             try:
-                ok, value = True, f(*a)
+                # As in the event loop library's own worker threads, anyio.from_thread works
+                # here without a token (backends' blocking functions may call back).
+                with claim_worker_thread(token.backend_class, token.native_token):
+                    ok, value = True, f(*a)
             except BaseException as exc:
                 ok, value = False, exc
             del f, a
