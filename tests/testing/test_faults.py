@@ -161,3 +161,26 @@ async def test_partial_puts_keep_the_visibility_contract(
         await suite.test_a_block_not_reported_ok_is_never_visible(store)
         await suite.test_a_published_block_stays_until_deleted(store)
         assert any(c.outcome == "incomplete" for c in store.calls if c.op == "put")
+
+
+async def test_a_late_partial_put_stores_only_what_it_reports_ok() -> None:
+    suite = BackendConformance()
+    inner = kvpipe.MemoryStore()
+    plan = FaultPlan(
+        0,
+        (
+            FaultRule("put", "partial", calls=(0,), blocks=0.3),  # seed 0: block 2 of 4
+            FaultRule("put", "late", calls=(0,), latency=5.0),
+        ),
+    )
+    async with FaultyStore(inner, plan) as store, suite._batches(store) as b:
+        keys, _ = b.keys(4)
+        values = [bytes([i]) * b.pool.slot_nbytes for i in range(4)]
+        with anyio.move_on_after(1):
+            await b.put(store, keys, values)
+        assert inner.keys() == [] and b.pool.in_use == 4
+        await anyio.sleep(10)  # the late put finished after its caller left
+        assert sorted(inner.keys()) == sorted([keys[0], keys[1], keys[3]])
+        assert b.pool.in_use == 0 and store.calls[0].outcome == "cancelled"
+        statuses = await b.put(store, keys, values)  # call #1: no fault
+        assert statuses == [BlockStatus.OK] * 4
