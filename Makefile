@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # Re-install when the packaging or the C extension changes.
 HASH   := $(shell cat pyproject.toml setup.py kvpipe/backends/file/_fileio.c | cksum | cut -d' ' -f1)
 
-.PHONY: run test lint unit bench clean
+.PHONY: run test lint unit bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,27 @@ bench: system-deps $(VENV)/.base-$(HASH)
 	  --scenario lag --scenario overhead --scenario integration --scenario server \
 	  --json docs/benchmarks/suite.json \
 	  --markdown docs/benchmarks/suite.md --plot docs/img --doc docs/performance.md
+
+## soak: the fault scenarios over and over (minutes; not part of `make test`): every scenario
+## on the memory and the file store for seeds 0-19, three times each, then the partial-put race
+## on the file store (seed 2) 50 times. Prints each broken run and fails if any broke.
+SOAK_SEEDS ?= $(shell seq 0 19)
+KVPIPE     ?= $(BIN)/kvpipe
+soak: $(VENV)/.base-$(HASH)
+	@out=$$(mktemp); trap 'rm -f "$$out"' EXIT; runs=0; broken=0; \
+	soak_run() { \
+	  runs=$$((runs + 1)); \
+	  if ! $(KVPIPE) --log-level critical faults "$$@" >"$$out" 2>&1; then \
+	    broken=$$((broken + 1)); echo "BROKEN: kvpipe faults $$*"; cat "$$out"; \
+	  fi; }; \
+	for store in memory file; do \
+	  for seed in $(SOAK_SEEDS); do \
+	    for run in 1 2 3; do soak_run --all --store $$store --seed $$seed; done; \
+	    echo "soak: --all --store $$store --seed $$seed x3 done ($$broken broken so far)"; \
+	  done; \
+	done; \
+	for run in $$(seq 50); do soak_run --scenario partial_puts --store file --seed 2; done; \
+	echo "soak: $$broken of $$runs runs broke an invariant"; [ "$$broken" -eq 0 ]
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build

@@ -188,10 +188,62 @@ class PutBatch(_StagedBatch):
         super().__init__(*args, **kwargs)
         self.may_keep = may_keep
 
+    def sub_batch(self, start: int, stop: int) -> PutBatch:
+        """The blocks ``[start, stop)`` of this batch as a batch of their own, over the same
+        staging (no copy): its keys, values, first block, parent key and token prefix are
+        those of that run of blocks, and it has this batch's :attr:`may_keep`.
+
+        For a caller that stores only some runs of a batch (a wrapper, a fault injector).
+        Calling the returned batch's :meth:`hold` keeps the whole lease.
+
+        Raises:
+            ValueError: ``[start, stop)`` is empty or not within the batch.
+        """
+        if not 0 <= start < stop <= len(self.keys):
+            raise ValueError(f"blocks [{start}, {stop}) are not a run of a {len(self)}-block batch")
+        return PutBatch(
+            self.scope,
+            self.request_id,
+            self.keys[start:stop],
+            self.first_block + start,
+            _prefix_through(self, stop),
+            self.keys[start - 1] if start else self.parent_key,
+            lease=self._lease,
+            value_nbytes=self.value_nbytes,
+            runner=self._runner,
+            limiter=self._limiter,
+            offset=self._offset + start,
+            may_keep=self.may_keep,
+        )
+
     @property
     def values(self) -> list[memoryview]:
         """One read-only ``value_nbytes``-long buffer per key (views of staging memory)."""
         return [m.toreadonly() for m in self._views()]
+
+
+def _prefix_through(batch: KeyBatch, stop: int) -> Tokens:
+    """``batch.token_prefix`` cut at the end of block ``stop - 1`` of the batch.
+
+    The block size is what the prefix implies: it covers ``first_block + len(batch)`` blocks,
+    the last one partial when its key ends in ``:partial:N``; only the last can be partial.
+
+    Raises:
+        ValueError: The prefix's length does not fit the keys (not a kvpipe batch).
+    """
+    n = len(batch.keys)
+    if stop == n:
+        return batch.token_prefix
+    _, sep, tail = batch.keys[-1].rpartition(":partial:")
+    partial = int(tail) if sep and tail.isdigit() else 0
+    full = batch.first_block + n - (1 if partial else 0)
+    block_size, rest = divmod(len(batch.token_prefix) - partial, full)
+    if rest or block_size <= 0 or (partial and partial >= block_size):
+        raise ValueError(
+            f"a token prefix of {len(batch.token_prefix)} tokens does not fit blocks "
+            f"[{batch.first_block}, {batch.first_block + n})"
+        )
+    return batch.token_prefix[: (batch.first_block + stop) * block_size]
 
 
 class GetBatch(_StagedBatch):

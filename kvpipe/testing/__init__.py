@@ -2,21 +2,24 @@
 
 - :class:`BackendConformance`: the conformance suite every backend passes (needs pytest,
   imported only when it is asked for, so the CLI's fault scenarios work without it).
+- :class:`Batches`: real put and get batches over real staging, as the pipeline builds them.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .conformance import BackendConformance, Batches
+    from .batches import Batches
+    from .conformance import BackendConformance
 
 __all__ = ("BackendConformance", "Batches")
 
+_HOMES = {"BackendConformance": "conformance", "Batches": "batches"}
+
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import conformance
-
-        return getattr(conformance, name)
+    if name in _HOMES:
+        return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

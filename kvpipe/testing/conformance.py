@@ -28,140 +28,41 @@ import numpy as np
 import pytest
 
 from .._blockformat import value_nbytes
-from .._keys import Scope, Tokens, as_tokens, block_keys
 from .._results import Residency, ResidencyEntry
 from .._staging import StagingPool, ThreadRunner
-from ..backends import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
+from ..backends import BlockStatus, StorageBackend
+from .batches import Batches, random_values
 
-__all__ = ("BackendConformance", "Batches")
-
-_SCOPE = Scope("conformance", "0123456789abcdef")
-_BLOCK = 4
+__all__ = ("BackendConformance",)
 
 
-class Batches:
-    """Builds real batches over real staging, the way the pipeline does.
+@asynccontextmanager
+async def _watching(
+    backend: StorageBackend, b: Batches, keys: Sequence[str], published: set[str]
+) -> AsyncIterator[list[str]]:
+    """While the body runs, ask over and over whether each of ``keys`` exists, one key at a
+    time: a key found joins ``published``; one that was in ``published`` before it was asked
+    about and is not found joins the list yielded (a published block that vanished)."""
+    done = anyio.Event()
+    vanished: list[str] = []
 
-    Keys come from :meth:`keys` (chained, as the pipeline makes them); a batch of them gets
-    the first block index, token prefix and parent key a pipeline would give it, split into
-    runs of consecutive blocks — so a token-indexed backend sees consistent batches.
-    """
+    async def watch() -> None:
+        while not done.is_set():
+            for key in keys:
+                known = key in published  # an answer may predate a put that returns meanwhile
+                (found,) = await backend.exists(b.key_batch([key]))
+                if found:
+                    published.add(key)
+                elif known:
+                    vanished.append(key)
+            await anyio.lowlevel.checkpoint()
 
-    def __init__(self, pool: StagingPool, runner: ThreadRunner) -> None:
-        self.pool = pool
-        self.runner = runner
-        self._where: dict[str, tuple[Tokens, int, tuple[str, ...]]] = {}
-
-    def keys(self, n: int, seed: int = 0, partial: bool = False) -> tuple[tuple[str, ...], Tokens]:
-        """``n`` chained keys of one sequence (the last one partial if asked), its tokens."""
-        tokens = as_tokens(np.arange(seed * 100_000, seed * 100_000 + n * _BLOCK - partial))
-        keys = block_keys(_SCOPE, tokens, _BLOCK, partial).keys
-        for i, key in enumerate(keys):
-            self._where[key] = (tokens, i, keys)
-        return keys, tokens
-
-    def _runs(self, keys: Sequence[str]) -> list[tuple[list[int], int, Tokens, str | None]]:
-        """Positions of ``keys`` cut into runs of consecutive blocks of one sequence, each
-        with its first block index, token prefix and parent key."""
-        runs: list[tuple[list[int], int, Tokens, str | None]] = []
-        prev: tuple[Tokens, int, tuple[str, ...]] | None = None
-        for pos, key in enumerate(keys):
-            where = self._where.get(key)
-            if (
-                runs
-                and where is not None
-                and prev is not None
-                and where[2] is prev[2]
-                and where[1] == prev[1] + 1
-            ):
-                runs[-1][0].append(pos)
-            else:
-                if where is None:
-                    runs.append(([pos], 0, as_tokens(np.arange(_BLOCK)), None))
-                else:
-                    tokens, index, seq = where
-                    runs.append(([pos], index, tokens, seq[index - 1] if index else None))
-            prev = where
-        out = []
-        for positions, first, tokens, parent in runs:
-            end = min((first + len(positions)) * _BLOCK, len(tokens))
-            out.append((positions, first, tokens[:end], parent))
-        return out
-
-    def key_batch(self, keys: Sequence[str]) -> KeyBatch:
-        """A key-only batch (the keys should be consecutive blocks of one sequence)."""
-        _, first, tokens, parent = self._runs(keys)[0]
-        return KeyBatch(_SCOPE, "conformance", keys, first, tokens, parent)
-
-    async def put(
-        self,
-        backend: StorageBackend,
-        keys: Sequence[str],
-        values: Sequence[bytes],
-    ) -> list[BlockStatus]:
-        """Put ``values`` (each ``pool.slot_nbytes`` long) under ``keys``."""
-        statuses: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
-        for positions, first, tokens, parent in self._runs(keys):
-            lease = await self.pool.acquire(len(positions))
-            try:
-                for i, pos in enumerate(positions):
-                    self.pool.slot(lease.slots[i])[:] = np.frombuffer(values[pos], np.uint8)
-                batch = PutBatch(
-                    _SCOPE,
-                    "conformance",
-                    [keys[p] for p in positions],
-                    first,
-                    tokens,
-                    parent,
-                    lease=lease,
-                    value_nbytes=self.pool.slot_nbytes,
-                    runner=self.runner,
-                    limiter=None,
-                )
-                got = list(await backend.put_blocks(batch))
-                assert len(got) == len(positions), "one status per key"
-                for pos, status in zip(positions, got, strict=True):
-                    statuses[pos] = status
-            finally:
-                lease.release()
-        return statuses
-
-    async def get(
-        self, backend: StorageBackend, keys: Sequence[str]
-    ) -> tuple[list[BlockStatus], list[bytes]]:
-        """Get ``keys``; returns the statuses and each buffer's bytes."""
-        statuses: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
-        values: list[bytes] = [b""] * len(keys)
-        for positions, first, tokens, parent in self._runs(keys):
-            lease = await self.pool.acquire(len(positions))
-            try:
-                for slot in lease.slots:
-                    self.pool.slot(slot)[:] = 0
-                batch = GetBatch(
-                    _SCOPE,
-                    "conformance",
-                    [keys[p] for p in positions],
-                    first,
-                    tokens,
-                    parent,
-                    lease=lease,
-                    value_nbytes=self.pool.slot_nbytes,
-                    runner=self.runner,
-                    limiter=None,
-                )
-                got = list(await backend.get_blocks(batch))
-                assert len(got) == len(positions), "one status per key"
-                for i, (pos, status) in enumerate(zip(positions, got, strict=True)):
-                    statuses[pos] = status
-                    values[pos] = self.pool.slot(lease.slots[i]).tobytes()
-            finally:
-                lease.release()
-        return statuses, values
-
-
-def _values(n: int, size: int, seed: int) -> list[bytes]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        try:
+            yield vanished
+        finally:
+            done.set()
 
 
 class BackendConformance:
@@ -192,7 +93,7 @@ class BackendConformance:
     async def test_put_then_get_is_byte_exact(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:
             keys, _ = b.keys(8)
-            values = _values(8, b.pool.slot_nbytes, seed=1)
+            values = random_values(8, b.pool.slot_nbytes, seed=1)
             assert await b.put(backend, keys, values) == [BlockStatus.OK] * 8
             statuses, got = await b.get(backend, keys)
             assert statuses == [BlockStatus.OK] * 8
@@ -203,7 +104,7 @@ class BackendConformance:
         this large start on a page: a backend may take its fast paths)."""
         async with self._batches(backend, 3 * (64 << 10) + 13, slots=8) as b:
             keys, _ = b.keys(6, seed=30)
-            values = _values(6, b.pool.slot_nbytes, seed=30)
+            values = random_values(6, b.pool.slot_nbytes, seed=30)
             assert await b.put(backend, keys, values) == [BlockStatus.OK] * 6
             statuses, got = await b.get(backend, keys)
             assert statuses == [BlockStatus.OK] * 6
@@ -213,7 +114,7 @@ class BackendConformance:
         async with self._batches(backend) as b:
             keys, _ = b.keys(3, seed=2, partial=True)
             assert keys[-1].endswith(":partial:3")
-            values = _values(3, b.pool.slot_nbytes, seed=2)
+            values = random_values(3, b.pool.slot_nbytes, seed=2)
             assert await b.put(backend, keys, values) == [BlockStatus.OK] * 3
             statuses, got = await b.get(backend, keys)
             assert statuses == [BlockStatus.OK] * 3 and got == values
@@ -221,7 +122,7 @@ class BackendConformance:
     async def test_missing_keys_are_reported_per_block(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:
             keys, _ = b.keys(6, seed=3)
-            values = _values(6, b.pool.slot_nbytes, seed=3)
+            values = random_values(6, b.pool.slot_nbytes, seed=3)
             stored = [0, 1, 3]
             await b.put(backend, [keys[i] for i in stored], [values[i] for i in stored])
             statuses, got = await b.get(backend, keys)
@@ -238,7 +139,7 @@ class BackendConformance:
     async def test_exists_answers_per_key(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:
             keys, _ = b.keys(5, seed=4)
-            await b.put(backend, keys[:2], _values(2, b.pool.slot_nbytes, seed=4))
+            await b.put(backend, keys[:2], random_values(2, b.pool.slot_nbytes, seed=4))
             flags = list(await backend.exists(b.key_batch(keys)))
             assert len(flags) == 5
             assert flags[:3] == [True, True, False]
@@ -247,7 +148,7 @@ class BackendConformance:
     async def test_delete_removes_and_ignores_missing(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:
             keys, _ = b.keys(4, seed=5)
-            await b.put(backend, keys, _values(4, b.pool.slot_nbytes, seed=5))
+            await b.put(backend, keys, random_values(4, b.pool.slot_nbytes, seed=5))
             await backend.delete([keys[1], keys[3], "conformance@0123456789abcdef@0-1@none"])
             # A backend may answer False for everything after the first missing key, so ask
             # about each key on its own too.
@@ -261,8 +162,8 @@ class BackendConformance:
         async with self._batches(backend) as b:
             keys, _ = b.keys(2, seed=6)
             first, second = (
-                _values(2, b.pool.slot_nbytes, seed=6),
-                _values(2, b.pool.slot_nbytes, 7),
+                random_values(2, b.pool.slot_nbytes, seed=6),
+                random_values(2, b.pool.slot_nbytes, 7),
             )
             await b.put(backend, keys, first)
             assert await b.put(backend, keys, second) == [BlockStatus.OK] * 2
@@ -286,10 +187,63 @@ class BackendConformance:
             assert list(records[2]) == []
             assert all(e.key == keys[0] for e in records[0])
 
+    async def test_a_block_not_reported_ok_is_never_visible(self, backend: StorageBackend) -> None:
+        """A put publishes exactly the blocks it reports ``OK``: a fresh key reported
+        otherwise is visible at no time, during the call or after it, and one reported ``OK``
+        is visible and whole once the call returns. (A store that stores every block passes
+        at once; one that fails some blocks must never show them, not even for a moment.)"""
+        async with self._batches(backend) as b:
+            keys, _ = b.keys(16, seed=40)
+            values = random_values(16, b.pool.slot_nbytes, seed=40)
+            seen: set[str] = set()
+            statuses: list[BlockStatus] = []
+            async with _watching(backend, b, keys, seen) as vanished:
+                for lo in range(0, 16, 4):
+                    statuses += await b.put(backend, keys[lo : lo + 4], values[lo : lo + 4])
+            assert not vanished, f"blocks seen stored, then gone: {sorted(set(vanished))}"
+            ok = {k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.OK}
+            assert seen <= ok, f"seen during the put, then reported not stored: {seen - ok}"
+            got_statuses, got = await b.get(backend, keys)
+            for key, status, value, want in zip(keys, got_statuses, got, values, strict=True):
+                assert list(await backend.exists(b.key_batch([key]))) == [key in ok]
+                if key in ok:
+                    assert status is BlockStatus.OK and value == want
+                else:
+                    assert status is BlockStatus.MISSING
+
+    async def test_a_published_block_stays_until_deleted(self, backend: StorageBackend) -> None:
+        """Once visible, a block stays visible until it is deleted (or evicted): writers
+        storing the same keys at once (two requests of one prompt prefix do) never make it
+        disappear, not even for a moment, whatever their puts report."""
+        async with self._batches(backend) as b:
+            keys, _ = b.keys(8, seed=41)
+            values = random_values(8, b.pool.slot_nbytes, seed=41)
+            published: set[str] = set()
+
+            async def writer(w: int) -> None:
+                for _ in range(3):
+                    for lo in range(w % 2, 8, 4):
+                        hi = min(lo + 4, 8)
+                        got = await b.put(backend, keys[lo:hi], values[lo:hi])
+                        published.update(
+                            k for k, s in zip(keys[lo:hi], got, strict=True) if s is BlockStatus.OK
+                        )
+
+            async with (
+                _watching(backend, b, keys, published) as vanished,
+                anyio.create_task_group() as tg,
+            ):
+                for w in range(4):
+                    tg.start_soon(writer, w)
+            assert not vanished, f"published blocks disappeared: {sorted(set(vanished))}"
+            statuses, got = await b.get(backend, sorted(published, key=keys.index))
+            assert set(statuses) <= {BlockStatus.OK}
+            assert got == [values[keys.index(k)] for k in sorted(published, key=keys.index)]
+
     async def test_concurrent_calls(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:
             groups = [b.keys(4, seed=10 + g)[0] for g in range(6)]
-            values = [_values(4, b.pool.slot_nbytes, seed=10 + g) for g in range(6)]
+            values = [random_values(4, b.pool.slot_nbytes, seed=10 + g) for g in range(6)]
             results: dict[int, list[BlockStatus]] = {}
 
             async def put(g: int) -> None:
@@ -312,7 +266,7 @@ class BackendConformance:
     async def test_a_cancelled_put_leaves_the_backend_usable(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:
             keys, _ = b.keys(8, seed=20)
-            values = _values(8, b.pool.slot_nbytes, seed=20)
+            values = random_values(8, b.pool.slot_nbytes, seed=20)
             with anyio.CancelScope() as scope:
                 scope.cancel()
                 await b.put(backend, keys, values)

@@ -11,7 +11,8 @@ Kinds:
 ``latency``   sleep first (``latency``: seconds, or ``["uniform", lo, hi]`` / ``["exp", mean]``)
 ``hang``      never answer (until the caller's cancel scope ends the call)
 ``error``     raise (``error``: ``"OSError"``, ``"RuntimeError"``, ``"TimeoutError"``)
-``partial``   put: some blocks — leading or not — are not stored and reported ``FAILED``;
+``partial``   put: some blocks — leading or not — are reported ``FAILED`` and never stored
+              (only the runs of the others reach the inner store);
               get: some blocks reported ``FAILED``
 ``lie``       exists: some missing keys reported present
 ``corrupt``   get: some fetched blocks get a byte flipped, reported ``OK``
@@ -25,6 +26,7 @@ was injected, and the outcome — the input of the invariant checker (:mod:`.inv
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import tomllib
@@ -186,7 +188,6 @@ class FaultyStore(StorageBackend):
         self.calls: list[StoreCall] = []
         self._counts: dict[str, int] = {}
         self._tg: anyio.abc.TaskGroup | None = None
-        self._ok: set[str] = set()
         self.background = 0
 
     async def __aenter__(self) -> FaultyStore:
@@ -260,39 +261,34 @@ class FaultyStore(StorageBackend):
         self, batch: PutBatch, call: StoreCall, rng: random.Random, rules: list[FaultRule]
     ) -> list[BlockStatus]:
         await self._prelude(call, rng, rules)
-        hit = sorted({i for r in rules if r.kind == "partial" for i in r.picked(len(batch), rng)})
-        # A partial put leaves out blocks it did not store before; a key that was already
-        # there (or that another put has stored meanwhile) stays: the store loses nothing.
-        # (asked one key at a time: a backend may answer False for everything after the
-        # first missing key of a batch)
-        before = {
-            i: (
-                await self.inner.exists(
-                    KeyBatch(
-                        batch.scope,
-                        batch.request_id,
-                        [batch.keys[i]],
-                        batch.first_block + i,
-                        batch.token_prefix,
-                    )
-                )
-            )[0]
-            for i in hit
-        }
+        hit = {i for r in rules if r.kind == "partial" for i in r.picked(len(batch), rng)}
         late = next((r for r in rules if r.kind == "late"), None)
         if late is not None:
-            statuses = await self._late(call, late.delay(rng), batch, self.inner.put_blocks)
-        else:
-            statuses = list(await self.inner.put_blocks(batch))
-        if hit:
-            await self.inner.delete(
-                [batch.keys[i] for i in hit if not before[i] and batch.keys[i] not in self._ok]
+            statuses = await self._late(
+                call, late.delay(rng), batch, functools.partial(self._put_runs, hit=hit)
             )
-            for i in hit:
-                statuses[i] = BlockStatus.FAILED
-        self._ok.update(k for k, s in zip(batch.keys, statuses, strict=True) if s is BlockStatus.OK)
+        else:
+            statuses = await self._put_runs(batch, hit)
         if any(s is not BlockStatus.OK for s in statuses):
             call.outcome = "incomplete"
+        return statuses
+
+    async def _put_runs(self, batch: PutBatch, hit: set[int]) -> list[BlockStatus]:
+        """Store only the runs of blocks not in ``hit`` (each a sub-batch over the same
+        staging); the blocks in ``hit`` are reported ``FAILED`` and never reach the inner
+        store, so no reader ever sees them (and nothing already stored is taken back)."""
+        statuses = [BlockStatus.FAILED] * len(batch)
+        start = 0
+        while start < len(batch):
+            if start in hit:
+                start += 1
+                continue
+            stop = start
+            while stop < len(batch) and stop not in hit:
+                stop += 1
+            run = batch if stop - start == len(batch) else batch.sub_batch(start, stop)
+            statuses[start:stop] = await self.inner.put_blocks(run)
+            start = stop
         return statuses
 
     async def _late(

@@ -18,7 +18,7 @@ from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import FileStore
 from kvpipe.backends.file._catalog import Catalog
 from kvpipe.backends.file._format import HEADER_NBYTES
-from kvpipe.testing.conformance import Batches
+from kvpipe.testing.batches import Batches
 from tests.backends.test_file_hostile import (
     VALUE,
     batches,

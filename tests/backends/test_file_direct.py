@@ -23,7 +23,7 @@ from kvpipe.backends.file import _direct, _fileio, _native
 from kvpipe.backends.file._format import HEADER_NBYTES, PAGE, file_nbytes, unpack_header
 from kvpipe.backends.file._fs import DirectIORefused, Root
 from kvpipe.backends.file._inspect import inspect_store
-from kvpipe.testing.conformance import Batches
+from kvpipe.testing.batches import Batches
 
 from .test_file_hostile import block_file
 

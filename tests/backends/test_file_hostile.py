@@ -31,7 +31,7 @@ from kvpipe._staging import StagingPool, ThreadRunner
 from kvpipe.backends import BlockStatus, GetBatch, PutBatch, StorageBackend
 from kvpipe.backends.file import FileStore
 from kvpipe.backends.file._format import HEADER_NBYTES, block_location, pack_header
-from kvpipe.testing.conformance import Batches
+from kvpipe.testing.batches import Batches
 
 pytestmark = pytest.mark.usefixtures("file_io")
 

@@ -23,7 +23,7 @@ from kvpipe.backends.file import FileStore, StoreReport, inspect_store
 from kvpipe.backends.file._catalog import Catalog
 from kvpipe.backends.file._format import HEADER_NBYTES, block_location, temp_name
 from kvpipe.backends.file._fs import HOST
-from kvpipe.testing.conformance import Batches
+from kvpipe.testing.batches import Batches
 from tests.backends.test_file_hostile import (
     SCOPE,
     VALUE,

@@ -32,6 +32,13 @@ class TestMooncakeConformance(BackendConformance):
         ) as store:
             yield store
 
+    async def test_a_published_block_stays_until_deleted(self, backend: StorageBackend) -> None:
+        pytest.skip(
+            "MooncakeStore breaks this: batch_upsert_from of a stored key hides it from "
+            "batch_is_exist until the upsert completes (about half of the probes during "
+            "re-puts answer False); see docs/backends.md, MooncakeStore"
+        )
+
 
 async def test_unreachable_master_is_a_backend_error() -> None:
     from kvpipe.backends.mooncake_local import free_port

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -141,3 +142,45 @@ async def test_corrupt_gets_flip_bytes_and_lies_invent_keys() -> None:
         assert all(g != v for g, v in zip(got, values, strict=True))
         assert [c.injected for c in store.calls if c.op == "get"] == [["corrupt"]]
     assert np.sum(np.frombuffer(got[0], np.uint8) != np.frombuffer(values[0], np.uint8)) == 1
+
+
+@pytest.mark.parametrize("inner", ["memory", "file"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_partial_puts_keep_the_visibility_contract(
+    inner: str, seed: int, tmp_path: Path
+) -> None:
+    """With half of its puts partial the wrapper still publishes exactly what it reports
+    OK and never takes a block back (the conformance suite's two visibility checks; the file
+    store's worker threads leave other tasks room to look while a put is in flight)."""
+    suite = BackendConformance()
+    plan = FaultPlan(seed, (FaultRule("put", "partial", probability=0.5, blocks=0.4),))
+    async with (
+        kvpipe.MemoryStore() if inner == "memory" else kvpipe.FileStore(tmp_path) as truth,
+        FaultyStore(truth, plan) as store,
+    ):
+        await suite.test_a_block_not_reported_ok_is_never_visible(store)
+        await suite.test_a_published_block_stays_until_deleted(store)
+        assert any(c.outcome == "incomplete" for c in store.calls if c.op == "put")
+
+
+async def test_a_late_partial_put_stores_only_what_it_reports_ok() -> None:
+    suite = BackendConformance()
+    inner = kvpipe.MemoryStore()
+    plan = FaultPlan(
+        0,
+        (
+            FaultRule("put", "partial", calls=(0,), blocks=0.3),  # seed 0: block 2 of 4
+            FaultRule("put", "late", calls=(0,), latency=5.0),
+        ),
+    )
+    async with FaultyStore(inner, plan) as store, suite._batches(store) as b:
+        keys, _ = b.keys(4)
+        values = [bytes([i]) * b.pool.slot_nbytes for i in range(4)]
+        with anyio.move_on_after(1):
+            await b.put(store, keys, values)
+        assert inner.keys() == [] and b.pool.in_use == 4
+        await anyio.sleep(10)  # the late put finished after its caller left
+        assert sorted(inner.keys()) == sorted([keys[0], keys[1], keys[3]])
+        assert b.pool.in_use == 0 and store.calls[0].outcome == "cancelled"
+        statuses = await b.put(store, keys, values)  # call #1: no fault
+        assert statuses == [BlockStatus.OK] * 4
