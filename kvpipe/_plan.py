@@ -7,7 +7,7 @@ the tests check them directly.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import final
 
 import numpy as np
@@ -155,16 +155,15 @@ class CopyPlan:
     segments: tuple[CopySegment, ...]
     runs: tuple[BlockRun, ...]
     payload_nbytes: int
+    #: Blocks the plan moves.
+    blocks: int = field(init=False)
+    #: Payload bytes the plan moves.
+    nbytes: int = field(init=False)
 
-    @property
-    def blocks(self) -> int:
-        """Blocks the plan moves."""
-        return sum(r.length for r in self.runs)
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes the plan moves."""
-        return self.blocks * self.payload_nbytes
+    def __post_init__(self) -> None:
+        blocks = sum(r.length for r in self.runs)
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "nbytes", blocks * self.payload_nbytes)
 
 
 def copy_plan(

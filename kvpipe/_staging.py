@@ -145,6 +145,12 @@ class StagingPool:
         """Leases not yet fully released."""
         return self._leases
 
+    def try_acquire(self, count: int) -> StagingLease | None:
+        """Lease ``count`` slots if they are free now and nobody is waiting; else ``None``."""
+        if not self._waiters and 1 <= count <= len(self._free):
+            return self._lease(self._take(count))
+        return None
+
     async def acquire(self, count: int) -> StagingLease:
         """Lease ``count`` slots, waiting (first come, first served) until they are free.
 

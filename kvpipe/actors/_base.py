@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, final
 
 import anyio
+import anyio.abc
 import numpy as np
 import numpy.typing as npt
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -315,7 +316,10 @@ class Actor(abc.ABC, Generic[M]):
     ) -> None:
         self.ctx = ctx
         self.inbox = inbox
-        self._limiter = anyio.Semaphore(concurrency) if concurrency else None
+        self._limit = concurrency
+        self._workers = 0
+        self._idle = 0
+        self._tg: anyio.abc.TaskGroup | None = None
         self._held: Counter[RequestState] = Counter()
 
     def held_requests(self) -> list[RequestState]:
@@ -323,32 +327,76 @@ class Actor(abc.ABC, Generic[M]):
         return [s for s, n in self._held.items() if n > 0]
 
     async def run(self) -> None:
-        """Receive and handle messages until the inbox is closed."""
-        async with anyio.create_task_group() as tg:
-            async for msg in self.inbox:
-                if self._limiter is not None:
-                    await self._limiter.acquire()
-                tg.start_soon(self._dispatch, msg)
+        """Receive and handle messages until the inbox is closed and drained.
+
+        Messages are handled by worker tasks that live as long as the actor: one to start
+        with, another whenever all of them are busy (up to the actor's concurrency), so a
+        message costs no new task once the actor has warmed up.
+        """
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                self._spawn()
+        finally:
+            self._tg = None
+
+    def _spawn(self) -> None:
+        assert self._tg is not None
+        self._workers += 1
+        self._tg.start_soon(self._worker)
+
+    async def _worker(self) -> None:
+        while True:
+            self._idle += 1
+            try:
+                msg = await self.inbox.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            finally:
+                self._idle -= 1
+            if self._idle == 0 and (self._limit is None or self._workers < self._limit):
+                self._spawn()
+            await self._dispatch(msg)
+            del msg
 
     async def _dispatch(self, msg: M) -> None:
         state = self.state_of(msg)
         self._held[state] += 1
         try:
-            try:
-                self.ctx.hooks.on_message(self.name, state.request_id)
-            except BaseException:
-                self.discard(msg)
-                raise
-            await self.handle(msg)
-        finally:
-            if self._limiter is not None:
-                self._limiter.release()
+            self.ctx.hooks.on_message(self.name, state.request_id)
+        except BaseException:
+            self.discard(msg)
+            raise
+        await self.handle(msg)
         # Only a normal return lets go of the request: if the handler raised, or was
         # cancelled because a sibling raised, the actor is crashing while holding it, and
         # the supervisor must fail it.
         self._held[state] -= 1
         if self._held[state] <= 0:
             del self._held[state]
+
+    def try_send(self, stage: str, msg: Any) -> bool | None:
+        """Send ``msg`` now if the inbox of ``stage`` has room: ``True`` when sent, ``None``
+        when it is full, ``False`` when the pipeline is closing."""
+        try:
+            self.ctx.outboxes[stage].send_nowait(msg)
+        except anyio.WouldBlock:
+            return None
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return False
+        return True
+
+    async def send_until(self, stage: str, msg: Any, deadline: float) -> bool | None:
+        """Send ``msg`` to the inbox of ``stage``, waiting while it is full until
+        ``deadline`` at most: ``True`` when sent, ``None`` when the deadline passed first,
+        ``False`` when the pipeline is closing. Either way but ``True``, the sender still
+        owns what ``msg`` carries. (No cancel scope unless the inbox is full.)"""
+        sent = self.try_send(stage, msg)
+        if sent is not None:
+            return sent
+        with anyio.move_on_at(deadline):
+            return await self.send(stage, msg)
+        return None
 
     async def send(self, stage: str, msg: Any) -> bool:
         """Send ``msg`` to the inbox of ``stage`` (waits while it is full).

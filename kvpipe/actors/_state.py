@@ -224,7 +224,8 @@ class WriteState(SlicedState):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.machine = WriteMachine(self.request_id, self.start_block, self.end_block, self.started)
-        self._turn = anyio.Event()
+        #: One event per slice waiting for its turn: a slice done wakes the next one only.
+        self._turns: dict[int, anyio.Event] = {}
 
     @property
     def error(self) -> BaseException | None:
@@ -241,9 +242,10 @@ class WriteState(SlicedState):
 
     async def wait_turn(self, index: int) -> bool:
         """Wait until slice ``index`` may go to the store; ``False`` if the write ended."""
-        while not self.machine.ended and self.machine.turn != index:
-            await self._turn.wait()
-        return not self.machine.ended
+        m = self.machine
+        while not m.ended and m.turn != index:
+            await self._turns.setdefault(index, anyio.Event()).wait()
+        return not m.ended
 
     def planned(self, skipped: int, slices: tuple[SliceSpec, ...]) -> None:
         """The probe found ``skipped`` leading blocks stored; the rest go as ``slices``."""
@@ -253,8 +255,9 @@ class WriteState(SlicedState):
     def slice_done(self, outcome: SliceOutcome, detail: str | None = None) -> None:
         """Record a slice's outcome; the first incomplete slice ends the write."""
         self.machine.slice_done(outcome, detail, anyio.current_time())
-        self._turn.set()
-        self._turn = anyio.Event()
+        turn = self._turns.pop(self.machine.turn, None)
+        if turn is not None:
+            turn.set()
         self._sync()
 
     def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
@@ -282,7 +285,9 @@ class WriteState(SlicedState):
     def _sync(self) -> None:
         if not self.machine.ended or self.done:
             return
-        self._turn.set()
+        turns, self._turns = self._turns, {}
+        for turn in turns.values():
+            turn.set()
         self._ended()
         result = self.machine.result
         if result is not None and not result.complete:

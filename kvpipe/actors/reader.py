@@ -44,8 +44,7 @@ class Reader(Actor[SliceJob]):
             corrupt = await self._fetch(msg)
             if msg.valid:
                 state = msg.state
-                with anyio.move_on_at(state.deadline):
-                    owned = not await self.send("swapper", msg)
+                owned = await self.send_until("swapper", msg, state.deadline) is not True
                 if owned:
                     assert isinstance(state, ReadState)
                     state.stop_at(msg.spec.first_block, "total_timeout", [msg.spec.first_block])

@@ -8,6 +8,10 @@ slices.
 
 from __future__ import annotations
 
+import anyio
+import anyio.lowlevel
+
+from .._plan import SliceSpec
 from ._base import Actor, SliceJob
 from ._state import ReadState, RequestState, WriteState
 
@@ -32,16 +36,7 @@ class Slicer(Actor[WriteState | ReadState]):
             elif msg.stopped_before(spec.first_block):
                 msg.resolve(spec.index, 0)
                 continue
-            sent = False
-            # Ends at the deadline, when the request ends, or (reads) when loading stops
-            # before this slice: a cancelled request does not keep waiting for staging.
-            with msg.bound(msg.deadline, ("lease", spec.index), spec.first_block):
-                lease = await self.ctx.pool.acquire(spec.count)
-                try:
-                    sent = await self.send(stage, SliceJob(msg, spec, lease))
-                finally:
-                    if not sent:
-                        lease.release()
+            sent = await self._lease_and_send(msg, spec, stage)
             if not sent:
                 detail = "deadline passed waiting for staging or a full queue"
                 if isinstance(msg, WriteState):
@@ -50,3 +45,32 @@ class Slicer(Actor[WriteState | ReadState]):
                 if not msg.stopped_before(spec.first_block):
                     msg.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
                 msg.resolve(spec.index, 0)
+
+    async def _lease_and_send(
+        self, msg: WriteState | ReadState, spec: SliceSpec, stage: str
+    ) -> bool:
+        """Lease the slice's staging and send it on; ``False`` when that could not be done by
+        the deadline (or the request ended, or the pipeline is closing). Without waiting
+        when staging is free and the next inbox has room; else in a cancel scope that ends
+        at the deadline, when the request ends, or (reads) when loading stops before this
+        slice: a cancelled request does not keep waiting for staging."""
+        lease = self.ctx.pool.try_acquire(spec.count)
+        if lease is not None:
+            sent = self.try_send(stage, SliceJob(msg, spec, lease))
+            if sent is not None:
+                if not sent:
+                    lease.release()
+                # Let the receiver start on it before the next slice is sent: slices reach
+                # the store in the order they were planned, whatever the scheduler's order.
+                await anyio.lowlevel.checkpoint()
+                return sent
+        sent = False
+        with msg.bound(msg.deadline, ("lease", spec.index), spec.first_block):
+            if lease is None:
+                lease = await self.ctx.pool.acquire(spec.count)
+            try:
+                sent = await self.send(stage, SliceJob(msg, spec, lease))
+            finally:
+                if not sent:
+                    lease.release()
+        return sent

@@ -56,13 +56,15 @@ class Swapper(Actor[SliceJob]):
         blocks = state.block_ids[spec.first_block : spec.end_block]
         if ctx.keep_values:
             job.data = private_lease(ctx.pool.slot_nbytes, spec.count)
-        with anyio.CancelScope(shield=True):
-            await self._gather_and_seal(job, blocks, ctx.digests_of(state, spec))
-        with anyio.move_on_at(state.deadline):
-            return await self.send("writer", job)
-        assert isinstance(state, WriteState)
-        state.end("total_timeout", "deadline passed waiting for the writer")
-        return False
+        # Not shielded: a gather cut off by the actor's cancellation (a crash nearby, or a
+        # close past its deadline) leaves its thread running with its own hold on the
+        # staging, and the job is dropped, so no half-gathered slot is ever sent.
+        await self._gather_and_seal(job, blocks, ctx.digests_of(state, spec))
+        sent = await self.send_until("writer", job, state.deadline)
+        if sent is None:
+            assert isinstance(state, WriteState)
+            state.end("total_timeout", "deadline passed waiting for the writer")
+        return bool(sent)
 
     async def _gather_and_seal(self, job: SliceJob, blocks: Any, digests: list[bytes]) -> None:
         ctx, state, staging = self.ctx, job.state, job.staging

@@ -45,10 +45,13 @@ class Writer(Actor[SliceJob]):
     async def _write(self, job: SliceJob) -> None:
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, WriteState)
-        with anyio.move_on_at(state.deadline) as waited:
-            if not await state.wait_turn(spec.index):
+        if not state.machine.is_turn(spec.index):
+            with anyio.move_on_at(state.deadline) as waited:
+                if not await state.wait_turn(spec.index):
+                    return
+            if waited.cancelled_caught:
                 return
-        if waited.cancelled_caught or state.done:
+        if state.done:
             # The deadline passed while an earlier slice was still in flight: that slice's
             # own scope ends at the same deadline and reports the outcome. Just drop this one.
             return
