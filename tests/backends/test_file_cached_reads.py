@@ -12,10 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvpipe
+from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import _native
 from kvpipe.backends.file._direct import Scratch, probe_direct
 from kvpipe.backends.file._fs import Root
 from kvpipe.backends.file._sysio import cached_pages
+
+from .test_file_direct import LARGE, batches, values
+from .test_file_hostile import block_file
 
 PAGE = mmap.PAGESIZE
 #: Sixteen pages and a part of one.
@@ -159,3 +164,34 @@ def test_without_cachestat_the_cached_part_then_the_rest_directly(
     direct = [offset for offset, flags in calls if not flags]
     # (a read-ahead the first miss started may have cached more before the rest is read)
     assert not direct or (direct[0] % PAGE == 0 and direct[0] >= cached_pages * PAGE)
+
+
+@pytest.mark.parametrize("durability", ["none", "data"])
+async def test_the_store_reads_what_the_cache_lacks_past_it_in_every_durability(
+    tmp_path: Path, file_io: str, durability: Any
+) -> None:
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT here")
+    async with kvpipe.FileStore(tmp_path, durability=durability) as store, batches() as b:
+        keys, _ = b.keys(4, seed=3)
+        vals = values(4, LARGE, 3)
+        assert await b.put(store, keys, vals) == [BlockStatus.OK] * 4
+        paths = [block_file(tmp_path, k) for k in keys]
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        statuses, got = await b.get(store, keys)
+        assert statuses == [BlockStatus.OK] * 4 and got == vals
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                pages = cached_pages(fd)
+            finally:
+                os.close(fd)
+            if pages is None:
+                pytest.skip("no cachestat here")
+            assert pages == 0  # read past the page cache, not into it
