@@ -49,18 +49,22 @@ unit: $(VENV)/.test-$(HASH)
 
 ## bench: the whole benchmark suite, baselines measured in the same run (under 10 minutes):
 ## the file store vs raw files, MooncakeStore vs the direct Mooncake client, the memory store
-## vs plain numpy, sweeps, scaling, event-loop lag and actor overhead. Writes
+## vs plain numpy, sweeps, scaling, event-loop lag, actor overhead, the FastDeploy adapter
+## from 4 threads vs the pipeline on its own loop (integration), and an ASGI server's latency
+## while kvpipe and a hand-written offload move blocks (server). Writes
 ## docs/benchmarks/*.{json,md}, the generated sections of docs/performance.md and
 ## docs/img/*.png.
 bench: system-deps $(VENV)/.base-$(HASH)
 	@$(BIN)/python -c 'import mooncake.store' 2>/dev/null || $(PIP) install --quiet -e '.[mooncake]'
-	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(PIP) install --quiet -e '.[plots]'
+	@$(BIN)/python -c 'import matplotlib, uvicorn' 2>/dev/null || $(PIP) install --quiet -e '.[bench]'
+	@$(BIN)/python -c 'import paddle' 2>/dev/null || $(PIP) install --quiet -e '.[paddle]'
 	mkdir -p docs/benchmarks docs/img
 	$(BIN)/kvpipe bench --scenario file --json docs/benchmarks/file.json --markdown docs/benchmarks/file.md
 	$(BIN)/kvpipe bench --scenario mooncake --json docs/benchmarks/mooncake.json \
 	  --markdown docs/benchmarks/mooncake.md
 	$(BIN)/kvpipe bench --scenario memory --scenario sweeps --scenario scaling \
-	  --scenario lag --scenario overhead --json docs/benchmarks/suite.json \
+	  --scenario lag --scenario overhead --scenario integration --scenario server \
+	  --json docs/benchmarks/suite.json \
 	  --markdown docs/benchmarks/suite.md --plot docs/img --doc docs/performance.md
 
 clean:

@@ -18,7 +18,9 @@ The answer says how many blocks were reused from storage and how many computed. 
 - ``POST /generate`` ``{"tokens": [int, ...]}`` → ``{"blocks", "reused", "computed",
   "verified", "lookup", "written", "skipped", ...}``
 - ``GET /metrics`` — kvpipe's :class:`kvpipe.PipelineMetrics` registry, plus the server's
-  own event-loop lag histogram registered in the same registry
+  own event-loop lag histogram registered in the same registry (needs ``prometheus_client``:
+  ``pip install 'kvpipe[metrics]'``; without it the server runs and ``/metrics`` answers 503
+  with that command)
 - ``GET /health`` — status, totals, and the event-loop lag (p50/p99/max) since start or since
   the last ``POST /lag/reset``. A ticker task measures its own lateness every millisecond.
 
@@ -29,7 +31,7 @@ Run it and send it a request::
         http://127.0.0.1:8000/generate
 
 It prints ``listening on http://127.0.0.1:PORT`` when ready (``--port 0``: any free port) and
-a summary line when stopped (Ctrl-C or SIGTERM). Needs ``pip install 'kvpipe[metrics]'``.
+a summary line when stopped (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
@@ -48,9 +50,15 @@ from typing import Any
 import anyio
 import numpy as np
 import numpy.typing as npt
-from prometheus_client import Histogram
 
 import kvpipe
+
+try:
+    import prometheus_client
+except ImportError:  # /metrics is off; everything else runs without it
+    prometheus_client = None
+
+METRICS_INSTALL = "pip install 'kvpipe[metrics]'"
 
 LAYOUT = kvpipe.CacheLayout.gqa(
     num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16"
@@ -179,13 +187,17 @@ class Engine:
 class LagMeter:
     """A ticker's lateness: how much later than asked its 1 ms sleeps wake up."""
 
-    def __init__(self, metrics: kvpipe.PipelineMetrics) -> None:
+    def __init__(self, metrics: kvpipe.PipelineMetrics | None) -> None:
         self.samples: collections.deque[float] = collections.deque(maxlen=600_000)
-        self.histogram = Histogram(
-            "embedded_loop_lag_seconds",
-            "How late the server's 1 ms ticker woke up.",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
-            registry=metrics.registry,  # next to kvpipe's metrics, on the same page
+        self.histogram = (
+            None
+            if metrics is None
+            else prometheus_client.Histogram(
+                "embedded_loop_lag_seconds",
+                "How late the server's 1 ms ticker woke up.",
+                buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+                registry=metrics.registry,  # next to kvpipe's metrics, on the same page
+            )
         )
 
     async def run(self) -> None:
@@ -195,7 +207,8 @@ class LagMeter:
             await asyncio.sleep(TICK)
             lag = max(0.0, loop.time() - started - TICK)
             self.samples.append(lag)
-            self.histogram.observe(lag)
+            if self.histogram is not None:
+                self.histogram.observe(lag)
 
     def summary(self) -> dict[str, float]:
         data = np.array(self.samples) if self.samples else np.zeros(1)
@@ -211,7 +224,9 @@ class LagMeter:
 class Server:
     """The HTTP/1.1 front: one request per connection."""
 
-    def __init__(self, engine: Engine, metrics: kvpipe.PipelineMetrics, lag: LagMeter) -> None:
+    def __init__(
+        self, engine: Engine, metrics: kvpipe.PipelineMetrics | None, lag: LagMeter
+    ) -> None:
         self.engine, self.metrics, self.lag = engine, metrics, lag
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -246,6 +261,9 @@ class Server:
         body = await asyncio.wait_for(reader.readexactly(length), 10) if length else b""
         path = target.split("?")[0]
         if (method, path) == ("GET", "/metrics"):
+            if self.metrics is None:
+                note = f"metrics are off: prometheus_client is not installed ({METRICS_INSTALL})\n"
+                return "503 Service Unavailable", "text/plain", note.encode()
             page, ctype = self.metrics.exposition()
             return "200 OK", ctype, page
         if (method, path) == ("GET", "/health"):
@@ -306,7 +324,10 @@ async def serve(args: argparse.Namespace) -> int:
         pipe = await stack.enter_async_context(
             kvpipe.open_pipeline(cache, store, config=config, namespace="embedded")
         )
-        metrics = kvpipe.PipelineMetrics(pipe)
+        metrics = kvpipe.PipelineMetrics(pipe) if prometheus_client is not None else None
+        if metrics is None:
+            note = f"/metrics is off: prometheus_client is not installed ({METRICS_INSTALL})"
+            print(note, file=sys.stderr)
         lag = LagMeter(metrics)
         app = Server(Engine(pipe), metrics, lag)
         server = await asyncio.start_server(app.handle, "127.0.0.1", args.port)

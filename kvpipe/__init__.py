@@ -19,6 +19,7 @@ from ._errors import OperationTimeout as OperationTimeout
 from ._errors import PipelineClosed as PipelineClosed
 from ._errors import RequestError as RequestError
 from ._errors import Unsupported as Unsupported
+from ._errors import WrongEventLoop as WrongEventLoop
 from ._layout import CacheLayout as CacheLayout
 from ._results import ActorCrash as ActorCrash
 from ._results import BlockLocation as BlockLocation
@@ -40,6 +41,7 @@ from .backends import MemoryStore as MemoryStore
 from .backends import MooncakeStore as MooncakeStore
 from .backends import PutBatch as PutBatch
 from .backends import StorageBackend as StorageBackend
+from .backends import ValueClient as ValueClient
 from .cuda._hostcache import create_host_cache as create_host_cache
 from .metrics import PipelineMetrics as PipelineMetrics
 from .pipeline import Pipeline as Pipeline
@@ -82,7 +84,9 @@ __all__ = (
     "SliceOutcome",
     "StorageBackend",
     "Unsupported",
+    "ValueClient",
     "WriteResult",
+    "WrongEventLoop",
     "common_prefix",
     "create_host_cache",
     "create_kv_cache",

@@ -14,7 +14,7 @@ their base addresses (:attr:`KVCache.pointers`) and moves their blocks with the 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, cast, final
 
 import numpy as np
@@ -184,12 +184,20 @@ class KVCache:
                 key_scale, value_scale, indexer) or a mapping ``{(role, layer): tensor}``.
 
         Raises:
-            LayoutError: A tensor is missing, extra, or has the wrong dtype, shape,
+            LayoutError: ``layout`` is not a layout or ``tensors`` not a sequence or mapping
+                of tensors; a tensor is missing, extra, or has the wrong dtype, shape,
                 contiguity, or number of blocks; or host and device tensors are mixed, or
                 the tensors are on several devices.
             Unsupported: A tensor lives on a device kvpipe cannot reach.
         """
+        if not isinstance(layout, CacheLayout):
+            raise LayoutError(f"layout must be a kvpipe.CacheLayout, got {type(layout).__name__}")
         order = layout.tensor_order()
+        if isinstance(tensors, str | bytes) or not isinstance(tensors, Iterable):
+            raise LayoutError(
+                "tensors must be a sequence of tensors in contract order or a mapping "
+                f"{{(role, layer): tensor}}, got {type(tensors).__name__}"
+            )
         if isinstance(tensors, Mapping):
             extra = set(tensors) - set(order)
             if extra:

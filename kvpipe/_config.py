@@ -37,10 +37,16 @@ class PipelineConfig:
         total_timeout: Seconds a whole write or read may take, from the call.
         lookup_timeout: Seconds a ``lookup`` / ``locate`` / ``flush_index`` may take.
         staging_bytes: Bytes of host staging memory (the bounded pool every slice borrows
-            from). A slice larger than the pool is cut to fit (logged at open).
+            from). A slice larger than the pool is cut to fit (logged at open). At most the
+            machine's physical memory.
         queue_depth: Capacity of every channel between actors.
         copy_threads: Worker threads for gather/scatter copies on the host path.
         io_threads: Worker threads available to backends for blocking I/O.
+        worker_nice: How much lower than the event loop's thread kvpipe's worker threads
+            (copies, checksums, backend I/O) run: their nice value is raised by this much
+            (Linux; 0 to 19, 0: the same priority). On a machine with few cores this keeps
+            the server's event loop answering while kvpipe copies at full speed
+            (docs/performance.md, event-loop lag).
         node_id: This node's name in the residency index (``flush_index``).
         max_restarts: Crashes of one actor tolerated within ``restart_window`` seconds;
             one more closes the pipeline.
@@ -62,6 +68,7 @@ class PipelineConfig:
     queue_depth: int = 64
     copy_threads: int = 2
     io_threads: int = 8
+    worker_nice: int = 10
     node_id: str = field(default_factory=socket.gethostname)
     max_restarts: int = 3
     restart_window: float = 60.0
@@ -72,7 +79,10 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.type == "int":
+            if f.name == "worker_nice":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+                    raise ConfigError(f.name, f"must be an int from 0 to 19, got {value!r}")
+            elif f.type == "int":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ConfigError(f.name, f"must be an int >= 1, got {value!r}")
             elif f.type == "float":
@@ -85,6 +95,13 @@ class PipelineConfig:
                     raise ConfigError(f.name, f"must be a bool, got {value!r}")
             elif f.type == "str" and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f.name, f"must be a non-empty string, got {value!r}")
+        physical = physical_memory()
+        if physical is not None and self.staging_bytes > physical:
+            raise ConfigError(
+                "staging_bytes",
+                f"{self.staging_bytes} B ({self.staging_bytes / 2**30:.1f} GiB) asked, but this "
+                f"machine has {physical} B ({physical / 2**30:.1f} GiB) of physical memory",
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> PipelineConfig:
@@ -124,6 +141,15 @@ class PipelineConfig:
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory of this machine, or ``None`` where the OS does not say."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
 
 
 def _parse(name: str, kind: str, raw: str) -> Any:

@@ -100,12 +100,20 @@ class CopyEngine(abc.ABC):
             raise RequestError("stream= applies to device caches only; this cache is on the host")
         return None
 
-    async def aclose(self, *, staging_in_use: bool = False) -> None:  # noqa: B027
+    def close_by(self, deadline: float) -> None:  # noqa: B027
+        """Closing has begun: every wait of this engine (copies too) must end by
+        ``deadline`` (event-loop clock). Default: nothing waits."""
+
+    async def aclose(  # noqa: B027
+        self, *, staging_in_use: bool = False, deadline: float | None = None
+    ) -> None:
         """Release the engine's resources (default: nothing).
 
         Args:
             staging_in_use: Something may still use the staging (a worker thread abandoned
                 at close): an engine that owns the staging must leave it allocated.
+            deadline: When closing must be over (event-loop clock); what has not finished
+                by then is abandoned and its memory kept, not freed.
         """
 
 
@@ -133,13 +141,13 @@ class HostEngine(CopyEngine):
         self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
     ) -> None:
         """See :meth:`CopyEngine.gather` (``after`` is always ``None`` for host caches)."""
-        await self._run(plan, gather, plan, self.cache.byte_rows, self.pool.buffer, hold=lease)
+        await self._run(plan, gather, plan, self.cache.byte_rows, lease.pool.buffer, hold=lease)
 
     async def scatter(
         self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
     ) -> None:
         """See :meth:`CopyEngine.scatter`."""
-        await self._run(plan, scatter, plan, self.pool.buffer, self.cache.byte_rows, hold=lease)
+        await self._run(plan, scatter, plan, lease.pool.buffer, self.cache.byte_rows, hold=lease)
 
     async def gather_then(
         self,
@@ -152,7 +160,7 @@ class HostEngine(CopyEngine):
         """See :meth:`CopyEngine.gather_then`: copy and ``then`` in one worker call."""
 
         def both() -> None:
-            gather(plan, self.cache.byte_rows, self.pool.buffer)
+            gather(plan, self.cache.byte_rows, lease.pool.buffer)
             then()
 
         await self._run(plan, both, hold=lease)

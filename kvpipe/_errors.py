@@ -35,6 +35,7 @@ __all__ = (
     "PipelineClosed",
     "RequestError",
     "Unsupported",
+    "WrongEventLoop",
 )
 
 
@@ -64,6 +65,12 @@ class LayoutError(KVPipeError, ValueError):
 
 class PipelineClosed(KVPipeError):
     """The pipeline is closed, closing, or has escalated after repeated actor crashes."""
+
+
+class WrongEventLoop(KVPipeError, RuntimeError):
+    """A pipeline was called from another event loop (or thread) than the one it was opened
+    on. Its actors run on that loop only: open one pipeline per event loop, or hand the call
+    to the pipeline's loop (``anyio.from_thread.run`` with its portal or token)."""
 
 
 class IncompleteRead(KVPipeError):

@@ -12,9 +12,16 @@ import numpy as np
 import numpy.typing as npt
 
 from ._blockformat import check_block, seal_block
-from ._plan import CopyPlan
+from ._plan import CopyPlan, CopySegment
 
-__all__ = ("gather", "scatter", "seal_slots", "verify_slots")
+__all__ = (
+    "gather",
+    "scatter",
+    "scatter_values",
+    "seal_slots",
+    "verify_slots",
+    "verify_values",
+)
 
 Rows = npt.NDArray[np.uint8]
 
@@ -56,4 +63,28 @@ def verify_slots(
     return [
         check_block(staging[slot], payload_nbytes, digest, verify)
         for slot, digest in zip(slots, digests, strict=True)
+    ]
+
+
+def scatter_values(
+    segments: Sequence[CopySegment],
+    values: Sequence[Rows],
+    cache_blocks: Sequence[int] | npt.NDArray[np.int64],
+    rows: Sequence[Rows],
+) -> None:
+    """Copy each value's segments into its cache block (``values[i]`` → ``cache_blocks[i]``):
+    the scatter for values that are not in staging (lent by an in-memory store)."""
+    for value, block in zip(values, cache_blocks, strict=True):
+        b = int(block)
+        for seg in segments:
+            rows[seg.tensor][b] = value[seg.offset : seg.offset + seg.nbytes]
+
+
+def verify_values(
+    values: Sequence[Rows], payload_nbytes: int, digests: Sequence[bytes], verify: bool
+) -> list[str | None]:
+    """Check every value's trailer (and checksum); ``None`` for a sound block."""
+    return [
+        check_block(value, payload_nbytes, digest, verify)
+        for value, digest in zip(values, digests, strict=True)
     ]

@@ -12,18 +12,20 @@ unregistered, copy engine closed).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any, final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._blockformat import value_nbytes
 from ._cache import KVCache
 from ._config import PipelineConfig
 from ._engine import CopyEngine, HostEngine, OrderMark
-from ._errors import ConfigError, PipelineClosed
+from ._errors import ConfigError, PipelineClosed, WrongEventLoop
 from ._keys import Scope
 from ._plan import layout_segments
 from ._results import PipelineStatistics
@@ -37,6 +39,7 @@ from .actors import (
     PipelineHooks,
     Reader,
     Scheduler,
+    SliceJob,
     Slicer,
     Supervisor,
     Swapper,
@@ -128,6 +131,10 @@ class Runtime:
         self.metrics = Metrics()
         self.observers = Observers(self.metrics.counters)
         self._supervisor: Supervisor | None = None
+        self._loop: object = None
+        self._thread = 0
+        #: When closing must be over (event-loop clock): set once, by :meth:`aclose`.
+        self.close_deadline: float | None = None
 
     @property
     def open(self) -> bool:
@@ -150,12 +157,18 @@ class Runtime:
             raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
         self._registered.append(buffer)
 
+    def _deadline(self) -> float:
+        """The close deadline (set once by :meth:`aclose`; a failed open gets its own)."""
+        if self.close_deadline is None:
+            self.close_deadline = anyio.current_time() + self.config.close_timeout
+        return self.close_deadline
+
     async def _unregister(self) -> None:
-        """Unregister what was registered, within ``close_timeout`` seconds in all (a store
-        whose vendor call hangs must not hang the close, which is shielded); past that the
-        staging is marked as possibly still in use, so it is never freed under the store."""
+        """Unregister what was registered, by the close deadline (a store whose vendor call
+        hangs must not hang the close, which is shielded); past that the staging is marked as
+        possibly still in use, so it is never freed under the store."""
         registered, self._registered = self._registered, []
-        with anyio.move_on_after(self.config.close_timeout) as bound:
+        with anyio.move_on_at(self._deadline()) as bound:
             for buffer in registered:
                 try:
                     await self.store.unregister_staging(buffer)
@@ -165,10 +178,9 @@ class Runtime:
             self._unregister_abandoned = True
             _KEPT_STAGING.extend(registered)  # host staging: never freed under the store
             log.error(
-                "unregistering staging from %s took more than %.0f s; going on without it "
-                "(the staging memory is kept, not freed)",
+                "unregistering staging from %s did not end by the close deadline; going on "
+                "without it (the staging memory is kept, not freed)",
                 self.store.name,
-                self.config.close_timeout,
             )
 
     async def _open_device(self) -> None:
@@ -187,18 +199,31 @@ class Runtime:
         )
 
     async def release(self, staging_in_use: bool) -> None:
-        """Unregister staging if still registered, and close the copy engine (after the
-        actors and worker threads are done)."""
+        """After the actors and worker threads are done: unregister staging if still
+        registered, close the copy engine (both by the close deadline), and let go of
+        everything big, so that the staging is freed now by reference counting, whatever
+        still refers to this runtime."""
         with anyio.CancelScope(shield=True):
             await self._unregister()
+        in_use = staging_in_use or self._unregister_abandoned
         engine, self.engine = self.engine, None
         if engine is not None:
-            await engine.aclose(staging_in_use=staging_in_use or self._unregister_abandoned)
+            await engine.aclose(staging_in_use=in_use, deadline=self._deadline())
+        pool, self._pool = self._pool, None
+        if pool is not None and not in_use and not pool.close():
+            log.error("staging still leased after close; keeping it allocated")
+        self._ctx = None
+        self._supervisor = None
+        self._runner = None
+        self._outboxes = {}
+        self._inboxes = {}
 
     async def start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
         """Create the actors' channels and context, and start their supervisor in ``tg``."""
         cfg = self.config
         self._runner = runner
+        self._loop = anyio.lowlevel.current_token().native_token
+        self._thread = threading.get_ident()
         copy_limiter = anyio.CapacityLimiter(cfg.copy_threads)
         pool = self._pool
         assert pool is not None
@@ -225,6 +250,7 @@ class Runtime:
             hooks=self._hooks,
             outboxes=self._outboxes,
             engine=engine,
+            keep_values=self.store.keeps_values and isinstance(engine, HostEngine),
             metrics=self.metrics,
             observers=self.observers,
         )
@@ -267,25 +293,40 @@ class Runtime:
         error = PipelineClosed(f"pipeline closed: {self._closed_reason}")
         for state in list(self._in_flight):
             state.fail(error)
+        self._close_inboxes()
+
+    def _close_inboxes(self) -> None:
+        """No new message: every actor leaves its loop once its inbox is empty."""
+        for send in self._outboxes.values():
+            send.close()
 
     async def aclose(self) -> None:
-        """Stop accepting requests, let in-flight ones finish (at most ``close_timeout``),
-        stop the actors, drain their inboxes and unregister staging. Shielded."""
+        """Close by one deadline, ``close_timeout`` from now: stop accepting requests, let
+        in-flight ones finish until then, fail the rest, close the inboxes and let the actors
+        leave their loops (cancelled only if still running at the deadline), then drain and
+        unregister staging. What is still running at the deadline is abandoned and logged,
+        and its memory kept rather than freed under it. Shielded."""
         with anyio.CancelScope(shield=True):
             if self._ctx is None:
                 return
+            deadline = self._deadline()
             self._open = False
             self._closed_reason = self._closed_reason or "closed"
-            with anyio.move_on_after(self.config.close_timeout):
+            if self.engine is not None:
+                self.engine.close_by(deadline)
+            with anyio.move_on_at(deadline):
                 await self._idle.wait()
             error = PipelineClosed("pipeline closed")
             for state in list(self._in_flight):
                 state.fail(error)
-            if self._supervisor is not None:
-                self._supervisor.stop()
-            for send in self._outboxes.values():
-                send.close()
-            await anyio.lowlevel.checkpoint()
+            self._close_inboxes()
+            supervisor = self._supervisor
+            if supervisor is not None:
+                with anyio.move_on_at(deadline) as waited:
+                    await supervisor.wait_stopped()
+                if waited.cancelled_caught:
+                    log.error("actors still running at the close deadline; cancelling them")
+                    supervisor.cancel()
             for recv in self._inboxes.values():
                 self._drain(recv)
                 recv.close()
@@ -299,15 +340,15 @@ class Runtime:
                 item = recv.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
-            lease = getattr(item, "lease", None)
-            if lease is not None and not lease.released:
-                lease.release()
+            if isinstance(item, SliceJob) and not item.lease.released:
+                item.release()
 
     # -- the common path ---------------------------------------------------------------------
 
     async def run_marked(self, state: WriteState | ReadState, stream: int | None) -> None:
         """:meth:`run` with the producer's mark recorded now (device caches) and released
         when the request has ended (copies still in flight hold their own reference)."""
+        self.check_loop()
         engine = self.engine if self._open else None
         state.after = engine.mark(stream) if engine is not None else None
         try:
@@ -317,8 +358,26 @@ class Runtime:
             if mark is not None:
                 mark.release()
 
+    def check_loop(self) -> None:
+        """Refuse a call from another thread or event loop than the pipeline's own: its
+        actors would never see it, and the caller would wait for its whole deadline.
+
+        Raises:
+            WrongEventLoop: It is not the pipeline's loop.
+        """
+        if self._thread and (
+            threading.get_ident() != self._thread
+            or anyio.lowlevel.current_token().native_token is not self._loop
+        ):
+            raise WrongEventLoop(
+                "this pipeline runs on the event loop of the thread that opened it; it was "
+                "called from another loop or thread (open a pipeline per event loop, or hand "
+                "the call to its loop)"
+            )
+
     async def run(self, state: RequestState) -> None:
         """Submit ``state`` and wait for its end, by its deadline plus the slack."""
+        self.check_loop()
         if not self._open:
             raise PipelineClosed(f"pipeline is not open ({self._closed_reason or 'not started'})")
         self._in_flight.add(state)
@@ -392,8 +451,12 @@ class Runtime:
             device_note=ctx.engine.note if ctx is not None else self._device.note,
             in_flight=dict(kinds),
             queue_depths={
-                stage: recv.statistics().current_buffer_used
-                for stage, recv in self._inboxes.items()
+                stage: (
+                    self._inboxes[stage].statistics().current_buffer_used
+                    if stage in self._inboxes
+                    else 0
+                )
+                for stage in _STAGES
             },
             queue_capacity=self.config.queue_depth,
             restarts=dict(metrics.restarts),

@@ -10,8 +10,10 @@ Waiters are served first come, first served, so a large slice is not starved by 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -22,11 +24,13 @@ import anyio
 import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
-import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ("StagingLease", "StagingPool", "ThreadRunner", "stride_for")
+from ._errors import ConfigError
+from ._workers import WorkerThreads
+
+__all__ = ("StagingLease", "StagingPool", "ThreadRunner", "private_lease", "stride_for")
 
 log = logging.getLogger("kvpipe.staging")
 
@@ -44,6 +48,21 @@ def stride_for(slot_nbytes: int) -> int:
     :data:`PAGE_ALIGNED_SLOT`, else to 64 bytes (a cache line)."""
     align = _PAGE if slot_nbytes >= PAGE_ALIGNED_SLOT else _LINE
     return -(-slot_nbytes // align) * align
+
+
+def _available() -> str:
+    """How much memory the OS reports available (``MemAvailable``), for error messages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return f"{int(line.split()[1]) * 1024} B"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return f"{os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')} B"
+    except (AttributeError, ValueError, OSError):
+        return "an unknown amount"
 
 
 def _page_aligned(shape: tuple[int, int]) -> Rows:
@@ -75,6 +94,7 @@ class StagingPool:
 
     Raises:
         ValueError: No slot, an empty slot, or a ``buffer`` of the wrong shape or type.
+        ConfigError: The buffer cannot be allocated (names the bytes asked and available).
     """
 
     def __init__(self, slot_nbytes: int, capacity_slots: int, buffer: Rows | None = None) -> None:
@@ -85,7 +105,15 @@ class StagingPool:
         self.capacity = capacity_slots
         if buffer is None:
             # Uninitialised: pages are touched (and so resident) only as slots are first used.
-            buffer = _page_aligned((capacity_slots, self.stride))
+            try:
+                buffer = _page_aligned((capacity_slots, self.stride))
+            except MemoryError:
+                raise ConfigError(
+                    "staging_bytes",
+                    f"could not allocate {capacity_slots * self.stride} B of staging "
+                    f"({capacity_slots} slots of {self.stride} B); {_available()} of memory is "
+                    "available now",
+                ) from None
         elif (
             buffer.dtype != np.uint8
             or buffer.shape != (capacity_slots, self.stride)
@@ -167,6 +195,21 @@ class StagingPool:
             waiter.slots = self._take(waiter.count)
             waiter.event.set()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has let go of the buffer."""
+        return self.buffer.size == 0
+
+    def close(self) -> bool:
+        """Let go of the buffer, so it is freed by reference counting as soon as no view of
+        it is left — whatever else still refers to the pool (a traceback, a reference cycle).
+        Kept, and ``False`` returned, while a lease is outstanding (a worker thread abandoned
+        at close may still use it)."""
+        if self._leases:
+            return False
+        self.buffer = np.empty((0, self.stride), np.uint8)
+        return True
+
     def slot(self, index: int) -> Rows:
         """The bytes of one slot (``slot_nbytes`` long)."""
         row: Rows = self.buffer[index, : self.slot_nbytes]
@@ -223,19 +266,26 @@ class StagingLease:
         return [self.view(i).data for i in range(n)]
 
 
+def private_lease(slot_nbytes: int, count: int) -> StagingLease:
+    """``count`` slots of new memory of their own (a pool made for them alone): what a put
+    is gathered into when the store keeps the values it is given."""
+    pool = StagingPool(slot_nbytes, count)
+    return pool._lease(pool._take(count))
+
+
 @final
 class _Call:
     """Who finishes a worker-thread call: its caller, or, when the caller stopped waiting
     while the thread ran, the thread itself (through the event loop). A call whose caller
     gave up before the thread started never starts."""
 
-    __slots__ = ("abandoned", "done", "lock", "started")
+    __slots__ = ("abandoned", "lock", "outcome", "started")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.started = False
-        self.done = False
         self.abandoned = False
+        self.outcome: tuple[bool, Any] | None = None
 
 
 @final
@@ -247,12 +297,14 @@ class ThreadRunner:
     Use as an async context manager; leaving it waits (bounded) for running threads.
     """
 
-    def __init__(self, close_timeout: float = 10.0) -> None:
+    def __init__(self, close_timeout: float = 10.0, *, nice: int = 0) -> None:
+        self._threads = WorkerThreads(nice)
         self._open = False
         self._running = 0
         self._idle = anyio.Event()
         self._idle.set()
         self._close_timeout = close_timeout
+        self._deadline: float | None = None
 
     @property
     def running(self) -> int:
@@ -263,16 +315,24 @@ class ThreadRunner:
         self._open = True
         return self
 
+    def close_by(self, deadline: float) -> None:
+        """Wait for running threads at exit until ``deadline`` (event-loop clock) rather than
+        ``close_timeout`` from then: the pipeline's one close deadline."""
+        self._deadline = deadline
+
     async def __aexit__(self, *exc_info: Any) -> None:
-        with anyio.move_on_after(self._close_timeout, shield=True) as scope:
+        deadline = self._deadline
+        if deadline is None:
+            deadline = anyio.current_time() + self._close_timeout
+        with anyio.move_on_at(deadline, shield=True) as scope:
             await self._idle.wait()
         self._open = False
+        self._threads.shutdown()
         if scope.cancelled_caught:
             log.error(
-                "%d worker thread(s) still running after %.1f s at close; abandoning them "
+                "%d worker thread(s) still running at the close deadline; abandoning them "
                 "(their staging slots stay leased)",
                 self._running,
-                self._close_timeout,
             )
 
     async def run(
@@ -282,7 +342,7 @@ class ThreadRunner:
         hold: StagingLease | None = None,
         limiter: anyio.CapacityLimiter | None = None,
     ) -> T:
-        """Call ``fn(*args)`` in a worker thread and return its result.
+        """Call ``fn(*args)`` in one of the runner's worker threads and return its result.
 
         Cancellation: cancelling the caller stops the wait at once; the thread runs on, and
         ``hold`` stays leased until it returns. Exceptions from ``fn`` propagate.
@@ -299,38 +359,57 @@ class ThreadRunner:
             self._idle = anyio.Event()
         call = _Call()
         token = anyio.lowlevel.current_token()
+        done = anyio.Event()
+        # The thread takes the call out of this box, so nothing of the arguments (staging
+        # views) outlives the call in a worker thread's frame.
+        box: list[Any] = [fn, args]
 
-        def work() -> T | None:
+        def report(ok: bool, value: Any) -> None:  # on the event loop's thread
+            if call.abandoned:
+                self._finish(hold)  # the caller gave up while the thread ran
+            else:
+                call.outcome = (ok, value)
+                done.set()
+
+        def work() -> None:
+            f, a = box
+            box.clear()
             with call.lock:
                 if call.abandoned:
-                    return None  # the caller gave up before it started: do nothing
+                    return  # the caller gave up before it started: do nothing
                 call.started = True
             try:
-                return fn(*args)
-            finally:
-                with call.lock:
-                    call.done = True
-                    abandoned = call.abandoned
-                if abandoned:
-                    # The caller gave up: let go of the staging on the event loop's thread.
-                    try:
-                        anyio.from_thread.run_sync(self._finish, hold, token=token)
-                    except RuntimeError as exc:  # the event loop is gone: nothing to release
-                        log.debug("abandoned worker thread ended after its loop: %s", exc)
+                ok, value = True, f(*a)
+            except BaseException as exc:
+                ok, value = False, exc
+            del f, a
+            try:
+                token.backend_class.run_sync_soon(report, (ok, value), token.native_token)
+            except Exception as exc:  # the event loop is gone: nothing to release
+                log.debug("worker thread ended after its event loop: %r", exc)
 
         try:
-            value = await anyio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+            async with limiter if limiter is not None else contextlib.nullcontext():
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                self._threads.submit(work)
+                await done.wait()
         except BaseException:
             with call.lock:
-                running = call.started and not call.done
+                started = call.started
                 call.abandoned = True
-            if not running:
-                # fn raised, the thread ended as the caller was cancelled, or it never started
-                # (and now never will): nothing uses the staging any more.
-                self._finish(hold)
-            raise  # else the thread finishes the call when it returns
+            if not started:
+                self._finish(hold)  # it never ran, and now never will
+            raise  # else its report finishes the call when it returns
         self._finish(hold)
-        return value  # type: ignore[return-value]
+        outcome, call.outcome = call.outcome, None
+        assert outcome is not None
+        ok, value = outcome
+        if ok:
+            return value  # type: ignore[no-any-return]
+        try:
+            raise value
+        finally:
+            value = None
 
     def _finish(self, hold: StagingLease | None) -> None:
         if hold is not None:

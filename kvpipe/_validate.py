@@ -114,12 +114,15 @@ def check_request(
     start = int(start_block)
     if not 0 <= start <= end:
         raise RequestError(f"start_block {start} is outside [0, {end}]")
-    moved = ids[start:end].astype(np.int64)
-    if len(moved):
-        lo, hi = int(moved.min()), int(moved.max())
+    if len(ids[start:end]):
+        # Range-checked in the ids' own dtype: a uint64 id above the int64 range would wrap
+        # to a negative number in int64 and be reported as one.
+        lo, hi = int(ids[start:end].min()), int(ids[start:end].max())
         if lo < 0 or hi >= num_cache_blocks:
             bad = lo if lo < 0 else hi
             raise RequestError(f"block id {bad} is outside the cache's [0, {num_cache_blocks})")
+    moved = ids[start:end].astype(np.int64)
+    if len(moved):
         if len(np.unique(moved)) != len(moved):
             raise RequestError("block_ids repeats a cache block within the blocks to move")
     return CheckedRequest(tokens, ids[:end].astype(np.int64), start, end)

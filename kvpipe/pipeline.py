@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal, final
 
 import anyio
+import anyio.abc
 
 from ._cache import KVCache
 from ._config import PipelineConfig
@@ -74,6 +75,8 @@ class Pipeline:
             raise ConfigError(
                 "store", f"expected a kvpipe.StorageBackend, got {type(store).__name__}"
             )
+        if store.closed:
+            raise ConfigError("store", f"the {store.name} store is closed; open a new one")
         self.config = config if config is not None else PipelineConfig()
         if not isinstance(self.config, PipelineConfig):
             raise ConfigError("config", "expected a kvpipe.PipelineConfig")
@@ -419,7 +422,9 @@ async def open_pipeline(
         observer=observer,
     )
     runtime = pipe._runtime
-    runner = ThreadRunner(pipe.config.close_timeout)
+    runner = ThreadRunner(pipe.config.close_timeout, nice=pipe.config.worker_nice)
+    error: BaseException | None = None
+    tg: anyio.abc.TaskGroup | None = None
     try:
         await runtime.prepare()
         async with runner, anyio.create_task_group() as tg:
@@ -428,5 +433,19 @@ async def open_pipeline(
                 yield pipe
             finally:
                 await pipe.aclose()
+                if runtime.close_deadline is not None:
+                    runner.close_by(runtime.close_deadline)
+    except BaseExceptionGroup as group:
+        # The actors' task group wraps whatever left the block; the caller sees it as it was
+        # raised (a group only when several things failed at once).
+        if len(group.exceptions) != 1:
+            raise
+        error = group.exceptions[0]
     finally:
+        tg = None  # no frame of a traceback keeps the task group (and its errors)
         await runtime.release(staging_in_use=runner.running > 0)
+    if error is not None:
+        try:
+            raise error
+        finally:
+            error = None

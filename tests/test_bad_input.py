@@ -45,6 +45,12 @@ SYNC: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "staging_bytes",
     ),
     (
+        "config: staging_bytes=2**60 (above physical memory)",
+        lambda: kvpipe.PipelineConfig(staging_bytes=1 << 60),
+        kvpipe.ConfigError,
+        "physical memory",
+    ),
+    (
         "config: node_id=''",
         lambda: kvpipe.PipelineConfig(node_id=""),
         kvpipe.ConfigError,
@@ -110,6 +116,18 @@ SYNC: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "expected 2",
     ),
     (
+        "tensors: not a sequence",
+        lambda: kvpipe.KVCache.from_tensors(L, 5),  # type: ignore[arg-type]
+        kvpipe.LayoutError,
+        "got int",
+    ),
+    (
+        "tensors: not a layout",
+        lambda: kvpipe.KVCache.from_tensors(None, CACHE.tensors()),  # type: ignore[arg-type]
+        kvpipe.LayoutError,
+        "CacheLayout",
+    ),
+    (
         "pipeline: namespace '../../etc'",
         lambda: kvpipe.Pipeline(CACHE, kvpipe.MemoryStore(), namespace="../../etc"),
         kvpipe.ConfigError,
@@ -140,6 +158,18 @@ SYNC: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         lambda: kvpipe.FileStore("/tmp/x", durability="sometimes"),  # type: ignore[arg-type]
         kvpipe.ConfigError,
         "durability",
+    ),
+    (
+        "file store: stale_temp_after=-1",
+        lambda: kvpipe.FileStore("/tmp/x", stale_temp_after=-1),
+        kvpipe.ConfigError,
+        "stale_temp_after",
+    ),
+    (
+        "file store: stale_temp_after=nan",
+        lambda: kvpipe.FileStore("/tmp/x", stale_temp_after=float("nan")),
+        kvpipe.ConfigError,
+        "stale_temp_after",
     ),
     (
         "memory store: capacity_bytes=0",
@@ -174,6 +204,13 @@ REQUESTS: list[tuple[str, str, tuple[Any, ...], dict[str, Any], str]] = [
     ("write: negative token id", "write", (-TOK, np.arange(4)), {}, "negative"),
     ("write: too few block ids", "write", (TOK, np.arange(3)), {}, "block_ids"),
     ("write: block id out of range", "write", (TOK, np.arange(4) + 5), {}, "outside"),
+    (
+        "write: uint64 block id above the int64 range",
+        "write",
+        (TOK, np.array([0, 1, 2, 2**63 + 1], dtype=np.uint64)),
+        {},
+        "block id 9223372036854775809 is outside",
+    ),
     ("write: repeated block id", "write", (TOK, [0, 1, 1, 2]), {}, "repeats"),
     (
         "write: start_block past the end",
@@ -214,6 +251,17 @@ async def test_a_file_store_root_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(kvpipe.BackendError, match="open"):
         await kvpipe.FileStore(tmp_path / "f").open()
+
+
+async def test_a_closed_file_store_is_refused_at_open(tmp_path: Path) -> None:
+    store = kvpipe.FileStore(tmp_path / "s")
+    await store.open()
+    await store.aclose()
+    assert store.closed
+    with pytest.raises(kvpipe.ConfigError, match="closed") as info:
+        async with kvpipe.open_pipeline(CACHE, store):
+            pass
+    assert info.value.field == "store"
 
 
 async def test_a_mooncake_master_that_is_not_there() -> None:

@@ -33,10 +33,20 @@ FLOAT_FIELDS = [
 
 def test_field_lists_are_complete() -> None:
     types = {f.name: f.type for f in dataclasses.fields(PipelineConfig)}
-    assert sorted(n for n, t in types.items() if t == "int") == sorted(INT_FIELDS)
+    ints = sorted(n for n, t in types.items() if t == "int" and n != "worker_nice")
+    assert ints == sorted(INT_FIELDS) and types["worker_nice"] == "int"
     assert sorted(n for n, t in types.items() if t == "float") == sorted(FLOAT_FIELDS)
     assert types["verify_checksums"] == "bool"
     assert types["node_id"] == "str"
+
+
+@pytest.mark.parametrize("bad", [-1, 20, True, "3", 2.0, None])
+def test_worker_nice_is_0_to_19(bad: Any) -> None:
+    assert PipelineConfig(worker_nice=0).worker_nice == 0
+    assert PipelineConfig(worker_nice=19).worker_nice == 19
+    with pytest.raises(ConfigError) as info:
+        PipelineConfig(worker_nice=bad)
+    assert info.value.field == "worker_nice"
 
 
 def test_defaults_valid() -> None:

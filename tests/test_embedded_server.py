@@ -79,11 +79,22 @@ def metric_values(page: str) -> dict[str, defaultdict[tuple[str, str], float]]:
     return out
 
 
-async def start_server(stderr: IO[bytes], *args: str) -> tuple[anyio.abc.Process, int]:
+#: Runs the example as a script in an interpreter where ``import prometheus_client`` fails,
+#: as it does where only kvpipe's base dependencies are installed (``make run``).
+WITHOUT_PROMETHEUS = (
+    "import runpy, sys; sys.modules['prometheus_client'] = None; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+async def start_server(
+    stderr: IO[bytes], *args: str, metrics: bool = True
+) -> tuple[anyio.abc.Process, int]:
     """Start the example on a free port; the process and the port it printed."""
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *([path] if path else [])])}
-    argv = [sys.executable, str(EXAMPLE), "--port", "0", *args]
+    python = [sys.executable] if metrics else [sys.executable, "-c", WITHOUT_PROMETHEUS]
+    argv = [*python, str(EXAMPLE), "--port", "0", *args]
     proc = await anyio.open_process(argv, env=env, stderr=stderr)
     assert proc.stdout is not None
     line = b""
@@ -181,3 +192,27 @@ async def test_embedded_server_under_concurrent_clients(store: str, tmp_path: Pa
     print(f"\nembedded server ({store} store) event-loop lag under 8 clients: {lag}")
     assert lag["samples"] > 10  # the ticker ran during the load
     assert lag["p99_ms"] < 100, lag
+
+
+async def test_embedded_server_runs_without_prometheus_client(tmp_path: Path) -> None:
+    """With only the base dependencies (what ``make run`` installs), the server serves and
+    verifies requests; /metrics answers 503 with the command that installs what it needs."""
+    with (tmp_path / "stderr.txt").open("wb") as errors:
+        proc, port = await start_server(errors, metrics=False)
+    async with proc:
+        try:
+            with anyio.fail_after(60):
+                body = json.dumps({"tokens": prompt(0, 0, 0)}).encode()
+                for reused in (False, True):
+                    status, payload = await http(port, "POST", "/generate", body)
+                    assert status == 200, payload
+                    answer = json.loads(payload)
+                    assert answer["verified"] and (answer["reused"] > 0) == reused, answer
+                status, page = await http(port, "GET", "/metrics")
+        finally:
+            proc.terminate()
+            with anyio.fail_after(30):
+                await proc.wait()
+    assert status == 503 and b"pip install 'kvpipe[metrics]'" in page, page
+    assert proc.returncode == 0
+    assert "/metrics is off" in (tmp_path / "stderr.txt").read_text()

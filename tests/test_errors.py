@@ -19,6 +19,7 @@ ALL_ERRORS = [
     kvpipe.PipelineClosed,
     kvpipe.RequestError,
     kvpipe.Unsupported,
+    kvpipe.WrongEventLoop,
 ]
 
 
@@ -106,6 +107,11 @@ def test_catching_root_catches_all() -> None:
         (kvpipe.PipelineClosed, ("x",)),
         (kvpipe.ConfigError, ("f", "x")),
         (kvpipe.ActorCrashed, ("a", "x")),
+        (kvpipe.WrongEventLoop, ("x",)),
     ]:
         with pytest.raises(kvpipe.KVPipeError):
             raise cls(*args)
+
+
+def test_a_call_from_the_wrong_loop_is_a_runtime_error() -> None:
+    assert issubclass(kvpipe.WrongEventLoop, RuntimeError)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from trio.testing import MockClock
 
+from kvpipe._errors import ConfigError
 from kvpipe._staging import StagingLease, StagingPool, ThreadRunner
 
 
@@ -32,6 +33,13 @@ async def _checkpoints(n: int = 20) -> None:
 
 
 # ---------------------------------------------------------------- pool basics
+
+
+def test_pool_larger_than_memory_says_how_much() -> None:
+    # 1 PiB: numpy's allocation fails on any machine; the error names what was asked.
+    with pytest.raises(ConfigError, match="could not allocate 1125899906842624 B") as info:
+        StagingPool(1 << 20, 1 << 30)
+    assert info.value.field == "staging_bytes" and "available now" in str(info.value)
 
 
 @pytest.mark.parametrize(("nbytes", "slots"), [(0, 1), (1, 0), (-1, 4)])

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, final
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._cache import KVCache
@@ -47,6 +49,7 @@ __all__ = (
 )
 
 M = TypeVar("M")
+Rows = npt.NDArray[np.uint8]
 T = TypeVar("T")
 log = logging.getLogger("kvpipe.actors")
 
@@ -144,19 +147,49 @@ class Metrics:
 class SliceJob:
     """One slice of a request travelling between stages, with the staging it owns.
 
-    Whoever holds a job owns its lease: it passes the job on or releases the lease.
+    Whoever holds a job owns its leases: it passes the job on or releases them
+    (:meth:`release`).
 
     Attributes:
         state: The request.
         spec: Which blocks.
-        lease: Staging slots, one per block, in order.
+        lease: Staging slots, one per block, in order: what bounds the pipeline's memory.
         valid: Read path: leading blocks verified and to be scattered.
+        data: Write path, for a store that keeps its values: memory of this job's own that
+            the blocks are gathered into (the store keeps it); the staging slots of
+            ``lease`` are then only counted, never touched.
+        lent: Read path: values the store lent instead of copying them into staging, by
+            block index within the slice.
     """
 
     state: WriteState | ReadState
     spec: SliceSpec
     lease: StagingLease
     valid: int = 0
+    data: StagingLease | None = None
+    lent: dict[int, memoryview] | None = None
+
+    @property
+    def staging(self) -> StagingLease:
+        """Where the job's bytes are: :attr:`data` when it has memory of its own."""
+        return self.data if self.data is not None else self.lease
+
+    def sources(self, lo: int, hi: int) -> list[Rows]:
+        """The fetched values of blocks ``[lo, hi)`` of the slice: lent, or in staging."""
+        lent = self.lent or {}
+        out: list[Rows] = []
+        for i in range(lo, hi):
+            view = lent.get(i)
+            out.append(np.frombuffer(view, np.uint8) if view is not None else self.lease.view(i))
+        return out
+
+    def release(self) -> None:
+        """Let go of the staging (and of lent values)."""
+        self.lent = None
+        if self.data is not None:
+            self.data.release()
+            self.data = None
+        self.lease.release()
 
 
 @dataclass(eq=False)
@@ -179,6 +212,9 @@ class ActorContext:
     hooks: PipelineHooks
     outboxes: dict[str, MemoryObjectSendStream[Any]]
     engine: CopyEngine
+    #: The store keeps values in memory and the copies run on the host: puts are gathered
+    #: into memory of their own for the store to keep, gets may be lent (one copy fewer).
+    keep_values: bool = False
     metrics: Metrics = field(default_factory=Metrics)
     observers: Observers | None = None
 
@@ -228,10 +264,12 @@ class ActorContext:
             first,
             state.tokens[: spec.token_end],
             state.keys.keys[first - 1] if first > 0 else None,
-            lease=job.lease,
+            lease=job.staging,
             value_nbytes=self.value_nbytes,
             runner=self.runner,
             limiter=self.io_limiter,
+            **({"may_keep": job.data is not None} if kind is PutBatch else {}),
+            **({"may_lend": self.keep_values} if kind is GetBatch else {}),
         )
 
 
@@ -312,9 +350,17 @@ class Actor(abc.ABC, Generic[M]):
         if self._held[state] <= 0:
             del self._held[state]
 
-    async def send(self, stage: str, msg: Any) -> None:
-        """Send ``msg`` to the inbox of ``stage`` (waits while it is full)."""
-        await self.ctx.outboxes[stage].send(msg)
+    async def send(self, stage: str, msg: Any) -> bool:
+        """Send ``msg`` to the inbox of ``stage`` (waits while it is full).
+
+        Returns ``False`` when the pipeline is closing (the inbox no longer takes messages):
+        the sender still owns what ``msg`` carries and lets go of it.
+        """
+        try:
+            await self.ctx.outboxes[stage].send(msg)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return False
+        return True
 
     @staticmethod
     @abc.abstractmethod
@@ -331,6 +377,5 @@ class Actor(abc.ABC, Generic[M]):
 
     def discard(self, msg: M) -> None:
         """Release what a message carries when it will not be handled at all."""
-        lease = getattr(msg, "lease", None)
-        if lease is not None:
-            lease.release()
+        if isinstance(msg, SliceJob):
+            msg.release()

@@ -16,7 +16,7 @@ import logging
 import anyio
 
 from .._errors import BackendError
-from .._hostcopy import verify_slots
+from .._hostcopy import verify_values
 from .._plan import leading_run
 from .._results import ReadStopReason
 from ..backends._base import BlockStatus, GetBatch
@@ -45,15 +45,14 @@ class Reader(Actor[SliceJob]):
             if msg.valid:
                 state = msg.state
                 with anyio.move_on_at(state.deadline):
-                    await self.send("swapper", msg)
-                    owned = False
+                    owned = not await self.send("swapper", msg)
                 if owned:
                     assert isinstance(state, ReadState)
                     state.stop_at(msg.spec.first_block, "total_timeout", [msg.spec.first_block])
                     state.resolve(msg.spec.index, 0)
         finally:
             if owned:
-                msg.lease.release()
+                msg.release()
         if corrupt:
             await self._delete_corrupt(msg.state.request_id, corrupt)
 
@@ -69,14 +68,18 @@ class Reader(Actor[SliceJob]):
         deadline = min(started + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, GetBatch)
         statuses: list[BlockStatus] | None = None
-        error: BackendError | None = None
+        # The error's description, not the error: a local holding the exception would hold
+        # this frame (and the job's staging) in a cycle through its traceback.
+        error: str | None = None
         with state.bound(deadline, ("get", spec.index), spec.first_block):
             try:
                 raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
                 statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
             except BackendError as exc:
-                error = exc
+                error = describe_error(exc)
         elapsed = anyio.current_time() - started
+        if statuses is not None:
+            job.lent = batch.lent() or None
         if state.stopped_before(first):
             state.resolve(spec.index, 0)
             return []
@@ -84,7 +87,7 @@ class Reader(Actor[SliceJob]):
         if statuses is None:
             reason: ReadStopReason
             if error is not None:
-                reason, detail = "backend_error", describe_error(error)
+                reason, detail = "backend_error", error
             else:
                 reason = "total_timeout" if deadline >= state.deadline else "slice_timeout"
                 detail = f"slice {spec.index} ran out of time"
@@ -168,9 +171,8 @@ class Reader(Actor[SliceJob]):
         ctx, spec, state = self.ctx, job.spec, job.state
         return await ctx.run_copy(
             (hi - lo) * ctx.payload_nbytes if ctx.config.verify_checksums else 0,
-            verify_slots,
-            ctx.pool.buffer,
-            job.lease.slots[lo:hi],
+            verify_values,
+            job.sources(lo, hi),
             ctx.payload_nbytes,
             ctx.digests_of(state, spec)[lo:hi],
             ctx.config.verify_checksums,
@@ -196,13 +198,19 @@ class Reader(Actor[SliceJob]):
             runner=ctx.runner,
             limiter=ctx.io_limiter,
             offset=lo,
+            may_lend=ctx.keep_values,
         )
         with state.bound(deadline, ("refetch", spec.index), spec.first_block + lo):
             try:
                 raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
-                return check_statuses(ctx.backend, "get_blocks", raw, hi - lo)
+                statuses = check_statuses(ctx.backend, "get_blocks", raw, hi - lo)
             except BackendError:
                 return None
+            # What was lent for these blocks before is replaced by what this fetch brought.
+            lent = {i: v for i, v in (job.lent or {}).items() if not lo <= i < hi}
+            lent.update({lo + i: v for i, v in batch.lent().items()})
+            job.lent = lent or None
+            return statuses
         return None
 
     async def _delete_corrupt(self, request_id: str, keys: list[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Sequence
 
 import anyio
@@ -178,6 +179,9 @@ class Scheduler(Actor[RequestState]):
                 else:
                     state.succeed(await self._locate(state))
             except (BackendError, OperationTimeout) as exc:
+                # The frames below this one have returned: their locals (batches, staging)
+                # need not live as long as the error the caller gets.
+                traceback.clear_frames(exc.__traceback__)
                 state.fail(exc)
         if scope.cancelled_caught:
             state.fail(OperationTimeout(f"{state.op} {state.request_id} timed out"))

@@ -38,8 +38,7 @@ class Slicer(Actor[WriteState | ReadState]):
             with msg.bound(msg.deadline, ("lease", spec.index), spec.first_block):
                 lease = await self.ctx.pool.acquire(spec.count)
                 try:
-                    await self.send(stage, SliceJob(msg, spec, lease))
-                    sent = True
+                    sent = await self.send(stage, SliceJob(msg, spec, lease))
                 finally:
                     if not sent:
                         lease.release()

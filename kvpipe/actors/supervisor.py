@@ -3,13 +3,22 @@
 Each actor runs under its own loop here. When one crashes (an exception escapes it), the
 requests it was handling are failed (never left hanging), and the actor is restarted on the
 same inbox. More than ``max_restarts`` crashes of one actor within ``window`` seconds
-(measured on the event loop's clock, so a mock clock works) escalate: the supervisor stops
-every actor and calls ``on_escalate``, which closes the pipeline.
+(measured on the event loop's clock, so a mock clock works) escalate: that actor is not
+restarted, and ``on_escalate`` closes the pipeline.
+
+Stopping is not cancelling: the pipeline closes the inboxes, every actor leaves its loop once
+its inbox is empty and its handlers have returned, and :meth:`Supervisor.run` returns
+normally. (An actor task that ends cancelled leaves its ``CancelledError`` holding its frames
+in a reference cycle, and with them the pipeline's staging until the cyclic GC runs.)
+:meth:`Supervisor.cancel` is the fallback for actors still running at the close deadline.
+When it returns the supervisor lets go of its actors and its callback, and a crashed actor's
+traceback has its frames cleared, so nothing of a closed pipeline stays alive in a cycle.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +49,24 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def _forget_frames(exc: BaseException | None, seen: set[int] | None = None) -> None:
+    """Clear the locals of every finished frame in ``exc``'s tracebacks (its group members,
+    causes and contexts too), so a kept exception holds no actor, request or staging."""
+    seen = set() if seen is None else seen
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                _forget_frames(inner, seen)
+        _forget_frames(exc.__cause__, seen)
+        exc = exc.__context__
+
+
+def _ignore_escalation(actor: str, exc: BaseException) -> None:
+    """The escalation callback after the supervisor has stopped."""
+
+
 @final
 class Supervisor:
     """Runs and restarts actors (see the module docstring)."""
@@ -59,17 +86,30 @@ class Supervisor:
         self._metrics = metrics
         self._on_escalate = on_escalate
         self._scope: anyio.CancelScope | None = None
+        self._stopped = anyio.Event()
         self.current: dict[str, Actor[Any]] = {}
 
     async def run(self) -> None:
-        """Run every child until the inboxes close, an escalation, or cancellation."""
-        async with anyio.create_task_group() as tg:
-            self._scope = tg.cancel_scope
-            for child in self._children:
-                tg.start_soon(self._supervise, child, name=f"kvpipe-{child.name}")
+        """Run every child until its inbox is closed and drained (or an escalation, or
+        :meth:`cancel`); then let go of the actors and the callback."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._scope = tg.cancel_scope
+                for child in self._children:
+                    tg.start_soon(self._supervise, child, name=f"kvpipe-{child.name}")
+        finally:
+            self._scope = None
+            self.current.clear()
+            self._children = ()
+            self._on_escalate = _ignore_escalation
+            self._stopped.set()
 
-    def stop(self) -> None:
-        """Cancel every child."""
+    async def wait_stopped(self) -> None:
+        """Wait until :meth:`run` has returned."""
+        await self._stopped.wait()
+
+    def cancel(self) -> None:
+        """Cancel every child (the fallback when they do not stop by the close deadline)."""
         if self._scope is not None:
             self._scope.cancel()
 
@@ -82,53 +122,63 @@ class Supervisor:
                 await actor.run()
                 return
             except Exception as exc:
-                cause = _root_cause(exc)
-                held = actor.held_requests()
-                now = anyio.current_time()
-                crashes.append(now)
-                while crashes and crashes[0] < now - self._window:
-                    crashes.popleft()
-                ids = "; ".join(s.describe() for s in held[:8]) or "none"
-                if len(held) > 8:
-                    ids += f"; and {len(held) - 8} more"
-                escalate = len(crashes) > self._max_restarts
-                self._metrics.crashes.append(
-                    ActorCrash(
-                        child.name,
-                        now,
-                        tuple(s.request_id for s in held),
-                        repr(cause),
-                        not escalate,
-                    )
-                )
-                if escalate:
-                    log.error(
-                        "actor %s crashed %d times within %.0f s (last: %r); closing the "
-                        "pipeline; requests it held: %s",
-                        child.name,
-                        len(crashes),
-                        self._window,
-                        cause,
-                        ids,
-                        exc_info=cause,
-                    )
-                    self._on_escalate(child.name, cause)
-                    self.stop()
+                if self._on_crash(child, actor, exc, crashes):
                     return
-                self._metrics.restarts[child.name] += 1
-                # Logged before the requests are failed, so the line shows how far each got;
-                # each write or read it stops then logs its own WARNING (reason actor_crashed).
-                log.warning(
-                    "actor %s crashed (%r); restarting (%d of %d allowed within %.0f s); "
-                    "failed %d request(s): %s",
-                    child.name,
-                    cause,
-                    len(crashes),
-                    self._max_restarts,
-                    self._window,
-                    len(held),
-                    ids,
-                    exc_info=cause,
-                )
-                for state in held:
-                    state.crashed(child.name, cause)
+            finally:
+                del actor
+
+    def _on_crash(
+        self, child: ChildSpec, actor: Actor[Any], exc: BaseException, crashes: deque[float]
+    ) -> bool:
+        """Record, log and fail what the crashed actor held; ``True`` to stop (escalated)."""
+        cause = _root_cause(exc)
+        held = actor.held_requests()
+        now = anyio.current_time()
+        crashes.append(now)
+        while crashes and crashes[0] < now - self._window:
+            crashes.popleft()
+        ids = "; ".join(s.describe() for s in held[:8]) or "none"
+        if len(held) > 8:
+            ids += f"; and {len(held) - 8} more"
+        escalate = len(crashes) > self._max_restarts
+        self._metrics.crashes.append(
+            ActorCrash(
+                child.name, now, tuple(s.request_id for s in held), repr(cause), not escalate
+            )
+        )
+        # The traceback as text: a log record holding the exception would keep its frames.
+        trace = "".join(traceback.format_exception(cause)).rstrip()
+        if escalate:
+            log.error(
+                "actor %s crashed %d times within %.0f s (last: %r); closing the pipeline; "
+                "requests it held: %s\n%s",
+                child.name,
+                len(crashes),
+                self._window,
+                cause,
+                ids,
+                trace,
+            )
+        else:
+            self._metrics.restarts[child.name] += 1
+            # Logged before the requests are failed, so the line shows how far each got;
+            # each write or read it stops then logs its own WARNING (reason actor_crashed).
+            log.warning(
+                "actor %s crashed (%r); restarting (%d of %d allowed within %.0f s); failed "
+                "%d request(s): %s\n%s",
+                child.name,
+                cause,
+                len(crashes),
+                self._max_restarts,
+                self._window,
+                len(held),
+                ids,
+                trace,
+            )
+        if escalate:
+            self._on_escalate(child.name, cause)  # fails every request: the pipeline closed
+        else:
+            for state in held:
+                state.crashed(child.name, cause)
+        _forget_frames(exc)
+        return escalate

@@ -19,8 +19,9 @@ from typing import Any
 
 import anyio
 
-from .._hostcopy import seal_slots
+from .._hostcopy import scatter_values, seal_slots
 from .._plan import copy_plan
+from .._staging import private_lease
 from ._base import Actor, SliceJob
 from ._state import ReadState, RequestState, WriteState
 
@@ -45,7 +46,7 @@ class Swapper(Actor[SliceJob]):
                 owned = not await self._gather(msg)
         finally:
             if owned:
-                msg.lease.release()
+                msg.release()
 
     async def _gather(self, job: SliceJob) -> bool:
         """Gather and seal, then pass on; ``True`` when the writer took it."""
@@ -53,23 +54,24 @@ class Swapper(Actor[SliceJob]):
         if state.done:
             return False
         blocks = state.block_ids[spec.first_block : spec.end_block]
+        if ctx.keep_values:
+            job.data = private_lease(ctx.pool.slot_nbytes, spec.count)
         with anyio.CancelScope(shield=True):
             await self._gather_and_seal(job, blocks, ctx.digests_of(state, spec))
         with anyio.move_on_at(state.deadline):
-            await self.send("writer", job)
-            return True
+            return await self.send("writer", job)
         assert isinstance(state, WriteState)
         state.end("total_timeout", "deadline passed waiting for the writer")
         return False
 
     async def _gather_and_seal(self, job: SliceJob, blocks: Any, digests: list[bytes]) -> None:
-        ctx, state = self.ctx, job.state
-        plan = copy_plan(ctx.segments, blocks, job.lease.slots)
+        ctx, state, staging = self.ctx, job.state, job.staging
+        plan = copy_plan(ctx.segments, blocks, staging.slots)
 
         def seal() -> None:
             seal_slots(
-                ctx.pool.buffer,
-                job.lease.slots,
+                staging.pool.buffer,
+                staging.slots,
                 ctx.payload_nbytes,
                 digests,
                 ctx.config.verify_checksums,
@@ -77,9 +79,9 @@ class Swapper(Actor[SliceJob]):
 
         async def on_host(fn: Callable[[], None]) -> None:
             nbytes = plan.nbytes if ctx.config.verify_checksums else 0
-            await ctx.run_copy(nbytes, fn, hold=job.lease)
+            await ctx.run_copy(nbytes, fn, hold=staging)
 
-        await ctx.engine.gather_then(plan, job.lease, state.after, seal, on_host)
+        await ctx.engine.gather_then(plan, staging, state.after, seal, on_host)
         ctx.metrics.counters["bytes_gathered"] += plan.nbytes
 
     async def _scatter(self, job: SliceJob) -> None:
@@ -91,13 +93,22 @@ class Swapper(Actor[SliceJob]):
             return
         try:
             first = spec.first_block
-            plan = copy_plan(
-                ctx.segments,
-                state.block_ids[first : first + job.valid],
-                job.lease.slots[: job.valid],
-            )
+            blocks = state.block_ids[first : first + job.valid]
+            plan = copy_plan(ctx.segments, blocks, job.lease.slots[: job.valid])
             with anyio.CancelScope(shield=True):
-                await ctx.engine.scatter(plan, job.lease, after=state.after)
+                if job.lent:  # some values lent by the store: copied from where they lie
+                    sources = job.sources(0, job.valid)
+                    await ctx.run_copy(
+                        plan.nbytes,
+                        scatter_values,
+                        ctx.segments,
+                        sources,
+                        blocks,
+                        ctx.cache.byte_rows,
+                        hold=job.lease,
+                    )
+                else:
+                    await ctx.engine.scatter(plan, job.lease, after=state.after)
             ctx.metrics.counters["blocks_read"] += job.valid
             ctx.metrics.counters["bytes_read"] += plan.nbytes
             state.resolve(spec.index, job.valid)

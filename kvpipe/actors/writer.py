@@ -40,7 +40,7 @@ class Writer(Actor[SliceJob]):
         try:
             await self._write(msg)
         finally:
-            msg.lease.release()
+            msg.release()
 
     async def _write(self, job: SliceJob) -> None:
         ctx, spec, state = self.ctx, job.spec, job.state
@@ -59,13 +59,15 @@ class Writer(Actor[SliceJob]):
         deadline = min(started + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, PutBatch)
         statuses: list[BlockStatus] | None = None
-        error: BackendError | None = None
+        # The error's description, not the error: a local holding the exception would hold
+        # this frame (and the job's staging) in a cycle through its traceback.
+        error: str | None = None
         with state.bound(deadline, ("put", spec.index), spec.first_block) as scope:
             try:
                 raw = await backend_call(ctx.backend, "put_blocks", ctx.backend.put_blocks, batch)
                 statuses = check_statuses(ctx.backend, "put_blocks", raw, spec.count)
             except BackendError as exc:
-                error = exc
+                error = describe_error(exc)
         if state.done:
             return
         elapsed = anyio.current_time() - started
@@ -77,7 +79,7 @@ class Writer(Actor[SliceJob]):
             detail = f"slice {spec.index} ran out of time after {elapsed:.3f} s"
         elif error is not None:
             outcome = "backend_error"
-            detail = describe_error(error)
+            detail = error
         else:
             assert statuses is not None
             written = leading_run(s is BlockStatus.OK for s in statuses)

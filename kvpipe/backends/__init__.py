@@ -1,6 +1,7 @@
 """Storage backends: the contract and the built-in stores."""
 
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from ._values import ValueClient
 from .file import FileStore
 from .memory import MemoryStore
 from .mooncake import MooncakeStore
@@ -14,5 +15,6 @@ __all__ = (
     "MooncakeStore",
     "PutBatch",
     "StorageBackend",
+    "ValueClient",
     "validate_key",
 )

@@ -172,9 +172,21 @@ class _StagedBatch(KeyBatch):
 
 
 class PutBatch(_StagedBatch):
-    """Blocks to store: one value per key, contiguous in staging (:attr:`values`)."""
+    """Blocks to store: one value per key, contiguous in staging (:attr:`values`).
 
-    __slots__ = ()
+    Attributes:
+        may_keep: The values' memory belongs to this batch alone and is never written again
+            (kvpipe gathered them into memory of their own, because the backend sets
+            :attr:`StorageBackend.keeps_values`): the backend may keep :attr:`values`
+            themselves instead of copying them. Otherwise the values are views of staging
+            that is reused after the call, and must be copied.
+    """
+
+    __slots__ = ("may_keep",)
+
+    def __init__(self, *args: Any, may_keep: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.may_keep = may_keep
 
     @property
     def values(self) -> list[memoryview]:
@@ -183,14 +195,46 @@ class PutBatch(_StagedBatch):
 
 
 class GetBatch(_StagedBatch):
-    """Blocks to fetch: write each value into :attr:`buffers` (``value_nbytes`` each)."""
+    """Blocks to fetch: write each value into :attr:`buffers` (``value_nbytes`` each) — or,
+    where :attr:`may_lend` allows, :meth:`lend` it.
 
-    __slots__ = ()
+    Attributes:
+        may_lend: kvpipe takes a stored value by :meth:`lend` instead of a copy into
+            :attr:`buffers` (it verifies and copies from it where it lies).
+    """
+
+    __slots__ = ("_lent", "may_lend")
+
+    def __init__(self, *args: Any, may_lend: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.may_lend = may_lend
+        self._lent: dict[int, memoryview] = {}
 
     @property
     def buffers(self) -> list[memoryview]:
         """One writable ``value_nbytes``-long buffer per key (views of staging memory)."""
         return self._views()
+
+    def lend(self, index: int, value: Any) -> None:
+        """Answer key ``index`` with ``value`` itself (a buffer of ``value_nbytes`` bytes)
+        rather than a copy into ``buffers[index]``; report it ``OK``. The value must not
+        change for as long as kvpipe may read it (an immutable in-memory value: a new put of
+        the key replaces it, never writes into it).
+
+        Raises:
+            RuntimeError: :attr:`may_lend` is false.
+            ValueError: ``index`` is out of range or ``value`` is not ``value_nbytes`` long.
+        """
+        if not self.may_lend:
+            raise RuntimeError("this batch takes values by copy into its buffers only")
+        view = memoryview(value).cast("B").toreadonly()
+        if not 0 <= index < len(self.keys) or len(view) != self.value_nbytes:
+            raise ValueError(f"cannot lend {len(view)} bytes as value {index}")
+        self._lent[index] = view
+
+    def lent(self) -> dict[int, memoryview]:
+        """The values lent so far, by key index."""
+        return dict(self._lent)
 
 
 class StorageBackend(abc.ABC):
@@ -207,6 +251,10 @@ class StorageBackend(abc.ABC):
 
     #: A short name for logs and statistics.
     name: str = "backend"
+    #: The backend keeps the values it is given in memory (an in-process store): kvpipe then
+    #: gathers each put into memory of its own (:attr:`PutBatch.may_keep`) so the backend can
+    #: keep the values without copying them.
+    keeps_values: bool = False
 
     @abc.abstractmethod
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
@@ -267,6 +315,13 @@ class StorageBackend(abc.ABC):
     def statistics(self) -> Mapping[str, float]:
         """Backend counters for :meth:`Pipeline.statistics` (default: none)."""
         return {}
+
+    @property
+    def closed(self) -> bool:
+        """Whether the backend was closed (:meth:`aclose`) and refuses calls; a pipeline
+        refuses a closed store at open. Default: ``False`` (a backend with nothing to close
+        never refuses calls)."""
+        return False
 
     async def aclose(self) -> None:  # noqa: B027
         """Release the backend's resources. Default: nothing."""

@@ -36,6 +36,11 @@ class InFlight:
         """Calls running now."""
         return self._running
 
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`drain` has begun (new calls are refused)."""
+        return self._closing
+
     def track(self, fn: Callable[..., T]) -> Callable[..., T]:
         """``fn``, counted from the moment its worker thread starts it until it returns."""
 

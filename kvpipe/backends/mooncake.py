@@ -170,6 +170,11 @@ class MooncakeStore(StorageBackend):
         await self.open()
         return self
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` has run: every later call is refused."""
+        return self._inflight.closing
+
     async def aclose(self) -> None:
         """Unregister staging and close the client (if this store created it) — once every
         vendor call still running (calls whose caller gave up on a timeout) has returned, at

@@ -1,8 +1,9 @@
 """The ``kvpipe`` command line.
 
-``kvpipe [--log-level LEVEL] COMMAND ...``. Each subcommand lives in a sibling module that
-exposes a :class:`~kvpipe.cli._console.Command` named ``COMMAND``; adding one (``store-info``,
-``bench``, ``faults``) is an import and an entry in :data:`COMMANDS`.
+``kvpipe [--log-level LEVEL] COMMAND ...`` (``--log-level`` may also follow ``COMMAND``).
+Each subcommand lives in a sibling module that exposes a :class:`~kvpipe.cli._console.Command`
+named ``COMMAND``; adding one (``store-info``, ``bench``, ``faults``) is an import and an entry
+in :data:`COMMANDS`.
 
 Exit codes: 0 success, 1 the command ran and failed (e.g. the demo's verification), 2 a
 usage or configuration error (reported in one line, without a traceback), 130 interrupted.
@@ -57,21 +58,33 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvpipe {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default="WARNING",
-        type=str.upper,
-        choices=_LEVELS,
-        help="level of kvpipe's log messages, written to stderr",
-    )
+    _add_log_level(parser, "WARNING")
+    # The same option after the subcommand; SUPPRESS: it sets nothing unless given, so it
+    # neither overrides one given before the subcommand nor shows a default of its own.
+    common = argparse.ArgumentParser(add_help=False)
+    _add_log_level(common, argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         p = sub.add_parser(
-            command.name, help=command.help, description=command.help, formatter_class=HelpFormatter
+            command.name,
+            help=command.help,
+            description=command.help,
+            formatter_class=HelpFormatter,
+            parents=[common],
         )
         command.add_arguments(p)
         p.set_defaults(run=command.run)
     return parser
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        type=str.upper,
+        choices=_LEVELS,
+        help="level of kvpipe's log messages, written to stderr",
+    )
 
 
 def _backend_options() -> dict[str, Any]:

@@ -65,11 +65,15 @@ class UsageError(Exception):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` after an option's help, unless it has no meaningful default."""
+    """Shows ``(default: X)`` after an option's help, unless it has no meaningful default; a
+    list default as it is typed (``256KiB 2MiB``), not as a Python list."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or action.default is False or "default:" in (action.help or ""):
             return action.help
+        if isinstance(action.default, list | tuple):
+            typed = " ".join(str(v) for v in action.default).replace("%", "%%")
+            return f"{action.help or ''} (default: {typed})"
         return super()._get_help_string(action)
 
 
@@ -142,6 +146,17 @@ def block_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def seed(text: str) -> int:
+    """An argparse type: a random seed, an int ``>= 0`` (numpy refuses negative seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
 def format_counts(counts: Mapping[str, float]) -> str:
     """``{"complete": 3, "incomplete": 1}`` → ``"complete 3, incomplete 1"`` (``"-"`` if empty)."""
     return (
@@ -174,7 +189,7 @@ class PhaseTally:
         results: The results of the requests done, in the order they finished.
         moved: Blocks written (writes) or loaded (reads).
         verified: Blocks the command verified (reads).
-        seconds: Wall time of the phase, set by the command.
+        seconds: Wall time of the phase, set by :meth:`finish`.
     """
 
     progress: Progress
@@ -191,6 +206,12 @@ class PhaseTally:
         self.moved += moved
         nbytes = self.moved * self.block_nbytes
         self.progress.update(self.task, advance=result.requested, nbytes=nbytes)
+
+    def finish(self, seconds: float) -> None:
+        """End the phase after ``seconds`` of wall time: its bar stops its clock, so the rate
+        it shows stays the phase's own while later phases run."""
+        self.seconds = seconds
+        self.progress.stop_task(self.task)
 
     def summary(self, stats: PipelineStatistics) -> dict[str, Any]:
         """The phase as JSON-ready numbers (what :func:`phase_rows` shows), given the

@@ -27,7 +27,18 @@ The others measure the pipeline itself (issue 7):
 - ``lag``: lateness of a 1 ms ticker on the pipeline's loop while it writes and reads at
   full speed (:mod:`kvpipe.benchmarks.lag`);
 - ``overhead``: fixed cost per request, slice and block of the actors against the same calls
-  in a plain loop, as % of a 2 MiB block's copy time (:mod:`kvpipe.benchmarks.overhead`).
+  in a plain loop, as % of a 2 MiB block's copy time (:mod:`kvpipe.benchmarks.overhead`);
+- ``server``: an ASGI app on uvicorn answering a steady stream of small HTTP requests from
+  another process while the same loop offloads and reloads 2 MiB blocks through kvpipe, then
+  through a hand-written offload (numpy in worker threads): the server's p99 latency and the
+  GB/s of each (:mod:`kvpipe.benchmarks.server`; needs the ``bench`` extra).
+
+And the FastDeploy adapter's cost (issue 15):
+
+- ``integration``: :class:`~kvpipe.integrations.fastdeploy.KVPipeAttentionStore` driven from 4
+  threads vs the pipeline called directly on its own loop (4 tasks), file store, 2 MiB
+  blocks, and the thread hop's latency p50 / p99 (:mod:`kvpipe.benchmarks.integration`;
+  needs Paddle).
 
 Rounds are interleaved after a warm-up; the ratio is the median over rounds of pipeline /
 best baseline of that round. Results: a table per scenario, ``--json PATH``,
@@ -50,14 +61,17 @@ import anyio
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..benchmarks import report
+from ..benchmarks._asgi import UvicornUnavailable, require_uvicorn
 from ..benchmarks._workload import CpuWatch
 from ..benchmarks.filestore import LAYOUTS, FileBenchConfig, run_filestore_bench
+from ..benchmarks.integration import IntegrationBenchConfig, run_integration_bench
 from ..benchmarks.lag import LagBenchConfig, run_lag_bench
 from ..benchmarks.memory import MemoryBenchConfig, run_memory_bench
 from ..benchmarks.mooncake import PLACEMENTS, MooncakeBenchConfig, run_mooncake_bench
 from ..benchmarks.overhead import OverheadBenchConfig, run_overhead_bench
 from ..benchmarks.plots import PlotsUnavailable, plot_all, require_matplotlib
 from ..benchmarks.scaling import ScalingBenchConfig, run_scaling_bench
+from ..benchmarks.server import ServerBenchConfig, run_server_bench
 from ..benchmarks.sweeps import SweepBenchConfig, run_sweep_bench
 from . import _console as ui
 from ._bench_tables import file_markdown, file_table, mooncake_markdown, mooncake_table
@@ -65,6 +79,8 @@ from ._bench_tables import file_markdown, file_table, mooncake_markdown, mooncak
 __all__ = ("COMMAND", "DEFAULT_ROUNDS", "SCENARIOS", "markdown")
 
 SCENARIOS: Final = ("file", "mooncake", *report.NEW_SCENARIOS)
+#: The server scenario's client rate when ``--server-rate`` is not given.
+SERVER_RATE: Final = 500.0
 #: Recorded rounds per scenario when ``--rounds`` is not given.
 DEFAULT_ROUNDS: Final = {
     "file": 7,
@@ -74,6 +90,8 @@ DEFAULT_ROUNDS: Final = {
     "scaling": 5,
     "lag": 3,
     "overhead": 7,
+    "integration": 5,
+    "server": 7,
 }
 
 
@@ -127,6 +145,23 @@ async def _run_new_scenario(
         if args.smoke:
             lag = replace(lag, memory_bytes=16 << 20, file_bytes=16 << 20, idle_seconds=0.05)
         return await run_lag_bench(lag, tick)
+    if scenario == "integration":
+        integration = IntegrationBenchConfig(
+            rounds=rounds, total_bytes=args.mib << 20, directory=args.dir
+        )
+        if args.smoke:
+            integration = replace(integration, layers=2, request_blocks=2, hops=20)
+        return await run_integration_bench(integration, tick)
+    if scenario == "server":
+        server = ServerBenchConfig(
+            stores=tuple(dict.fromkeys(args.server_store or ["memory"])),
+            rounds=rounds,
+            rate=args.server_rate,
+            directory=args.dir,
+        )
+        if args.smoke:
+            server = replace(server, cache_bytes=16 << 20, passes=1, idle_seconds=0.1)
+        return await run_server_bench(server, tick)
     overhead = OverheadBenchConfig(rounds=rounds)
     if args.smoke:
         overhead = replace(overhead, requests=(4, 2, 8))
@@ -170,6 +205,10 @@ def _options(args: argparse.Namespace) -> str:
         out += f" --sizes {' '.join(args.sizes)} --mib {args.mib}"
     if args.lag_threads:
         out += " --lag-threads " + ",".join(str(n) for n in args.lag_threads)
+    for store in args.server_store or ():
+        out += f" --server-store {store}"
+    if args.server_rate != SERVER_RATE:
+        out += f" --server-rate {args.server_rate:g}"
     return out + (" --smoke" if args.smoke else "")
 
 
@@ -178,6 +217,13 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     scenarios = args.scenario or ["file"]
     if "all" in scenarios:
         scenarios = list(SCENARIOS)
+    if "server" in scenarios:
+        try:
+            require_uvicorn()
+        except UvicornUnavailable as exc:
+            raise ui.UsageError(str(exc)) from None
+    if args.server_rate <= 0:
+        raise ui.UsageError(f"--server-rate must be > 0, got {args.server_rate}")
     if args.plot:
         try:
             require_matplotlib()
@@ -273,7 +319,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file: the store's and the contenders' fsync policy (repeatable; default: data "
         "and none)",
     )
-    add("--dir", default=".", help="file: directory on the disk to measure")
+    add("--dir", default=".", help="file, integration: directory on the disk to measure")
     add("--store-threads", type=int, default=None, help="file: the file store's threads")
     add(
         "--placement",
@@ -304,7 +350,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lag: the pipelines' copy_threads and io_threads and the file store's threads "
         "(default: 2,8,4, the defaults)",
     )
-    add("--smoke", action="store_true", help="memory..overhead: a seconds-long run (CI)")
+    add(
+        "--server-store",
+        action="append",
+        choices=("memory", "file"),
+        help="server: the store offloaded to (repeatable; default: memory; file: under --dir)",
+    )
+    add(
+        "--server-rate",
+        type=float,
+        default=SERVER_RATE,
+        help="server: HTTP requests per second from the client process",
+    )
+    add("--smoke", action="store_true", help="memory..server: a seconds-long run (CI)")
     add("--json", metavar="PATH", help="write the results as JSON")
     add("--markdown", metavar="PATH", help="write the results as markdown tables")
     add("--plot", metavar="DIR", help="write PNG plots there (needs the 'plots' extra)")

@@ -32,7 +32,7 @@ import kvpipe
 
 from .._blockformat import value_nbytes
 from . import _console as ui
-from . import _metrics_page
+from . import _metrics_port
 from ._demo_workload import (
     PRESETS,
     DemoRequest,
@@ -147,7 +147,7 @@ async def _timed(
 ) -> dict[str, Any]:
     started = time.perf_counter()
     await job
-    phase.seconds = time.perf_counter() - started
+    phase.finish(time.perf_counter() - started)
     return phase.summary(pipe.statistics())  # before the pipeline closes
 
 
@@ -209,7 +209,7 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     await run_sync(fill_random, src, args.seed)
     dst = kvpipe.create_kv_cache(layout, work.dst_blocks)
     namespace, n = f"kvpipe-demo-{args.layout}", args.concurrency
-    async with _metrics_page.metrics_page(args, io) as metrics, open_store(args) as store:
+    async with _metrics_port.metrics_page(args, io) as metrics, open_store(args) as store:
         return await _run_phases(
             args, io, layout, config, work, src, dst, store, namespace, n, started, metrics
         )
@@ -304,9 +304,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--concurrency", type=int, default=4, metavar="N", help="requests in flight at once")
     add("--slice-block-num", type=int, default=16, metavar="N", help="blocks per slice")
     add("--staging-mib", type=int, default=256, metavar="MIB", help="staging per pipeline")
-    add("--seed", type=int, default=0, help="seed of the workload and of the cache contents")
+    add("--seed", type=ui.seed, default=0, help="seed of the workload and of the cache contents")
     add("--json", action="store_true", help="print the summary as JSON, without progress bars")
-    _metrics_page.add_arguments(parser)
+    _metrics_port.add_arguments(parser)
 
 
 COMMAND: Final = ui.Command(

@@ -29,6 +29,8 @@ from . import _console as ui
 __all__ = ("COMMAND",)
 
 STORES: Final = ("memory", "file", "mooncake")
+#: The scenario that is a process kill rather than a fault plan (file store only).
+KILL: Final = ("kill_mid_write", "a writer process killed with SIGKILL mid-write (file store)")
 
 
 @asynccontextmanager
@@ -83,14 +85,16 @@ def _row(r: ScenarioResult) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
-    """Run the scenarios; 0 when every invariant held, else 1."""
+    """Run the scenarios (or list them); 0 when every invariant held, else 1."""
+    if args.list:
+        for name, about in [(s.name, s.about) for s in SCENARIOS] + [KILL]:
+            print(f"{name:<16} {about}", file=io.out.file)
+        return ui.EXIT_OK
     chosen = [s for s in SCENARIOS if args.all or not args.scenario or s.name in args.scenario]
-    unknown = set(args.scenario or ()) - {s.name for s in SCENARIOS} - {"kill_mid_write"}
+    unknown = set(args.scenario or ()) - {s.name for s in SCENARIOS} - {KILL[0]}
     if unknown:
         raise ui.UsageError(f"unknown scenario(s) {sorted(unknown)}; see --list")
-    kill = args.store == "file" and (
-        args.all or not args.scenario or "kill_mid_write" in args.scenario
-    )
+    kill = args.store == "file" and (args.all or not args.scenario or KILL[0] in args.scenario)
     root = tempfile.mkdtemp(prefix="kvpipe-faults-", dir=args.dir)
     rows: list[dict[str, Any]] = []
     try:
@@ -112,7 +116,7 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
             if kill:
                 from ..testing.killwrite import run_kill_scenario
 
-                progress.update(task, description="kill_mid_write")
+                progress.update(task, description=KILL[0])
                 rows.append(_row(await run_kill_scenario(f"{root}/kill", args.seed)))
                 progress.advance(task)
     finally:
@@ -157,12 +161,12 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``kvpipe faults``."""
-    names = ", ".join([s.name for s in SCENARIOS] + ["kill_mid_write (file store)"])
     add = parser.add_argument
+    add("--list", action="store_true", help="list the scenarios, one line each, and exit")
     add("--store", choices=STORES, default="memory", help="the store under the faults")
-    add("--scenario", action="append", metavar="NAME", help=f"run these (repeatable): {names}")
+    add("--scenario", action="append", metavar="NAME", help="run these (repeatable; see --list)")
     add("--all", action="store_true", help="run every scenario (the default with no --scenario)")
-    add("--seed", type=int, default=0, help="seed of the fault plans and workloads")
+    add("--seed", type=ui.seed, default=0, help="seed of the fault plans and workloads")
     add("--dir", default=None, help="where file stores go (default: a temporary directory)")
     add("--json", action="store_true", help="print the results as JSON")
 

@@ -12,7 +12,7 @@ import anyio
 from anyio.to_thread import run_sync
 from rich.table import Table
 
-from ..backends.file import StoreReport, inspect_store
+from ..backends.file import StoreReport, inspect_store, is_store
 from . import _console as ui
 
 __all__ = ("COMMAND",)
@@ -48,7 +48,8 @@ def _render(report: StoreReport, io: ui.CommandIO) -> None:
         (
             "catalog",
             f"{report.catalog_blocks:,} blocks, "
-            f"{ui.format_bytes(report.catalog_bytes)}; {report.untracked:,} files untracked",
+            f"{ui.format_bytes(report.catalog_bytes)}; {report.untracked:,} files untracked"
+            + (f"; {report.catalog_pending:,} unsettled" if report.catalog_pending else ""),
         ),
         ("residency records", f"{report.residency_records:,}"),
     ]
@@ -62,9 +63,14 @@ def _render(report: StoreReport, io: ui.CommandIO) -> None:
 
 
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
-    """Inspect the store; exit 1 when corrupt files were found."""
+    """Inspect the store; exit 1 when corrupt files were found, 2 when ``path`` is not a
+    store's directory."""
     if not await anyio.Path(args.path).is_dir():
         raise ui.UsageError(f"{args.path}: not a directory")
+    if not await run_sync(is_store, args.path):
+        raise ui.UsageError(
+            f"{args.path}: not a kvpipe store (no catalog.sqlite3, no blocks/ directory)"
+        )
     report = await run_sync(inspect_store, args.path, args.verify)
     if args.json:
         data = asdict(report)

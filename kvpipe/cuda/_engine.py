@@ -130,6 +130,8 @@ class CudaEngine(CopyEngine):
         self._idle = anyio.Event()
         self._idle.set()
         self._closed = False
+        #: Past this (event-loop clock) no wait of this engine goes on: see close_by.
+        self._abandon_at: float | None = None
 
     # -- the copy-engine contract ------------------------------------------------------------
 
@@ -178,21 +180,38 @@ class CudaEngine(CopyEngine):
         in the cache. Cancellation and errors: as for :meth:`gather`."""
         await self._copy("scatter", plan, lease, after)
 
-    async def aclose(self, *, staging_in_use: bool = False) -> None:
+    def close_by(self, deadline: float) -> None:
+        """Every wait of this engine — copies in flight, the producer's stream, the drain at
+        close — ends by ``deadline``: a wait still pending then raises :class:`DeviceError`,
+        and its staging slots and scratch are retired (never reused or freed)."""
+        if self._abandon_at is None or deadline < self._abandon_at:
+            self._abandon_at = deadline
+
+    async def aclose(self, *, staging_in_use: bool = False, deadline: float | None = None) -> None:
         """Wait for calls in flight and for both streams to drain, then free everything.
 
         Args:
             staging_in_use: Something may still use the staging (a worker thread abandoned
                 at close): it is left allocated, and logged.
+            deadline: When closing must be over (event-loop clock; default ``drain_timeout``
+                from now): copies still waiting then are abandoned (see :meth:`close_by`).
 
-        Cancellation: shielded. If the device does not drain within ``drain_timeout``,
-        memory it may still use is leaked rather than freed, and logged.
+        Cancellation: shielded, and bounded by ``deadline``. Memory the device may still use
+        (calls not finished by then, streams that do not drain) is leaked rather than freed,
+        and logged.
         """
         if self._closed:
             return
         self._closed = True
+        if deadline is None:
+            deadline = anyio.current_time() + self.options.drain_timeout
+        self.close_by(deadline)
         with anyio.CancelScope(shield=True):
-            await self._idle.wait()
+            with anyio.move_on_at(deadline) as waited:
+                await self._idle.wait()
+            if waited.cancelled_caught:
+                log.error("CUDA copies still running at the close deadline; leaking the memory")
+                return
             self._driver.make_current()
             drained = await self._drain()
         if not drained:
@@ -357,6 +376,8 @@ class CudaEngine(CopyEngine):
         start = time.monotonic()
         delay = POLL_MIN
         while not self._driver.event_query(event):
+            if self._abandon_at is not None and anyio.current_time() >= self._abandon_at:
+                raise DeviceError("cuEventQuery", "", "abandoned at the close deadline")
             if time.monotonic() - start < SPIN_SECONDS:
                 await anyio.lowlevel.checkpoint()
             else:

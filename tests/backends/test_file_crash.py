@@ -20,6 +20,7 @@ from pathlib import Path
 
 import anyio
 import numpy as np
+import pytest
 
 import kvpipe
 from kvpipe.backends.file import inspect_store
@@ -32,6 +33,9 @@ from tests.backends.file_worker import (
     request_tokens,
     start_worker,
 )
+
+# Real time: worker processes killed (SIGKILL) at random points.
+pytestmark = pytest.mark.slow
 
 SEED = 20240611
 RUNS = 5

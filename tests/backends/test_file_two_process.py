@@ -14,6 +14,7 @@ from pathlib import Path
 
 import anyio
 import numpy as np
+import pytest
 
 import kvpipe
 from tests.backends.file_worker import (
@@ -25,6 +26,9 @@ from tests.backends.file_worker import (
     request_tokens,
     start_worker,
 )
+
+# Real time: a prefill worker process and this one.
+pytestmark = pytest.mark.slow
 
 SEED = 7331
 REQUESTS = 12

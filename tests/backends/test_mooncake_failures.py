@@ -51,6 +51,9 @@ from tests.backends.mooncake_worker import (
     zero,
 )
 
+# Real time: a real Mooncake master and workers killed, frozen and restarted.
+pytestmark = pytest.mark.slow
+
 SEED = 8080
 LAYOUT = prefill_layout()  # 128 KiB blocks
 BS = LAYOUT.block_size
@@ -508,14 +511,13 @@ async def test_dead_segment_owner_reads_report_failed_blocks_and_are_not_trusted
 async def test_unreachable_segment_owner_read_that_timed_out_is_not_trusted_either(
     local_mooncake: Callable[..., LocalMooncake],
 ) -> None:
-    """KNOWN GAP, fails today. The worker holding the data is frozen (SIGSTOP: a hung
-    process, a partitioned host). The master still lists its keys; a read's gets hang and
-    the read honestly reports the blocks as failed (``slice_timeout``) — but the store never
-    sees a code for them, so it keeps trusting ``batch_is_exist`` and the next lookup counts
-    the very blocks that just failed (until the master's client TTL: 10 s by default), and
-    every read of them costs a slice timeout again. (A SIGKILLed owner shows the same when
-    the vendor's ``-800`` comes later than the slice timeout: it answers at once or after
-    ~1 s, varying from run to run.)"""
+    """The worker holding the data is frozen (SIGSTOP: a hung process, a partitioned host).
+    The master still lists its keys (until its client TTL: 10 s by default); a read's gets
+    hang and the read honestly reports the blocks as failed (``slice_timeout``) without the
+    store ever seeing a code for them. The store distrusts keys whose read timed out, so the
+    next lookup does not count the blocks that just failed (it did, until the store learned
+    to distrust them, and every read of them cost a slice timeout again). A SIGKILLed owner
+    whose vendor ``-800`` comes later than the slice timeout takes the same path."""
     server = await start_server(local_mooncake)  # default client_ttl: 10 s
     cfg = config(slice_timeout=0.5, total_timeout=1.5)
     with anyio.fail_after(60):

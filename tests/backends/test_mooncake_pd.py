@@ -49,6 +49,9 @@ from tests.backends.mooncake_worker import (
     zero,
 )
 
+# Real time: prefill and decode processes over a real Mooncake master.
+pytestmark = pytest.mark.slow
+
 SEED = 4242
 BATCH1 = 50
 BATCH2_FIRST = 1000

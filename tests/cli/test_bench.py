@@ -204,3 +204,37 @@ def test_plot_without_matplotlib(
     rc = main(["bench", "--smoke", "--scenario", "overhead", "--plot", str(tmp_path)])
     assert rc == 2
     assert "plots" in capsys.readouterr().err
+
+
+def test_integration_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The FastDeploy adapter from 4 threads vs the pipeline on its loop, at smoke sizes:
+    structure, sanity and the generated section only (no timing assertions)."""
+    pytest.importorskip("paddle")
+    out, doc = tmp_path / "r.json", tmp_path / "perf.md"
+    doc.write_text(
+        "# Perf\n\n<!-- kvpipe-bench:integration -->\n<!-- /kvpipe-bench:integration -->\n"
+    )
+    argv = ["bench", "--scenario", "integration", "--smoke", "--mib", "4", "--dir", str(tmp_path)]
+    assert main([*argv, "--json", str(out), "--doc", str(doc)]) == 0
+    rec = json.loads(out.read_text())["integration"]
+    assert rec["threads"] == 4 and rec["store"] == "file" and rec["blocks"] >= 4
+    for op in ("write", "read"):
+        assert rec[op]["rounds"] == 1
+        assert rec[op]["gbps_median"] > 0 and rec[op]["direct_gbps_median"] > 0
+        assert rec[op]["ratio_median"] > 0
+    hop = rec["hop_us"]
+    assert hop["calls"] == 4 * 20 and 0 < hop["p50"] <= hop["p99"]
+    text = doc.read_text()
+    assert (
+        "| write |" in text
+        and "Thread hop" in text
+        and "kvpipe bench --scenario integration" in text
+    )
+    assert list(tmp_path.glob("kvpipe-bench-*")) == []  # store directories removed
+    assert "adapter GB/s" in capsys.readouterr().out
+
+
+def test_help_shows_a_list_default_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the help's own line breaks aside
+    assert "block sizes (default: 256KiB 2MiB 8MiB)" in out and "['" not in out, out

@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from rich.progress import Progress
 
 import kvpipe
-from kvpipe.cli import _reportable, main
+from kvpipe.cli import _console as ui
+from kvpipe.cli import _reportable, build_parser, main
 from kvpipe.cli import demo as demo_cmd
 from kvpipe.cli._console import UsageError
 
@@ -114,7 +116,13 @@ def test_bad_values_exit_2_with_one_line(
 
 @pytest.mark.parametrize(
     "args",
-    [["--layout", "nope"], ["--blocks-per-request", "9-5"], ["--blocks-per-request", "x"], []],
+    [
+        ["--layout", "nope"],
+        ["--blocks-per-request", "9-5"],
+        ["--blocks-per-request", "x"],
+        ["--seed", "-1"],
+        [],
+    ],
 )
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
     argv = ["demo", *args] if args else []  # no subcommand at all is a usage error too
@@ -142,14 +150,34 @@ def test_incomplete_writes_exit_1(
     assert s["writes"]["stop_reasons"] == {"incomplete_slice": s["writes"]["incomplete"]}
 
 
-def test_human_summary_and_logging_restored(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [["--log-level", "info", "demo", *SMALL], ["demo", "--log-level", "info", *SMALL]],
+    ids=["log-level before the command", "log-level after it"],
+)
+def test_human_summary_and_logging_restored(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
     logger = logging.getLogger("kvpipe")
     before = (logger.level, list(logger.handlers), logger.propagate)
-    assert main(["--log-level", "info", "demo", *SMALL]) == 0
+    assert main(argv) == 0
     captured = capsys.readouterr()
     assert "skipped by dedup" in captured.out and "OK: all" in captured.out
     assert "INFO" in captured.err and "kvpipe." in captured.err  # kvpipe's log, on stderr
     assert (logger.level, list(logger.handlers), logger.propagate) == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "level"),
+    [
+        (["demo"], "WARNING"),
+        (["--log-level", "error", "demo"], "ERROR"),
+        (["demo", "--log-level", "debug"], "DEBUG"),
+        (["--log-level", "error", "faults", "--log-level", "info"], "INFO"),
+    ],
+)
+def test_log_level_before_or_after_the_command(argv: list[str], level: str) -> None:
+    assert build_parser().parse_args(argv).log_level == level
 
 
 def test_errors_inside_task_groups_are_reported() -> None:
@@ -174,3 +202,25 @@ def test_python_dash_m_kvpipe() -> None:
     # not a terminal: no progress bar redraws, no colour codes, nothing on stderr
     assert "\x1b" not in proc.stdout and "\r" not in proc.stdout
     assert proc.stderr == ""
+
+
+async def test_a_finished_phase_bar_keeps_its_rate() -> None:
+    """The write bar's GB/s stays the write phase's own while the read phase runs (it kept
+    falling before: its clock ran on). Virtual time: rich's progress reads our clock."""
+    now = 0.0
+    progress = Progress(ui._ByteRateColumn(), get_time=lambda: now, disable=True)
+    tally = ui.PhaseTally(progress, progress.add_task("write", total=4, nbytes=0), 1000)
+
+    async def job() -> None:
+        nonlocal now
+        now += 2.0
+        progress.update(tally.task, advance=4, nbytes=4 * 10**9)
+
+    layout = kvpipe.CacheLayout.gqa(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
+    cache = kvpipe.create_kv_cache(layout, 4)
+    async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore()) as pipe:
+        await demo_cmd._timed(tally, pipe, job())
+    column, task = ui._ByteRateColumn(), progress.tasks[0]
+    assert column.render(task).plain == "2 GB/s"
+    now += 10.0  # the read phase
+    assert column.render(task).plain == "2 GB/s"

@@ -11,6 +11,9 @@ import pytest
 from kvpipe.backends.mooncake_local import LocalMooncake
 from kvpipe.cli import main, mooncake_up
 
+# Real time: the demo against a real Mooncake master it starts.
+pytestmark = pytest.mark.slow
+
 #: A small workload on the tiny layout: 8 requests of 5-9 blocks sharing 3 blocks.
 SMALL = [
     "--layout", "tiny", "--requests", "8", "--blocks-per-request", "5-9",

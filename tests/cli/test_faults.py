@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.cli import main
+from kvpipe.testing.scenarios import SCENARIOS
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, object]]:
@@ -15,6 +16,7 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str,
     return code, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow  # real time: fault scenarios with real deadlines
 def test_every_scenario_on_the_memory_store(capsys: pytest.CaptureFixture[str]) -> None:
     code, report = _run(capsys, "--store", "memory", "--all")
     assert code == 0 and report["ok"] is True
@@ -22,6 +24,7 @@ def test_every_scenario_on_the_memory_store(capsys: pytest.CaptureFixture[str]) 
     assert "hang_slice" in names and "crash_loop" in names and len(names) == 13
 
 
+@pytest.mark.slow  # real time: a writer process killed mid-write
 def test_file_store_with_the_process_kill(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -45,6 +48,7 @@ def test_file_store_with_the_process_kill(
     assert list(tmp_path.iterdir()) == []  # cleaned up
 
 
+@pytest.mark.slow  # real time: a real Mooncake master
 def test_mooncake_with_a_real_master(capsys: pytest.CaptureFixture[str]) -> None:
     code, report = _run(
         capsys,
@@ -62,4 +66,12 @@ def test_mooncake_with_a_real_master(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_an_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["faults", "--scenario", "nope"]) == 2
-    assert "unknown scenario" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown scenario" in err and "--list" in err
+
+
+def test_list_names_every_scenario_and_runs_none(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["faults", "--list", "--scenario", "nope"]) == 0
+    out = capsys.readouterr().out
+    listed = {line.split()[0] for line in out.splitlines()}
+    assert listed == {s.name for s in SCENARIOS} | {"kill_mid_write"}, out

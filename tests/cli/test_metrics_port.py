@@ -63,13 +63,11 @@ async def test_demo_serves_its_metrics_on_the_port(
                 except OSError:  # not listening yet, or already gone
                     await anyio.sleep(0.02)
                     continue
-                assert status == "HTTP/1.1 200 OK"
+                assert status.split()[1:] == ["200", "OK"], status
                 pages += 1
                 got = samples(body)
                 if got.get(("kvpipe_open", "read")) == 0:  # both phases done: final numbers
                     final = got
-                    status, _ = await fetch(free_tcp_port, "/nothing")
-                    assert status == "HTTP/1.1 404 Not Found"
                     break
                 await anyio.sleep(0.02)
     assert code == 0

@@ -20,6 +20,9 @@ import pytest
 
 from kvpipe.cli import main
 
+# Real time: real Mooncake servers started, signalled and stopped.
+pytestmark = pytest.mark.slow
+
 #: The command as a user runs it, without this test run's kvpipe settings.
 COMMAND = [sys.executable, "-m", "kvpipe", "mooncake-up"]
 

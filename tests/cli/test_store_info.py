@@ -89,3 +89,15 @@ def test_missing_directory_is_a_usage_error(
     assert main(["store-info", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
     assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("kind", ["empty", "other files"])
+def test_a_directory_that_is_not_a_store_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    if kind == "other files":
+        (tmp_path / "hosts").write_text("127.0.0.1 localhost\n")
+    before = sorted(os.walk(tmp_path))
+    assert main(["store-info", str(tmp_path)]) == 2
+    assert "not a kvpipe store" in capsys.readouterr().err
+    assert sorted(os.walk(tmp_path)) == before

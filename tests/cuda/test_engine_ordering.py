@@ -42,6 +42,13 @@ async def _until(pred, limit: int = 2000) -> None:  # type: ignore[no-untyped-de
     raise AssertionError("condition never became true")
 
 
+async def _polled_pending(fake: FakeDriver, times: int = 2) -> None:
+    """Return once the engine has polled its events ``times`` more times: with the producer's
+    gate closed, each poll found its copy still pending (no wall-clock wait)."""
+    start = fake.calls.count("event_query")
+    await _until(lambda: fake.calls.count("event_query") >= start + times)
+
+
 async def test_gather_waits_for_the_producers_write(fake: FakeDriver, producer: int) -> None:
     layout = _layout()
     cache = fake_device_cache(fake, layout, 4)
@@ -61,7 +68,7 @@ async def test_gather_waits_for_the_producers_write(fake: FakeDriver, producer: 
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(gather)
-            await anyio.sleep(0.02)
+            await _polled_pending(fake)  # the engine saw the copy pending, and polls on
             assert not done.is_set()  # still waiting for the model (not blocking the loop)
             gate.open()
         assert (pool.buffer[lease.slots[0], : layout.block_nbytes] == 0x5A).all()
@@ -94,7 +101,7 @@ async def test_scatter_waits_until_the_producer_stops_reading(
         pool.buffer[lease.slots[0], : layout.block_nbytes] = 0x77
         async with anyio.create_task_group() as tg:
             tg.start_soon(eng.scatter, copy_plan(segs, [1], lease.slots), lease, mark)
-            await anyio.sleep(0.02)
+            await _polled_pending(fake)  # queued behind the model's read, and pending
             gate.open()
         assert seen == [old]  # the model read the old contents, then kvpipe overwrote them
         assert all((r[1] == 0x77).all() for r in device_rows(fake, cache))
@@ -144,7 +151,8 @@ async def test_a_mark_outlives_the_request_while_a_copy_uses_it(
             await _until(lambda: eng.accounting().scratch_in_use == 1)
             second = eng.mark(producer)
             tg.start_soon(eng.gather, copy_plan(segs, [1], lease.slots[1:]), lease, second)
-            await anyio.sleep(0.01)  # the second copy waits for the only scratch set
+            # the second copy has taken its reference and waits for the only scratch set
+            await _until(lambda: second._refs == 2)
             first.release()
             second.release()  # both requests "ended"
             assert first.released and not second.released
@@ -226,7 +234,7 @@ async def test_cancelled_after_queueing_waits_for_the_device(
             try:
                 await _until(lambda: eng.accounting().scratch_in_use == 1)  # queued
                 scope.cancel()
-                await anyio.sleep(0.02)
+                await _polled_pending(fake)  # polled after the cancel, copy still pending
                 assert not returned.is_set()  # shielded: the device is still to write staging
             finally:
                 gate.open()
@@ -256,9 +264,9 @@ async def test_polling_does_not_block_the_event_loop(fake: FakeDriver, producer:
         async with anyio.create_task_group() as tg:
             tg.start_soon(eng.gather, copy_plan(segs, [1], lease.slots), lease, mark)
             tg.start_soon(ticker)
-            await anyio.sleep(0.05)
+            # the loop ran on while the copy was pending, and the engine polled it
+            await _until(lambda: ticks >= 10 and fake.calls.count("event_query") >= 3)
             gate.open()
-        assert ticks >= 10
         polls = fake.calls.count("event_query")
         assert 3 <= polls < 200  # backed off, not spinning
         mark.release()

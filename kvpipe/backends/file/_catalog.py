@@ -10,12 +10,20 @@ tails of prefixes — blocks no other stored block names as parent — are evict
 recently used first, never the blocks being written or their parent. A block that cannot be
 admitted is refused, and so is every block after it in the batch (it could never be reached).
 
+Disk full: the store keeps room for the catalog (see :mod:`._space`), but another process can
+still take it. A write transaction that finds the disk full is rolled back and raises
+:class:`CatalogFull`. A catalog that cannot even be opened for writing (SQLite must create its
+``-shm`` and ``-wal`` files, which needs space) is opened read-only instead: lookups and
+statistics work, every write raises :class:`CatalogFull` until the store is reopened with room.
+
 All methods block; the store calls them from worker threads. Connections are pooled, one per
 thread at a time.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import queue
 import sqlite3
@@ -25,10 +33,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final, final
+from urllib.parse import quote
 
 from ..._results import Residency, ResidencyEntry
 
-__all__ = ("Catalog", "CatalogStats", "Reservation")
+__all__ = ("Catalog", "CatalogFull", "CatalogStats", "Reservation")
+
+log = logging.getLogger("kvpipe.file_store")
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS blocks (
@@ -53,6 +64,28 @@ CREATE TABLE IF NOT EXISTS residency (
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('bytes', 0);
 """
+
+
+class CatalogFull(OSError):
+    """The catalog cannot record a change: its disk is full (or it was opened read-only
+    because the disk was full). Nothing of the transaction was recorded."""
+
+
+#: Less free space than this makes an I/O error at open a full disk (SQLite's shared memory
+#: file of a WAL database takes 32 KiB).
+_NEARLY_FULL: Final = 1 << 20
+
+
+def _disk_full(exc: sqlite3.Error, path: str) -> bool:
+    """Whether SQLite failed for want of space: ``SQLITE_FULL``, or (opening a WAL database
+    whose shared-memory file cannot be sized) an ``SQLITE_IOERR`` on a nearly full disk."""
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+    if code == sqlite3.SQLITE_FULL:
+        return True
+    if code != sqlite3.SQLITE_IOERR:
+        return False
+    st = os.statvfs(os.path.dirname(path) or ".")
+    return st.f_bavail * st.f_frsize < _NEARLY_FULL
 
 
 @final
@@ -97,14 +130,52 @@ class Catalog:
         self._pool: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._all: list[sqlite3.Connection] = []
         self._write_lock = threading.Lock()
-        with self._conn() as db:
-            db.executescript(_SCHEMA)
+        #: Why the catalog was opened read-only (its disk was full), or ``None``.
+        self.read_only: str | None = None
+        try:
+            with self._conn() as db:
+                db.executescript(_SCHEMA)
+        except sqlite3.OperationalError as exc:
+            if not _disk_full(exc, path):
+                raise
+            self.close()
+            self._open_read_only(exc)
+
+    def _open_read_only(self, cause: sqlite3.OperationalError) -> None:
+        """Open an existing catalog for reading only: ``mode=ro`` where SQLite can use the
+        WAL's shared memory, else ``immutable=1`` (the disk is too full to create it, so no
+        other process has the database open)."""
+        for mode in ("mode=ro", "immutable=1"):
+            self.read_only = mode
+            try:
+                with self._conn() as db:
+                    db.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()
+            except sqlite3.Error:
+                self.close()
+                continue
+            log.warning(
+                "file store catalog %s opened read-only (%s: %s): blocks are served, "
+                "writes are refused until the store is reopened with room",
+                self.path,
+                mode,
+                cause,
+            )
+            return
+        self.read_only = None
+        raise cause
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("PRAGMA busy_timeout=30000")
+        if self.read_only:
+            uri = f"file:{quote(self.path)}?{self.read_only}"
+            db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA busy_timeout=30000")
+        else:
+            db = sqlite3.connect(
+                self.path, timeout=30.0, isolation_level=None, check_same_thread=False
+            )
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=30000")
         self._all.append(db)
         return db
 
@@ -124,17 +195,30 @@ class Catalog:
         # One writer at a time within this process: SQLite's own busy handler would make
         # contending threads sleep in growing steps (1, 2, 5 ... 100 ms); other processes
         # still meet the busy handler.
+        if self.read_only:
+            raise CatalogFull(errno.ENOSPC, f"catalog opened read-only ({self.read_only})")
         with self._write_lock, self._conn() as db:
-            db.execute("BEGIN IMMEDIATE")
             try:
-                yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield db
+                    db.execute("COMMIT")
+                except BaseException:
+                    if db.in_transaction:  # SQLite may have rolled back already (disk full)
+                        db.execute("ROLLBACK")
+                    raise
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_FULL:
+                    raise
+                raise CatalogFull(errno.ENOSPC, f"catalog: {exc}") from exc
 
     def close(self) -> None:
         """Close every connection."""
+        while True:
+            try:
+                self._pool.get_nowait()
+            except queue.Empty:
+                break
         for db in self._all:
             db.close()
         self._all.clear()
@@ -148,9 +232,20 @@ class Catalog:
         namespace: str,
         nbytes: int,
         capacity: int | None,
+        room: int | None = None,
     ) -> Reservation:
-        """Reserve room for a batch of consecutive blocks (``parent`` precedes ``keys[0]``)."""
+        """Reserve room for a batch of consecutive blocks (``parent`` precedes ``keys[0]``).
+
+        Args:
+            room: Bytes the batch may take on disk (see :func:`._space.room`), ``None``: no
+                limit. Every file is written before it replaces an older one, so each block
+                counts ``nbytes`` against it; blocks past it are refused (no eviction).
+
+        Raises:
+            CatalogFull: The disk is full: nothing was reserved.
+        """
         now = time.time()
+        disk = room if room is not None else -1
         admitted: list[bool] = []
         victims: list[str] = []
         freed = 0
@@ -163,6 +258,9 @@ class Catalog:
                     continue
                 row = db.execute("SELECT nbytes FROM blocks WHERE key=?", (key,)).fetchone()
                 need = nbytes - (row[0] if row else 0)
+                if room is not None and disk < nbytes:
+                    admitted.append(False)
+                    continue
                 if capacity is not None and total + need > capacity:
                     got, gone = self._evict(db, total + need - capacity, protect)
                     victims += gone
@@ -183,6 +281,7 @@ class Catalog:
                         (key, block_parent, namespace, nbytes, now, now, self.owner),
                     )
                 total += need
+                disk -= nbytes
                 admitted.append(True)
             db.execute("UPDATE meta SET value=? WHERE name='bytes'", (total,))
         return Reservation(admitted, victims, freed)
@@ -235,10 +334,16 @@ class Catalog:
         return released
 
     def touch(self, keys: Sequence[str]) -> None:
-        """Record a read of these blocks (for least-recently-used eviction)."""
+        """Record a read of these blocks (for least-recently-used eviction); skipped when the
+        disk is full (a read must not fail for its bookkeeping)."""
         now = time.time()
-        with self._write() as db:
-            db.executemany("UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys])
+        try:
+            with self._write() as db:
+                db.executemany(
+                    "UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys]
+                )
+        except CatalogFull:
+            pass
 
     def records(self) -> dict[str, tuple[bool, float, str | None]]:
         """Every block record: key → (ready, created, owner of an unsettled reservation)."""

@@ -120,12 +120,21 @@ def finish_read(into: memoryview, pages: Pages, direct: bool) -> None:
         into[whole:] = pages.tail[: len(into) - whole]
 
 
-def probe_direct(dir_fd: int, scratch: Scratch) -> bool:
-    """Whether the file system under ``dir_fd`` takes page-aligned ``O_DIRECT`` writes (tmpfs,
-    for one, refuses to open with it). Leaves nothing behind.
+#: A probe that meets these cannot write; it reads an existing file instead.
+_NO_ROOM: Final = (errno.ENOSPC, errno.EDQUOT)
+
+
+def probe_direct(dir_fd: int, scratch: Scratch, existing: str = "catalog.sqlite3") -> bool:
+    """Whether the file system under ``dir_fd`` takes page-aligned ``O_DIRECT`` writes (tmpfs
+    before Linux 6.6, for one, refuses to open with it). Leaves nothing behind.
+
+    On a full disk (``ENOSPC``, ``EDQUOT``) nothing can be written: the probe reads the first
+    page of ``existing`` (under ``dir_fd``) with ``O_DIRECT`` instead, and says ``False``
+    when there is no such file. A direct write refused later still turns direct I/O off.
 
     Raises:
-        OSError: Anything but the file system refusing direct I/O (no space, permissions...).
+        OSError: Anything but the file system refusing direct I/O or lacking room
+            (permissions...).
     """
     name = f".direct-probe.{os.getpid()}.{secrets.token_hex(4)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT
@@ -134,6 +143,8 @@ def probe_direct(dir_fd: int, scratch: Scratch) -> bool:
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
+        if exc.errno in _NO_ROOM:
+            return _probe_read(dir_fd, existing, scratch)
         raise
     page = scratch.pages(1)[0].tail
     try:
@@ -142,7 +153,26 @@ def probe_direct(dir_fd: int, scratch: Scratch) -> bool:
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
+        if exc.errno in _NO_ROOM:
+            return _probe_read(dir_fd, existing, scratch)
         raise
     finally:
         os.close(fd)
         os.unlink(name, dir_fd=dir_fd)
+
+
+def _probe_read(dir_fd: int, name: str, scratch: Scratch) -> bool:
+    """Whether ``name`` under ``dir_fd`` reads with ``O_DIRECT`` into a page (a full disk's
+    probe); ``False`` when it is missing or is refused."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        os.preadv(fd, [scratch.pages(1)[0].tail], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

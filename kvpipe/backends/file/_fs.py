@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final, Literal, final
 
+from ..._errors import ConfigError
 from ._format import PAGE, is_temp_name, parse_temp_name, temp_name
 from ._sysio import (
     HOST,
@@ -53,6 +54,7 @@ __all__ = (
     "UnsafePath",
     "owner_is_dead",
     "owner_token",
+    "store_root",
 )
 
 Durability = Literal["none", "data", "full"]
@@ -64,6 +66,30 @@ def _check(name: str) -> str:
     if not _COMPONENT.fullmatch(name) or name in (".", ".."):
         raise UnsafePath(errno.EINVAL, f"invalid path component {name!r}")
     return name
+
+
+def store_root(root: object) -> str:
+    """``root`` as the path of a store's directory, checked before anything touches the disk.
+
+    Raises:
+        TypeError: ``root`` is not a ``str`` or an ``os.PathLike`` of ``str`` (bytes included).
+        ConfigError: ``root`` is empty (it would make the current directory the store) or
+            holds a NUL character.
+    """
+    path = os.fspath(root) if isinstance(root, os.PathLike) else root
+    if not isinstance(path, str):
+        raise TypeError(
+            f"a store root must be a str or os.PathLike[str], not {type(path).__name__}: {root!r}"
+        )
+    if not path:
+        raise ConfigError(
+            "root",
+            "is empty: give the store's directory (an empty path would "
+            "make the current directory the store)",
+        )
+    if "\0" in path:
+        raise ConfigError("root", f"contains a NUL character: {path!r}")
+    return path
 
 
 @final
@@ -89,7 +115,13 @@ class Root:
     def __init__(self, path: str | os.PathLike[str], create: bool = True) -> None:
         self.path = os.path.realpath(os.fspath(path))
         if create:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            try:
+                os.makedirs(self.path, mode=0o700, exist_ok=True)
+            except FileExistsError as exc:  # something else than a directory is there
+                what = "a regular file" if os.path.isfile(self.path) else "not a directory"
+                raise NotADirectoryError(
+                    errno.ENOTDIR, f"the store root exists and is {what}", self.path
+                ) from exc
         self.fd = os.open(self.path, _DIR_FLAGS & ~os.O_NOFOLLOW)
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -12,11 +13,11 @@ from typing import final
 
 import xxhash
 
-from ._catalog import Catalog
+from ._catalog import Catalog, CatalogFull
 from ._format import BLOCK_SUFFIX, HEADER_NBYTES, HeaderError, block_location, unpack_header
 from ._fs import Root, owner_is_dead
 
-__all__ = ("RecoveryReport", "StoreReport", "inspect_store", "recover")
+__all__ = ("RecoveryReport", "StoreReport", "inspect_store", "is_store", "recover")
 
 log = logging.getLogger("kvpipe.file_store")
 
@@ -53,15 +54,25 @@ def _read_header(path: str) -> tuple[bytes, int]:
 def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
     """Repair what a crash can leave: temporary files, unsettled records, unknown files.
 
-    Headers are read only for files the catalog does not know.
+    Headers are read only for files the catalog does not know. On a disk too full for the
+    catalog to record a repair, the repairs stop there (logged); the store still serves the
+    blocks, and a later open with room finishes them.
     """
-    temp_removed = adopted = quarantined = forgotten = 0
+    counts: Counter[str] = Counter()
     for tmp in root.temp_files(stale_after):
         try:
             if tmp.removable and root.remove_temp(tmp.parts, tmp.name):
-                temp_removed += 1
+                counts["temp_removed"] += 1
         except OSError as exc:
             log.warning("file store %s: cannot remove %s: %s", root.path, tmp.name, exc)
+    try:
+        _repair_catalog(root, catalog, stale_after, counts)
+    except CatalogFull as exc:
+        log.warning("file store %s: catalog repairs at open left for later: %s", root.path, exc)
+    return RecoveryReport(**counts)
+
+
+def _repair_catalog(root: Root, catalog: Catalog, stale_after: float, counts: Counter[str]) -> None:
     records = catalog.records()
     expected = {block_location(k)[1]: k for k in records}
     seen: set[str] = set()
@@ -83,11 +94,11 @@ def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
                     raise HeaderError("truncated")
             except (HeaderError, OSError):
                 if root.quarantine(parts, name):
-                    quarantined += 1
+                    counts["quarantined"] += 1
                 continue
             seen.add(header.key)
             if catalog.adopt(header.key, parts[1], size, header.created):
-                adopted += 1
+                counts["adopted"] += 1
     cutoff = time.time() - stale_after
     gone = []
     for key, (ready, created, owner) in records.items():
@@ -99,8 +110,7 @@ def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
             gone.append(key)  # the file is gone, or its writer died before publishing it
     if gone:
         catalog.remove(gone)
-        forgotten = len(gone)
-    return RecoveryReport(temp_removed, adopted, quarantined, forgotten)
+        counts["forgotten"] = len(gone)
 
 
 @final
@@ -121,9 +131,18 @@ class StoreReport:
     quarantined: int = 0
     catalog_blocks: int = 0
     catalog_bytes: int = 0
+    catalog_pending: int = 0
     untracked: int = 0
     residency_records: int = 0
     verified: bool = False
+
+
+def is_store(path: str) -> bool:
+    """Whether the directory ``path`` is a file store's root: it holds the catalog (every
+    open makes it) or a ``blocks/`` directory."""
+    return os.path.isfile(os.path.join(path, "catalog.sqlite3")) or os.path.isdir(
+        os.path.join(path, "blocks")
+    )
 
 
 def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) -> StoreReport:
@@ -133,7 +152,15 @@ def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) 
         path: The store root.
         verify: Also read every payload and check its checksum (reads the whole store).
         stale_after: Age after which a temporary file counts as stale.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file store (see :func:`is_store`).
+        OSError: ``path`` cannot be opened as a directory.
     """
+    if os.path.isdir(path) and not is_store(path):
+        raise FileNotFoundError(
+            errno.ENOENT, "not a kvpipe store (no catalog.sqlite3, no blocks/)", path
+        )
     root = Root(path, create=False)
     report = StoreReport(root.path, verified=verify)
     try:
@@ -157,6 +184,7 @@ def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) 
             try:
                 stats = catalog.stats()
                 report.catalog_blocks, report.catalog_bytes = stats.blocks, stats.bytes
+                report.catalog_pending = stats.pending
                 report.residency_records = stats.residency_records
                 tracked = {block_location(k)[1] for k in catalog.known_keys()}
                 report.untracked = len(keys - tracked)

@@ -153,6 +153,11 @@ def write_batch(
 
 
 def _failed(hooks: WriteHooks, key: str, err: int, why: str) -> BlockStatus:
-    hooks.count(io_errors=1)
+    """A block file that could not be written: ``NO_SPACE`` (counted ``no_space``) when its
+    disk or quota is full, else ``FAILED`` (counted ``io_errors``)."""
     hooks.errors.append(f"{key}: {why}")
-    return BlockStatus.NO_SPACE if err == errno.ENOSPC else BlockStatus.FAILED
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        hooks.count(no_space=1)
+        return BlockStatus.NO_SPACE
+    hooks.count(io_errors=1)
+    return BlockStatus.FAILED

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -27,16 +28,17 @@ from ..._errors import BackendError, ConfigError
 from ..._results import ResidencyEntry
 from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from .._inflight import InFlight
-from ._catalog import Catalog
+from ._catalog import Catalog, CatalogFull
 from ._direct import Scratch, is_aligned, probe_direct
 from ._format import (
     block_location,
     file_nbytes,
     key_namespace,
 )
-from ._fs import Durability, Root, owner_token
+from ._fs import Durability, Root, owner_token, store_root
 from ._inspect import recover
 from ._reads import ReadHooks, native_available, read_batch, read_one, regular_files
+from ._space import room, settle
 from ._writes import Abandon, WriteHooks, write_batch, write_one
 
 __all__ = ("FileStore",)
@@ -52,7 +54,8 @@ class FileStore(StorageBackend):
     """Blocks as files under ``root``.
 
     Args:
-        root: The store's directory (created ``0700``). May be shared by processes.
+        root: The store's directory (created ``0700``), a non-empty ``str`` or
+            ``os.PathLike[str]``. May be shared by processes.
         durability: ``"none"`` (rename only), ``"data"`` (``fdatasync`` each file before it
             is published) or ``"full"`` (also sync the directory after the rename).
         capacity_bytes: When set, stay under it by evicting prefix tails, least recently
@@ -69,6 +72,10 @@ class FileStore(StorageBackend):
             ``durability`` is not ``"none"`` (unsynced writes go to the page cache), reads
             in every durability. ``True``: both; opening fails where the file system does
             not allow it. ``False``: never.
+
+    Raises:
+        TypeError: ``root`` is not a ``str`` or ``os.PathLike[str]``.
+        ConfigError: ``root`` is empty, or another argument is out of range.
 
     Use ``async with FileStore(...) as store`` or ``await store.open()``; calls open it on
     first use otherwise.
@@ -89,13 +96,17 @@ class FileStore(StorageBackend):
         scan_on_open: bool = True,
         direct_io: bool | None = None,
     ) -> None:
+        self.path = store_root(root)
         if durability not in _DURABILITIES:
             raise ConfigError("durability", f"must be one of {_DURABILITIES}, got {durability!r}")
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ConfigError("capacity_bytes", f"must be positive, got {capacity_bytes!r}")
         if threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {threads!r}")
-        self.path = os.fspath(root)
+        if isinstance(stale_temp_after, bool) or not (
+            isinstance(stale_temp_after, int | float) and 0 < stale_temp_after < math.inf
+        ):
+            raise ConfigError("stale_temp_after", f"must be finite and > 0, got {stale_temp_after}")
         self.durability: Durability = durability
         self.capacity_bytes = capacity_bytes
         self.threads = threads
@@ -167,6 +178,11 @@ class FileStore(StorageBackend):
                 log.warning("file store %s: recovered at open: %s", root.path, report)
         self._root, self._catalog = root, catalog
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvpipe-file")
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` has run: every later call is refused."""
+        return self._inflight.closing
 
     async def aclose(self, timeout: float = 30.0) -> None:
         """Close the catalog and the root descriptor, once the worker threads still running
@@ -258,7 +274,12 @@ class FileStore(StorageBackend):
         value_nbytes = len(values[0])
         direct = self._direct and all(is_aligned(v) for v in values)
         nbytes = file_nbytes(value_nbytes, padded=direct)
-        res = catalog.reserve(keys, parent, key_namespace(keys[0]), nbytes, self.capacity_bytes)
+        space = key_namespace(keys[0])
+        try:
+            res = catalog.reserve(keys, parent, space, nbytes, self.capacity_bytes, room(root))
+        except CatalogFull:
+            self._count(no_space=len(keys))
+            return [BlockStatus.NO_SPACE] * len(keys)
         admitted = [i for i, ok in enumerate(res.admitted) if ok]
         statuses = [BlockStatus.FAILED if ok else BlockStatus.NO_SPACE for ok in res.admitted]
         if res.admitted.count(False):
@@ -280,9 +301,11 @@ class FileStore(StorageBackend):
                 if status is BlockStatus.OK:
                     written.append(keys[i])
         finally:
-            catalog.settle(
-                written, [keys[i] for i in admitted if statuses[i] is not BlockStatus.OK]
-            )
+            failed = [keys[i] for i in admitted if statuses[i] is not BlockStatus.OK]
+            for key in settle(catalog, root, written, failed):  # the disk filled meanwhile
+                statuses[keys.index(key)] = BlockStatus.NO_SPACE
+                written.remove(key)
+                self._count(no_space=1)
         self._count(blocks_written=len(written), bytes_written=len(written) * value_nbytes)
         if errors:  # one line per batch, not per block
             log.warning(
@@ -399,8 +422,11 @@ class FileStore(StorageBackend):
         bad = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.CORRUPT]
         ok = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.OK]
         if bad:
-            catalog.remove(bad)
             self._count(corrupt=len(bad))
+            try:
+                catalog.remove(bad)
+            except CatalogFull as exc:  # their files are gone; the next open forgets them
+                log.warning("file store %s: cannot forget corrupt blocks: %s", root.path, exc)
         if ok and self.capacity_bytes is not None:
             catalog.touch(ok)
         self._count(blocks_read=len(ok))

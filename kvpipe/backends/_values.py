@@ -1,0 +1,206 @@
+"""Whole values under caller-named keys on any store, outside a pipeline.
+
+The pipeline names its keys itself (chained token hashes). Adapters for servers that name
+their own keys and own their own buffers (FastDeploy's ``KVCacheStorage``: keys and host
+pointers) need the store's batch calls without a pipeline: :class:`ValueClient` builds the
+batches over its own staging, so every store — file, memory, Mooncake — is used exactly as
+the pipeline uses it (atomic publication, the store's own checks, bounded worker threads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+
+from .._keys import Scope, as_tokens
+from .._staging import StagingPool, ThreadRunner
+from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+
+__all__ = ("ValueClient",)
+
+#: The "layout fingerprint" of values stored by a ValueClient (they have no cache layout).
+VALUES_FINGERPRINT: Final = hashlib.blake2b(b"kvpipe.values", digest_size=8).hexdigest()
+_NO_TOKENS = as_tokens(np.zeros(0, dtype=np.int64))
+
+
+class ValueClient:
+    """Put, get, probe and delete whole values on ``store`` under caller-named keys.
+
+    Keys must pass :func:`validate_key`. Values of one call may have different sizes; each
+    size gets its own staging pool of ``slots`` slots (allocated on first use, registered
+    with the store, unregistered at exit).
+
+    Args:
+        store: An open (or self-opening) store; the client does not close it.
+        namespace: Scopes the batches (as a pipeline's namespace does).
+        slots: Staging slots per value size; a bigger call is sent in chunks.
+        close_timeout: Seconds leaving waits for worker threads still running.
+
+    Use as an async context manager. Calls must come from the loop that entered it.
+    """
+
+    def __init__(
+        self,
+        store: StorageBackend,
+        *,
+        namespace: str = "values",
+        slots: int = 32,
+        close_timeout: float = 10.0,
+    ) -> None:
+        if not isinstance(store, StorageBackend):
+            raise TypeError(f"store must be a kvpipe.StorageBackend, got {type(store).__name__}")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots!r}")
+        self.store = store
+        self.scope = Scope(namespace, VALUES_FINGERPRINT)
+        self.slots = slots
+        self._runner = ThreadRunner(close_timeout)
+        self._pools: dict[int, StagingPool] = {}
+        self._registered: list[memoryview] = []
+
+    async def __aenter__(self) -> ValueClient:
+        await self._runner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        try:
+            await self._runner.__aexit__(*exc_info)
+        finally:
+            registered, self._registered = self._registered, []
+            for buffer in registered:
+                try:
+                    await self.store.unregister_staging(buffer)
+                except Exception:
+                    pass
+
+    async def _pool(self, nbytes: int) -> StagingPool:
+        pool = self._pools.get(nbytes)
+        if pool is None:
+            pool = StagingPool(nbytes, self.slots)
+            buffer = pool.buffer.data.cast("B")
+            await self.store.register_staging(buffer)
+            self._registered.append(buffer)
+            self._pools[nbytes] = pool
+        return pool
+
+    def _batch(self, keys: Sequence[str]) -> KeyBatch:
+        return KeyBatch(self.scope, "values", [validate_key(k) for k in keys], 0, _NO_TOKENS)
+
+    def _chunks(self, n: int) -> list[range]:
+        return [range(i, min(n, i + self.slots)) for i in range(0, n, self.slots)]
+
+    async def put(
+        self, keys: Sequence[str], values: Sequence[bytes | memoryview]
+    ) -> list[BlockStatus]:
+        """Store ``values[i]`` under ``keys[i]`` (copied into staging first).
+
+        Returns:
+            One status per key.
+
+        Raises:
+            ValueError: A bad key, or keys and values of different lengths.
+            Exception: Whatever the store raised for the whole batch.
+
+        Cancellation: as the store's ``put_blocks`` (values not yet published are not).
+        """
+        if len(keys) != len(values):
+            raise ValueError("one value per key")
+        for k in keys:
+            validate_key(k)
+        out: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
+        by_size: dict[int, list[int]] = {}
+        for i, v in enumerate(values):
+            by_size.setdefault(memoryview(v).nbytes, []).append(i)
+        for size, positions in by_size.items():
+            pool = await self._pool(size)
+            for chunk in self._chunks(len(positions)):
+                picked = [positions[j] for j in chunk]
+                lease = await pool.acquire(len(picked))
+                try:
+                    for slot, i in zip(lease.slots, picked, strict=True):
+                        pool.slot(slot)[:] = np.frombuffer(values[i], np.uint8)
+                    batch = PutBatch(
+                        self.scope,
+                        "values",
+                        [keys[i] for i in picked],
+                        0,
+                        _NO_TOKENS,
+                        lease=lease,
+                        value_nbytes=size,
+                        runner=self._runner,
+                        limiter=None,
+                    )
+                    got = list(await self.store.put_blocks(batch))
+                finally:
+                    lease.release()
+                for i, status in zip(picked, got, strict=True):
+                    out[i] = status
+        return out
+
+    async def get(
+        self, keys: Sequence[str], nbytes: Sequence[int]
+    ) -> list[tuple[BlockStatus, bytes]]:
+        """Fetch each key's ``nbytes[i]``-long value.
+
+        Returns:
+            Per key, its status and (when ``OK``) its value, else ``b""``.
+
+        Raises:
+            ValueError: A bad key or size, or keys and sizes of different lengths.
+            Exception: Whatever the store raised for the whole batch.
+        """
+        if len(keys) != len(nbytes) or any(int(n) < 1 for n in nbytes):
+            raise ValueError("one positive size per key")
+        for k in keys:
+            validate_key(k)
+        out: list[tuple[BlockStatus, bytes]] = [(BlockStatus.FAILED, b"")] * len(keys)
+        by_size: dict[int, list[int]] = {}
+        for i, n in enumerate(nbytes):
+            by_size.setdefault(int(n), []).append(i)
+        for size, positions in by_size.items():
+            pool = await self._pool(size)
+            for chunk in self._chunks(len(positions)):
+                picked = [positions[j] for j in chunk]
+                lease = await pool.acquire(len(picked))
+                try:
+                    batch = GetBatch(
+                        self.scope,
+                        "values",
+                        [keys[i] for i in picked],
+                        0,
+                        _NO_TOKENS,
+                        lease=lease,
+                        value_nbytes=size,
+                        runner=self._runner,
+                        limiter=None,
+                    )
+                    got = list(await self.store.get_blocks(batch))
+                    for slot, i, status in zip(lease.slots, picked, got, strict=True):
+                        value = (
+                            pool.slot(slot)[:size].tobytes() if status is BlockStatus.OK else b""
+                        )
+                        out[i] = (status, value)
+                finally:
+                    lease.release()
+        return out
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored (each key answered on its own: a store's ``exists``
+        may stop at the first miss, so the keys after one are probed again)."""
+        out: list[bool] = []
+        rest = list(keys)
+        while rest:
+            got = list(await self.store.exists(self._batch(rest)))
+            lead = next((j for j, ok in enumerate(got) if not ok), len(got))
+            out += [True] * lead
+            if lead < len(rest):
+                out.append(False)
+            rest = rest[lead + 1 :]
+        return out
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove the keys (missing ones are ignored)."""
+        await self.store.delete([validate_key(k) for k in keys])

@@ -1,0 +1,70 @@
+"""A file store on a disk that fills: what room a put may take, and settling its records
+when the catalog cannot grow (blocking; the store runs this in its worker threads).
+
+The store stops short of the disk's last bytes: a put may use what ``statvfs`` says an
+ordinary user may still allocate, less :data:`CATALOG_HEADROOM` kept for the catalog (SQLite's
+write-ahead log grows to about 4 MiB between checkpoints). Blocks past that are refused
+``NO_SPACE`` before anything is written, so the catalog can always record what was written
+and the store can be opened again on the full disk.
+
+Another process can still take the last bytes. Then a block file that fails with ``ENOSPC``
+is ``NO_SPACE`` (:mod:`._writes`), a reservation the catalog cannot record refuses the whole
+batch, and settling a batch the catalog cannot record frees space by removing the batch's
+newly published files from its tail until the catalog takes the rest — never a published
+file without its record, nor a record without its file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Final
+
+from ._catalog import Catalog, CatalogFull
+from ._format import block_location
+from ._fs import Root
+
+__all__ = ("CATALOG_HEADROOM", "room", "settle")
+
+log = logging.getLogger("kvpipe.file_store")
+
+#: Free bytes a put leaves on the store's file system for the catalog.
+CATALOG_HEADROOM: Final = 4 << 20
+
+
+def room(root: Root) -> int:
+    """Bytes the next put may write under ``root`` (never negative)."""
+    st = os.fstatvfs(root.fd)
+    return max(0, st.f_bavail * st.f_frsize - CATALOG_HEADROOM)
+
+
+def settle(
+    catalog: Catalog, root: Root, written: Sequence[str], failed: Sequence[str]
+) -> list[str]:
+    """Record a put's outcome (:meth:`Catalog.settle`); when the disk is too full for that,
+    remove the newest of ``written``'s files, one at a time, until it is not.
+
+    Returns:
+        The keys of ``written`` whose files were removed (not stored after all: ``NO_SPACE``).
+    """
+    keep = list(written)
+    dropped: list[str] = []
+    while True:
+        try:
+            catalog.settle(keep, [*failed, *dropped])
+            return dropped
+        except CatalogFull as exc:
+            if not keep:
+                # Nothing left to free: the reservations stay unsettled until the next open
+                # forgets them (their files were never published).
+                log.error(
+                    "file store %s: disk full, %d reservation(s) left unsettled: %s",
+                    root.path,
+                    len(failed) + len(dropped),
+                    exc,
+                )
+                return dropped
+            key = keep.pop()
+            root.discard(*block_location(key))
+            dropped.append(key)

@@ -1,0 +1,377 @@
+"""``KVPipeStorage``: FastDeploy's ``KVCacheStorage`` (``file`` / ``mooncake``) over a kvpipe
+store. Re-exported by :mod:`kvpipe.integrations.fastdeploy`, where the mapping is described."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import operator
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+import anyio
+import xxhash
+
+from .. import BlockStatus, FileStore, StorageBackend, ValueClient
+from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
+
+__all__ = ("KVPipeStorage",)
+
+log = logging.getLogger("kvpipe.integrations.fastdeploy")
+
+#: Appended to every value: magic, version, payload length, XXH3-64 of payload and of the
+#: caller's key. Checked before a byte reaches the caller's buffer, on every store.
+_TRAILER: Final = struct.Struct("<4sIQQQ")
+_MAGIC: Final = b"KVFD"
+_UNSET: Final[Any] = object()
+
+
+def _key(namespace: str, key: str) -> str:
+    """A kvpipe key for FastDeploy's key: a hash, so no key can name a path."""
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"keys must be non-empty str, got {key!r}")
+    h = hashlib.blake2b(f"{namespace}\0{key}".encode(), digest_size=16).hexdigest()
+    return f"fd@{h}"
+
+
+def _trailer(payload: memoryview, key: str) -> bytes:
+    return _TRAILER.pack(
+        _MAGIC,
+        1,
+        payload.nbytes,
+        xxhash.xxh3_64_intdigest(payload),
+        xxhash.xxh3_64_intdigest(key.encode()),
+    )
+
+
+def _verify(value: bytes, key: str, size: int) -> memoryview | None:
+    """The payload when ``value`` is ``size`` bytes plus a sound trailer for ``key``."""
+    if len(value) != size + _TRAILER.size:
+        return None
+    payload = memoryview(value)[:size]
+    try:
+        magic, version, n, psum, ksum = _TRAILER.unpack_from(value, size)
+    except struct.error:
+        return None
+    ok = (magic, version, n) == (_MAGIC, 1, size) and ksum == xxhash.xxh3_64_intdigest(key.encode())
+    return payload if ok and psum == xxhash.xxh3_64_intdigest(payload) else None
+
+
+def _int(x: Any, what: str) -> int:
+    if isinstance(x, bool):
+        raise TypeError(f"{what} must be an int, got a bool")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(x).__name__}") from None
+
+
+class KVPipeStorage:
+    """FastDeploy's ``KVCacheStorage`` over a kvpipe store; a drop-in for its ``FileStore``
+    (and its ``MooncakeStore`` by URL).
+
+    Args:
+        file_path: The store's base directory; the store lives in ``<file_path>/<namespace>``.
+            Not given: ``KVPIPE_STORE`` (a URL), else ``FILE_BACKEND_STORAGE_DIR``, else
+            ``~/.cache/kvpipe/fastdeploy``. ``None`` or ``""``: ``ValueError``.
+        namespace: FastDeploy's model id; scopes every key.
+        tp_rank: Only rank 0 creates the directory at construction.
+        tp_size: Accepted for FastDeploy's surface.
+        store: A kvpipe store to use instead (it is closed with this object).
+        timeout: Seconds a ``batch_set`` / ``batch_get`` / ``exists`` / ``clear`` call may
+            take (its caller waits at most this plus :data:`HOP_SLACK`).
+        close_timeout: Seconds :meth:`close` may take.
+
+    Return codes are FastDeploy's: ``set`` 0 / -1, ``get`` bytes copied / -1, ``exists`` a
+    dict. Storage failures return those codes with one WARNING per call; wrong argument types
+    raise ``TypeError``.
+    """
+
+    def __init__(
+        self,
+        file_path: Any = _UNSET,
+        namespace: str | None = "",
+        tp_rank: int | None = 0,
+        tp_size: int | None = 1,
+        *,
+        store: StorageBackend | None = None,
+        timeout: float = 30.0,
+        close_timeout: float = 10.0,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            log.debug("KVPipeStorage: ignoring unknown keywords %s", sorted(unknown))
+        if file_path is not _UNSET and (file_path is None or file_path == ""):
+            raise ValueError("file_path must be specified for the FileStore backend")
+        self.namespace = namespace or ""
+        self.tp_rank = tp_rank or 0
+        self.tp_size = tp_size or 1
+        self.timeout = timeout
+        self.file_path: str | None = None
+        if store is None:
+            if file_path is _UNSET:
+                url = os.environ.get("KVPIPE_STORE", "").strip()
+                if url and not url.startswith("file:"):
+                    store = store_from_url(url)
+                elif url:
+                    file_path = str(store_from_url(url).path)  # type: ignore[attr-defined]
+                else:
+                    file_path = os.environ.get("FILE_BACKEND_STORAGE_DIR") or str(
+                        default_store_dir()
+                    )
+            if store is None:
+                base = os.fspath(file_path)
+                self.file_path = os.path.join(base, self.namespace) if self.namespace else base
+                if self.tp_rank == 0:
+                    os.makedirs(self.file_path, exist_ok=True)
+                store = FileStore(self.file_path)
+        elif file_path is not _UNSET:
+            raise ValueError("give file_path or store, not both")
+        self.store = store
+        self._own: set[str] = set()  # kvpipe keys this instance stored or saw stored
+        self._own_lock = threading.Lock()
+        self._dedup = 0
+        self._loop = LoopThread("kvpipe-fastdeploy-storage", close_timeout)
+        try:
+            self._loop.enter(_Closing(store))
+            self._client: ValueClient = self._loop.enter(
+                ValueClient(store, namespace="fastdeploy", close_timeout=close_timeout)
+            )
+        except BaseException:
+            self._loop.close()
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the store and stop the loop thread (idempotent; within ``close_timeout``)."""
+        self._loop.close()
+
+    def __enter__(self) -> KVPipeStorage:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def deduplicated(self) -> int:
+        """``set`` calls answered 0 because the key was already stored (nothing written)."""
+        return self._dedup
+
+    def register_buffer(self, buffer_ptr: int, buffer_size: int) -> None:
+        """Nothing to register: values are copied through kvpipe's own staging."""
+        return None
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _run(self, what: str, fn: Any, *args: Any, timeout: float | None = None) -> Any:
+        """Run ``fn`` in the loop within ``timeout``; ``None`` (after one WARNING) when the
+        store failed or the deadline passed."""
+        limit = self.timeout if timeout is None else float(timeout)
+
+        async def bounded() -> Any:
+            with anyio.fail_after(limit):
+                return await fn(*args)
+
+        try:
+            return self._loop.call(bounded, wait=limit + HOP_SLACK)
+        except (TypeError, ValueError):
+            raise
+        except Exception as exc:
+            log.warning("KVPipeStorage %s failed: %r", what, exc)
+            return None
+
+    def _remember(self, keys: Sequence[str]) -> None:
+        with self._own_lock:
+            self._own.update(keys)
+
+    # -- KVCacheStorage ----------------------------------------------------------------------
+
+    def batch_set(
+        self,
+        keys: list[str],
+        target_locations: list[int] | None = None,
+        target_sizes: list[int] | None = None,
+    ) -> list[int]:
+        """Store ``target_sizes[i]`` bytes at address ``target_locations[i]`` under ``keys[i]``.
+
+        Returns:
+            Per key 0 (stored now or already) or -1; -1 for every key when the lists' lengths
+            differ. A key already stored is not rewritten (counted in :attr:`deduplicated`).
+        """
+        n = len(keys)
+        if (
+            target_locations is None
+            or target_sizes is None
+            or len(target_locations) != n
+            or len(target_sizes) != n
+        ):
+            log.warning("KVPipeStorage batch_set: keys, locations and sizes differ in length")
+            return [-1] * n
+        if n == 0:
+            return []
+        ours = [_key(self.namespace, k) for k in keys]
+        values: list[bytes] = []
+        for loc, size in zip(target_locations, target_sizes, strict=True):
+            ptr, nbytes = _int(loc, "target_location"), _int(size, "target_size")
+            if ptr <= 0 or nbytes <= 0:
+                raise ValueError(f"bad target location/size {loc!r}/{size!r}")
+            # Copied here, on the caller's thread: nothing reads the caller's buffer after
+            # this call returned, whatever happens in the loop.
+            payload = memoryview(ctypes.string_at(ptr, nbytes))
+            values.append(bytes(payload) + _trailer(payload, keys[len(values)]))
+
+        async def put() -> list[int]:
+            present = await self._client.exists(ours)
+            todo = [i for i, p in enumerate(present) if not p]
+            self._dedup += n - len(todo)
+            got = await self._client.put([ours[i] for i in todo], [values[i] for i in todo])
+            out = [0] * n
+            for i, status in zip(todo, got, strict=True):
+                out[i] = 0 if status is BlockStatus.OK else -1
+            return out
+
+        result = self._run("batch_set", put)
+        if result is None:
+            return [-1] * n
+        self._remember([k for k, r in zip(ours, result, strict=True) if r == 0])
+        return list(result)
+
+    def set(
+        self, key: str, target_location: int | None = None, target_size: int | None = None
+    ) -> int:
+        """One key of :meth:`batch_set`: 0 or -1."""
+        if not isinstance(target_location, int) or target_size is None:
+            raise ValueError("target_location must be a pointer int with target_size")
+        return self.batch_set([key], [target_location], [target_size])[0]
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: list[int] | None = None,
+        target_sizes: list[int] | None = None,
+    ) -> list[int]:
+        """Copy each stored value into ``target_locations[i]`` (``target_sizes[i]`` bytes).
+
+        Returns:
+            Per key the bytes copied, or -1 (missing, corrupt, of another size, store down);
+            -1 for every key when the lists' lengths differ. A value is copied only after its
+            checks passed: the caller's buffer never receives a corrupt or short value.
+        """
+        n = len(keys)
+        if (
+            target_locations is None
+            or target_sizes is None
+            or len(target_locations) != n
+            or len(target_sizes) != n
+        ):
+            log.warning("KVPipeStorage batch_get: keys, locations and sizes differ in length")
+            return [-1] * n
+        if n == 0:
+            return []
+        ours = [_key(self.namespace, k) for k in keys]
+        sizes = [_int(s, "target_size") for s in target_sizes]
+        ptrs = [_int(p, "target_location") for p in target_locations]
+        out = [-1] * n
+        valid = [i for i in range(n) if sizes[i] > 0 and ptrs[i] > 0]
+
+        async def get() -> list[tuple[BlockStatus, bytes]]:
+            return await self._client.get(
+                [ours[i] for i in valid], [sizes[i] + _TRAILER.size for i in valid]
+            )
+
+        got = self._run("batch_get", get) if valid else []
+        if got is None:
+            return out
+        bad = 0
+        for i, (status, value) in zip(valid, got, strict=True):
+            payload = _verify(value, keys[i], sizes[i]) if status is BlockStatus.OK else None
+            if payload is None:
+                bad += status is not BlockStatus.MISSING
+                continue
+            ctypes.memmove(ptrs[i], bytes(payload), sizes[i])
+            out[i] = sizes[i]
+        if bad:
+            log.warning("KVPipeStorage batch_get: %d of %d values failed their checks", bad, n)
+        self._remember([ours[i] for i in range(n) if out[i] > 0])
+        return out
+
+    def get(
+        self, key: str, target_location: int | None = None, target_size: int | None = None
+    ) -> int:
+        """One key of :meth:`batch_get`: bytes copied or -1."""
+        if not isinstance(target_location, int) or target_size is None:
+            return -1
+        return self.batch_get([key], [target_location], [target_size])[0]
+
+    def exists(self, keys: list[str]) -> dict[str, bool]:
+        """``{key: stored}`` for every key (all ``False`` when the store cannot answer)."""
+        ours = [_key(self.namespace, k) for k in keys]
+        got = self._run("exists", self._client.exists, ours) if ours else []
+        if got is None:
+            return dict.fromkeys(keys, False)
+        self._remember([k for k, ok in zip(ours, got, strict=True) if ok])
+        return dict(zip(keys, got, strict=True))
+
+    def query(
+        self,
+        k_cache_keys: list[str] | None = None,
+        v_cache_keys: list[str] | None = None,
+        k_scale_keys: list[str] | None = None,
+        v_scale_keys: list[str] | None = None,
+        timeout: float = 10.0,
+    ) -> int:
+        """How many **leading** blocks have every given part (key, value, the scales when
+        given) stored; 0 for empty, ``None`` or mismatched lists, or when the store fails."""
+        if not k_cache_keys or not v_cache_keys:
+            return 0
+        parts = [k_cache_keys, v_cache_keys] + [p for p in (k_scale_keys, v_scale_keys) if p]
+        if any(len(p) != len(k_cache_keys) for p in parts):
+            return 0
+        flat = [k for p in parts for k in p]
+        got = self._run(
+            "query", self._client.exists, [_key(self.namespace, k) for k in flat], timeout=timeout
+        )
+        if got is None:
+            return 0
+        n = len(k_cache_keys)
+        count = 0
+        while count < n and all(got[j * n + count] for j in range(len(parts))):
+            count += 1
+        return count
+
+    def clear(self) -> bool:
+        """Remove every entry this instance stored or found stored (nothing else: never a
+        foreign file beside them). True on success."""
+        with self._own_lock:
+            keys = sorted(self._own)
+
+        async def delete() -> bool:
+            await self._client.delete(keys)
+            return True
+
+        if keys and self._run("clear", delete) is None:
+            return False
+        with self._own_lock:
+            self._own.difference_update(keys)
+        return True
+
+
+class _Closing:
+    """Opens a store on entry when it has ``open`` (a file store opens lazily) and closes it
+    on exit."""
+
+    def __init__(self, store: StorageBackend) -> None:
+        self.store = store
+
+    async def __aenter__(self) -> StorageBackend:
+        if not isinstance(self.store, FileStore):
+            await self.store.__aenter__()
+        return self.store
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.store.aclose()

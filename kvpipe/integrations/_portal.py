@@ -1,0 +1,210 @@
+"""A background event-loop thread for synchronous callers, and the store URL parser.
+
+Synchronous servers (FastDeploy's cache transfer manager calls its storage backend from plain
+worker threads) cannot await kvpipe. :class:`LoopThread` owns one event loop in one thread
+(anyio's ``BlockingPortal``; uvloop when it is installed) and runs coroutines there on behalf
+of any number of caller threads, never running kvpipe on the caller's thread and never
+holding a caller past its deadline plus :data:`HOP_SLACK`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import urllib.parse
+import weakref
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import anyio
+import anyio.from_thread
+import sniffio
+
+from .. import FileStore, MemoryStore, MooncakeStore, StorageBackend
+
+__all__ = ("HOP_SLACK", "LoopThread", "default_store_dir", "store_from_url")
+
+log = logging.getLogger("kvpipe.integrations")
+
+T = TypeVar("T")
+
+#: Seconds a caller may wait past its own deadline for the loop thread to hand the result
+#: back (scheduling on a busy machine). Past it the call is cancelled and the caller
+#: returns the honest "nothing known" answer.
+HOP_SLACK: Final = 1.0
+
+
+def _in_running_loop() -> bool:
+    try:
+        sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return False
+    return True
+
+
+class LoopThread:
+    """One event loop in one daemon thread; synchronous calls hop onto it.
+
+    Args:
+        name: For the thread's name and logs.
+        close_timeout: Seconds :meth:`close` waits for the loop's resources to close.
+
+    Closing: :meth:`close` (idempotent) runs the registered closers in the loop (in reverse
+    order, bounded by ``close_timeout``), then stops the loop and joins the thread. It also
+    runs at interpreter exit for instances still open.
+    """
+
+    def __init__(self, name: str, close_timeout: float = 10.0) -> None:
+        self.name = name
+        self.close_timeout = close_timeout
+        self._lock = threading.Lock()
+        self._closed = False
+        self._closers: list[Callable[[], object]] = []
+        self._stack = contextlib.ExitStack()
+        options: dict[str, Any] = {}
+        try:
+            import uvloop  # noqa: F401
+
+            options = {"use_uvloop": True}
+        except ImportError:
+            pass
+        self._cm = anyio.from_thread.start_blocking_portal("asyncio", options, name=name)
+        self.portal = self._stack.enter_context(self._cm)
+        self.uvloop = bool(options)
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:
+            lt = ref()
+            if lt is not None:
+                lt.close()
+
+        self._atexit = at_exit
+        atexit.register(at_exit)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has started."""
+        return self._closed
+
+    def check_caller(self) -> None:
+        """Raise if called from inside a running event loop (the call would block it)."""
+        if _in_running_loop():
+            raise RuntimeError(
+                f"{self.name}: synchronous call made from inside a running event loop; "
+                "call it from a plain thread (e.g. loop.run_in_executor / "
+                "anyio.to_thread.run_sync), or use kvpipe's async Pipeline directly"
+            )
+
+    def enter(self, cm: Any) -> Any:
+        """Enter an async context manager in the loop; it is exited at :meth:`close`."""
+        self.check_caller()
+        sync_cm = self.portal.wrap_async_context_manager(cm)
+        value = sync_cm.__enter__()
+        self._closers.append(lambda: sync_cm.__exit__(None, None, None))
+        return value
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, wait: float) -> T:
+        """Run ``await fn(*args)`` in the loop and return its result.
+
+        Args:
+            wait: Seconds to wait for it; past them the call is cancelled in the loop and
+                :class:`TimeoutError` raised in the caller.
+
+        Raises:
+            RuntimeError: Called from inside a running event loop, or after :meth:`close`.
+            TimeoutError: No result within ``wait`` seconds.
+            Exception: Whatever ``fn`` raised.
+        """
+        self.check_caller()
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+        fut: concurrent.futures.Future[T] = self.portal.start_task_soon(fn, *args)
+        try:
+            return fut.result(timeout=max(0.0, wait))
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"{self.name}: no result within {wait:.3f} s") from None
+
+    def close(self) -> None:
+        """Close what was entered (bounded by ``close_timeout``), stop the loop, join it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self._atexit)
+        closers, self._closers = self._closers[::-1], []
+
+        def close_all() -> None:
+            for closer in closers:
+                try:
+                    closer()
+                except Exception:
+                    log.exception("%s: error while closing", self.name)
+
+        # The closers block until their async exits ran in the loop; run them in a helper
+        # thread so that a stuck one cannot hold the caller past close_timeout.
+        helper = threading.Thread(target=close_all, name=f"{self.name}-close", daemon=True)
+        helper.start()
+        helper.join(self.close_timeout + HOP_SLACK)
+        if helper.is_alive():
+            log.error("%s: close did not finish within %.1f s", self.name, self.close_timeout)
+        try:
+            self.portal.call(self.portal.stop, True)
+        except Exception:
+            log.exception("%s: stopping the loop failed", self.name)
+        with contextlib.suppress(Exception):
+            self._stack.close()
+
+    def __enter__(self) -> LoopThread:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def default_store_dir() -> Path:
+    """``$XDG_CACHE_HOME/kvpipe/fastdeploy`` (``~/.cache/kvpipe/fastdeploy``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "kvpipe" / "fastdeploy"
+
+
+def store_from_url(url: str) -> StorageBackend:
+    """A store from a URL: ``file:///abs/path``, ``memory://`` or
+    ``mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata``.
+
+    Raises:
+        ValueError: An unknown scheme, a relative or empty file path, or a Mooncake URL
+            without host, port or ``metadata``.
+    """
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"KVPIPE_STORE: expected a store URL, got {url!r}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(f"KVPIPE_STORE {url!r}: a file URL needs an absolute path (file:///x)")
+        return FileStore(urllib.parse.unquote(parts.path))
+    if parts.scheme == "memory":
+        if parts.netloc or parts.path not in ("", "/"):
+            raise ValueError(f"KVPIPE_STORE {url!r}: a memory URL takes no path (memory://)")
+        return MemoryStore()
+    if parts.scheme == "mooncake":
+        query = urllib.parse.parse_qs(parts.query)
+        metadata = query.get("metadata", [""])[0]
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None or not metadata:
+            raise ValueError(
+                f"KVPIPE_STORE {url!r}: expected "
+                "mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata"
+            )
+        return MooncakeStore(f"{parts.hostname}:{port}", metadata)
+    raise ValueError(
+        f"KVPIPE_STORE {url!r}: unknown scheme {parts.scheme!r} (file://, memory://, mooncake://)"
+    )

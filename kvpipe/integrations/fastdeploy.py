@@ -1,0 +1,388 @@
+"""FastDeploy drop-in: kvpipe as the cache transfer manager's storage backend.
+
+FastDeploy's cache transfer manager calls its backend synchronously from worker threads, in
+one of two shapes (see ``docs/integrations/fastdeploy.md``):
+
+- :class:`KVPipeAttentionStore` — ``attention_store``: ``write`` / ``read`` / ``query`` /
+  ``flush_token_index`` over the per-layer Paddle caches, on a kvpipe pipeline.
+- :class:`KVPipeStorage` — ``file`` / ``mooncake``: keys and host pointers, on a kvpipe store.
+
+Each instance owns one event-loop thread; calls hop onto it and never hold the caller past
+their ``timeout`` plus :data:`HOP_SLACK`. Storage failures come back as FastDeploy's counts
+and codes with one WARNING; programming errors (wrong types, shapes) raise.
+
+Prefill→decode via storage (``FD_PD_TRANSFER_VIA_STORAGE=1``): on the prefill side
+(``splitwise_role="prefill"``) ``write`` includes the partial last block (key suffix
+``:partial:N``); on the decode side ``read`` includes it and requires every block
+(``require_all``): anything less is reported as the honest loaded count, never as success.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .. import (
+    CacheLayout,
+    IncompleteRead,
+    KVCache,
+    KVPipeError,
+    LayoutError,
+    Pipeline,
+    PipelineConfig,
+    ReadResult,
+    RequestError,
+    Residency,
+    StorageBackend,
+    open_pipeline,
+)
+from .. import FileStore as _FileStore
+from ._fd_storage import KVPipeStorage
+from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
+
+__all__ = ("HOP_SLACK", "KVPipeAttentionStore", "KVPipeStorage")
+
+log = logging.getLogger("kvpipe.integrations.fastdeploy")
+
+_NS_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _namespace(namespace: str, model_version: str) -> str:
+    """kvpipe's namespace for FastDeploy's (namespace, model version): both are in every key."""
+    raw = f"{namespace}.{model_version}"
+    if _NS_OK.fullmatch(raw):
+        return raw
+    clean = re.sub(r"[^A-Za-z0-9._-]", "-", raw).lstrip("._-")[:100] or "ns"
+    return f"{clean}.{hashlib.blake2b(raw.encode(), digest_size=6).hexdigest()}"
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def infer_layout(
+    key_cache: Sequence[Any],
+    val_cache: Sequence[Any],
+    layer_num: int,
+    block_token_size: int,
+    *,
+    key_scales: Sequence[Any] | None = None,
+    rope_dim: int = 64,
+) -> CacheLayout:
+    """The kvpipe layout of FastDeploy's per-layer caches.
+
+    ``key_cache[l]`` is ``[num_blocks, kv_heads, block_size, head_dim]``; ``val_cache`` is
+    empty for MLA (``[num_blocks, 1, block_size, kv_lora_rank + rope_dim]``); uint8 caches
+    with scale tensors are block-wise fp8.
+
+    Raises:
+        ValueError: The tensors disagree with ``layer_num`` / ``block_token_size`` or with
+            each other (the message names the shapes).
+    """
+    if not isinstance(key_cache, (list, tuple)) or not isinstance(val_cache, (list, tuple)):
+        raise TypeError("key_cache and val_cache must be lists of per-layer tensors")
+    shapes = [tuple(int(d) for d in t.shape) for t in key_cache]
+    if len(key_cache) != layer_num or (val_cache and len(val_cache) != layer_num):
+        raise ValueError(
+            f"expected {layer_num} per-layer tensors (layer_num), got {len(key_cache)} key and "
+            f"{len(val_cache)} value tensors"
+        )
+    if not shapes or any(len(s) != 4 for s in shapes):
+        raise ValueError(
+            f"key caches must be [num_blocks, heads, block_size, dim], got {shapes[:2]}"
+        )
+    _, heads, block_size, dim = shapes[0]
+    if block_size != block_token_size:
+        raise ValueError(
+            f"key cache shape {shapes[0]} has block size {block_size}, but block_token_size is "
+            f"{block_token_size}"
+        )
+    dtype = str(key_cache[0].dtype).removeprefix("paddle.")
+    if not val_cache:
+        if heads != 1 or dim <= rope_dim:
+            raise ValueError(f"MLA cache shape {shapes[0]}: expected [n, 1, bs, lora + {rope_dim}]")
+        return CacheLayout.mla(
+            num_layers=layer_num,
+            kv_lora_rank=dim - rope_dim,
+            rope_dim=rope_dim,
+            block_size=block_size,
+            dtype=dtype,
+        )
+    vshapes = [tuple(int(d) for d in t.shape) for t in val_cache]
+    if vshapes != shapes:
+        raise ValueError(
+            f"value cache shapes {vshapes[:2]} differ from key cache shapes {shapes[:2]}"
+        )
+    return CacheLayout.gqa(
+        num_layers=layer_num,
+        num_kv_heads=heads,
+        head_dim=dim,
+        block_size=block_size,
+        dtype=dtype,
+        fp8_scales=bool(key_scales),
+    )
+
+
+class KVPipeAttentionStore:
+    """FastDeploy's ``AttentionStore`` on a kvpipe pipeline (``kvcache_storage_backend =
+    "attention_store"``).
+
+    Keywords are FastDeploy's (unknown ones are logged at DEBUG and ignored);
+    ``AS_NAMESPACE``, ``AS_POD_NAME`` and ``AS_MODEL_VERSION`` override theirs. kvpipe's own,
+    keyword-only: ``store`` (a :class:`kvpipe.StorageBackend`; default: ``KVPIPE_STORE``,
+    else a file store under ``~/.cache/kvpipe/fastdeploy``), ``config`` (default
+    ``PipelineConfig.from_env()``, so ``AS_WRITE_SLICE_*`` apply), ``pd_via_storage``
+    (default ``FD_PD_TRANSFER_VIA_STORAGE``), ``rope_dim`` (MLA), ``close_timeout``.
+
+    ``gpu_block_ids[i]`` is the cache block of sequence block ``i`` (from block 0).
+    """
+
+    def __init__(
+        self,
+        namespace: str = "default_ns",
+        pod_name: str = "default_pod",
+        model_version: str = "v0",
+        shard_id: int = 0,
+        shard_num: int = 1,
+        layer_num: int = 1,
+        block_token_size: int = 64,
+        bytes_per_shard_layer_per_block: int = 1024,
+        device_id: int = 0,
+        dp_id: int = 0,
+        splitwise_role: str = "mixed",
+        *,
+        store: StorageBackend | None = None,
+        config: PipelineConfig | None = None,
+        pd_via_storage: bool | None = None,
+        rope_dim: int = 64,
+        close_timeout: float | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            log.debug("KVPipeAttentionStore: ignoring unknown keywords %s", sorted(unknown))
+        env = os.environ
+        self.namespace = env.get("AS_NAMESPACE", namespace)
+        self.pod_name = env.get("AS_POD_NAME", pod_name)
+        if int(env.get("ENABLE_EP_DP_IN_FD", "1") or 0):
+            self.pod_name = f"{self.pod_name}_{splitwise_role}_{dp_id}"
+        self.model_version = env.get("AS_MODEL_VERSION", model_version)
+        self.layer_num = int(layer_num)
+        self.block_token_size = int(block_token_size)
+        self.shard_id, self.shard_num = int(shard_id), int(shard_num)
+        self.splitwise_role = splitwise_role
+        self.rope_dim = rope_dim
+        if pd_via_storage is None:
+            pd_via_storage = _flag(env.get("FD_PD_TRANSFER_VIA_STORAGE"))
+        #: write includes the partial last block (prefill side of PD via storage)
+        self.include_partial_on_write = pd_via_storage and splitwise_role == "prefill"
+        #: read includes it and requires every block (decode side)
+        self.all_or_nothing_read = pd_via_storage and splitwise_role == "decode"
+        self.config = config or PipelineConfig.from_env(node_id=self.pod_name)
+        self.kvpipe_namespace = _namespace(self.namespace, self.model_version)
+        if store is None:
+            url = env.get("KVPIPE_STORE", "").strip()
+            store = store_from_url(url) if url else _FileStore(default_store_dir())
+        self.store = store
+        self._pipes: dict[tuple[Any, ...], Pipeline] = {}
+        self._open_lock = threading.Lock()
+        self._loop = LoopThread("kvpipe-fastdeploy-as", close_timeout or self.config.close_timeout)
+        try:
+            self._loop.enter(store)
+        except BaseException:
+            self._loop.close()
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the pipelines and the store, stop the loop thread (idempotent)."""
+        self._loop.close()
+
+    def __enter__(self) -> KVPipeAttentionStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _pipe(
+        self, key_cache: Sequence[Any], val_cache: Sequence[Any], scales: Sequence[Any] | None
+    ) -> Pipeline:
+        """The pipeline over these tensors: built once per distinct set of tensors."""
+        tensors = list(key_cache) + list(val_cache) + list(scales or ())
+        ident = tuple((t.data_ptr(), tuple(t.shape), str(t.dtype)) for t in tensors)
+        pipe = self._pipes.get(ident)
+        if pipe is not None:
+            return pipe
+        with self._open_lock:
+            pipe = self._pipes.get(ident)
+            if pipe is None:
+                layout = infer_layout(
+                    key_cache,
+                    val_cache,
+                    self.layer_num,
+                    self.block_token_size,
+                    key_scales=scales,
+                    rope_dim=self.rope_dim,
+                )
+                ordered: list[Any] = []
+                n = self.layer_num
+                for layer in range(n):
+                    ordered.append(key_cache[layer])
+                    if val_cache:
+                        ordered.append(val_cache[layer])
+                    if scales:
+                        ordered += [scales[layer], scales[n + layer]]
+                try:
+                    cache = KVCache.from_tensors(layout, ordered)
+                except LayoutError as exc:
+                    raise ValueError(f"FastDeploy caches do not fit {layout.kind}: {exc}") from exc
+                pipe = self._loop.enter(
+                    open_pipeline(
+                        cache,
+                        self.store,
+                        config=self.config,
+                        namespace=self.kvpipe_namespace,
+                        rank=self.shard_id,
+                        world_size=self.shard_num,
+                    )
+                )
+                self._pipes[ident] = pipe
+        return pipe
+
+    def _any_pipe(self) -> Pipeline | None:
+        return next(iter(self._pipes.values()), None)
+
+    def _call(self, what: str, task_id: str, fn: Any, timeout: float, fallback: Any) -> Any:
+        try:
+            return self._loop.call(fn, wait=timeout + HOP_SLACK)
+        except (RequestError, TypeError):
+            raise
+        except (KVPipeError, OSError, TimeoutError) as exc:
+            log.warning("kvpipe %s %s: %r", what, task_id, exc)
+            return fallback
+
+    # -- AttentionStore ----------------------------------------------------------------------
+
+    def write(
+        self,
+        task_id: str,
+        key_cache: list[Any],
+        val_cache: list[Any],
+        token_ids: list[int],
+        gpu_block_ids: list[int],
+        start_write_block_idx: int,
+        timeout: float = 30.0,
+        *,
+        scale_cache: list[Any] | None = None,
+    ) -> int:
+        """Store blocks ``start_write_block_idx ..``; return how many of them are stored
+        after the call, as a contiguous run (already-stored ones included).
+
+        ``scale_cache`` (block-wise fp8): the ``layer_num`` key scales then the ``layer_num``
+        value scales. ``timeout`` is the total deadline; slices follow the config.
+        """
+        pipe = self._pipe(key_cache, val_cache, scale_cache)
+
+        async def run() -> int:
+            r = await pipe.write(
+                token_ids,
+                gpu_block_ids,
+                start_block=start_write_block_idx,
+                include_partial=self.include_partial_on_write,
+                timeout=timeout,
+                request_id=str(task_id),
+            )
+            # an incomplete write is logged once, by the pipeline (request id = task id)
+            return r.skipped + r.written
+
+        return int(self._call("write", task_id, run, timeout, 0))
+
+    def read(
+        self,
+        task_id: str,
+        key_cache: list[Any],
+        val_cache: list[Any],
+        token_ids: list[int],
+        gpu_block_ids: list[int],
+        start_read_block_idx: int,
+        timeout: float = 30.0,
+        *,
+        scale_cache: list[Any] | None = None,
+    ) -> int:
+        """Load blocks ``start_read_block_idx ..``; return how many were loaded (verified).
+        On the decode side of PD via storage, every block (the partial one too) is required:
+        a shortfall logs one WARNING and returns the honest count."""
+        pipe = self._pipe(key_cache, val_cache, scale_cache)
+
+        async def run() -> int:
+            try:
+                r = await pipe.read(
+                    token_ids,
+                    gpu_block_ids,
+                    start_block=start_read_block_idx,
+                    include_partial=self.all_or_nothing_read,
+                    require_all=self.all_or_nothing_read,
+                    timeout=timeout,
+                    request_id=str(task_id),
+                )
+            except IncompleteRead as exc:
+                partial = exc.result
+                assert isinstance(partial, ReadResult)
+                # The pipeline logged the shortfall at WARNING already (request id = task
+                # id), except a block simply not stored: a normal miss to the pipeline, a
+                # failed handoff to the decode side. One WARNING per call either way.
+                level = logging.WARNING if partial.stop_reason == "not_stored" else logging.DEBUG
+                log.log(
+                    level,
+                    "kvpipe read %s: all-or-nothing read loaded %d of %d blocks (%s)",
+                    task_id,
+                    partial.loaded,
+                    partial.requested,
+                    partial.stop_reason,
+                )
+                return partial.loaded
+            return r.loaded
+
+        return int(self._call("read", task_id, run, timeout, 0))
+
+    def query(
+        self, task_id: str, token_ids: list[int], start_match_block_idx: int, timeout: float = 10.0
+    ) -> int:
+        """The leading stored run from ``start_match_block_idx``. Before the first ``write``
+        or ``read`` bound the caches (and so the layout, part of every key) it is 0."""
+        pipe = self._any_pipe()
+        if pipe is None:
+            log.debug("kvpipe query %s: no caches bound yet, nothing to match", task_id)
+            return 0
+
+        async def run() -> int:
+            n = await pipe.lookup(
+                token_ids, include_partial=self.all_or_nothing_read, timeout=timeout
+            )
+            return max(0, n - int(start_match_block_idx))
+
+        return int(self._call("query", task_id, run, timeout, 0))
+
+    def flush_token_index(
+        self, task_id: str, token_ids: list[int], start_block_idx: int, reside_in_gpu: bool
+    ) -> None:
+        """Record that this pod holds blocks ``start_block_idx ..`` in GPU (``reside_in_gpu``)
+        or CPU memory (``flush_index``); failures are logged, not raised."""
+        pipe = self._any_pipe()
+        if pipe is None:
+            log.debug("kvpipe flush %s: no caches bound yet, nothing recorded", task_id)
+            return
+        residency = Residency.GPU if reside_in_gpu else Residency.CPU
+        timeout = self.config.lookup_timeout
+
+        async def run() -> int:
+            return await pipe.flush_index(
+                token_ids, start_block=start_block_idx, residency=residency, timeout=timeout
+            )
+
+        self._call("flush_token_index", task_id, run, timeout, 0)

@@ -1,0 +1,67 @@
+"""The server scenario: uvicorn answering another process's requests while kvpipe and the
+hand-written offload move blocks. Structure and sanity only, never a wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpipe._cache import create_kv_cache
+from kvpipe.benchmarks._workload import model_layout, random_cache, same_bytes
+from kvpipe.benchmarks.server import PHASES, HandOffload
+from kvpipe.cli import main
+
+
+@pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "file"])
+async def test_hand_offload_moves_every_byte(tmp_path: Path, on_disk: bool) -> None:
+    layout = model_layout("256KiB")
+    src = random_cache(layout, 7)  # not a multiple of the chunk nor of the threads
+    dst = create_kv_cache(layout, 7)
+    hand = HandOffload(src, dst, 3, 2, str(tmp_path) if on_disk else None)
+    assert await hand.one_pass() > 0
+    assert same_bytes(src, dst)
+    assert hand.store == {} and os.listdir(tmp_path) == []  # the copies were dropped
+
+
+def test_server_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("uvicorn")
+    out, md, doc = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "perf.md"
+    doc.write_text("prose\n<!-- kvpipe-bench:server -->\nold\n<!-- /kvpipe-bench:server -->\n")
+    argv = ["bench", "--smoke", "--scenario", "server", "--dir", str(tmp_path)]
+    argv += ["--server-store", "memory", "--server-store", "file", "--server-rate", "400"]
+    rc = main([*argv, "--json", str(out), "--markdown", str(md), "--doc", str(doc)])
+    assert rc == 0
+    records = json.loads(out.read_text())["server"]
+    assert [r["store"] for r in records] == ["memory", "file"]
+    for r in records:
+        assert r["loop"] == "uvloop" and r["lifespan"] == ["startup", "shutdown"]
+        client = r["client"]
+        # every request the client sent was answered, correctly, and the app saw each one
+        assert client["errors"] == 0 and client["unanswered_at_exit"] == 0
+        assert client["sent"] == client["answered"] == r["served"] > 0
+        assert r["bytes_per_phase"] == 2 * r["blocks"] * r["block_bytes"] > 0
+        assert [x["phase"] for x in r["rounds"]] == list(PHASES)  # one recorded round
+        for phase in PHASES:
+            s = r["summary"][phase]
+            assert s["requests"] >= 1 and 0 < s["p50_ms"] <= s["p99_ms"] <= s["max_ms"]
+        assert r["summary"]["kvpipe"]["gbps"] > 0 and r["summary"]["hand"]["gbps"] > 0
+        assert "gbps" not in r["summary"]["idle"]
+        assert r["p99_ratio"] > 0 and r["gbps_ratio"] > 0
+        # requests are attributed to at most one phase each
+        assert sum(r["summary"][p]["requests"] for p in PHASES) <= client["answered"]
+    assert "| memory | kvpipe |" in md.read_text()
+    updated = doc.read_text()
+    assert "prose" in updated and "old" not in updated and "| file | hand |" in updated
+    assert list(tmp_path.glob("kvpipe-bench-*")) == []  # cleaned up
+    assert "kvpipe bench: server" in capsys.readouterr().out
+
+
+def test_load_result_attributes_by_scheduled_time() -> None:
+    from kvpipe.benchmarks._asgi import LoadResult
+
+    res = LoadResult(np.array([1.0, 1.5, 2.0, 2.5]), np.array([0.1, 0.2, 0.3, 0.4]))
+    assert res.between(1.5, 2.5).tolist() == [0.2, 0.3]

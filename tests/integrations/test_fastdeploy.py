@@ -1,0 +1,440 @@
+"""kvpipe.integrations.fastdeploy, driven as FastDeploy's cache transfer manager drives its
+storage backend: synchronously, from a pool of worker threads, with per-layer Paddle CPU
+tensors (``attention_store``) or host buffers addressed by pointer (``file`` / ``mooncake``)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe.integrations.fastdeploy import KVPipeAttentionStore, KVPipeStorage
+
+paddle = pytest.importorskip("paddle")
+paddle.set_device("cpu")
+
+LAYERS, BLOCKS, BS = 2, 32, 4
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gqa(fill: bool, dtype: str = "bfloat16") -> tuple[list, list]:
+    def one() -> object:
+        if not fill:
+            return paddle.zeros([BLOCKS, 2, BS, 8], dtype=dtype)
+        if dtype == "uint8":
+            return paddle.randint(0, 255, [BLOCKS, 2, BS, 8]).astype("uint8")
+        return paddle.randn([BLOCKS, 2, BS, 8]).astype(dtype)
+
+    return [one() for _ in range(LAYERS)], [one() for _ in range(LAYERS)]
+
+
+def _bytes(t: object) -> bytes:
+    return np.ascontiguousarray(t.numpy()).tobytes()  # type: ignore[attr-defined]
+
+
+def _rows(tensors: Sequence[object], ids: Sequence[int]) -> list[bytes]:
+    return [_bytes(t[i]) for t in tensors for i in ids]  # type: ignore[index]
+
+
+def _store(**kw: object) -> KVPipeAttentionStore:
+    return KVPipeAttentionStore(
+        layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore(), **kw
+    )
+
+
+# -- attention_store ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gqa-bf16", "gqa-fp8", "mla"])
+def test_attention_store_round_trip_from_8_threads(kind: str) -> None:
+    """8 threads write 8 sequences and read them back into other blocks: byte-exact; the
+    counts are FastDeploy's (blocks from the start index); a second write counts the
+    already-stored blocks (dedup) and a query the leading stored run."""
+    scales_src = scales_dst = None
+    if kind == "mla":
+        src_k = [paddle.randn([BLOCKS, 1, BS, 72]).astype("bfloat16") for _ in range(LAYERS)]
+        dst_k = [paddle.zeros([BLOCKS, 1, BS, 72], dtype="bfloat16") for _ in range(LAYERS)]
+        src_v: list = []
+        dst_v: list = []
+    elif kind == "gqa-fp8":
+        src_k, src_v = _gqa(True, "uint8")
+        dst_k, dst_v = _gqa(False, "uint8")
+        scales_src = [paddle.randn([BLOCKS, 2, BS]).astype("bfloat16") for _ in range(2 * LAYERS)]
+        scales_dst = [paddle.zeros([BLOCKS, 2, BS], dtype="bfloat16") for _ in range(2 * LAYERS)]
+    else:
+        src_k, src_v = _gqa(True)
+        dst_k, dst_v = _gqa(False)
+    with _store() as store:
+
+        def one(i: int) -> tuple[int, int, int, int]:
+            tokens = list(range(i * 1000, i * 1000 + 3 * BS + 1))  # 3 full blocks + 1 token
+            ids = [3 * i, 3 * i + 1, 3 * i + 2]
+            w = store.write(f"t{i}", src_k, src_v, tokens, ids, 0, 10.0, scale_cache=scales_src)
+            again = store.write(f"t{i}", src_k, src_v, tokens, ids, 1, 10.0, scale_cache=scales_src)
+            q = store.query(f"t{i}", tokens, 1)
+            dst = [BLOCKS - 1 - 3 * i - j for j in range(3)]
+            r = store.read(f"t{i}", dst_k, dst_v, tokens, dst, 0, 10.0, scale_cache=scales_dst)
+            return w, again, q, r
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(8)))
+        assert results == [(3, 2, 2, 3)] * 8
+        assert len(store._pipes) == 2  # one KVCache wrapping per set of tensors, not per call
+    for i in range(8):
+        src_ids, dst_ids = [3 * i + j for j in range(3)], [BLOCKS - 1 - 3 * i - j for j in range(3)]
+        assert _rows(dst_k + dst_v, dst_ids) == _rows(src_k + src_v, src_ids)
+        if scales_src:
+            assert _rows(scales_dst, dst_ids) == _rows(scales_src, src_ids)
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvpipe-fastdeploy")]
+
+
+def test_model_versions_never_share_blocks() -> None:
+    store = kvpipe.MemoryStore()
+    k, v = _gqa(True)
+    tokens = list(range(2 * BS))
+    with (
+        KVPipeAttentionStore(
+            layer_num=LAYERS, block_token_size=BS, store=store, model_version="v1"
+        ) as a,
+        KVPipeAttentionStore(
+            layer_num=LAYERS, block_token_size=BS, store=store, model_version="v2"
+        ) as b,
+    ):
+        assert a.write("t", k, v, tokens, [0, 1], 0) == 2
+        b.write("t", k, v, tokens[:BS], [0], 0)  # binds b's caches
+        assert b.query("t", tokens, 0) == 1
+        assert a.query("t", tokens, 0) == 2
+
+
+def test_layout_mismatch_is_a_clear_value_error() -> None:
+    k, v = _gqa(True)
+    with _store() as store, pytest.raises(ValueError, match="block_token_size"):
+        bad = KVPipeAttentionStore(layer_num=LAYERS, block_token_size=8, store=kvpipe.MemoryStore())
+        try:
+            bad.write("t", k, v, list(range(8)), [0], 0)
+        finally:
+            bad.close()
+    with _store() as store, pytest.raises(ValueError, match="layer_num"):
+        store.write("t", k[:1], v[:1], list(range(8)), [0, 1], 0)
+
+
+def test_bad_arguments_raise() -> None:
+    k, v = _gqa(True)
+    with _store() as store, pytest.raises(kvpipe.RequestError):
+        store.write("t", k, v, list(range(8)), [0, 0], 0)  # a repeated block id
+
+
+def test_env_identity_and_unknown_keywords(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AS_NAMESPACE", "ns1")
+    monkeypatch.setenv("AS_MODEL_VERSION", "v9")
+    monkeypatch.setenv("AS_POD_NAME", "pod")
+    monkeypatch.setenv("AS_WRITE_SLICE_BLOCK_NUM", "3")
+    with _store(namespace="ignored", something_new=1) as store:
+        assert store.kvpipe_namespace == "ns1.v9"
+        assert store.pod_name == "pod_mixed_0"
+        assert store.config.slice_block_num == 3
+
+
+class HangingStore(kvpipe.MemoryStore):
+    """Stores the first ``ok`` put calls, then never answers a put again."""
+
+    def __init__(self, ok: int) -> None:
+        super().__init__()
+        self.ok = ok
+
+    async def put_blocks(self, batch: kvpipe.PutBatch) -> Sequence[kvpipe.BlockStatus]:
+        if self.ok <= 0:
+            await anyio.sleep_forever()
+        self.ok -= 1
+        return await super().put_blocks(batch)
+
+
+def test_hanging_store_write_returns_the_stored_prefix(caplog: pytest.LogCaptureFixture) -> None:
+    """Slices of 2 blocks; the store hangs from the second slice: write returns 2 (the
+    stored prefix) by its deadline, with one WARNING, and the next calls still work."""
+    config = kvpipe.PipelineConfig(slice_block_num=2, slice_timeout=0.2, staging_bytes=1 << 20)
+    k, v = _gqa(True)
+    store = KVPipeAttentionStore(
+        layer_num=LAYERS, block_token_size=BS, store=HangingStore(1), config=config
+    )
+    with store, caplog.at_level(logging.WARNING):
+        tokens = list(range(6 * BS))
+        assert store.write("t1", k, v, tokens, list(range(6)), 0, 0.5) == 2
+        assert [r.levelname for r in caplog.records if "t1" in r.getMessage()] == ["WARNING"]
+        assert "slice_timeout" in caplog.records[-1].getMessage()
+        assert store.query("t2", tokens, 0) == 2
+        dk, dv = _gqa(False)
+        assert store.read("t3", dk, dv, tokens, list(range(10, 16)), 0, 1.0) == 2
+
+
+def test_called_inside_a_running_loop_raises() -> None:
+    k, v = _gqa(True)
+    with _store() as store:
+
+        async def inside() -> None:
+            with pytest.raises(RuntimeError, match="running event loop"):
+                store.write("t", k, v, list(range(4)), [0], 0)
+
+        anyio.run(inside)
+
+
+def test_process_exit_without_close_is_prompt(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import ctypes, paddle, kvpipe
+        from kvpipe.integrations.fastdeploy import KVPipeAttentionStore, KVPipeStorage
+        paddle.set_device("cpu")
+        a = KVPipeAttentionStore(layer_num=1, block_token_size=4, store=kvpipe.MemoryStore())
+        k = [paddle.ones([4, 1, 4, 8], dtype="bfloat16")]
+        assert a.write("t", k, k, list(range(8)), [0, 1], 0) == 2
+        s = KVPipeStorage(file_path={str(tmp_path)!r}, namespace="m")
+        b = ctypes.create_string_buffer(64)
+        assert s.batch_set(["x"], [ctypes.addressof(b)], [64]) == [0]
+        print("done")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "done" in out.stdout
+
+
+def test_bad_store_url_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    for url in ("ftp://x", "file://relative", "mooncake://host", "memory://x/y"):
+        monkeypatch.setenv("KVPIPE_STORE", url)
+        with pytest.raises(ValueError, match="KVPIPE_STORE"):
+            KVPipeAttentionStore(layer_num=1)
+
+
+# -- KVCacheStorage (file / mooncake) ----------------------------------------------------------
+
+
+def _buf(data: bytes) -> tuple[ctypes.Array[ctypes.c_char], int]:
+    b = ctypes.create_string_buffer(data, len(data))
+    return b, ctypes.addressof(b)
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> Iterator[KVPipeStorage]:
+    with KVPipeStorage(file_path=str(tmp_path), namespace="model") as s:
+        yield s
+
+
+def test_storage_round_trip_from_8_threads(fs: KVPipeStorage) -> None:
+    rng = np.random.default_rng(1)
+    host = rng.integers(0, 256, 8 * 16 * 4096, dtype=np.uint8)  # the manager's host buffer
+    out = np.zeros_like(host)
+    base, obase = host.ctypes.data, out.ctypes.data
+
+    def one(i: int) -> tuple[list[int], list[int], list[int]]:
+        keys = [f"m_{i}_{j}_key" for j in range(16)]
+        offs = [(i * 16 + j) * 4096 for j in range(16)]
+        first = fs.batch_set(keys, [base + o for o in offs], [4096] * 16)
+        again = fs.batch_set(keys, [base + o for o in offs], [4096] * 16)
+        got = fs.batch_get(keys, [obase + o for o in offs], [4096] * 16)
+        return first, again, got
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert all(r == ([0] * 16, [0] * 16, [4096] * 16) for r in results)
+    assert out.tobytes() == host.tobytes()
+    assert fs.deduplicated == 8 * 16
+
+
+def test_query_counts_leading_complete_parts(fs: KVPipeStorage) -> None:
+    _b, p = _buf(b"x" * 32)
+    fs.batch_set(["k0", "v0", "s0", "t0", "k1", "v1", "k2", "v2", "s2", "t2"], [p] * 10, [32] * 10)
+    assert fs.query(["k0", "k1", "k2"], ["v0", "v1", "v2"]) == 3
+    assert (
+        fs.query(["k0", "k1", "k2"], ["v0", "v1", "v2"], ["s0", "s1", "s2"], ["t0", "t1", "t2"])
+        == 1
+    )
+    assert fs.query(["k0", "kx", "k2"], ["v0", "v1", "v2"], None, None, 5.0) == 1  # leading only
+    assert fs.query(None, None) == 0
+    assert fs.query(["k0"], ["v0", "v1"]) == 0
+
+
+def test_tampered_file_never_reaches_the_buffer(fs: KVPipeStorage, tmp_path: Path) -> None:
+    _b, p = _buf(bytes(range(256)) * 16)
+    assert fs.set("victim", p, 4096) == 0
+    (f,) = [x for x in (tmp_path / "model").rglob("*.kvb")]
+    data = bytearray(f.read_bytes())
+    data[4096 + 10] ^= 0xFF
+    f.write_bytes(bytes(data))
+    out, op = _buf(b"\xaa" * 4096)
+    assert fs.get("victim", op, 4096) == -1
+    assert out.raw == b"\xaa" * 4096
+
+
+def test_short_target_is_refused(fs: KVPipeStorage) -> None:
+    _b, p = _buf(b"y" * 64)
+    fs.set("k", p, 64)
+    out, op = _buf(b"\0" * 64)
+    assert fs.get("k", op, 32) == -1
+    assert out.raw == b"\0" * 64
+
+
+def test_path_tricks_in_keys_stay_inside(fs: KVPipeStorage, tmp_path: Path) -> None:
+    _b, p = _buf(b"z" * 64)
+    keys = ["../../escape", "/etc/passwd", "a/../../b", "..", "x" * 2000, "ключ"]
+    assert fs.batch_set(keys, [p] * len(keys), [64] * len(keys)) == [0] * len(keys)
+    outside = [x for x in tmp_path.rglob("*") if not x.is_relative_to(tmp_path / "model")]
+    assert outside == []
+    assert all(fs.exists(keys).values())
+
+
+def test_clear_removes_only_own_entries(fs: KVPipeStorage, tmp_path: Path) -> None:
+    foreign = tmp_path / "model" / "c.txt"
+    foreign.write_text("data")
+    _b, p = _buf(b"q" * 64)
+    fs.batch_set(["a", "b"], [p, p], [64, 64])
+    assert fs.clear() is True
+    assert fs.exists(["a", "b"]) == {"a": False, "b": False}
+    assert foreign.read_text() == "data"
+
+
+# FastDeploy's own file-store unit tests (tests/cache_manager/test_cache_manager_file_store.py),
+# with KVPipeStorage in place of FileStore, where they test behaviour. Each names its original.
+
+
+def test_fd_init_creates_directory(tmp_path: Path) -> None:  # test_init_creates_directory
+    new_dir = tmp_path / "new_subdir"
+    with KVPipeStorage(file_path=str(new_dir)) as s:
+        assert new_dir.exists() and s.file_path == str(new_dir)
+
+
+def test_fd_init_with_namespace(tmp_path: Path) -> None:  # test_init_with_namespace
+    with KVPipeStorage(file_path=str(tmp_path), namespace="my_ns") as s:
+        assert s.file_path == str(tmp_path / "my_ns") and (tmp_path / "my_ns").exists()
+
+
+def test_fd_init_none_file_path_raises() -> None:  # test_init_none_file_path_raises
+    for bad in (None, ""):
+        with pytest.raises(ValueError, match="file_path must be specified"):
+            KVPipeStorage(file_path=bad)
+
+
+def test_fd_init_non_zero_tp_rank_skips_mkdir(tmp_path: Path) -> None:  # same name
+    with KVPipeStorage(file_path=str(tmp_path / "non_existent"), tp_rank=1) as s:
+        assert not (tmp_path / "non_existent").exists()
+        assert s.file_path == str(tmp_path / "non_existent")
+
+
+def test_fd_default_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPIPE_STORE", raising=False)
+    monkeypatch.setenv("FILE_BACKEND_STORAGE_DIR", str(tmp_path / "fd"))
+    with KVPipeStorage(namespace="m") as s:
+        assert s.file_path == str(tmp_path / "fd" / "m")
+    monkeypatch.setenv("KVPIPE_STORE", f"file://{tmp_path}/kv")
+    with KVPipeStorage(namespace="m") as s:
+        assert s.file_path == str(tmp_path / "kv" / "m")
+
+
+def test_fd_register_buffer_returns_none(fs: KVPipeStorage) -> None:  # same name
+    assert fs.register_buffer(0, 0) is None
+
+
+def test_fd_exists_and_set_skips_existing(fs: KVPipeStorage) -> None:
+    # test_exists_returns_correct_results, test_set_skips_existing_key
+    _b, p = _buf(b"\x01\x02\x03\x04")
+    assert fs.set("key1", p, 4) == 0
+    assert fs.exists(["key1", "key2"]) == {"key1": True, "key2": False}
+    assert fs.set("key1", p, 4) == 0 and fs.deduplicated == 1
+
+
+def test_fd_get(fs: KVPipeStorage) -> None:
+    # test_get_nonexistent_key, test_get_invalid_target_size, test_get_success
+    out, op = _buf(b"\0" * 10)
+    assert fs.get("no_such_key", op, 10) == -1
+    _data, p = _buf(bytes([1, 2, 3, 4]))
+    fs.set("good_key", p, 4)
+    assert fs.get("good_key", op, 0) == -1
+    assert fs.get("good_key", op, 4) == 4 and out.raw[:4] == bytes([1, 2, 3, 4])
+
+
+def test_fd_batch_length_mismatch_and_missing(fs: KVPipeStorage) -> None:
+    # test_batch_set_length_mismatch, test_batch_get_length_mismatch,
+    # test_batch_set_success, test_batch_get_nonexistent_keys
+    assert fs.batch_set(["k1", "k2"], [100], [10, 20]) == [-1, -1]
+    assert fs.batch_get(["k1", "k2"], [100], [10, 20]) == [-1, -1]
+    (_b1, p1), (_b2, p2) = _buf(b"\x01\x02"), _buf(b"\x03\x04")
+    assert fs.batch_set(["k1", "k2"], [p1, p2], [2, 2]) == [0, 0]
+    _o1, q1 = _buf(b"\0" * 10)
+    assert fs.batch_get(["no_key1", "no_key2"], [q1, q1], [10, 10]) == [-1, -1]
+
+
+def test_fd_query(fs: KVPipeStorage) -> None:
+    # test_query_empty_keys, test_query_none_keys, test_query_with_matching_pairs,
+    # test_query_mismatched_lengths_returns_zero
+    assert fs.query(k_cache_keys=[], v_cache_keys=[]) == 0
+    assert fs.query(k_cache_keys=None, v_cache_keys=None) == 0
+    _b, p = _buf(b"data")
+    fs.batch_set(["k1", "v1", "k2"], [p] * 3, [4] * 3)
+    assert fs.query(k_cache_keys=["k1", "k2"], v_cache_keys=["v1", "v2"]) == 1
+    assert fs.query(k_cache_keys=["k1"], v_cache_keys=["v1", "v2"]) == 0
+
+
+@pytest.mark.slow
+def test_prefill_to_decode_over_a_shared_file_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill process writes (partial last block included) through its own instance; the
+    decode side (this process) reads all-or-nothing: byte-exact; with the store gone the read
+    fails cleanly (count short of the blocks, one WARNING, no exception)."""
+    env = dict(os.environ, FD_PD_TRANSFER_VIA_STORAGE="1", KVPIPE_STORE=f"file://{tmp_path}")
+    code = textwrap.dedent(
+        """
+        import numpy as np, paddle
+        from kvpipe.integrations.fastdeploy import KVPipeAttentionStore
+        paddle.set_device("cpu")
+        paddle.seed(7)
+        k = [paddle.randn([8, 2, 4, 8]).astype("bfloat16") for _ in range(2)]
+        v = [paddle.randn([8, 2, 4, 8]).astype("bfloat16") for _ in range(2)]
+        with KVPipeAttentionStore(layer_num=2, block_token_size=4, splitwise_role="prefill") as p:
+            assert p.write("req", k, v, list(range(14)), [0, 1, 2, 3], 0) == 4
+        np.save("PATH", np.stack([np.stack([t[:4].numpy() for t in k]),
+                                  np.stack([t[:4].numpy() for t in v])]))
+        """
+    ).replace("PATH", str(tmp_path / "src.npy"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    src = np.load(tmp_path / "src.npy")
+    old = {k: os.environ.get(k) for k in ("FD_PD_TRANSFER_VIA_STORAGE", "KVPIPE_STORE")}
+    os.environ.update(FD_PD_TRANSFER_VIA_STORAGE="1", KVPIPE_STORE=f"file://{tmp_path}")
+    try:
+        dk, dv = _gqa(False)
+        with KVPipeAttentionStore(
+            layer_num=LAYERS, block_token_size=BS, splitwise_role="decode"
+        ) as d:
+            assert d.read("req", dk, dv, list(range(14)), [10, 11, 12, 13], 0) == 4
+            got = np.stack(
+                [np.stack([t[10:14].numpy() for t in dk]), np.stack([t[10:14].numpy() for t in dv])]
+            )
+            assert got.tobytes() == src.tobytes()
+            for f in tmp_path.rglob("*.kvb"):
+                f.unlink()
+            with caplog.at_level(logging.WARNING):
+                assert d.read("req", dk, dv, list(range(14)), [20, 21, 22, 23], 0) < 4
+            warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(warnings) == 1 and "req" in warnings[0].getMessage()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
