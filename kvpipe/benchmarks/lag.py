@@ -36,8 +36,8 @@ from .._config import PipelineConfig
 from ..backends.file import FileStore
 from ..backends.memory import MemoryStore
 from ..pipeline import Pipeline, open_pipeline
+from ._file_baselines import raw_write
 from ._workload import model_layout, percentiles, random_cache, run_requests, same_bytes
-from .filestore import _raw_write
 from .memory import PlainCopies
 
 __all__ = ("LagBenchConfig", "Ticker", "run_lag_bench")
@@ -185,7 +185,7 @@ async def run_lag_bench(
                         flat = plain.flat(n_file)
 
                         async def raw_writes(root: str = raw, buf: Any = flat) -> None:
-                            await run_sync(_raw_write, root, buf, 4, "data")
+                            await run_sync(raw_write, root, buf, 4, "data")
 
                         await phase("raw file writes", rec, raw_writes)
                         await run_sync(shutil.rmtree, raw)

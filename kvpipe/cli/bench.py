@@ -5,7 +5,9 @@ three compare the pipeline with its backend's baseline for block sizes of 256 Ki
 8 MiB:
 
 - ``file``: the pipeline over the file store versus raw file writes/reads of the same bytes
-  (one file per block, same fsync policy). Rounds: pipeline, raw ×1, raw ×4, ...
+  (one file per block, same fsync policy) and a hand-written read-then-scatter, per
+  durability (``data`` and ``none``), reads hot (page cache) and cold (evicted) apart.
+  Rounds: pipeline, raw ×1 (and hand-written ×1, ×2), raw ×4, O_DIRECT ×4.
 - ``mooncake``: the pipeline over :class:`kvpipe.MooncakeStore` versus the direct Mooncake
   client (``batch_put_from`` / ``batch_upsert_from`` / ``batch_get_into`` on registered
   buffers of the same client, same value sizes), with the data in this process's segment
@@ -177,9 +179,8 @@ async def _run_scenario(
             sizes=tuple(args.sizes),
             total_bytes=args.mib << 20,
             rounds=rounds,
-            durability=args.durability,
+            durabilities=tuple(dict.fromkeys(args.durability or ("data", "none"))),
             directory=args.dir,
-            cold_reads=not args.warm_reads,
             **({"store_threads": args.store_threads} if args.store_threads else {}),
             **({"slice_mib": args.slice_mib} if args.slice_mib else {}),
         )
@@ -311,9 +312,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_ROUNDS.items())
         + "; 1 with --smoke)",
     )
-    add("--durability", choices=("none", "data", "full"), default="data", help="file: fsync")
+    add(
+        "--durability",
+        choices=("none", "data", "full"),
+        action="append",
+        help="file: the store's and the contenders' fsync policy (repeatable; default: data "
+        "and none)",
+    )
     add("--dir", default=".", help="file, integration: directory on the disk to measure")
-    add("--warm-reads", action="store_true", help="file: read from the page cache, not the disk")
     add("--store-threads", type=int, default=None, help="file: the file store's threads")
     add(
         "--placement",

@@ -6,7 +6,11 @@
  * their destination buffers, releases the GIL once, and for each file opens it confined to
  * the store's root (openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
  * RESOLVE_NO_MAGICLINKS, O_NOFOLLOW, O_NONBLOCK so a FIFO cannot block), reads it from
- * offset 0 with preadv until the buffers are full or the file ends, and closes it.
+ * offset 0 with preadv until the buffers are full or the file ends, and closes it. With
+ * `direct`, a file the page cache holds (cachestat says so) is read from it (preadv2 with
+ * RWF_NOWAIT, which stops where a page has gone since) and anything else, or the rest, with
+ * O_DIRECT: a block hit again while cached costs a memory copy, one that is not a read from
+ * the device that does not go through (nor fill) the cache.
  * write_files() publishes a batch of files atomically the same way the Python path does
  * (temporary file, fdatasync, rename, directory fsync per durability). Everything else
  * (which files, headers, checksums, what the bytes mean) stays in Python.
@@ -48,10 +52,28 @@ static long not_regular_or(int fd, long err) {
     return err;
 }
 
-/* preadv (or pwritev) from offset 0 through iov until it is all done or, reading, the file
- * ends: the bytes moved, or -errno. */
-static long transfer(int fd, struct iovec *iov, int cnt, int writing) {
-    long moved = 0;
+#ifndef RWF_NOWAIT
+#define RWF_NOWAIT 0x00000008
+#endif
+#define PAGE 4096
+
+/* Move the first `n` bytes of iov[*at...cnt) past: whole views are skipped, a partial one is
+ * shortened from its start. */
+static void advance(struct iovec *iov, int cnt, int *at, size_t n) {
+    while (*at < cnt && n >= iov[*at].iov_len) {
+        n -= iov[*at].iov_len;
+        (*at)++;
+    }
+    if (*at < cnt && n > 0) {
+        iov[*at].iov_base = (char *)iov[*at].iov_base + n;
+        iov[*at].iov_len -= n;
+    }
+}
+
+/* preadv (or pwritev) from file offset `start` through iov (which starts there) until it is
+ * all done or, reading, the file ends: the offset reached, or -errno. */
+static long transfer(int fd, struct iovec *iov, int cnt, long start, int writing) {
+    long moved = start;
     int at = 0;
     while (at < cnt) {
         ssize_t r = writing ? pwritev(fd, iov + at, cnt - at, moved)
@@ -69,38 +91,109 @@ static long transfer(int fd, struct iovec *iov, int cnt, int writing) {
             break;
         }
         moved += r;
-        while (at < cnt && (size_t)r >= iov[at].iov_len) {
-            r -= (ssize_t)iov[at].iov_len;
-            at++;
-        }
-        if (at < cnt && r > 0) {
-            iov[at].iov_base = (char *)iov[at].iov_base + r;
-            iov[at].iov_len -= (size_t)r;
-        }
+        advance(iov, cnt, &at, (size_t)r);
     }
     return moved;
 }
 
-/* One file: bytes read (>= 0), NOT_REGULAR, or -errno. */
-static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, int direct) {
-    int flags = O_RDONLY | O_NONBLOCK;
-    int fd = open_confined(dir_fd, path, flags | (direct ? O_DIRECT : 0));
-    if (fd < 0) {
-        int err = errno;
-        if (!(direct && err == EINVAL)) {
-            return -err;
-        }
-        /* A FIFO (say) refuses O_DIRECT; so may the file system. Tell them apart. */
-        fd = open_confined(dir_fd, path, flags);
-        if (fd < 0) {
+/* Read from offset 0 only what the page cache holds (preadv2 with RWF_NOWAIT), up to `size`
+ * bytes (the file's size) or until iov is full. The bytes read (iov then starts past them),
+ * or -errno; *complete: nothing more to read (the file or iov ended), rather than the cache
+ * running out (or the file system not reading without waiting). */
+static long read_cached(int fd, struct iovec *iov, int cnt, long size, int *complete) {
+    long moved = 0;
+    int at = 0;
+    *complete = 0;
+    while (at < cnt && moved < size) {
+        ssize_t r = preadv2(fd, iov + at, cnt - at, moved, RWF_NOWAIT);
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            if (errno == EAGAIN || errno == EOPNOTSUPP || errno == EINVAL) {
+                return moved; /* not cached (or no RWF_NOWAIT here): read the rest */
+            }
             return -errno;
         }
-        long out = not_regular_or(fd, -EINVAL);
-        close(fd);
-        return out;
+        if (r == 0) {
+            break;
+        }
+        moved += r;
+        advance(iov, cnt, &at, (size_t)r);
     }
-    long got = transfer(fd, iov, cnt, 0);
-    if (got < 0) {
+    *complete = 1;
+    return moved;
+}
+
+#ifndef SYS_cachestat
+#define SYS_cachestat 451
+#endif
+struct kv_cachestat_range {
+    unsigned long long off, len;
+};
+struct kv_cachestat {
+    unsigned long long nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
+
+/* Whether the page cache may hold all of the file open at fd, `size` bytes: cachestat
+ * (Linux >= 6.5) counts its cached pages without reading any in. Where the call is missing,
+ * 1 (the caller then finds out by reading with RWF_NOWAIT, which starts a read-ahead of what
+ * it does not find: avoided here, as the rest is read directly anyway). */
+static int all_cached(int fd, long size) {
+    static volatile int missing = 0;
+    if (missing) {
+        return 1;
+    }
+    struct kv_cachestat_range range = {0, 0};
+    struct kv_cachestat cs;
+    if (syscall(SYS_cachestat, fd, &range, &cs, 0) != 0) {
+        if (errno == ENOSYS || errno == EPERM) {
+            missing = 1;
+        }
+        return 1;
+    }
+    long page = sysconf(_SC_PAGESIZE); /* cachestat counts the kernel's pages */
+    long pages = (size + page - 1) / page;
+    return cs.nr_cache >= (unsigned long long)pages;
+}
+
+/* One file: bytes read (>= 0), NOT_REGULAR, or -errno. Opened through the page cache: with
+ * `direct`, what the cache holds is read from it and the rest with O_DIRECT from the last
+ * page boundary reached (every view's address and length must then suit the device);
+ * without, the rest is read through the cache as well. -EINVAL: direct I/O refused. */
+static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, int direct) {
+    int flags = O_RDONLY | O_NONBLOCK;
+    int fd = open_confined(dir_fd, path, flags);
+    if (fd < 0) {
+        return -errno;
+    }
+    struct stat st;
+    long got;
+    if (fstat(fd, &st) != 0) {
+        got = -errno;
+    } else if (!S_ISREG(st.st_mode)) {
+        got = NOT_REGULAR;
+    } else if (!direct) {
+        got = transfer(fd, iov, cnt, 0, 0);
+    } else {
+        struct iovec whole[MAX_VIEWS];
+        memcpy(whole, iov, (size_t)cnt * sizeof *iov);
+        int complete = 0;
+        got = all_cached(fd, (long)st.st_size) ? read_cached(fd, iov, cnt, (long)st.st_size,
+                                                             &complete)
+                                               : 0;
+        if (got >= 0 && !complete) {
+            long from = got / PAGE * PAGE;
+            int at = 0;
+            advance(whole, cnt, &at, (size_t)from);
+            if (fcntl(fd, F_SETFL, flags | O_DIRECT) != 0) {
+                got = -errno;
+            } else {
+                got = transfer(fd, whole + at, cnt - at, from, 0);
+            }
+        }
+    }
+    if (got < 0 && got != NOT_REGULAR) {
         got = not_regular_or(fd, got);
     }
     close(fd);
@@ -167,8 +260,9 @@ PyDoc_STRVAR(read_files_doc,
 "read_files(dir_fd, paths, views, direct) -> list[int]\n\n"
 "Read each file paths[i] (relative to dir_fd, never through a symbolic link or out of it)\n"
 "from offset 0 into the writable buffers views[i], in order, until they are full or the file\n"
-"ends. Per file: the bytes read, -errno, or NOT_REGULAR. direct: open with O_DIRECT (every\n"
-"buffer's address and length must then suit the device). The GIL is released throughout.");
+"ends. Per file: the bytes read, -errno, or NOT_REGULAR. direct: read what the page cache\n"
+"does not hold with O_DIRECT (every buffer's address and length must then be whole pages;\n"
+"-EINVAL: the file system refused). The GIL is released throughout.");
 
 static PyObject *read_files(PyObject *self, PyObject *args) {
     (void)self;
@@ -314,7 +408,7 @@ static long write_one(int dir_fd, const char *dir, const char *tmp, const char *
         close(dfd);
         return out;
     }
-    long moved = transfer(fd, iov, cnt, 1);
+    long moved = transfer(fd, iov, cnt, 0, 1);
     if (moved < 0) {
         out = moved;
     }

@@ -15,6 +15,7 @@ final name.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import secrets
@@ -26,18 +27,21 @@ from dataclasses import dataclass
 from typing import Final, Literal, final
 
 from ..._errors import ConfigError
-from ._format import is_temp_name, parse_temp_name, temp_name
+from ._format import PAGE, is_temp_name, parse_temp_name, temp_name
 from ._sysio import (
     HOST,
     DirectIORefused,
     NotARegularFile,
     UnsafePath,
     alive,
+    all_cached,
     openat2,
     owner_is_dead,
     owner_token,
+    read_cached,
     read_fully,
     refused,
+    skip,
     write_all,
 )
 
@@ -245,13 +249,14 @@ class Root:
     def read_into(
         self, parts: Sequence[str], name: str, views: Sequence[memoryview], direct: bool = False
     ) -> int | None:
-        """Read a block file from its start into ``views`` in one ``preadv`` (until they are
-        full or the file ends): three system calls (open, read, close) in the usual case, as
-        each one costs a worker thread a round trip through the GIL.
+        """Read a block file from its start into ``views`` (until they are full or the file
+        ends): four system calls (open, fstat, read, close) in the usual case, as each one
+        costs a worker thread a round trip through the GIL.
 
         Args:
-            direct: Read with ``O_DIRECT`` (past the page cache): every view's address and
-                length must then be a multiple of the device's block size.
+            direct: Read what the page cache does not hold with ``O_DIRECT`` (what it holds
+                is copied from it): every view's address and length must then be a multiple
+                of the device's block size.
 
         Returns:
             The bytes read, or ``None`` when the file does not exist. The caller checks the
@@ -267,26 +272,27 @@ class Root:
         """
         # O_NONBLOCK: opening a FIFO planted at a block's name must not wait for a writer.
         flags = os.O_RDONLY | os.O_NONBLOCK
-        try:
-            fd = self._open_file(parts, name, flags | (os.O_DIRECT if direct else 0))
-        except OSError as exc:
-            if not (direct and exc.errno == errno.EINVAL and type(exc) is OSError):
-                raise
-            # Not a regular file (a FIFO refuses O_DIRECT), or a file system that does.
-            fd = self._open_file(parts, name, flags)
-            if fd is not None:
-                try:
-                    self._require_regular(fd, name)
-                finally:
-                    os.close(fd)
-            raise refused(exc, direct) from exc
+        fd = self._open_file(parts, name, flags)
         if fd is None:
             return None
         try:
-            try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotARegularFile(errno.EINVAL, f"{name!r} is not a regular file")
+            if not direct:
                 return read_fully(fd, list(views))
-            except OSError as exc:  # a directory, a FIFO... or a refused direct read
-                self._require_regular(fd, name)
+            got, complete = (
+                read_cached(fd, list(views), st.st_size)
+                if all_cached(fd, st.st_size)
+                else (0, False)
+            )
+            if complete:
+                return got
+            start = got // PAGE * PAGE  # direct reads start on a page
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+                return read_fully(fd, skip(views, start), start)
+            except OSError as exc:
                 raise refused(exc, direct) from exc
         finally:
             os.close(fd)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import platform
 import re
@@ -17,6 +18,8 @@ from typing import Final
 
 __all__ = (
     "HOST",
+    "all_cached",
+    "cached_pages",
     "DirectIORefused",
     "NotARegularFile",
     "UnsafePath",
@@ -24,8 +27,10 @@ __all__ = (
     "openat2",
     "owner_is_dead",
     "owner_token",
+    "read_cached",
     "read_fully",
     "refused",
+    "skip",
     "write_all",
 )
 
@@ -122,22 +127,104 @@ def refused(exc: OSError, direct: bool) -> OSError:
     return exc
 
 
-def read_fully(fd: int, views: list[memoryview]) -> int:
-    """``preadv`` from offset 0 into ``views`` until they are full or the file ends; the
-    bytes read."""
+def read_fully(fd: int, views: list[memoryview], start: int = 0) -> int:
+    """``preadv`` from offset ``start`` into ``views`` until they are full or the file ends;
+    the offset reached."""
     views = [v for v in views if len(v)]
-    got = at = 0
+    got, at = start, 0
     while at < len(views):
         n = os.preadv(fd, views[at : at + _IOV_MAX], got)
         if n == 0:
             break
         got += n
-        while at < len(views) and n >= len(views[at]):
-            n -= len(views[at])
-            at += 1
-        if at < len(views) and n:
-            views[at] = views[at][n:]
+        at = _advance(views, at, n)
     return got
+
+
+#: ``preadv2`` flag: read only what the page cache holds (Linux >= 4.14).
+_RWF_NOWAIT: Final = getattr(os, "RWF_NOWAIT", 0)
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = tuple(
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    )
+
+
+class _CacheStatRange(ctypes.Structure):
+    _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
+
+
+# cachestat(2) (Linux >= 6.5) counts a file's pages in the page cache without reading any in
+# (a read with RWF_NOWAIT that misses starts a read-ahead).
+_SYS_CACHESTAT: Final = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
+_have_cachestat = _SYS_CACHESTAT is not None and sys.platform == "linux"
+
+
+def cached_pages(fd: int) -> int | None:
+    """How many of the file's pages the page cache holds; ``None`` where the kernel cannot
+    say."""
+    global _libc, _have_cachestat
+    if not _have_cachestat:
+        return None
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    stat = _CacheStat()
+    whole = _CacheStatRange(0, 0)
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(whole), ctypes.byref(stat), 0) != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+            _have_cachestat = False
+        return None
+    return int(stat.nr_cache)
+
+
+def all_cached(fd: int, size: int) -> bool:
+    """Whether the page cache may hold all ``size`` bytes of the file (``True`` where the
+    kernel cannot say: a read with ``RWF_NOWAIT`` finds out)."""
+    pages = cached_pages(fd)
+    return pages is None or pages >= -(-size // mmap.PAGESIZE)
+
+
+def read_cached(fd: int, views: list[memoryview], size: int) -> tuple[int, bool]:
+    """``preadv`` with ``RWF_NOWAIT`` from offset 0 into ``views``: only what the page cache
+    holds, up to ``size`` bytes (the file's size) or until ``views`` are full. The bytes read,
+    and whether that is all there is to read (rather than the cache running out, or no
+    ``RWF_NOWAIT`` here)."""
+    if not _RWF_NOWAIT:
+        return 0, False
+    views = [v for v in views if len(v)]
+    got = at = 0
+    while at < len(views) and got < size:
+        try:
+            n = os.preadv(fd, views[at : at + _IOV_MAX], got, _RWF_NOWAIT)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):
+                return got, False
+            raise
+        if n == 0:
+            break
+        got += n
+        at = _advance(views, at, n)
+    return got, True
+
+
+def skip(views: Sequence[memoryview], n: int) -> list[memoryview]:
+    """``views`` past their first ``n`` bytes."""
+    out = [v for v in views if len(v)]
+    at = _advance(out, 0, n)
+    return out[at:]
+
+
+def _advance(views: list[memoryview], at: int, n: int) -> int:
+    """Move ``n`` bytes past ``views[at]``: whole views are skipped, a partial one is cut
+    from its start in place. The index of the first view not yet full."""
+    while at < len(views) and n >= len(views[at]):
+        n -= len(views[at])
+        at += 1
+    if at < len(views) and n:
+        views[at] = views[at][n:]
+    return at
 
 
 def write_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:

@@ -66,9 +66,12 @@ class FileStore(StorageBackend):
         scan_on_open: Walk the tree at open: remove stale temporary files, adopt block
             files the catalog does not know, forget records whose file is gone.
         direct_io: Write block files with ``O_DIRECT``, past the page cache (values of at
-            least 64 KiB that start on a page, as staging slots do). ``None`` (default): when
-            ``durability`` is not ``"none"`` and the file system allows it. ``True``: opening
-            fails where the file system does not allow it. ``False``: never.
+            least 64 KiB that start on a page, as staging slots do), and read with it what
+            the page cache does not hold (a block file it holds is copied from it).
+            ``None`` (default): where the file system allows it, writes only when
+            ``durability`` is not ``"none"`` (unsynced writes go to the page cache), reads
+            in every durability. ``True``: both; opening fails where the file system does
+            not allow it. ``False``: never.
 
     Raises:
         TypeError: ``root`` is not a ``str`` or ``os.PathLike[str]``.
@@ -110,7 +113,8 @@ class FileStore(StorageBackend):
         self.stale_temp_after = stale_temp_after
         self.scan_on_open = scan_on_open
         self.direct_io = direct_io
-        self._direct = False  # decided at open
+        self._direct = False  # direct writes: decided at open
+        self._direct_reads = False  # direct reads (of what the page cache lacks): likewise
         self._native = False  # batch reads and probes in native code: decided at open
         self._scratch = Scratch()
         self._root: Root | None = None
@@ -145,10 +149,13 @@ class FileStore(StorageBackend):
     def _open_sync(self) -> None:
         root = Root(self.path)
         try:
-            want = self.direct_io if self.direct_io is not None else self.durability != "none"
-            self._direct = want and probe_direct(root.fd, self._scratch)
-            if self.direct_io and not self._direct:
+            # Reads go past the page cache only for what it does not hold (see _reads), in
+            # every durability; unsynced writes (durability "none") go through it.
+            allowed = self.direct_io is not False and probe_direct(root.fd, self._scratch)
+            if self.direct_io and not allowed:
                 raise OSError(errno.EINVAL, "the file system does not allow direct I/O")
+            self._direct_reads = allowed
+            self._direct = allowed and (self.direct_io or self.durability != "none")
             self._native = native_available() and root.confined_opens()
             catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"), owner_token())
         except BaseException:
@@ -347,8 +354,8 @@ class FileStore(StorageBackend):
     def _refuse_direct(self, root: Root, exc: OSError) -> None:
         """The probe passed but a direct read or write was refused (a stricter device
         alignment, a file system mounted over part of the root...): stop trying."""
-        if self._direct:
-            self._direct = False
+        if self._direct or self._direct_reads:
+            self._direct = self._direct_reads = False
             log.warning(
                 "file store %s: direct I/O refused (%s); using the page cache from now on",
                 root.path,
@@ -388,7 +395,7 @@ class FileStore(StorageBackend):
         fingerprint: str,
     ) -> list[BlockStatus]:
         errors: list[str] = []
-        hooks = ReadHooks(lambda: self._direct, self._refuse_direct, self._count, errors)
+        hooks = ReadHooks(lambda: self._direct_reads, self._refuse_direct, self._count, errors)
         scratch = self._scratch
         if self._native:  # ``threads`` shares, each read in one native call
 
