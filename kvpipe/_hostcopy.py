@@ -73,11 +73,70 @@ def scatter_values(
     rows: Sequence[Rows],
 ) -> None:
     """Copy each value's segments into its cache block (``values[i]`` → ``cache_blocks[i]``):
-    the scatter for values that are not in staging (lent by an in-memory store)."""
-    for value, block in zip(values, cache_blocks, strict=True):
-        b = int(block)
-        for seg in segments:
-            rows[seg.tensor][b] = value[seg.offset : seg.offset + seg.nbytes]
+    the scatter for values that are not in staging (lent by an in-memory store).
+
+    Values that lie at equal steps in one buffer (blocks a store kept from one put) are
+    copied as one 2-D view per segment, as staging is; the others block by block.
+    """
+    blocks = np.asarray(cache_blocks, dtype=np.int64)
+    for lo, hi, view in _value_runs(values):
+        dst = blocks[lo:hi]
+        if view is None:
+            b = int(dst[0])
+            for seg in segments:
+                rows[seg.tensor][b] = values[lo][seg.offset : seg.offset + seg.nbytes]
+        else:
+            for seg in segments:
+                rows[seg.tensor][dst] = view[:, seg.offset : seg.offset + seg.nbytes]
+
+
+def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
+    """Split ``values`` into runs ``[lo, hi)`` that lie at one stride inside one buffer,
+    each with a 2-D view of it (``None`` for a run of one)."""
+    out: list[tuple[int, int, Rows | None]] = []
+    roots = [_owner(v) for v in values]
+    lo, n = 0, len(values)
+    while lo < n:
+        first, root = values[lo], roots[lo]
+        hi = lo + 1
+        if root is not None and hi < n and roots[hi] is root:
+            stride = values[hi].ctypes.data - first.ctypes.data
+            start, end = root.ctypes.data, root.ctypes.data + root.nbytes
+            while (
+                hi < n
+                and stride >= first.size
+                and roots[hi] is root
+                and values[hi].size == first.size
+                and values[hi].ctypes.data == first.ctypes.data + (hi - lo) * stride
+                and start <= values[hi].ctypes.data
+                and values[hi].ctypes.data + first.size <= end
+            ):
+                hi += 1
+        if hi - lo > 1 and start <= first.ctypes.data:
+            # Every row lies inside the buffer they share: so does the view.
+            view = np.lib.stride_tricks.as_strided(
+                first, shape=(hi - lo, first.size), strides=(stride, 1), writeable=False
+            )
+            out.append((lo, hi, view))
+        else:
+            hi = lo + 1
+            out.append((lo, hi, None))
+        lo = hi
+    return out
+
+
+def _owner(value: Rows) -> Rows | None:
+    """The array that owns ``value``'s memory (through views and memoryviews), if any."""
+    obj: object = value
+    while True:
+        if isinstance(obj, np.ndarray):
+            if obj.base is None:
+                return obj if obj.flags.owndata else None
+            obj = obj.base
+        elif isinstance(obj, memoryview):
+            obj = obj.obj
+        else:
+            return None
 
 
 def verify_values(

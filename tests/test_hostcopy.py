@@ -270,3 +270,32 @@ def test_seal_slots_length_mismatch_raises() -> None:
     staging = np.zeros((2, 100), dtype=np.uint8)
     with pytest.raises(ValueError):
         seal_slots(staging, [0, 1], 10, [bytes(16)], True)
+
+
+def test_scatter_values_matches_block_by_block_for_runs_and_strays() -> None:
+    """Values lent from one buffer at a stride go as 2-D views, the others block by block;
+    either way every block lands where a plain per-block copy puts it."""
+    from kvpipe._hostcopy import scatter_values
+    from kvpipe._plan import layout_segments
+
+    layout = CacheLayout.gqa(
+        num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16"
+    )
+    segments = layout_segments(layout)
+    payload = layout.block_nbytes
+    rng = np.random.default_rng(7)
+    kept = rng.integers(0, 256, (5, payload + 112), dtype=np.uint8)  # one put's buffer
+    values = [
+        np.frombuffer(memoryview(kept[i, :payload]).toreadonly(), np.uint8) for i in (0, 1, 2)
+    ]
+    values.insert(1, rng.integers(0, 256, payload, dtype=np.uint8))  # a stray in between
+    values += [np.frombuffer(memoryview(kept[i, :payload]).toreadonly(), np.uint8) for i in (3, 4)]
+    blocks = np.array([9, 2, 5, 6, 0, 11])
+    got = create_kv_cache(layout, 12)
+    want = create_kv_cache(layout, 12)
+    scatter_values(segments, values, blocks, got.byte_rows)
+    for value, block in zip(values, blocks, strict=True):
+        for seg in segments:
+            want.byte_rows[seg.tensor][block] = value[seg.offset : seg.offset + seg.nbytes]
+    for a, b in zip(got.byte_rows, want.byte_rows, strict=True):
+        assert np.array_equal(a, b)

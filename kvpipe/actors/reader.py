@@ -16,8 +16,8 @@ import logging
 import anyio
 
 from .._errors import BackendError
-from .._hostcopy import verify_values
-from .._plan import leading_run
+from .._hostcopy import scatter, scatter_values, verify_values
+from .._plan import copy_plan, leading_run
 from .._results import ReadStopReason
 from ..backends._base import BlockStatus, GetBatch
 from ._base import Actor, SliceJob, backend_call, check_statuses
@@ -97,7 +97,21 @@ class Reader(Actor[SliceJob]):
             state.resolve(spec.index, 0)
             return []
         fetched = leading_run(s is BlockStatus.OK for s in statuses)
-        checks = await self._verify(job, 0, fetched)
+        scattered = 0
+        if fetched and ctx.engine.name == "host" and state.scatter_begin():
+            # Host caches: verify and scatter the leading sound blocks in one worker-thread
+            # call (no hop to the swapper, the bytes still warm from the checksum).
+            try:
+                checks = await self._verify_and_scatter(job, fetched)
+                scattered = leading_run(c is None for c in checks)
+                if scattered == spec.count:
+                    ctx.metrics.counters["blocks_read"] += scattered
+                    ctx.metrics.counters["bytes_read"] += scattered * ctx.payload_nbytes
+                    state.resolve(spec.index, scattered)
+            finally:
+                state.scatter_end()
+        else:
+            checks = await self._verify(job, 0, fetched)
         confirmed: set[int] = set()
         bad = leading_run(c is None for c in checks)
         if bad < fetched:
@@ -136,9 +150,11 @@ class Reader(Actor[SliceJob]):
         ctx.metrics.slices[f"read_{outcome}"] += 1
         ctx.observe("read_slice", elapsed, outcome)
         self._debug(state, job, outcome, valid, elapsed, None)
-        job.valid = valid
-        if valid == 0:
-            state.resolve(spec.index, 0)
+        # Fully loaded already: nothing for the swapper. Otherwise it scatters the leading
+        # sound run (again, for blocks the fused call put in the cache before a failure).
+        job.valid = 0 if scattered == spec.count else valid
+        if job.valid == 0:
+            state.resolve(spec.index, 0)  # a no-op when already resolved
         return corrupt
 
     @staticmethod
@@ -177,6 +193,36 @@ class Reader(Actor[SliceJob]):
             ctx.config.verify_checksums,
             hold=job.lease,
         )
+
+    async def _verify_and_scatter(self, job: SliceJob, fetched: int) -> list[str | None]:
+        """Check the ``fetched`` leading blocks and copy the leading sound ones into the
+        cache, in one worker-thread call, shielded (the scatter is claimed by the caller).
+        Returns each block's check, ``None`` for a sound one."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        first = spec.first_block
+        sources = job.sources(0, fetched)
+        digests = ctx.digests_of(state, spec)[:fetched]
+        blocks = state.block_ids[first : first + fetched]
+        slots = job.lease.slots[:fetched]
+        staging, rows, lent = job.lease.pool.buffer, ctx.cache.byte_rows, bool(job.lent)
+        payload, check_sums, segments = (
+            ctx.payload_nbytes,
+            ctx.config.verify_checksums,
+            ctx.segments,
+        )
+
+        def work() -> list[str | None]:
+            checks = verify_values(sources, payload, digests, check_sums)
+            k = leading_run(c is None for c in checks)
+            if k and lent:
+                scatter_values(segments, sources[:k], blocks[:k], rows)
+            elif k:
+                scatter(copy_plan(segments, blocks[:k], slots[:k]), staging, rows)
+            return checks
+
+        with anyio.CancelScope(shield=True):
+            checks = await ctx.run_copy(fetched * payload, work, hold=job.lease)
+        return checks
 
     async def _refetch(
         self, job: SliceJob, lo: int, hi: int, deadline: float

@@ -35,13 +35,18 @@ async def _read_slice(h: Harness, index: int = 0):  # type: ignore[no-untyped-de
     return state, job
 
 
-async def test_sound_blocks_go_to_the_swapper() -> None:
+async def test_sound_blocks_are_verified_and_scattered_in_one_call() -> None:
+    """A host cache: the reader verifies and scatters a sound slice itself (one worker call,
+    no hop to the swapper), resolves it and lets go of its staging."""
     store = ScriptedStore()
     async with harness(store, slice_blocks=8) as h:
         await _store_all(h)
-        _state, job = await _read_slice(h)
-        assert h.sent("swapper") == [job] and job.valid == 8
-        job.lease.release()
+        state, job = await _read_slice(h)
+        assert h.sent("swapper") == [] and job.valid == 0 and job.lease.released
+        assert state.result is not None and state.result.loaded == 8
+        for rows in h.ctx.cache.byte_rows:
+            assert np.array_equal(rows[0:8], rows[30:38])
+        assert h.ctx.pool.in_use == 0
 
 
 async def test_a_block_corrupt_in_transit_is_fetched_again_and_kept() -> None:
@@ -107,6 +112,6 @@ async def test_unverified_reads_still_check_the_key(monkeypatch: object) -> None
     config = kvpipe.PipelineConfig(slice_block_num=8, verify_checksums=False)
     async with harness(store, slice_blocks=8, config=config) as h:
         await _store_all(h)
-        _state, job = await _read_slice(h)
-        assert job.valid == 8  # byte 7 of the payload flipped: not detectable without checksums
-        job.lease.release()
+        state, _job = await _read_slice(h)
+        # byte 7 of the payload flipped: not detectable without checksums, so all 8 load
+        assert state.result is not None and state.result.loaded == 8
