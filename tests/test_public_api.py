@@ -109,3 +109,36 @@ def test_the_cli_and_the_pipeline_import_without_pytest() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "conformance needs pytest", out.stderr
+
+
+#: Packages only the extras bring (test, paddle, mooncake, metrics, plots, bench), and what
+#: those pull in: nothing `make run` imports (the CLI, every bench scenario's module, the
+#: integrations) may need one of them at import time.
+_NOT_BASE = (
+    "pytest",
+    "hypothesis",
+    "trio",
+    "sniffio",
+    "paddle",
+    "mooncake",
+    "prometheus_client",
+    "matplotlib",
+    "uvicorn",
+    "h11",
+    "nvidia",
+)
+
+
+def test_make_runs_imports_need_only_the_base_dependencies() -> None:
+    """``make run`` installs the base dependencies alone. The FastDeploy integration once
+    imported sniffio (which anyio no longer brings) and broke ``make run`` on a fresh clone
+    while ``make test`` (whose extras bring it) stayed green."""
+    code = (
+        "import sys\n"
+        f"for name in {_NOT_BASE!r}: sys.modules[name] = None\n"
+        "import kvpipe, kvpipe.cli, kvpipe.cli.bench, kvpipe.integrations.fastdeploy\n"
+        "import kvpipe.benchmarks.integration, kvpipe.benchmarks.server\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

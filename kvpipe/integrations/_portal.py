@@ -23,7 +23,7 @@ from typing import Any, Final, TypeVar
 
 import anyio
 import anyio.from_thread
-import sniffio
+import anyio.lowlevel
 
 from .. import FileStore, MemoryStore, MooncakeStore, StorageBackend
 
@@ -41,8 +41,8 @@ HOP_SLACK: Final = 1.0
 
 def _in_running_loop() -> bool:
     try:
-        sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
+        anyio.lowlevel.current_token()
+    except anyio.NoEventLoopError:
         return False
     return True
 
