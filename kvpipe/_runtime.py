@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, final
 import anyio
 import anyio.abc
 import anyio.lowlevel
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._blockformat import value_nbytes
 from ._cache import KVCache
@@ -45,6 +45,7 @@ from .actors import (
     Swapper,
     Writer,
 )
+from .actors._channels import Inboxes, Outboxes, open_channels
 from .actors._state import CallState, ReadState, RequestState, WriteState
 from .backends import StorageBackend
 from .cuda import probe_device
@@ -123,8 +124,8 @@ class Runtime:
         self._idle.set()
         self._open = False
         self._closed_reason: str | None = None
-        self._inboxes: dict[str, MemoryObjectReceiveStream[Any]] = {}
-        self._outboxes: dict[str, MemoryObjectSendStream[Any]] = {}
+        self._inboxes: Inboxes | None = None
+        self._outboxes: Outboxes | None = None
         self._ctx: ActorContext | None = None
         self._runner: ThreadRunner | None = None
         # Kept past close, so statistics() still reports what the pipeline did.
@@ -215,8 +216,8 @@ class Runtime:
         self._ctx = None
         self._supervisor = None
         self._runner = None
-        self._outboxes = {}
-        self._inboxes = {}
+        self._outboxes = None
+        self._inboxes = None
 
     async def start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
         """Create the actors' channels and context, and start their supervisor in ``tg``."""
@@ -230,9 +231,7 @@ class Runtime:
         if self.engine is None:
             self.engine = HostEngine(self.cache, pool, runner, copy_limiter, self._device.note)
         engine = self.engine
-        for stage in _STAGES:
-            send, recv = anyio.create_memory_object_stream[Any](cfg.queue_depth)
-            self._outboxes[stage], self._inboxes[stage] = send, recv
+        self._outboxes, self._inboxes = outboxes, inbox = open_channels(cfg.queue_depth)
         ctx = ActorContext(
             config=cfg,
             cache=self.cache,
@@ -248,20 +247,19 @@ class Runtime:
             copy_limiter=copy_limiter,
             io_limiter=anyio.CapacityLimiter(cfg.io_threads),
             hooks=self._hooks,
-            outboxes=self._outboxes,
+            outboxes=outboxes,
             engine=engine,
             keep_values=self.store.keeps_values and isinstance(engine, HostEngine),
             metrics=self.metrics,
             observers=self.observers,
         )
         self._ctx = ctx
-        inbox = self._inboxes
         children = [
-            ChildSpec("scheduler", lambda: Scheduler(ctx, inbox["scheduler"], cfg.queue_depth)),
-            ChildSpec("slicer", lambda: Slicer(ctx, inbox["slicer"], cfg.queue_depth)),
-            ChildSpec("swapper", lambda: Swapper(ctx, inbox["swapper"], cfg.copy_threads)),
-            ChildSpec("writer", lambda: Writer(ctx, inbox["writer"])),
-            ChildSpec("reader", lambda: Reader(ctx, inbox["reader"])),
+            ChildSpec("scheduler", lambda: Scheduler(ctx, inbox.scheduler, cfg.queue_depth)),
+            ChildSpec("slicer", lambda: Slicer(ctx, inbox.slicer, cfg.queue_depth)),
+            ChildSpec("swapper", lambda: Swapper(ctx, inbox.swapper, cfg.copy_threads)),
+            ChildSpec("writer", lambda: Writer(ctx, inbox.writer)),
+            ChildSpec("reader", lambda: Reader(ctx, inbox.reader)),
         ]
         self._supervisor = Supervisor(
             children,
@@ -297,8 +295,8 @@ class Runtime:
 
     def _close_inboxes(self) -> None:
         """No new message: every actor leaves its loop once its inbox is empty."""
-        for send in self._outboxes.values():
-            send.close()
+        if self._outboxes is not None:
+            self._outboxes.close()
 
     async def aclose(self) -> None:
         """Close by one deadline, ``close_timeout`` from now: stop accepting requests, let
@@ -327,7 +325,7 @@ class Runtime:
                 if waited.cancelled_caught:
                     log.error("actors still running at the close deadline; cancelling them")
                     supervisor.cancel()
-            for recv in self._inboxes.values():
+            for recv in self._inboxes.by_name().values() if self._inboxes else ():
                 self._drain(recv)
                 recv.close()
             await self._unregister()
@@ -386,7 +384,8 @@ class Runtime:
         try:
             with anyio.move_on_at(state.deadline + self.config.deadline_slack):
                 try:
-                    await self._outboxes["scheduler"].send(state)
+                    assert self._outboxes is not None
+                    await self._outboxes.scheduler.send(state)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     raise PipelineClosed("pipeline closed") from None
                 await state.wait()
@@ -441,6 +440,7 @@ class Runtime:
     def statistics(self) -> PipelineStatistics:
         """The snapshot :meth:`kvpipe.Pipeline.statistics` returns (it only reads)."""
         ctx = self._ctx
+        inboxes = self._inboxes.by_name() if self._inboxes is not None else {}
         metrics = self.metrics
         kinds = Counter(
             s.kind if not isinstance(s, CallState) else s.op for s in list(self._in_flight)
@@ -451,11 +451,7 @@ class Runtime:
             device_note=ctx.engine.note if ctx is not None else self._device.note,
             in_flight=dict(kinds),
             queue_depths={
-                stage: (
-                    self._inboxes[stage].statistics().current_buffer_used
-                    if stage in self._inboxes
-                    else 0
-                )
+                stage: inboxes[stage].statistics().current_buffer_used if inboxes else 0
                 for stage in _STAGES
             },
             queue_capacity=self.config.queue_depth,

@@ -35,6 +35,7 @@ from .._plan import CopySegment, SliceSpec
 from .._results import ActorCrash
 from .._staging import StagingLease, StagingPool, ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
+from ._channels import Outboxes
 from ._state import ReadState, RequestState, WriteState, describe_error
 
 __all__ = (
@@ -211,7 +212,7 @@ class ActorContext:
     copy_limiter: anyio.CapacityLimiter
     io_limiter: anyio.CapacityLimiter
     hooks: PipelineHooks
-    outboxes: dict[str, MemoryObjectSendStream[Any]]
+    outboxes: Outboxes
     engine: CopyEngine
     #: The store keeps values in memory and the copies run on the host: puts are gathered
     #: into memory of their own for the store to keep, gets may be lent (one copy fewer).
@@ -375,37 +376,41 @@ class Actor(abc.ABC, Generic[M]):
         if self._held[state] <= 0:
             del self._held[state]
 
-    def try_send(self, stage: str, msg: Any) -> bool | None:
-        """Send ``msg`` now if the inbox of ``stage`` has room: ``True`` when sent, ``None``
-        when it is full, ``False`` when the pipeline is closing."""
+    @staticmethod
+    def try_send(outbox: MemoryObjectSendStream[T], msg: T) -> bool | None:
+        """Send ``msg`` now if ``outbox`` has room: ``True`` when sent, ``None`` when it is
+        full, ``False`` when the pipeline is closing."""
         try:
-            self.ctx.outboxes[stage].send_nowait(msg)
+            outbox.send_nowait(msg)
         except anyio.WouldBlock:
             return None
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return False
         return True
 
-    async def send_until(self, stage: str, msg: Any, deadline: float) -> bool | None:
-        """Send ``msg`` to the inbox of ``stage``, waiting while it is full until
-        ``deadline`` at most: ``True`` when sent, ``None`` when the deadline passed first,
-        ``False`` when the pipeline is closing. Either way but ``True``, the sender still
-        owns what ``msg`` carries. (No cancel scope unless the inbox is full.)"""
-        sent = self.try_send(stage, msg)
+    async def send_until(
+        self, outbox: MemoryObjectSendStream[T], msg: T, deadline: float
+    ) -> bool | None:
+        """Send ``msg``, waiting while ``outbox`` is full until ``deadline`` at most: ``True``
+        when sent, ``None`` when the deadline passed first, ``False`` when the pipeline is
+        closing. Either way but ``True``, the sender still owns what ``msg`` carries. (No
+        cancel scope unless the inbox is full.)"""
+        sent = self.try_send(outbox, msg)
         if sent is not None:
             return sent
         with anyio.move_on_at(deadline):
-            return await self.send(stage, msg)
+            return await self.send(outbox, msg)
         return None
 
-    async def send(self, stage: str, msg: Any) -> bool:
-        """Send ``msg`` to the inbox of ``stage`` (waits while it is full).
+    @staticmethod
+    async def send(outbox: MemoryObjectSendStream[T], msg: T) -> bool:
+        """Send ``msg`` (waits while ``outbox`` is full).
 
         Returns ``False`` when the pipeline is closing (the inbox no longer takes messages):
         the sender still owns what ``msg`` carries and lets go of it.
         """
         try:
-            await self.ctx.outboxes[stage].send(msg)
+            await outbox.send(msg)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return False
         return True

@@ -44,7 +44,10 @@ class Reader(Actor[SliceJob]):
             corrupt = await self._fetch(msg)
             if msg.valid:
                 state = msg.state
-                owned = await self.send_until("swapper", msg, state.deadline) is not True
+                owned = (
+                    await self.send_until(self.ctx.outboxes.swapper, msg, state.deadline)
+                    is not True
+                )
                 if owned:
                     assert isinstance(state, ReadState)
                     state.stop_at(msg.spec.first_block, "total_timeout", [msg.spec.first_block])

@@ -126,7 +126,7 @@ class Scheduler(Actor[RequestState]):
             )
             if state.done:
                 return
-            await self.send("slicer", state)
+            await self.send(self.ctx.outboxes.slicer, state)
         if scope.cancelled_caught:  # the deadline, or the request ended (then a no-op)
             state.end("total_timeout", "deadline passed before the first slice was sent")
 
@@ -160,7 +160,7 @@ class Scheduler(Actor[RequestState]):
                 )
             )
             if state.slices:
-                await self.send("slicer", state)
+                await self.send(self.ctx.outboxes.slicer, state)
         if scope.cancelled_caught:
             state.end("total_timeout", "deadline passed before the first slice was fetched")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import anyio
 import anyio.lowlevel
+from anyio.streams.memory import MemoryObjectSendStream
 
 from .._plan import SliceSpec
 from ._base import Actor, SliceJob
@@ -28,7 +29,8 @@ class Slicer(Actor[WriteState | ReadState]):
         return msg
 
     async def handle(self, msg: WriteState | ReadState) -> None:
-        stage = "swapper" if isinstance(msg, WriteState) else "reader"
+        outboxes = self.ctx.outboxes
+        outbox = outboxes.swapper if isinstance(msg, WriteState) else outboxes.reader
         for spec in msg.slices:
             if isinstance(msg, WriteState):
                 if msg.done:
@@ -36,7 +38,7 @@ class Slicer(Actor[WriteState | ReadState]):
             elif msg.stopped_before(spec.first_block):
                 msg.resolve(spec.index, 0)
                 continue
-            sent = await self._lease_and_send(msg, spec, stage)
+            sent = await self._lease_and_send(msg, spec, outbox)
             if not sent:
                 detail = "deadline passed waiting for staging or a full queue"
                 if isinstance(msg, WriteState):
@@ -47,7 +49,7 @@ class Slicer(Actor[WriteState | ReadState]):
                 msg.resolve(spec.index, 0)
 
     async def _lease_and_send(
-        self, msg: WriteState | ReadState, spec: SliceSpec, stage: str
+        self, msg: WriteState | ReadState, spec: SliceSpec, outbox: MemoryObjectSendStream[SliceJob]
     ) -> bool:
         """Lease the slice's staging and send it on; ``False`` when that could not be done by
         the deadline (or the request ended, or the pipeline is closing). Without waiting
@@ -56,7 +58,7 @@ class Slicer(Actor[WriteState | ReadState]):
         slice: a cancelled request does not keep waiting for staging."""
         lease = self.ctx.pool.try_acquire(spec.count)
         if lease is not None:
-            sent = self.try_send(stage, SliceJob(msg, spec, lease))
+            sent = self.try_send(outbox, SliceJob(msg, spec, lease))
             if sent is not None:
                 if not sent:
                     lease.release()
@@ -69,7 +71,7 @@ class Slicer(Actor[WriteState | ReadState]):
             if lease is None:
                 lease = await self.ctx.pool.acquire(spec.count)
             try:
-                sent = await self.send(stage, SliceJob(msg, spec, lease))
+                sent = await self.send(outbox, SliceJob(msg, spec, lease))
             finally:
                 if not sent:
                     lease.release()

@@ -60,7 +60,7 @@ class Swapper(Actor[SliceJob]):
         # close past its deadline) leaves its thread running with its own hold on the
         # staging, and the job is dropped, so no half-gathered slot is ever sent.
         await self._gather_and_seal(job, blocks, ctx.digests_of(state, spec))
-        sent = await self.send_until("writer", job, state.deadline)
+        sent = await self.send_until(ctx.outboxes.writer, job, state.deadline)
         if sent is None:
             assert isinstance(state, WriteState)
             state.end("total_timeout", "deadline passed waiting for the writer")

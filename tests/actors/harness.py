@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from kvpipe._keys import Scope, as_tokens, block_keys
 from kvpipe._plan import layout_segments, plan_slices
 from kvpipe._staging import StagingPool, ThreadRunner
 from kvpipe.actors import ActorContext, PipelineHooks
+from kvpipe.actors._channels import open_channels
 from kvpipe.actors._state import ReadState, WriteState
 from kvpipe.backends import StorageBackend
 from tests.helpers import fill_random
@@ -93,10 +95,11 @@ async def harness(
         cache = kvpipe.create_kv_cache(layout, 64)
         fill_random(cache, seed=3)
     cfg = config or kvpipe.PipelineConfig(slice_block_num=slice_blocks)
-    sends: dict[str, MemoryObjectSendStream[Any]] = {}
-    inboxes: dict[str, MemoryObjectReceiveStream[Any]] = {}
-    for stage in STAGES:
-        sends[stage], inboxes[stage] = anyio.create_memory_object_stream[Any](256)
+    outboxes, inbox_bundle = open_channels(256)
+    inboxes = inbox_bundle.by_name()
+    sends: dict[str, MemoryObjectSendStream[Any]] = {
+        f.name: getattr(outboxes, f.name) for f in dataclasses.fields(outboxes)
+    }
     pool = StagingPool(value_nbytes(layout.block_nbytes), pool_slots)
     async with ThreadRunner() as runner:
         ctx = ActorContext(
@@ -114,7 +117,7 @@ async def harness(
             copy_limiter=anyio.CapacityLimiter(2),
             io_limiter=anyio.CapacityLimiter(4),
             hooks=PipelineHooks(),
-            outboxes=sends,
+            outboxes=outboxes,
             engine=HostEngine(cache, pool, runner, anyio.CapacityLimiter(2)),
         )
         try:
