@@ -3,16 +3,8 @@
 ``scheduler`` → ``slicer`` → (write) ``swapper`` → ``writer``; (read) ``reader`` → ``swapper``.
 """
 
-from ._base import (
-    Actor,
-    ActorContext,
-    Metrics,
-    ObservationKind,
-    Observer,
-    Observers,
-    PipelineHooks,
-    SliceJob,
-)
+from ._base import Actor, ActorContext, PipelineHooks, SliceJob
+from ._observe import Metrics, ObservationKind, Observer, Observers
 from .reader import Reader
 from .scheduler import Scheduler
 from .slicer import Slicer

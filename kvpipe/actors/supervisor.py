@@ -27,7 +27,8 @@ from typing import Any, final
 import anyio
 
 from .._results import ActorCrash
-from ._base import Actor, Metrics
+from ._base import Actor
+from ._observe import Metrics
 
 __all__ = ("ChildSpec", "Supervisor")
 
