@@ -49,12 +49,12 @@ class ReadMachine:
         "_scatters",
         "aborted",
         "end_block",
+        "error",
         "failed",
         "loaded_per_slice",
         "pending",
         "request_id",
         "result",
-        "settled_error",
         "slices",
         "start_block",
         "started",
@@ -79,7 +79,7 @@ class ReadMachine:
         self.aborted = False
         self.result: ReadResult | None = None
         #: The error the caller sees instead of a result, once settled.
-        self.settled_error: BaseException | None = None
+        self.error: BaseException | None = None
         self._error: BaseException | None = None
         self._scatters = 0
 
@@ -91,7 +91,7 @@ class ReadMachine:
     @property
     def ended(self) -> bool:
         """Whether the read is settled (a result or an error exists)."""
-        return self.result is not None or self.settled_error is not None
+        return self.result is not None or self.error is not None
 
     @property
     def scatters(self) -> int:
@@ -199,7 +199,7 @@ class ReadMachine:
         if self.ended:
             return
         if self._error is not None:
-            self.settled_error = self._error
+            self.error = self._error
             return
         loaded = self.loaded()
         if loaded < self.requested and self.stop_reason is None:

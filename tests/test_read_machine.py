@@ -22,7 +22,7 @@ def test_random_interleavings_keep_every_invariant(
     loaded: dict[int, int] = {}
     running = 0
     settled_result = m.result
-    settled_error = m.settled_error
+    settled_error = m.error
     now = 0.0
     for _ in range(data.draw(st.integers(0, 4 * len(slices) + 4))):
         now += 1
@@ -59,10 +59,10 @@ def test_random_interleavings_keep_every_invariant(
         if m.ended and m.aborted:
             assert running == 0 or was_ended
         if settled_result is not None:
-            assert m.result is settled_result and m.settled_error is None
+            assert m.result is settled_result and m.error is None
         if settled_error is not None:
-            assert m.settled_error is settled_error and m.result is None
-        settled_result, settled_error = m.result, m.settled_error
+            assert m.error is settled_error and m.result is None
+        settled_result, settled_error = m.result, m.error
     if m.result is not None:
         r = m.result
         expect = 0

@@ -210,10 +210,22 @@ class SlicedState(RequestState):
         """Blocks asked for."""
         return self.end_block - self.start_block
 
+    machine: WriteMachine | ReadMachine
+
     @property
-    @abc.abstractmethod
+    def error(self) -> BaseException | None:
+        return self.machine.error
+
+    @property
     def slices(self) -> tuple[SliceSpec, ...]:
         """The planned slices."""
+        return self.machine.slices
+
+    def outcome(self) -> str:
+        result = self.machine.result
+        if result is None:
+            return super().outcome()
+        return "complete" if result.complete else (result.stop_reason or "incomplete")
 
 
 class WriteState(SlicedState):
@@ -223,22 +235,16 @@ class WriteState(SlicedState):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.machine = WriteMachine(self.request_id, self.start_block, self.end_block, self.started)
+        self.machine: WriteMachine = WriteMachine(
+            self.request_id, self.start_block, self.end_block, self.started
+        )
         #: One event per slice waiting for its turn: a slice done wakes the next one only.
         self._turns: dict[int, anyio.Event] = {}
-
-    @property
-    def error(self) -> BaseException | None:
-        return self.machine.error
 
     @property
     def result(self) -> WriteResult | None:
         """The result, once settled."""
         return self.machine.result
-
-    @property
-    def slices(self) -> tuple[SliceSpec, ...]:
-        return self.machine.slices
 
     async def wait_turn(self, index: int) -> bool:
         """Wait until slice ``index`` may go to the store; ``False`` if the write ended."""
@@ -275,12 +281,6 @@ class WriteState(SlicedState):
             f"write {self.request_id} ({m.skipped + m.written} of {self.requested} blocks "
             f"stored{where})"
         )
-
-    def outcome(self) -> str:
-        result = self.machine.result
-        if result is None:
-            return super().outcome()
-        return "complete" if result.complete else (result.stop_reason or "incomplete")
 
     def _sync(self) -> None:
         if not self.machine.ended or self.done:
@@ -319,20 +319,14 @@ class ReadState(SlicedState):
     def __init__(self, *args: Any, require_all: bool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.require_all = require_all
-        self.machine = ReadMachine(self.request_id, self.start_block, self.end_block, self.started)
-
-    @property
-    def error(self) -> BaseException | None:
-        return self.machine.settled_error
+        self.machine: ReadMachine = ReadMachine(
+            self.request_id, self.start_block, self.end_block, self.started
+        )
 
     @property
     def result(self) -> ReadResult | None:
         """The result, once settled."""
         return self.machine.result
-
-    @property
-    def slices(self) -> tuple[SliceSpec, ...]:
-        return self.machine.slices
 
     def plan(self, slices: tuple[SliceSpec, ...]) -> None:
         """Set the slices; each must later be resolved exactly once (none: the read ends)."""
@@ -383,12 +377,6 @@ class ReadState(SlicedState):
         stop = self.machine.stop_block
         where = f", stopping at block {stop}" if stop is not None else ""
         return f"read {self.request_id} ({self.requested} blocks{where})"
-
-    def outcome(self) -> str:
-        result = self.machine.result
-        if result is None:
-            return super().outcome()
-        return "complete" if result.complete else (result.stop_reason or "incomplete")
 
     def _sync(self) -> None:
         if not self.machine.ended or self.done:
