@@ -19,7 +19,8 @@ from ._cache import KVCache
 from ._errors import RequestError
 from ._hostcopy import gather, scatter
 from ._plan import CopyPlan
-from ._staging import StagingLease, StagingPool, ThreadRunner
+from ._staging import StagingLease, StagingPool
+from ._workers import ThreadRunner
 
 __all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine", "OrderMark")
 

@@ -29,7 +29,8 @@ from ._errors import ConfigError, PipelineClosed, WrongEventLoop
 from ._keys import Scope
 from ._plan import layout_segments
 from ._results import PipelineStatistics
-from ._staging import StagingPool, ThreadRunner, stride_for
+from ._staging import StagingPool, stride_for
+from ._workers import ThreadRunner
 from .actors import (
     ActorContext,
     ChildSpec,

@@ -1,4 +1,5 @@
-"""kvpipe's own worker threads, at a lower CPU priority than the event loop's thread.
+"""kvpipe's own worker threads, at a lower CPU priority than the event loop's thread, and
+the runner that calls into them holding staging until each call returns (:class:`ThreadRunner`).
 
 The copies and checksums of a slice keep whole cores busy for milliseconds. On a machine with
 few cores, threads doing that at the same priority as the event loop's thread take the CPU
@@ -11,14 +12,24 @@ event loop library's shared ones). Threads are started on demand and leave after
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Final, final
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
-__all__ = ("WorkerThreads", "lower_priority")
+import anyio
+import anyio.lowlevel
+from anyio._core._eventloop import claim_worker_thread
+
+if TYPE_CHECKING:
+    from ._staging import StagingLease
+
+T = TypeVar("T")
+
+__all__ = ("ThreadRunner", "WorkerThreads", "lower_priority")
 
 log = logging.getLogger("kvpipe.workers")
 
@@ -120,3 +131,152 @@ class WorkerThreads:
         finally:
             with self._lock:
                 self._threads -= 1
+
+
+@final
+class _Call:
+    """Who finishes a worker-thread call: its caller, or, when the caller stopped waiting
+    while the thread ran, the thread itself (through the event loop). A call whose caller
+    gave up before the thread started never starts."""
+
+    __slots__ = ("abandoned", "lock", "outcome", "started")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started = False
+        self.abandoned = False
+        self.outcome: tuple[bool, Any] | None = None
+
+
+@final
+class ThreadRunner:
+    """Runs blocking functions in worker threads, holding staging until they return.
+
+    A caller waiting in :meth:`run` may be cancelled (a slice timeout); the thread cannot be,
+    so the runner keeps its own reference on the lease and returns it when the thread ends.
+    Use as an async context manager; leaving it waits (bounded) for running threads.
+    """
+
+    def __init__(self, close_timeout: float = 10.0, *, nice: int = 0) -> None:
+        self._threads = WorkerThreads(nice)
+        self._open = False
+        self._running = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._close_timeout = close_timeout
+        self._deadline: float | None = None
+
+    @property
+    def running(self) -> int:
+        """Threads running now (including ones whose caller gave up)."""
+        return self._running
+
+    async def __aenter__(self) -> ThreadRunner:
+        self._open = True
+        return self
+
+    def close_by(self, deadline: float) -> None:
+        """Wait for running threads at exit until ``deadline`` (event-loop clock) rather than
+        ``close_timeout`` from then: the pipeline's one close deadline."""
+        self._deadline = deadline
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        deadline = self._deadline
+        if deadline is None:
+            deadline = anyio.current_time() + self._close_timeout
+        with anyio.move_on_at(deadline, shield=True) as scope:
+            await self._idle.wait()
+        self._open = False
+        self._threads.shutdown()
+        if scope.cancelled_caught:
+            log.error(
+                "%d worker thread(s) still running at the close deadline; abandoning them "
+                "(their staging slots stay leased)",
+                self._running,
+            )
+
+    async def run(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        hold: StagingLease | None = None,
+        limiter: anyio.CapacityLimiter | None = None,
+    ) -> T:
+        """Call ``fn(*args)`` in one of the runner's worker threads and return its result.
+
+        Cancellation: cancelling the caller stops the wait at once; the thread runs on, and
+        ``hold`` stays leased until it returns. Exceptions from ``fn`` propagate.
+
+        Raises:
+            RuntimeError: The runner is not running.
+        """
+        if not self._open:
+            raise RuntimeError("ThreadRunner is not running")
+        if hold is not None:
+            hold.retain()
+        self._running += 1
+        if self._running == 1:
+            self._idle = anyio.Event()
+        call = _Call()
+        token = anyio.lowlevel.current_token()
+        done = anyio.Event()
+        # The thread takes the call out of this box, so nothing of the arguments (staging
+        # views) outlives the call in a worker thread's frame.
+        box: list[Any] = [fn, args]
+
+        def report(ok: bool, value: Any) -> None:  # on the event loop's thread
+            if call.abandoned:
+                self._finish(hold)  # the caller gave up while the thread ran
+            else:
+                call.outcome = (ok, value)
+                done.set()
+
+        def work() -> None:
+            f, a = box
+            box.clear()
+            with call.lock:
+                if call.abandoned:
+                    return  # the caller gave up before it started: do nothing
+                call.started = True
+            try:
+                # As in the event loop library's own worker threads, anyio.from_thread works
+                # here without a token (backends' blocking functions may call back).
+                with claim_worker_thread(token.backend_class, token.native_token):
+                    ok, value = True, f(*a)
+            except BaseException as exc:
+                ok, value = False, exc
+            del f, a
+            try:
+                token.backend_class.run_sync_soon(report, (ok, value), token.native_token)
+            except Exception as exc:  # the event loop is gone: nothing to release
+                log.debug("worker thread ended after its event loop: %r", exc)
+
+        try:
+            async with limiter if limiter is not None else contextlib.nullcontext():
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                self._threads.submit(work)
+                await done.wait()
+        except BaseException:
+            with call.lock:
+                started = call.started
+                call.abandoned = True
+            if not started:
+                self._finish(hold)  # it never ran, and now never will
+            raise  # else its report finishes the call when it returns
+        self._finish(hold)
+        outcome, call.outcome = call.outcome, None
+        assert outcome is not None
+        ok, value = outcome
+        if ok:
+            return value  # type: ignore[no-any-return]
+        try:
+            raise value
+        finally:
+            value = None
+
+    def _finish(self, hold: StagingLease | None) -> None:
+        if hold is not None:
+            hold.release()
+        self._running -= 1
+        if self._running == 0:
+            self._idle.set()

@@ -32,8 +32,8 @@ from ._results import (
     WriteResult,
 )
 from ._runtime import Runtime
-from ._staging import ThreadRunner
 from ._validate import check_request, check_timeout, check_tokens
+from ._workers import ThreadRunner
 from .actors import Observer, PipelineHooks
 from .actors._state import CallState, ReadState, WriteState
 from .backends import StorageBackend

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import anyio
+import anyio.lowlevel
 import numpy as np
 
 import kvpipe
@@ -33,3 +37,18 @@ LAYOUTS = {
         block_size=16,
     ),
 }
+
+
+async def until(pred: Callable[[], bool], limit: int = 10_000) -> None:
+    """Yield to other tasks until ``pred()`` holds (no sleeping; bounded)."""
+    for _ in range(limit):
+        if pred():
+            return
+        await anyio.lowlevel.checkpoint()
+    raise AssertionError("condition never became true")
+
+
+async def checkpoints(n: int = 20) -> None:
+    """Yield to other tasks ``n`` times."""
+    for _ in range(n):
+        await anyio.lowlevel.checkpoint()

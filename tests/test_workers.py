@@ -1,14 +1,23 @@
-"""kvpipe's own worker threads: calls run, idle threads are reused and leave, and the
-threads run at the lower priority asked for."""
+"""kvpipe's own worker threads (calls run, idle threads are reused and leave, the threads
+run at the lower priority asked for) and the ThreadRunner over them (results, exceptions,
+cancellation, the staging it holds until a thread returns, the close deadline)."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
+from functools import partial
 
+import anyio
+import anyio.lowlevel
 import pytest
+from trio.testing import MockClock
 
-from kvpipe._workers import WorkerThreads, lower_priority
+from kvpipe._staging import StagingLease, StagingPool
+from kvpipe._workers import ThreadRunner, WorkerThreads, lower_priority
+from tests.helpers import checkpoints, until
 
 
 def _run(pool: WorkerThreads, fn: object) -> None:
@@ -59,3 +68,233 @@ def test_a_shut_down_pool_takes_no_work() -> None:
 
 def test_no_priority_change_asked_is_none_made() -> None:
     assert lower_priority(0) is False
+
+
+# ---------------------------------------------------------------- ThreadRunner
+
+
+async def test_runner_returns_values_and_forwards_args() -> None:
+    async with ThreadRunner() as runner:
+        assert await runner.run(lambda a, b: a * b, 6, 7) == 42
+        assert await runner.run(threading.get_ident) != threading.get_ident()
+        limiter = anyio.CapacityLimiter(1)
+        assert await runner.run(sorted, [3, 1, 2], limiter=limiter) == [1, 2, 3]
+        assert runner.running == 0
+
+
+async def test_runner_propagates_exceptions() -> None:
+    pool = StagingPool(16, 2)
+    lease = await pool.acquire(2)
+
+    def boom() -> None:
+        raise KeyError("boom")
+
+    async with ThreadRunner() as runner:
+        with pytest.raises(KeyError, match="boom"):
+            await runner.run(boom, hold=lease)
+        assert runner.running == 0
+    # the runner's reference is gone; the caller's is still there
+    assert not lease.released
+    assert pool.in_use == 2
+    lease.release()
+    assert pool.in_use == 0
+
+
+async def test_runner_not_running() -> None:
+    runner = ThreadRunner()
+    with pytest.raises(RuntimeError):
+        await runner.run(int)
+    async with runner:
+        pass
+    with pytest.raises(RuntimeError):
+        await runner.run(int)
+
+
+async def test_runner_holds_lease_while_thread_runs() -> None:
+    pool = StagingPool(16, 2)
+    lease = await pool.acquire(2)
+    gate = threading.Event()
+    started = threading.Event()
+
+    def work() -> str:
+        started.set()
+        gate.wait(30)
+        return "done"
+
+    async with ThreadRunner() as runner, anyio.create_task_group() as tg:
+        results: list[str] = []
+
+        async def caller() -> None:
+            results.append(await runner.run(work, hold=lease))
+            lease.release()
+
+        tg.start_soon(caller)
+        await anyio.to_thread.run_sync(started.wait)
+        assert runner.running == 1
+        gate.set()
+    assert results == ["done"]
+    assert lease.released
+    assert pool.in_use == 0
+
+
+async def test_cancelled_caller_from_other_task_keeps_lease_until_thread_ends() -> None:
+    pool = StagingPool(16, 2)
+    lease = await pool.acquire(2)
+    gate = threading.Event()
+    started = threading.Event()
+    finished = threading.Event()
+
+    def work() -> str:
+        started.set()
+        gate.wait(30)
+        finished.set()
+        return "done"
+
+    async with ThreadRunner() as runner:
+        scope = anyio.CancelScope()
+        outcome: list[str] = []
+
+        async def caller() -> None:
+            with scope:
+                outcome.append(await runner.run(work, hold=lease))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(caller)
+            await anyio.to_thread.run_sync(started.wait)
+            scope.cancel()
+        assert scope.cancelled_caught
+        assert outcome == []
+        lease.release()  # the caller lets go of its own reference
+        # the thread is still blocked and still reads the slots: they stay leased
+        assert not finished.is_set()
+        assert not lease.released
+        assert pool.in_use == 2
+        assert runner.running == 1
+        await checkpoints()
+        assert pool.in_use == 2
+        gate.set()
+        # can only be served once the thread has returned and let go of the lease
+        again = await pool.acquire(2)
+        assert finished.is_set()
+        assert lease.released
+        assert runner.running == 0
+        again.release()
+    assert pool.in_use == 0
+    assert pool.leases == 0
+
+
+async def start_then_abandon(
+    runner: ThreadRunner, fn: Callable[[], None], lease: StagingLease, started: threading.Event
+) -> None:
+    """Call ``fn`` through ``runner`` and stop waiting for it once its thread has started."""
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(runner.run, fn, hold=lease))
+            await anyio.to_thread.run_sync(started.wait)
+            scope.cancel()
+
+
+async def test_call_cancelled_before_its_thread_starts_never_runs() -> None:
+    """A caller cancelled before the thread picked the call up: ``fn`` never runs (not
+    later either), and nothing keeps the staging."""
+    pool = StagingPool(16, 3)
+    lease = await pool.acquire(2)
+    ran = threading.Event()
+
+    async with ThreadRunner() as runner:
+        with anyio.move_on_after(0) as scope:
+            await runner.run(ran.set, hold=lease)
+        assert scope.cancelled_caught
+        assert runner.running == 0
+        lease.release()
+        assert lease.released and pool.in_use == 0
+        await anyio.to_thread.run_sync(time.sleep, 0.05)  # a worker had time to start it
+    assert not ran.is_set()
+
+
+async def test_leaving_runner_waits_for_running_threads() -> None:
+    pool = StagingPool(16, 1)
+    lease = await pool.acquire(1)
+    gate = threading.Event()
+    started = threading.Event()
+    events: list[str] = []
+    about_to_exit = anyio.Event()
+
+    def work() -> None:
+        started.set()
+        gate.wait(30)
+        events.append("thread-done")
+
+    async def closer() -> None:
+        async with ThreadRunner() as runner:
+            await start_then_abandon(runner, work, lease, started)
+            lease.release()
+            about_to_exit.set()
+        events.append("runner-exited")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(closer)
+        await about_to_exit.wait()
+        await checkpoints()
+        assert events == []  # the closer is still waiting for the thread
+        assert pool.in_use == 1
+        gate.set()
+    assert events == ["thread-done", "runner-exited"]
+    assert pool.in_use == 0
+
+
+async def test_limiter_bounds_threads() -> None:
+    limiter = anyio.CapacityLimiter(1)
+    gate = threading.Event()
+    first_started = threading.Event()
+    second_started = threading.Event()
+
+    def first() -> int:
+        first_started.set()
+        gate.wait(30)
+        return 1
+
+    def second() -> int:
+        second_started.set()
+        return 2
+
+    results: list[int] = []
+    async with ThreadRunner() as runner, anyio.create_task_group() as tg:
+
+        async def call(fn: Callable[[], int]) -> None:
+            results.append(await runner.run(fn, limiter=limiter))
+
+        tg.start_soon(call, first)
+        await anyio.to_thread.run_sync(first_started.wait)
+        tg.start_soon(call, second)
+        await until(lambda: limiter.statistics().tasks_waiting == 1)
+        assert not second_started.is_set()
+        assert runner.running == 2
+        gate.set()
+    assert results == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [pytest.param(("trio", {"clock": MockClock(autojump_threshold=0)}))]
+)
+async def test_close_timeout_keeps_lease_of_abandoned_thread() -> None:
+    """A thread abandoned at close still reads its slots: they must not return to the pool."""
+    pool = StagingPool(16, 1)
+    lease = await pool.acquire(1)
+    gate = threading.Event()
+    started = threading.Event()
+
+    def work() -> None:
+        started.set()
+        gate.wait(30)
+
+    try:
+        async with ThreadRunner(close_timeout=5.0) as runner:
+            await start_then_abandon(runner, work, lease, started)
+            lease.release()
+        # the runner gave up waiting (virtual time); the thread is still blocked
+        assert not gate.is_set()
+        assert pool.in_use == 1
+        assert not lease.released
+    finally:
+        gate.set()

@@ -30,7 +30,8 @@ from .._errors import BackendError
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
 from .._plan import CopySegment, SliceSpec
-from .._staging import StagingLease, StagingPool, ThreadRunner
+from .._staging import StagingLease, StagingPool
+from .._workers import ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
 from ._channels import Outboxes
 from ._observe import Metrics, ObservationKind, Observers

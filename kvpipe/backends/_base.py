@@ -21,7 +21,8 @@ import anyio
 
 from .._keys import Scope, Tokens
 from .._results import ResidencyEntry
-from .._staging import StagingLease, ThreadRunner
+from .._staging import StagingLease
+from .._workers import ThreadRunner
 
 __all__ = (
     "BlockStatus",

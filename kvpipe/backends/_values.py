@@ -16,7 +16,8 @@ from typing import Final
 import numpy as np
 
 from .._keys import Scope, as_tokens
-from .._staging import StagingPool, ThreadRunner
+from .._staging import StagingPool
+from .._workers import ThreadRunner
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 
 __all__ = ("ValueClient",)

@@ -45,7 +45,8 @@ from .._hostcopy import seal_slots, verify_slots
 from .._keys import Scope, block_keys, key_digest
 from .._layout import CacheLayout
 from .._plan import copy_plan, layout_segments
-from .._staging import StagingPool, ThreadRunner
+from .._staging import StagingPool
+from .._workers import ThreadRunner
 from ..backends._base import GetBatch, KeyBatch, PutBatch
 from ..backends.memory import MemoryStore
 from ..pipeline import open_pipeline

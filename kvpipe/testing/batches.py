@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .._keys import Scope, Tokens, as_tokens, block_keys
-from .._staging import StagingPool, ThreadRunner
+from .._staging import StagingPool
+from .._workers import ThreadRunner
 from ..backends import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
 
 __all__ = ("Batches", "random_values")

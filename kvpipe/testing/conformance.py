@@ -29,7 +29,8 @@ import pytest
 
 from .._blockformat import value_nbytes
 from .._results import Residency, ResidencyEntry
-from .._staging import StagingPool, ThreadRunner
+from .._staging import StagingPool
+from .._workers import ThreadRunner
 from ..backends import BlockStatus, StorageBackend
 from .batches import Batches, random_values
 

@@ -23,7 +23,8 @@ from .._cache import KVCache, create_kv_cache
 from .._config import PipelineConfig
 from .._errors import KVPipeError
 from .._layout import CacheLayout
-from .._staging import StagingPool, ThreadRunner
+from .._staging import StagingPool
+from .._workers import ThreadRunner
 from ..actors import PipelineHooks
 from ..backends import GetBatch, StorageBackend
 from ..pipeline import open_pipeline

@@ -17,7 +17,8 @@ from kvpipe._blockformat import value_nbytes
 from kvpipe._engine import HostEngine
 from kvpipe._keys import Scope, as_tokens, block_keys
 from kvpipe._plan import layout_segments, plan_slices
-from kvpipe._staging import StagingPool, ThreadRunner
+from kvpipe._staging import StagingPool
+from kvpipe._workers import ThreadRunner
 from kvpipe.actors import ActorContext, PipelineHooks
 from kvpipe.actors._channels import open_channels
 from kvpipe.actors._state import ReadState, WriteState

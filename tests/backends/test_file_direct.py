@@ -17,7 +17,8 @@ import pytest
 
 import kvpipe
 from kvpipe._blockformat import value_nbytes
-from kvpipe._staging import StagingPool, ThreadRunner
+from kvpipe._staging import StagingPool
+from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import _direct, _fileio, _native
 from kvpipe.backends.file._format import HEADER_NBYTES, PAGE, file_nbytes, unpack_header

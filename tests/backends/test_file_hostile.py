@@ -27,7 +27,8 @@ import xxhash
 import kvpipe
 from kvpipe._blockformat import value_nbytes
 from kvpipe._keys import Scope, as_tokens, block_keys
-from kvpipe._staging import StagingPool, ThreadRunner
+from kvpipe._staging import StagingPool
+from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus, GetBatch, PutBatch, StorageBackend
 from kvpipe.backends.file import FileStore
 from kvpipe.backends.file._format import HEADER_NBYTES, block_location, pack_header

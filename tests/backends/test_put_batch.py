@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvpipe._keys import Scope, as_tokens
-from kvpipe._staging import StagingPool, ThreadRunner
+from kvpipe._staging import StagingPool
+from kvpipe._workers import ThreadRunner
 from kvpipe.backends import PutBatch
 from kvpipe.backends.file._sysio import write_all
 
