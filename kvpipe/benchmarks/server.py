@@ -205,7 +205,7 @@ async def _bench_store(
     if hand_root is not None:
         os.makedirs(hand_root)
     hand = HandOffload(src, dst_hand, cfg.slice_block_num, cfg.hand_threads, hand_root)
-    config = PipelineConfig(slice_block_num=cfg.slice_block_num, staging_bytes=256 << 20)
+    config = PipelineConfig.from_env(slice_block_num=cfg.slice_block_num, staging_bytes=256 << 20)
     shape: dict[str, Any] = {"per_request": cfg.per_request, "concurrency": cfg.concurrency}
     app = Served()
     windows: list[tuple[str, int, float, float, float]] = []  # phase, round, start, end, s
