@@ -86,8 +86,11 @@ def scatter_values(
             for seg in segments:
                 rows[seg.tensor][b] = values[lo][seg.offset : seg.offset + seg.nbytes]
         else:
+            lo_b = int(dst[0])
+            consecutive = int(dst[-1]) - lo_b == len(dst) - 1 and bool(np.all(np.diff(dst) == 1))
+            where = slice(lo_b, lo_b + len(dst)) if consecutive else dst
             for seg in segments:
-                rows[seg.tensor][dst] = view[:, seg.offset : seg.offset + seg.nbytes]
+                rows[seg.tensor][where] = view[:, seg.offset : seg.offset + seg.nbytes]
 
 
 def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
