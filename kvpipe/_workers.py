@@ -21,8 +21,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
-from anyio._core._eventloop import claim_worker_thread
+
+try:  # anyio's own worker threads do this; not public API, so guarded
+    from anyio._core._eventloop import claim_worker_thread
+except ImportError:  # pragma: no cover - another anyio: from_thread then needs a token
+    claim_worker_thread = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from ._staging import StagingLease
@@ -241,13 +246,17 @@ class ThreadRunner:
             try:
                 # As in the event loop library's own worker threads, anyio.from_thread works
                 # here without a token (backends' blocking functions may call back).
-                with claim_worker_thread(token.backend_class, token.native_token):
+                with (
+                    claim_worker_thread(token.backend_class, token.native_token)
+                    if claim_worker_thread is not None
+                    else contextlib.nullcontext()
+                ):
                     ok, value = True, f(*a)
             except BaseException as exc:
                 ok, value = False, exc
             del f, a
             try:
-                token.backend_class.run_sync_soon(report, (ok, value), token.native_token)
+                _call_soon(token, report, ok, value)
             except Exception as exc:  # the event loop is gone: nothing to release
                 log.debug("worker thread ended after its event loop: %r", exc)
 
@@ -280,3 +289,14 @@ class ThreadRunner:
         self._running -= 1
         if self._running == 0:
             self._idle.set()
+
+
+def _call_soon(token: anyio.lowlevel.EventLoopToken, fn: Callable[..., None], *args: Any) -> None:
+    """Have the event loop of ``token`` call ``fn(*args)``, without waiting for it (the
+    backend's ``run_sync_soon``; where a backend lacks it, waiting through
+    ``anyio.from_thread``)."""
+    soon = getattr(token.backend_class, "run_sync_soon", None)
+    if soon is not None:
+        soon(fn, args, token.native_token)
+    else:  # pragma: no cover - every backend of anyio 4.11+ has it
+        anyio.from_thread.run_sync(fn, *args, token=token)
