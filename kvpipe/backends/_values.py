@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 
 from .._keys import Scope, as_tokens
-from .._staging import StagingPool
+from .._staging import StagingLease, StagingPool
 from .._workers import ThreadRunner
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+
+B = TypeVar("B", PutBatch, GetBatch)
 
 __all__ = ("ValueClient",)
 
@@ -93,8 +95,22 @@ class ValueClient:
     def _chunks(self, n: int) -> list[range]:
         return [range(i, min(n, i + self.slots)) for i in range(0, n, self.slots)]
 
+    def _staged(self, kind: type[B], keys: list[str], lease: StagingLease, size: int) -> B:
+        """A batch of whole values (no token prefix: the keys are the caller's)."""
+        return kind(
+            self.scope,
+            "values",
+            keys,
+            0,
+            _NO_TOKENS,
+            lease=lease,
+            value_nbytes=size,
+            runner=self._runner,
+            limiter=None,
+        )
+
     async def put(
-        self, keys: Sequence[str], values: Sequence[bytes | memoryview]
+        self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]
     ) -> list[BlockStatus]:
         """Store ``values[i]`` under ``keys[i]`` (copied into staging first).
 
@@ -123,17 +139,7 @@ class ValueClient:
                 try:
                     for slot, i in zip(lease.slots, picked, strict=True):
                         pool.slot(slot)[:] = np.frombuffer(values[i], np.uint8)
-                    batch = PutBatch(
-                        self.scope,
-                        "values",
-                        [keys[i] for i in picked],
-                        0,
-                        _NO_TOKENS,
-                        lease=lease,
-                        value_nbytes=size,
-                        runner=self._runner,
-                        limiter=None,
-                    )
+                    batch = self._staged(PutBatch, [keys[i] for i in picked], lease, size)
                     got = list(await self.store.put_blocks(batch))
                 finally:
                     lease.release()
@@ -167,17 +173,7 @@ class ValueClient:
                 picked = [positions[j] for j in chunk]
                 lease = await pool.acquire(len(picked))
                 try:
-                    batch = GetBatch(
-                        self.scope,
-                        "values",
-                        [keys[i] for i in picked],
-                        0,
-                        _NO_TOKENS,
-                        lease=lease,
-                        value_nbytes=size,
-                        runner=self._runner,
-                        limiter=None,
-                    )
+                    batch = self._staged(GetBatch, [keys[i] for i in picked], lease, size)
                     got = list(await self.store.get_blocks(batch))
                     for slot, i, status in zip(lease.slots, picked, got, strict=True):
                         value = (

@@ -48,6 +48,15 @@ def _trailer(payload: memoryview, key: str) -> bytes:
     )
 
 
+def _lengths_match(op: str, n: int, locations: list[int] | None, sizes: list[int] | None) -> bool:
+    """Whether there is one location and one size per key (FastDeploy answers -1 for every
+    key otherwise)."""
+    if locations is None or sizes is None or len(locations) != n or len(sizes) != n:
+        log.warning("KVPipeStorage %s: keys, locations and sizes differ in length", op)
+        return False
+    return True
+
+
 def _verify(value: bytes, key: str, size: int) -> memoryview | None:
     """The payload when ``value`` is ``size`` bytes plus a sound trailer for ``key``."""
     if len(value) != size + _TRAILER.size:
@@ -204,26 +213,25 @@ class KVPipeStorage:
             differ. A key already stored is not rewritten (counted in :attr:`deduplicated`).
         """
         n = len(keys)
-        if (
-            target_locations is None
-            or target_sizes is None
-            or len(target_locations) != n
-            or len(target_sizes) != n
-        ):
-            log.warning("KVPipeStorage batch_set: keys, locations and sizes differ in length")
+        if not _lengths_match("batch_set", n, target_locations, target_sizes):
             return [-1] * n
         if n == 0:
             return []
         ours = [_key(self.namespace, k) for k in keys]
-        values: list[bytes] = []
-        for loc, size in zip(target_locations, target_sizes, strict=True):
+        assert target_locations is not None and target_sizes is not None
+        values: list[bytearray] = []
+        for loc, size, key in zip(target_locations, target_sizes, keys, strict=True):
             ptr, nbytes = _int(loc, "target_location"), _int(size, "target_size")
             if ptr <= 0 or nbytes <= 0:
                 raise ValueError(f"bad target location/size {loc!r}/{size!r}")
-            # Copied here, on the caller's thread: nothing reads the caller's buffer after
-            # this call returned, whatever happens in the loop.
-            payload = memoryview(ctypes.string_at(ptr, nbytes))
-            values.append(bytes(payload) + _trailer(payload, keys[len(values)]))
+            # Copied here, once, on the caller's thread: nothing reads the caller's buffer
+            # after this call returned, whatever happens in the loop.
+            value = bytearray(nbytes + _TRAILER.size)
+            ctypes.memmove((ctypes.c_char * nbytes).from_buffer(value), ptr, nbytes)
+            payload = memoryview(value)[:nbytes]
+            value[nbytes:] = _trailer(payload, key)
+            payload.release()
+            values.append(value)
 
         async def put() -> list[int]:
             present = await self._client.exists(ours)
@@ -263,17 +271,12 @@ class KVPipeStorage:
             checks passed: the caller's buffer never receives a corrupt or short value.
         """
         n = len(keys)
-        if (
-            target_locations is None
-            or target_sizes is None
-            or len(target_locations) != n
-            or len(target_sizes) != n
-        ):
-            log.warning("KVPipeStorage batch_get: keys, locations and sizes differ in length")
+        if not _lengths_match("batch_get", n, target_locations, target_sizes):
             return [-1] * n
         if n == 0:
             return []
         ours = [_key(self.namespace, k) for k in keys]
+        assert target_locations is not None and target_sizes is not None
         sizes = [_int(s, "target_size") for s in target_sizes]
         ptrs = [_int(p, "target_location") for p in target_locations]
         out = [-1] * n

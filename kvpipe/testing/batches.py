@@ -5,13 +5,16 @@ conformance suite (:mod:`.conformance`) and tests of a single store put and get 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 
 from .._keys import Scope, Tokens, as_tokens, block_keys
-from .._staging import StagingPool
+from .._staging import StagingLease, StagingPool
 from .._workers import ThreadRunner
 from ..backends import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
+
+B = TypeVar("B", PutBatch, GetBatch)
 
 __all__ = ("Batches", "random_values")
 
@@ -73,6 +76,29 @@ class Batches:
         _, first, tokens, parent = self._runs(keys)[0]
         return KeyBatch(_SCOPE, "conformance", keys, first, tokens, parent)
 
+    def _staged(
+        self,
+        kind: type[B],
+        keys: list[str],
+        first: int,
+        tokens: Tokens,
+        parent: str | None,
+        lease: StagingLease,
+    ) -> B:
+        """A put or get batch over ``lease`` (one slot per key)."""
+        return kind(
+            _SCOPE,
+            "conformance",
+            keys,
+            first,
+            tokens,
+            parent,
+            lease=lease,
+            value_nbytes=self.pool.slot_nbytes,
+            runner=self.runner,
+            limiter=None,
+        )
+
     async def put(
         self,
         backend: StorageBackend,
@@ -86,17 +112,8 @@ class Batches:
             try:
                 for i, pos in enumerate(positions):
                     self.pool.slot(lease.slots[i])[:] = np.frombuffer(values[pos], np.uint8)
-                batch = PutBatch(
-                    _SCOPE,
-                    "conformance",
-                    [keys[p] for p in positions],
-                    first,
-                    tokens,
-                    parent,
-                    lease=lease,
-                    value_nbytes=self.pool.slot_nbytes,
-                    runner=self.runner,
-                    limiter=None,
+                batch = self._staged(
+                    PutBatch, [keys[p] for p in positions], first, tokens, parent, lease
                 )
                 got = list(await backend.put_blocks(batch))
                 assert len(got) == len(positions), "one status per key"
@@ -117,17 +134,8 @@ class Batches:
             try:
                 for slot in lease.slots:
                     self.pool.slot(slot)[:] = 0
-                batch = GetBatch(
-                    _SCOPE,
-                    "conformance",
-                    [keys[p] for p in positions],
-                    first,
-                    tokens,
-                    parent,
-                    lease=lease,
-                    value_nbytes=self.pool.slot_nbytes,
-                    runner=self.runner,
-                    limiter=None,
+                batch = self._staged(
+                    GetBatch, [keys[p] for p in positions], first, tokens, parent, lease
                 )
                 got = list(await backend.get_blocks(batch))
                 assert len(got) == len(positions), "one status per key"
