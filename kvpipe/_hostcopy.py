@@ -98,24 +98,35 @@ def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
     each with a 2-D view of it (``None`` for a run of one)."""
     out: list[tuple[int, int, Rows | None]] = []
     roots = [_owner(v) for v in values]
-    lo, n = 0, len(values)
+    n = len(values)
+    # Each address once (``ndarray.ctypes`` costs ~1 µs), and only of values that share their
+    # owner with a neighbour.
+    addrs = [
+        v.ctypes.data
+        if r is not None and ((i + 1 < n and roots[i + 1] is r) or (i > 0 and roots[i - 1] is r))
+        else 0
+        for i, (v, r) in enumerate(zip(values, roots, strict=True))
+    ]
+    lo = 0
     while lo < n:
         first, root = values[lo], roots[lo]
         hi = lo + 1
         if root is not None and hi < n and roots[hi] is root:
-            stride = values[hi].ctypes.data - first.ctypes.data
-            start, end = root.ctypes.data, root.ctypes.data + root.nbytes
+            base = addrs[lo]
+            stride = addrs[hi] - base
+            start = root.ctypes.data
+            end = start + root.nbytes
             while (
                 hi < n
                 and stride >= first.size
                 and roots[hi] is root
                 and values[hi].size == first.size
-                and values[hi].ctypes.data == first.ctypes.data + (hi - lo) * stride
-                and start <= values[hi].ctypes.data
-                and values[hi].ctypes.data + first.size <= end
+                and addrs[hi] == base + (hi - lo) * stride
+                and start <= addrs[hi]
+                and addrs[hi] + first.size <= end
             ):
                 hi += 1
-        if hi - lo > 1 and start <= first.ctypes.data:
+        if hi - lo > 1 and start <= base:
             # Every row lies inside the buffer they share: so does the view.
             view = np.lib.stride_tricks.as_strided(
                 first, shape=(hi - lo, first.size), strides=(stride, 1), writeable=False

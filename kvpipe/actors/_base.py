@@ -27,10 +27,11 @@ from .._cache import KVCache
 from .._config import PipelineConfig
 from .._engine import INLINE_COPY_BYTES, CopyEngine
 from .._errors import BackendError
+from .._hostcopy import seal_slots
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
-from .._plan import CopySegment, SliceSpec
-from .._staging import StagingLease, StagingPool
+from .._plan import CopySegment, SliceSpec, copy_plan
+from .._staging import StagingLease, StagingPool, private_lease
 from .._workers import ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
 from ._channels import Outboxes
@@ -141,6 +142,38 @@ class ActorContext:
     def __post_init__(self) -> None:
         if self.observers is None:
             self.observers = Observers(self.metrics.counters)
+
+    @property
+    def host_copies(self) -> bool:
+        """Copies run on the host (a CPU cache): the writer gathers its own slices and the
+        reader scatters its own, with no hop to the swapper."""
+        return self.engine.name == "host"
+
+    async def gather_and_seal(self, job: SliceJob) -> None:
+        """Gather a write slice's blocks (all layers and roles) into its staging — memory of
+        its own when the store keeps values — and seal each with its trailer.
+
+        Not shielded: a gather cut off by cancellation (a crash nearby, or a close past its
+        deadline) leaves its thread running with its own hold on the staging, and the job is
+        dropped, so no half-gathered slot is ever put.
+        """
+        state, spec = job.state, job.spec
+        if self.keep_values:
+            job.data = private_lease(self.pool.slot_nbytes, spec.count)
+        staging = job.staging
+        blocks = state.block_ids[spec.first_block : spec.end_block]
+        plan = copy_plan(self.segments, blocks, staging.slots)
+        digests = self.digests_of(state, spec)
+        payload, checksum = self.payload_nbytes, self.config.verify_checksums
+
+        def seal() -> None:
+            seal_slots(staging.pool.buffer, staging.slots, payload, digests, checksum)
+
+        async def on_host(fn: Callable[[], None]) -> None:
+            await self.run_copy(plan.nbytes if checksum else 0, fn, hold=staging)
+
+        await self.engine.gather_then(plan, staging, state.after, seal, on_host)
+        self.metrics.counters["bytes_gathered"] += plan.nbytes
 
     def observe(self, kind: ObservationKind, seconds: float, outcome: str) -> None:
         """Report a timing to the pipeline's observers (nothing to do when there are none)."""

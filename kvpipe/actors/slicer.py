@@ -1,9 +1,9 @@
 """The slicer: leases staging for each slice of a request, in order, and sends it on.
 
-Write slices go to the swapper (to be gathered), read slices to the reader (to be fetched).
-Staging is leased here, before the swapper, so the swapper never waits for memory and the
-read and write paths cannot deadlock on the pool. A request that has stopped gets no further
-slices.
+Write slices go to be gathered (a host cache's by the writer itself, a device cache's by the
+swapper), read slices to the reader (to be fetched). Staging is leased here, before any copy,
+so no copy waits for memory and the read and write paths cannot deadlock on the pool. A
+request that has stopped gets no further slices.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ class Slicer(Actor[WriteState | ReadState]):
         return msg
 
     async def handle(self, msg: WriteState | ReadState) -> None:
-        outboxes = self.ctx.outboxes
-        outbox = outboxes.swapper if isinstance(msg, WriteState) else outboxes.reader
+        ctx, outboxes = self.ctx, self.ctx.outboxes
+        if isinstance(msg, WriteState):
+            outbox = outboxes.writer if ctx.host_copies else outboxes.swapper
+        else:
+            outbox = outboxes.reader
         for spec in msg.slices:
             if isinstance(msg, WriteState):
                 if msg.done:

@@ -1,9 +1,13 @@
-"""The swapper: copies between the caller's cache and staging.
+"""The swapper: copies between a device cache and staging (a host cache's, in part).
 
 Write path: gather a slice's blocks (all layers and roles) into its staging slots and seal
 each with its trailer, then pass it to the writer.
 Read path: scatter the verified leading blocks of a fetched slice into the caller's cache
 blocks.
+
+A host cache's slices pass it by: the writer gathers its own and the reader scatters its own,
+in the worker-thread call that seals or verifies them (one actor hop fewer per slice). The
+swapper then only scatters what the reader leaves it: the sound blocks before a failed one.
 
 The copies themselves are the copy engine's (numpy on the host, kernels on a CUDA stream for
 device caches, ordered after the producer's mark ``state.after``); sealing runs on the host
@@ -14,14 +18,10 @@ when a read ends nothing is still writing into the caller's cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import anyio
 
-from .._hostcopy import scatter_values, seal_slots
+from .._hostcopy import scatter_values
 from .._plan import copy_plan
-from .._staging import private_lease
 from ._base import Actor, SliceJob
 from ._state import ReadState, RequestState, WriteState
 
@@ -50,41 +50,15 @@ class Swapper(Actor[SliceJob]):
 
     async def _gather(self, job: SliceJob) -> bool:
         """Gather and seal, then pass on; ``True`` when the writer took it."""
-        ctx, state, spec = self.ctx, job.state, job.spec
+        ctx, state = self.ctx, job.state
         if state.done:
             return False
-        blocks = state.block_ids[spec.first_block : spec.end_block]
-        if ctx.keep_values:
-            job.data = private_lease(ctx.pool.slot_nbytes, spec.count)
-        # Not shielded: a gather cut off by the actor's cancellation (a crash nearby, or a
-        # close past its deadline) leaves its thread running with its own hold on the
-        # staging, and the job is dropped, so no half-gathered slot is ever sent.
-        await self._gather_and_seal(job, blocks, ctx.digests_of(state, spec))
+        await ctx.gather_and_seal(job)
         sent = await self.send_until(ctx.outboxes.writer, job, state.deadline)
         if sent is None:
             assert isinstance(state, WriteState)
             state.end("total_timeout", "deadline passed waiting for the writer")
         return bool(sent)
-
-    async def _gather_and_seal(self, job: SliceJob, blocks: Any, digests: list[bytes]) -> None:
-        ctx, state, staging = self.ctx, job.state, job.staging
-        plan = copy_plan(ctx.segments, blocks, staging.slots)
-
-        def seal() -> None:
-            seal_slots(
-                staging.pool.buffer,
-                staging.slots,
-                ctx.payload_nbytes,
-                digests,
-                ctx.config.verify_checksums,
-            )
-
-        async def on_host(fn: Callable[[], None]) -> None:
-            nbytes = plan.nbytes if ctx.config.verify_checksums else 0
-            await ctx.run_copy(nbytes, fn, hold=staging)
-
-        await ctx.engine.gather_then(plan, staging, state.after, seal, on_host)
-        ctx.metrics.counters["bytes_gathered"] += plan.nbytes
 
     async def _scatter(self, job: SliceJob) -> None:
         ctx, spec = self.ctx, job.spec

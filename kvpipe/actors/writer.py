@@ -1,5 +1,9 @@
 """The backend writer: sends each gathered slice to the store, strictly in order.
 
+Slices of a host cache come to it from the slicer and it gathers and seals them itself (in
+parallel, up to the copy threads), then waits for each slice's turn; a device cache's come
+gathered from the swapper.
+
 Each slice runs in its own cancel scope with deadline ``min(now + slice_timeout, request
 deadline)``. Only the leading run of blocks the backend reports stored counts. The first slice
 that stores fewer blocks than it carries, times out or fails ends the request: no later slice
@@ -38,6 +42,10 @@ class Writer(Actor[SliceJob]):
 
     async def handle(self, msg: SliceJob) -> None:
         try:
+            if self.ctx.host_copies:  # a host cache's slices come straight from the slicer
+                if msg.state.done:
+                    return
+                await self.ctx.gather_and_seal(msg)
             await self._write(msg)
         finally:
             msg.release()

@@ -117,8 +117,8 @@ SCENARIOS: Final[tuple[Scenario, ...]] = (
     ),
     Scenario(
         "crash_loop",
-        "the swapper crashes on every request",
-        crash_actor="swapper",
+        "the slicer crashes on every request",
+        crash_actor="slicer",
         crash_every=1,
         closes=True,
         config={"max_restarts": 2},

@@ -21,16 +21,30 @@ def anyio_backend() -> tuple[str, dict[str, object]]:
 
 
 async def test_write_slices_are_leased_and_sent_in_order() -> None:
+    """A host cache's write slices go straight to the writer (it gathers them itself)."""
     async with harness(kvpipe.MemoryStore(), slice_blocks=4) as h:
         state = h.write_state(TOKENS, np.arange(10))
         await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
-        jobs = h.sent("swapper")
+        assert h.sent("swapper") == []
+        jobs = h.sent("writer")
         assert [(j.spec.first_block, j.spec.count, len(j.lease.slots)) for j in jobs] == [
             (0, 4, 4),
             (4, 4, 4),
             (8, 2, 2),
         ]
         assert h.ctx.pool.in_use == 10
+        for j in jobs:
+            j.lease.release()
+
+
+async def test_a_device_cache_s_write_slices_go_to_the_swapper() -> None:
+    async with harness(kvpipe.MemoryStore(), slice_blocks=4) as h:
+        h.ctx.engine.name = "cuda"  # as the CUDA engine's: copies are not the writer's
+        state = h.write_state(TOKENS, np.arange(10))
+        await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
+        assert h.sent("writer") == []
+        jobs = h.sent("swapper")
+        assert [j.spec.first_block for j in jobs] == [0, 4, 8]
         for j in jobs:
             j.lease.release()
 
@@ -43,7 +57,7 @@ async def test_waiting_for_staging_is_bounded_by_the_deadline() -> None:
         await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
         assert anyio.current_time() - start == pytest.approx(7.0)
         assert state.result is not None and state.result.stop_reason == "total_timeout"
-        assert h.sent("swapper") == []
+        assert h.sent("writer") == []
         hog.release()
         assert h.ctx.pool.in_use == 0
 
@@ -53,7 +67,7 @@ async def test_an_ended_write_gets_no_more_slices() -> None:
         state = h.write_state(TOKENS, np.arange(10))
         state.end("cancelled", "test")
         await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
-        assert h.sent("swapper") == []
+        assert h.sent("writer") == []
 
 
 async def test_read_slices_past_the_stop_are_resolved_without_fetching() -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import anyio
 import numpy as np
 
-from kvpipe.actors import SliceJob, Swapper, Writer
+import kvpipe
+from kvpipe._blockformat import check_block
+from kvpipe._keys import as_tokens, key_digest
+from kvpipe.actors import SliceJob, Writer
+from kvpipe.backends import BlockStatus, GetBatch
 from tests.actors.harness import BLOCK, Harness, harness
 from tests.fakes import Act, ScriptedStore
 
@@ -13,11 +17,8 @@ TOKENS = np.arange(12 * BLOCK)
 
 
 async def _gathered_jobs(h: Harness, state) -> list[SliceJob]:  # type: ignore[no-untyped-def]
-    swapper = Swapper(h.ctx, h.inboxes["swapper"])
-    for spec in state.slices:
-        lease = await h.ctx.pool.acquire(spec.count)
-        await swapper.handle(SliceJob(state, spec, lease))
-    return h.sent("writer")
+    """The slicer's jobs for a host cache: the writer gathers them itself."""
+    return [SliceJob(state, spec, await h.ctx.pool.acquire(spec.count)) for spec in state.slices]
 
 
 async def test_slices_are_written_in_order_even_when_they_arrive_out_of_order() -> None:
@@ -73,3 +74,36 @@ async def test_a_wrong_number_of_statuses_is_a_backend_error() -> None:
         assert state.result is not None
         assert (state.result.written, state.result.stop_reason) == (0, "backend_error")
         assert "statuses" in (state.result.error or "")
+
+
+async def test_a_host_cache_s_slices_are_gathered_and_sealed_by_the_writer() -> None:
+    store = kvpipe.MemoryStore()
+    async with harness(store, slice_blocks=6) as h:
+        ids = np.array([9, 3, 4, 5, 40, 0])
+        state = h.write_state(TOKENS[: 6 * BLOCK], ids)
+        (job,) = await _gathered_jobs(h, state)
+        await Writer(h.ctx, h.inboxes["writer"]).handle(job)
+        assert state.result is not None and state.result.written == 6
+        assert state.keys is not None
+        lease = await h.ctx.pool.acquire(6)
+        got = GetBatch(
+            h.ctx.scope,
+            "r",
+            state.keys.keys,
+            0,
+            as_tokens(TOKENS[: 6 * BLOCK]),
+            None,
+            lease=lease,
+            value_nbytes=h.ctx.value_nbytes,
+            runner=h.ctx.runner,
+            limiter=h.ctx.io_limiter,
+        )
+        assert await store.get_blocks(got) == [BlockStatus.OK] * 6
+        for i, block in enumerate(ids):
+            value = lease.view(i)
+            expected = np.concatenate([rows[block] for rows in h.ctx.cache.byte_rows])
+            assert np.array_equal(value[: h.ctx.payload_nbytes], expected)
+            digest = key_digest(state.keys.keys[i])
+            assert check_block(value, h.ctx.payload_nbytes, digest, True) is None
+        lease.release()
+        assert h.ctx.pool.in_use == 0
