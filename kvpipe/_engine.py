@@ -20,7 +20,7 @@ from ._errors import RequestError
 from ._hostcopy import gather, scatter
 from ._plan import CopyPlan
 from ._staging import StagingLease, StagingPool
-from ._workers import ThreadRunner
+from ._workers import Lane, ThreadRunner
 
 __all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine", "OrderMark")
 
@@ -129,7 +129,7 @@ class HostEngine(CopyEngine):
         cache: KVCache,
         pool: StagingPool,
         runner: ThreadRunner,
-        limiter: anyio.CapacityLimiter,
+        limiter: Lane,
         note: str = "",
     ) -> None:
         self.cache = cache
@@ -171,4 +171,4 @@ class HostEngine(CopyEngine):
             await anyio.lowlevel.checkpoint()
             fn(*args)  # type: ignore[operator]
         else:
-            await self.runner.run(fn, *args, hold=hold, limiter=self.limiter)  # type: ignore[arg-type]
+            await self.runner.run(fn, *args, hold=hold, lane=self.limiter)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from ._keys import Scope
 from ._plan import layout_segments
 from ._results import PipelineStatistics
 from ._staging import StagingPool, stride_for
-from ._workers import ThreadRunner
+from ._workers import Lane, ThreadRunner
 from .actors import (
     ActorContext,
     ChildSpec,
@@ -226,7 +226,7 @@ class Runtime:
         self._runner = runner
         self._loop = anyio.lowlevel.current_token().native_token
         self._thread = threading.get_ident()
-        copy_limiter = anyio.CapacityLimiter(cfg.copy_threads)
+        copy_limiter = Lane(cfg.copy_threads)
         pool = self._pool
         assert pool is not None
         if self.engine is None:
@@ -246,7 +246,7 @@ class Runtime:
             value_nbytes=pool.slot_nbytes,
             slice_blocks=self.slice_blocks,
             copy_limiter=copy_limiter,
-            io_limiter=anyio.CapacityLimiter(cfg.io_threads),
+            io_limiter=Lane(cfg.io_threads),
             hooks=self._hooks,
             outboxes=outboxes,
             engine=engine,

@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ("ThreadRunner", "WorkerThreads", "lower_priority")
+__all__ = ("Lane", "ThreadRunner", "WorkerThreads", "lower_priority")
 
 log = logging.getLogger("kvpipe.workers")
 
@@ -61,6 +62,43 @@ def lower_priority(nice: int) -> bool:
 
 
 @final
+class Lane:
+    """A bound on how many calls of one kind run at once in the worker threads (a
+    pipeline's copies; a store's blocking I/O).
+
+    Calls past the bound wait in the lane, in order, not on the event loop: a thread that
+    finishes a call of the lane takes the next one itself, with no round trip through the
+    event loop between the two (on a busy machine that round trip left copy threads idle for
+    a fifth of the time).
+
+    Args:
+        limit: Calls of the lane running at once (at least 1).
+    """
+
+    __slots__ = ("_queue", "_running", "limit")
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"a lane runs at least one call at once, not {limit}")
+        self.limit = limit
+        self._queue: deque[Callable[[], None]] = deque()
+        self._running = 0
+
+    @property
+    def running(self) -> int:
+        """Calls of the lane in a thread now."""
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        """Calls of the lane waiting for a thread."""
+        return len(self._queue)
+
+
+_Item = tuple[Callable[[], None], Lane | None] | None
+
+
+@final
 class WorkerThreads:
     """A pool of daemon threads that run submitted calls, one at a time each.
 
@@ -73,7 +111,7 @@ class WorkerThreads:
         self.nice = nice
         self._idle_timeout = idle_timeout
         self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[Callable[[], None] | None]] = []
+        self._idle: list[queue.SimpleQueue[_Item]] = []
         self._threads = 0
         self._closed = False
 
@@ -82,9 +120,10 @@ class WorkerThreads:
         """Threads alive now."""
         return self._threads
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` in a thread of the pool (an idle one, else a new one). ``fn`` must
-        not raise: it reports its own outcome.
+    def submit(self, fn: Callable[[], None], lane: Lane | None = None) -> None:
+        """Run ``fn()`` in a thread of the pool (an idle one, else a new one) — or, when
+        ``lane`` already runs as many calls as it may, in the lane's next free thread, in
+        order. ``fn`` must not raise: it reports its own outcome.
 
         Raises:
             RuntimeError: The pool is shut down.
@@ -92,6 +131,11 @@ class WorkerThreads:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the worker threads are shut down")
+            if lane is not None:
+                if lane._running >= lane.limit:
+                    lane._queue.append(fn)
+                    return
+                lane._running += 1
             inbox = self._idle.pop() if self._idle else None
             if inbox is None:
                 self._threads += 1
@@ -100,10 +144,10 @@ class WorkerThreads:
             thread = threading.Thread(
                 target=self._work, args=(inbox,), name="kvpipe-worker", daemon=True
             )
-            inbox.put(fn)
+            inbox.put((fn, lane))
             thread.start()
         else:
-            inbox.put(fn)
+            inbox.put((fn, lane))
 
     def shutdown(self) -> None:
         """Idle threads leave now; busy ones when their call returns."""
@@ -113,22 +157,32 @@ class WorkerThreads:
         for inbox in idle:
             inbox.put(None)
 
-    def _work(self, inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    def _work(self, inbox: queue.SimpleQueue[_Item]) -> None:
         lower_priority(self.nice)
         try:
             while True:
                 try:
-                    fn = inbox.get(timeout=self._idle_timeout)
+                    item = inbox.get(timeout=self._idle_timeout)
                 except queue.Empty:
                     with self._lock:
                         if inbox in self._idle and inbox.empty():
                             self._idle.remove(inbox)
                             return
                     continue  # handed work just as it timed out
-                if fn is None:
+                if item is None:
                     return
-                fn()
-                del fn
+                fn, lane = item
+                del item
+                while True:
+                    fn()
+                    del fn
+                    with self._lock:
+                        if lane is None or not lane._queue:
+                            if lane is not None:
+                                lane._running -= 1
+                            break
+                        fn = lane._queue.popleft()  # the lane's next call, in this thread
+                del lane
                 with self._lock:
                     if self._closed:
                         return
@@ -205,11 +259,13 @@ class ThreadRunner:
         fn: Callable[..., T],
         *args: Any,
         hold: StagingLease | None = None,
-        limiter: anyio.CapacityLimiter | None = None,
+        lane: Lane | None = None,
     ) -> T:
-        """Call ``fn(*args)`` in one of the runner's worker threads and return its result.
+        """Call ``fn(*args)`` in one of the runner's worker threads and return its result;
+        with ``lane``, once fewer of the lane's calls run than it allows.
 
-        Cancellation: cancelling the caller stops the wait at once; the thread runs on, and
+        Cancellation: cancelling the caller stops the wait at once. A call still waiting in
+        its lane never starts (``hold`` is let go at once); a running one runs on, and
         ``hold`` stays leased until it returns. Exceptions from ``fn`` propagate.
 
         Raises:
@@ -237,12 +293,12 @@ class ThreadRunner:
                 done.set()
 
         def work() -> None:
-            f, a = box
-            box.clear()
             with call.lock:
                 if call.abandoned:
                     return  # the caller gave up before it started: do nothing
                 call.started = True
+            f, a = box
+            box.clear()
             try:
                 # As in the event loop library's own worker threads, anyio.from_thread works
                 # here without a token (backends' blocking functions may call back).
@@ -261,15 +317,15 @@ class ThreadRunner:
                 log.debug("worker thread ended after its event loop: %r", exc)
 
         try:
-            async with limiter if limiter is not None else contextlib.nullcontext():
-                await anyio.lowlevel.checkpoint_if_cancelled()
-                self._threads.submit(work)
-                await done.wait()
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            self._threads.submit(work, lane)
+            await done.wait()
         except BaseException:
             with call.lock:
                 started = call.started
                 call.abandoned = True
             if not started:
+                box.clear()  # queued in its lane: its arguments go now, not when it is taken
                 self._finish(hold)  # it never ran, and now never will
             raise  # else its report finishes the call when it returns
         self._finish(hold)

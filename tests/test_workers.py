@@ -4,6 +4,7 @@ cancellation, the staging it holds until a thread returns, the close deadline)."
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -16,7 +17,7 @@ import pytest
 from trio.testing import MockClock
 
 from kvpipe._staging import StagingLease, StagingPool
-from kvpipe._workers import ThreadRunner, WorkerThreads, lower_priority
+from kvpipe._workers import Lane, ThreadRunner, WorkerThreads, lower_priority
 from tests.helpers import checkpoints, until
 
 
@@ -77,8 +78,7 @@ async def test_runner_returns_values_and_forwards_args() -> None:
     async with ThreadRunner() as runner:
         assert await runner.run(lambda a, b: a * b, 6, 7) == 42
         assert await runner.run(threading.get_ident) != threading.get_ident()
-        limiter = anyio.CapacityLimiter(1)
-        assert await runner.run(sorted, [3, 1, 2], limiter=limiter) == [1, 2, 3]
+        assert await runner.run(sorted, [3, 1, 2], lane=Lane(1)) == [1, 2, 3]
         assert runner.running == 0
 
 
@@ -243,18 +243,21 @@ async def test_leaving_runner_waits_for_running_threads() -> None:
     assert pool.in_use == 0
 
 
-async def test_limiter_bounds_threads() -> None:
-    limiter = anyio.CapacityLimiter(1)
+async def test_lane_bounds_threads_and_hands_its_next_call_to_the_same_thread() -> None:
+    lane = Lane(1)
     gate = threading.Event()
     first_started = threading.Event()
     second_started = threading.Event()
+    threads: list[int] = []
 
     def first() -> int:
+        threads.append(threading.get_ident())
         first_started.set()
         gate.wait(30)
         return 1
 
     def second() -> int:
+        threads.append(threading.get_ident())
         second_started.set()
         return 2
 
@@ -262,16 +265,57 @@ async def test_limiter_bounds_threads() -> None:
     async with ThreadRunner() as runner, anyio.create_task_group() as tg:
 
         async def call(fn: Callable[[], int]) -> None:
-            results.append(await runner.run(fn, limiter=limiter))
+            results.append(await runner.run(fn, lane=lane))
 
         tg.start_soon(call, first)
         await anyio.to_thread.run_sync(first_started.wait)
         tg.start_soon(call, second)
-        await until(lambda: limiter.statistics().tasks_waiting == 1)
+        await until(lambda: lane.waiting == 1)
         assert not second_started.is_set()
-        assert runner.running == 2
+        assert runner.running == 2 and lane.running == 1
         gate.set()
     assert results == [1, 2]
+    # the thread that ran the first call took the second from the lane itself
+    assert threads[0] == threads[1]
+    assert (lane.running, lane.waiting) == (0, 0)
+
+
+async def test_a_call_cancelled_while_waiting_in_its_lane_never_runs() -> None:
+    lane = Lane(1)
+    pool = StagingPool(16, 1)
+    lease = await pool.acquire(1)
+    gate = threading.Event()
+    started = threading.Event()
+    ran: list[str] = []
+
+    def blocker() -> None:
+        started.set()
+        gate.wait(30)
+
+    async def cancel_once_queued(scope: anyio.CancelScope) -> None:
+        await until(lambda: lane.waiting == 1)
+        scope.cancel()
+
+    try:
+        async with ThreadRunner() as runner, anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(runner.run, blocker, lane=lane))
+            await anyio.to_thread.run_sync(started.wait)
+            with anyio.CancelScope() as scope:
+                tg.start_soon(cancel_once_queued, scope)
+                await runner.run(ran.append, "queued", hold=lease, lane=lane)
+            assert scope.cancelled_caught
+            lease.release()
+            assert pool.in_use == 0  # let go at once: the call never started
+            gate.set()
+    finally:
+        gate.set()
+    assert ran == []
+    assert (lane.running, lane.waiting) == (0, 0)
+
+
+def test_a_lane_runs_at_least_one_call() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        Lane(0)
 
 
 @pytest.mark.parametrize(

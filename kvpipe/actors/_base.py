@@ -32,7 +32,7 @@ from .._keys import Scope, key_digest
 from .._layout import CacheLayout
 from .._plan import CopySegment, SliceSpec, copy_plan
 from .._staging import StagingLease, StagingPool, private_lease
-from .._workers import ThreadRunner
+from .._workers import Lane, ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
 from ._channels import Outboxes
 from ._observe import Metrics, ObservationKind, Observers
@@ -128,8 +128,8 @@ class ActorContext:
     payload_nbytes: int
     value_nbytes: int
     slice_blocks: int
-    copy_limiter: anyio.CapacityLimiter
-    io_limiter: anyio.CapacityLimiter
+    copy_limiter: Lane
+    io_limiter: Lane
     hooks: PipelineHooks
     outboxes: Outboxes
     engine: CopyEngine
@@ -189,7 +189,7 @@ class ActorContext:
         if nbytes <= INLINE_COPY_BYTES:
             await anyio.lowlevel.checkpoint()
             return fn(*args)
-        return await self.runner.run(fn, *args, hold=hold, limiter=self.copy_limiter)
+        return await self.runner.run(fn, *args, hold=hold, lane=self.copy_limiter)
 
     def keys_of(self, state: WriteState | ReadState, spec: SliceSpec) -> tuple[str, ...]:
         """The keys of a slice's blocks."""

@@ -95,7 +95,7 @@ class Scheduler(Actor[RequestState]):
         args = (ctx.scope, tokens, ctx.layout.block_size, include_partial)
         if len(tokens) <= _THREAD_KEYS_TOKENS:
             return block_keys(*args)
-        return await ctx.runner.run(block_keys, *args, limiter=ctx.copy_limiter)
+        return await ctx.runner.run(block_keys, *args, lane=ctx.copy_limiter)
 
     async def _write(self, state: WriteState) -> None:
         ctx = self.ctx

@@ -17,12 +17,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
-import anyio
-
 from .._keys import Scope, Tokens
 from .._results import ResidencyEntry
 from .._staging import StagingLease
-from .._workers import ThreadRunner
+from .._workers import Lane, ThreadRunner
 
 __all__ = (
     "BlockStatus",
@@ -118,7 +116,7 @@ class _StagedBatch(KeyBatch):
         lease: StagingLease,
         value_nbytes: int,
         runner: ThreadRunner,
-        limiter: anyio.CapacityLimiter | None,
+        limiter: Lane | None,
         offset: int = 0,
     ) -> None:
         super().__init__(scope, request_id, keys, first_block, token_prefix, parent_key)
@@ -169,7 +167,7 @@ class _StagedBatch(KeyBatch):
         batch's staging memory stays leased until it returns, so ``fn`` may keep using the
         buffers. Exceptions from ``fn`` propagate.
         """
-        return await self._runner.run(fn, *args, hold=self._lease, limiter=self._limiter)
+        return await self._runner.run(fn, *args, hold=self._lease, lane=self._limiter)
 
 
 class PutBatch(_StagedBatch):

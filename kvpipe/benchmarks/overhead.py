@@ -46,7 +46,7 @@ from .._keys import Scope, block_keys, key_digest
 from .._layout import CacheLayout
 from .._plan import copy_plan, layout_segments
 from .._staging import StagingPool
-from .._workers import ThreadRunner
+from .._workers import Lane, ThreadRunner
 from ..backends._base import GetBatch, KeyBatch, PutBatch
 from ..backends.memory import MemoryStore
 from ..pipeline import open_pipeline
@@ -90,7 +90,7 @@ class PlainLoop:
         self.payload = layout.block_nbytes
         self.scope = Scope("plain", layout.fingerprint)
         self.pool = StagingPool(self.payload + 48, 2 * slice_blocks)
-        self.limiter = anyio.CapacityLimiter(2)
+        self.limiter = Lane(2)
         self.engine = HostEngine(cache, self.pool, runner, self.limiter)
 
     async def request(self, tokens: Any, ids: Any, write: bool) -> None:
@@ -129,7 +129,7 @@ class PlainLoop:
             await anyio.lowlevel.checkpoint()
             fn(*args)
         else:
-            await self.runner.run(fn, *args, hold=lease, limiter=self.limiter)
+            await self.runner.run(fn, *args, hold=lease, lane=self.limiter)
 
 
 def _fit(t_1x64: float, t_64x1: float, t_1x1: float) -> dict[str, float]:

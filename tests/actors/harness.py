@@ -18,7 +18,7 @@ from kvpipe._engine import HostEngine
 from kvpipe._keys import Scope, as_tokens, block_keys
 from kvpipe._plan import layout_segments, plan_slices
 from kvpipe._staging import StagingPool
-from kvpipe._workers import ThreadRunner
+from kvpipe._workers import Lane, ThreadRunner
 from kvpipe.actors import ActorContext, PipelineHooks
 from kvpipe.actors._channels import open_channels
 from kvpipe.actors._state import ReadState, WriteState
@@ -115,11 +115,11 @@ async def harness(
             payload_nbytes=layout.block_nbytes,
             value_nbytes=pool.slot_nbytes,
             slice_blocks=slice_blocks,
-            copy_limiter=anyio.CapacityLimiter(2),
-            io_limiter=anyio.CapacityLimiter(4),
+            copy_limiter=Lane(2),
+            io_limiter=Lane(4),
             hooks=PipelineHooks(),
             outboxes=outboxes,
-            engine=HostEngine(cache, pool, runner, anyio.CapacityLimiter(2)),
+            engine=HostEngine(cache, pool, runner, Lane(2)),
         )
         try:
             yield Harness(ctx, inboxes, sends)
