@@ -27,7 +27,7 @@ from .._cache import KVCache
 from .._config import PipelineConfig
 from .._engine import INLINE_COPY_BYTES, CopyEngine
 from .._errors import BackendError
-from .._hostcopy import seal_slots
+from .._hostcopy import gather, seal_slots
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
 from .._plan import CopySegment, SliceSpec, copy_plan
@@ -158,21 +158,34 @@ class ActorContext:
         dropped, so no half-gathered slot is ever put.
         """
         state, spec = job.state, job.spec
-        if self.keep_values:
-            job.data = private_lease(self.pool.slot_nbytes, spec.count)
-        staging = job.staging
         blocks = state.block_ids[spec.first_block : spec.end_block]
-        plan = copy_plan(self.segments, blocks, staging.slots)
         digests = self.digests_of(state, spec)
         payload, checksum = self.payload_nbytes, self.config.verify_checksums
+        if self.keep_values:
+            # Memory the store keeps, allocated in the worker thread with the gather: a large
+            # allocation maps memory, which on the event loop's thread would wait behind the
+            # page faults of copies running in other threads.
+            plan = copy_plan(self.segments, blocks, list(range(spec.count)))
+            slot_nbytes, rows = self.pool.slot_nbytes, self.cache.byte_rows
 
-        def seal() -> None:
-            seal_slots(staging.pool.buffer, staging.slots, payload, digests, checksum)
+            def gather_into_new() -> StagingLease:
+                data = private_lease(slot_nbytes, spec.count)
+                gather(plan, rows, data.pool.buffer)
+                seal_slots(data.pool.buffer, data.slots, payload, digests, checksum)
+                return data
 
-        async def on_host(fn: Callable[[], None]) -> None:
-            await self.run_copy(plan.nbytes if checksum else 0, fn, hold=staging)
+            job.data = await self.run_copy(plan.nbytes, gather_into_new, hold=job.lease)
+        else:
+            staging = job.staging
+            plan = copy_plan(self.segments, blocks, staging.slots)
 
-        await self.engine.gather_then(plan, staging, state.after, seal, on_host)
+            def seal() -> None:
+                seal_slots(staging.pool.buffer, staging.slots, payload, digests, checksum)
+
+            async def on_host(fn: Callable[[], None]) -> None:
+                await self.run_copy(plan.nbytes if checksum else 0, fn, hold=staging)
+
+            await self.engine.gather_then(plan, staging, state.after, seal, on_host)
         self.metrics.counters["bytes_gathered"] += plan.nbytes
 
     def observe(self, kind: ObservationKind, seconds: float, outcome: str) -> None:
