@@ -27,6 +27,7 @@ from ._layout import CacheLayout, RoleSpec, numpy_dtype
 __all__ = ("KVCache", "create_kv_cache")
 
 ByteRows = npt.NDArray[np.uint8]
+_PAGE = 4096
 
 
 def _dtype_name(obj: Any) -> str:
@@ -344,7 +345,7 @@ def create_kv_cache(
                 f"device {device!r}: numpy allocates host memory only; use framework='paddle'"
             )
         arrays = [
-            np.zeros(
+            _zeros_on_a_page(
                 (num_blocks, *layout.role(role).block_shape), numpy_dtype(layout.role(role).dtype)
             )
             for role, _ in order
@@ -368,3 +369,14 @@ def create_kv_cache(
         ]
         return KVCache.from_tensors(layout, tensors)
     raise LayoutError(f"unknown framework {framework!r}; expected 'numpy' or 'paddle'")
+
+
+def _zeros_on_a_page(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """Zeros of ``shape`` whose first byte starts a page. numpy's own arrays start 16 bytes
+    past one, and a copy into memory that is not 64-byte aligned runs ~20 % slower here
+    (32 KiB segments, the copies between a cache and staging): staging slots start on a page.
+    """
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(nbytes + _PAGE, np.uint8)  # calloc: pages are mapped when first touched
+    skip = -raw.ctypes.data % _PAGE
+    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
