@@ -12,14 +12,17 @@ concurrently; once one stops short, later slices are cancelled and dropped.
 from __future__ import annotations
 
 import logging
+import threading
 
 import anyio
+import xxhash
 
+from .._blockformat import TRAILER_NBYTES, check_trailer
 from .._errors import BackendError
 from .._hostcopy import scatter, scatter_values, verify_values
 from .._plan import copy_plan, leading_run
 from .._results import ReadStopReason
-from ..backends._base import BlockStatus, GetBatch
+from ..backends._base import BlockStatus, FetchSink, GetBatch
 from ._base import Actor, SliceJob, backend_call, check_statuses
 from ._state import ReadState, RequestState, describe_error
 
@@ -69,52 +72,22 @@ class Reader(Actor[SliceJob]):
         started = anyio.current_time()
         deadline = min(started + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, GetBatch)
-        statuses: list[BlockStatus] | None = None
-        # The error's description, not the error: a local holding the exception would hold
-        # this frame (and the job's staging) in a cycle through its traceback.
-        error: str | None = None
-        with state.bound(deadline, ("get", spec.index), spec.first_block):
-            try:
-                raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
-                statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
-            except BackendError as exc:
-                error = describe_error(exc)
-        elapsed = anyio.current_time() - started
-        if statuses is not None:
-            job.lent = batch.lent() or None
-        if state.stopped_before(first):
+        # Host caches: the claim on the cache is taken before the fetch and held until what
+        # was fetched is in place — a store that takes the batch's sink (the file store)
+        # places each value in its own thread while the fetch runs.
+        claimed = ctx.engine.name == "host" and state.scatter_begin()
+        if ctx.engine.name == "host" and not claimed:  # the read has ended
             state.resolve(spec.index, 0)
             return []
-        everything = list(range(first, spec.end_block))
-        if statuses is None:
-            reason: ReadStopReason
-            if error is not None:
-                reason, detail = "backend_error", error
-            else:
-                reason = "total_timeout" if deadline >= state.deadline else "slice_timeout"
-                detail = f"slice {spec.index} ran out of time"
-            ctx.metrics.slices[f"read_{reason}"] += 1
-            ctx.observe("read_slice", elapsed, reason)
-            self._debug(state, job, reason, 0, elapsed, detail)
-            state.stop_at(first, reason, everything, detail)
-            state.resolve(spec.index, 0)
-            return []
-        fetched = leading_run(s is BlockStatus.OK for s in statuses)
-        scattered = 0
-        if fetched and ctx.engine.name == "host" and state.scatter_begin():
-            # Host caches: verify and scatter the leading sound blocks in one worker-thread
-            # call (no hop to the swapper, the bytes still warm from the checksum).
-            try:
-                checks = await self._verify_and_scatter(job, fetched)
-                scattered = leading_run(c is None for c in checks)
-                if scattered == spec.count:
-                    ctx.metrics.counters["blocks_read"] += scattered
-                    ctx.metrics.counters["bytes_read"] += scattered * ctx.payload_nbytes
-                    state.resolve(spec.index, scattered)
-            finally:
+        try:
+            got = await self._get_and_place(job, batch, deadline, claimed)
+        finally:
+            if claimed:
                 state.scatter_end()
-        else:
-            checks = await self._verify(job, 0, fetched)
+        if got is None:
+            return []
+        statuses, checks, scattered, elapsed = got
+        fetched = len(checks)
         confirmed: set[int] = set()
         bad = leading_run(c is None for c in checks)
         if bad < fetched:
@@ -159,6 +132,76 @@ class Reader(Actor[SliceJob]):
         if job.valid == 0:
             state.resolve(spec.index, 0)  # a no-op when already resolved
         return corrupt
+
+    async def _get_and_place(
+        self, job: SliceJob, batch: GetBatch, deadline: float, claimed: bool
+    ) -> tuple[list[BlockStatus], list[str | None], int, float] | None:
+        """Fetch a slice and check its leading fetched blocks — with ``claimed`` (the caller
+        holds the claim on a host cache) also put the leading sound ones in the cache.
+        Returns ``(statuses, checks of the leading fetched blocks, blocks now in the cache,
+        seconds)``, or ``None`` when the slice is settled already (the read stopped before
+        it, or the fetch failed)."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        assert isinstance(state, ReadState)
+        first = spec.first_block
+        started = anyio.current_time()
+        sink = _RowSink(self, job) if claimed else None
+        batch.sink = sink
+        statuses: list[BlockStatus] | None = None
+        # The error's description, not the error: a local holding the exception would hold
+        # this frame (and the job's staging) in a cycle through its traceback.
+        error: str | None = None
+        try:
+            with state.bound(deadline, ("get", spec.index), spec.first_block):
+                try:
+                    raw = await backend_call(
+                        ctx.backend, "get_blocks", ctx.backend.get_blocks, batch
+                    )
+                    statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
+                except BackendError as exc:
+                    error = describe_error(exc)
+        finally:
+            # A store thread may still be placing a value (the fetch was cancelled): no
+            # value goes into the cache from now on, and the claim lasts until it is out.
+            if sink is not None and not sink.close():
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(sink.wait_idle)
+        elapsed = anyio.current_time() - started
+        if statuses is not None:
+            job.lent = batch.lent() or None
+        if state.stopped_before(first):
+            state.resolve(spec.index, 0)
+            return None
+        if statuses is None:
+            reason: ReadStopReason
+            if error is not None:
+                reason, detail = "backend_error", error
+            else:
+                reason = "total_timeout" if deadline >= state.deadline else "slice_timeout"
+                detail = f"slice {spec.index} ran out of time"
+            ctx.metrics.slices[f"read_{reason}"] += 1
+            ctx.observe("read_slice", elapsed, reason)
+            self._debug(state, job, reason, 0, elapsed, detail)
+            everything = list(range(first, spec.end_block))
+            state.stop_at(first, reason, everything, detail)
+            state.resolve(spec.index, 0)
+            return None
+        fetched = leading_run(s is BlockStatus.OK for s in statuses)
+        scattered = 0
+        if fetched and sink is not None:
+            if sink.covers(fetched):  # checked and placed by the store's threads already
+                checks = sink.checks[:fetched]
+                scattered = leading_run(sink.placed[:fetched])
+            else:  # verify and scatter in one worker-thread call
+                checks = await self._verify_and_scatter(job, fetched)
+                scattered = leading_run(c is None for c in checks)
+            if scattered == spec.count:
+                ctx.metrics.counters["blocks_read"] += scattered
+                ctx.metrics.counters["bytes_read"] += scattered * ctx.payload_nbytes
+                state.resolve(spec.index, scattered)
+        else:
+            checks = await self._verify(job, 0, fetched)
+        return statuses, checks, scattered, elapsed
 
     @staticmethod
     def _debug(
@@ -272,3 +315,83 @@ class Reader(Actor[SliceJob]):
                 log.warning(
                     "read %s: could not delete %d corrupt blocks: %s", request_id, len(keys), exc
                 )
+
+
+class _RowSink(FetchSink):
+    """A host-cache read slice's :class:`FetchSink`: each value the store hands over is
+    hashed once (the store's checksum of the whole value and the trailer's of the payload,
+    in one pass), its trailer checked, and — when sound — copied into the cache rows, in the
+    store's thread. Nothing is copied after :meth:`close` (the read's claim on the cache ends
+    only once :meth:`wait_idle` has seen every copy out)."""
+
+    def __init__(self, reader: Reader, job: SliceJob) -> None:
+        ctx, spec, state = reader.ctx, job.spec, job.state
+        n = spec.count
+        self._values = [job.lease.view(i) for i in range(n)]
+        self._digests = ctx.digests_of(state, spec)
+        self._blocks = state.block_ids[spec.first_block : spec.end_block]
+        self._rows = ctx.cache.byte_rows
+        self._segments = ctx.segments
+        self._payload = ctx.payload_nbytes
+        self._verify = ctx.config.verify_checksums
+        self.checks: list[str | None] = [None] * n
+        self.seen = [False] * n
+        self.placed = [False] * n
+        self._lock = threading.Lock()
+        self._writers = 0
+        self._closed = False
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def fetched(self, index: int, checksum: int) -> bool:
+        value, payload = self._values[index], self._payload
+        h = xxhash.xxh3_64(value[:payload].data)
+        digest = h.intdigest()
+        h.update(value[payload:].data)
+        if h.intdigest() != checksum:
+            return False
+        why = check_trailer(
+            value[payload : payload + TRAILER_NBYTES].tobytes(),
+            payload,
+            self._digests[index],
+            (lambda: digest) if self._verify else None,
+        )
+        self.checks[index] = why
+        self.seen[index] = True
+        if why is None and self._enter():
+            try:
+                block = int(self._blocks[index])
+                for seg in self._segments:
+                    self._rows[seg.tensor][block] = value[seg.offset : seg.offset + seg.nbytes]
+                self.placed[index] = True
+            finally:
+                self._exit()
+        return True
+
+    def covers(self, count: int) -> bool:
+        """Whether the first ``count`` values were all handed over."""
+        return all(self.seen[:count])
+
+    def _enter(self) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._writers += 1
+            self._idle.clear()
+            return True
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._writers -= 1
+            if self._writers == 0:
+                self._idle.set()
+
+    def close(self) -> bool:
+        """Copy nothing more into the cache; whether no copy is running now."""
+        with self._lock:
+            self._closed = True
+            return self._writers == 0
+
+    def wait_idle(self) -> None:
+        """Block until no copy is running (after :meth:`close`: none will again)."""
+        self._idle.wait()

@@ -26,6 +26,7 @@ from .._workers import ThreadRunner
 
 __all__ = (
     "BlockStatus",
+    "FetchSink",
     "GetBatch",
     "KeyBatch",
     "PutBatch",
@@ -247,6 +248,32 @@ def _prefix_through(batch: KeyBatch, stop: int) -> Tokens:
     return batch.token_prefix[: (batch.first_block + stop) * block_size]
 
 
+class FetchSink(abc.ABC):
+    """What kvpipe offers a store that checks each value against a checksum of its own (a
+    :class:`GetBatch`'s :attr:`~GetBatch.sink`): finish the value in the store's worker
+    thread, right after it was read.
+
+    Instead of hashing a value itself, such a store calls :meth:`fetched` with the XXH3-64 it
+    recorded for the whole value: kvpipe hashes the bytes once, for the store's check and its
+    own trailer's, and copies a sound value into the cache in the same call (no second pass
+    over the bytes, no hop to another thread). A store that ignores the sink loses nothing:
+    kvpipe checks and copies every value it was not told about afterwards.
+    """
+
+    @abc.abstractmethod
+    def fetched(self, index: int, checksum: int) -> bool:
+        """Value ``index`` is in ``buffers[index]``: check that its ``value_nbytes`` bytes
+        hash (XXH3-64) to ``checksum`` and, when they do, verify and place it.
+
+        Thread-safe; blocks (it hashes and copies megabytes): call it from the store's worker
+        thread, before the call that fetches the batch returns.
+
+        Returns:
+            Whether the bytes hash to ``checksum``. ``False``: the value is not what the
+            store wrote; report it ``CORRUPT``.
+        """
+
+
 class GetBatch(_StagedBatch):
     """Blocks to fetch: write each value into :attr:`buffers` (``value_nbytes`` each) — or,
     where :attr:`may_lend` allows, :meth:`lend` it.
@@ -254,13 +281,17 @@ class GetBatch(_StagedBatch):
     Attributes:
         may_lend: kvpipe takes a stored value by :meth:`lend` instead of a copy into
             :attr:`buffers` (it verifies and copies from it where it lies).
+        sink: Where a store that keeps a checksum of each value may hand it over to be
+            checked and placed in its own thread (:class:`FetchSink`); ``None`` (as built):
+            not offered. kvpipe sets it on the batches it builds for a host cache.
     """
 
-    __slots__ = ("_lent", "may_lend")
+    __slots__ = ("_lent", "may_lend", "sink")
 
     def __init__(self, *args: Any, may_lend: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.may_lend = may_lend
+        self.sink: FetchSink | None = None
         self._lent: dict[int, memoryview] = {}
 
     @property

@@ -12,6 +12,7 @@ and the batch's staging stays leased until its threads return.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import os
@@ -26,7 +27,15 @@ import anyio
 
 from ..._errors import BackendError, ConfigError
 from ..._results import ResidencyEntry
-from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from .._base import (
+    BlockStatus,
+    FetchSink,
+    GetBatch,
+    KeyBatch,
+    PutBatch,
+    StorageBackend,
+    validate_key,
+)
 from .._inflight import InFlight
 from ._catalog import Catalog, CatalogFull
 from ._direct import Scratch, is_aligned, probe_direct
@@ -37,7 +46,14 @@ from ._format import (
 )
 from ._fs import Durability, Root, owner_token, store_root
 from ._inspect import recover
-from ._reads import ReadHooks, native_available, read_batch, read_one, regular_files
+from ._reads import (
+    PayloadCheck,
+    ReadHooks,
+    native_available,
+    read_batch,
+    read_one,
+    regular_files,
+)
 from ._space import room, settle
 from ._writes import Abandon, WriteHooks, write_batch, write_one
 
@@ -384,6 +400,7 @@ class FileStore(StorageBackend):
             keys,
             batch.buffers,
             batch.scope.fingerprint,
+            batch.sink,
         )
 
     def _get_sync(
@@ -393,21 +410,34 @@ class FileStore(StorageBackend):
         keys: list[str],
         buffers: list[memoryview],
         fingerprint: str,
+        sink: FetchSink | None,
     ) -> list[BlockStatus]:
         errors: list[str] = []
         hooks = ReadHooks(lambda: self._direct_reads, self._refuse_direct, self._count, errors)
         scratch = self._scratch
+        # With a sink, the consumer hashes each payload (for our checksum and its own, in one
+        # pass) and places it, in the thread that read it.
+        oks: list[PayloadCheck | None] = (
+            [functools.partial(sink.fetched, i) for i in range(len(keys))]
+            if sink is not None
+            else [None] * len(keys)
+        )
         if self._native:  # ``threads`` shares, each read in one native call
 
             def share(part: list[int]) -> list[BlockStatus]:
                 bufs = [buffers[i] for i in part]
-                return read_batch(hooks, root, [keys[i] for i in part], bufs, fingerprint, scratch)
+                ks = [keys[i] for i in part]
+                return read_batch(
+                    hooks, root, ks, bufs, fingerprint, scratch, [oks[i] for i in part]
+                )
 
             statuses = self._in_shares(share, list(range(len(keys))))
         else:
             statuses = list(
                 self._pool().map(
-                    lambda i: read_one(hooks, root, keys[i], buffers[i], fingerprint, scratch),
+                    lambda i: read_one(
+                        hooks, root, keys[i], buffers[i], fingerprint, scratch, oks[i]
+                    ),
                     range(len(keys)),
                 )
             )
