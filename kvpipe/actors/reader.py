@@ -15,11 +15,12 @@ import logging
 import threading
 
 import anyio
+import numpy as np
 import xxhash
 
 from .._blockformat import TRAILER_NBYTES, check_trailer
 from .._errors import BackendError
-from .._hostcopy import scatter, scatter_values, verify_values
+from .._hostcopy import gather, scatter, scatter_values, verify_values
 from .._plan import copy_plan, leading_run
 from .._results import ReadStopReason
 from ..backends._base import BlockStatus, FetchSink, GetBatch
@@ -86,7 +87,7 @@ class Reader(Actor[SliceJob]):
                 state.scatter_end()
         if got is None:
             return []
-        statuses, checks, scattered, elapsed = got
+        statuses, checks, scattered, elapsed, elsewhere = got
         fetched = len(checks)
         confirmed: set[int] = set()
         bad = leading_run(c is None for c in checks)
@@ -126,21 +127,36 @@ class Reader(Actor[SliceJob]):
         ctx.metrics.slices[f"read_{outcome}"] += 1
         ctx.observe("read_slice", elapsed, outcome)
         self._debug(state, job, outcome, valid, elapsed, None)
+        if elsewhere and 0 < valid < spec.count:
+            # Some values were placed from the store's buffers, not staging, and the swapper
+            # scatters the leading sound run from staging: put them there.
+            await self._stage_back(job, min(valid, scattered))
         # Fully loaded already: nothing for the swapper. Otherwise it scatters the leading
-        # sound run (again, for blocks the fused call put in the cache before a failure).
+        # sound run (again, for blocks already put in the cache before a failure).
         job.valid = 0 if scattered == spec.count else valid
         if job.valid == 0:
             state.resolve(spec.index, 0)  # a no-op when already resolved
         return corrupt
 
+    async def _stage_back(self, job: SliceJob, count: int) -> None:
+        """Copy the first ``count`` blocks of a slice from the cache (where they were placed)
+        into their staging slots."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        first = spec.first_block
+        blocks = state.block_ids[first : first + count]
+        plan = copy_plan(ctx.segments, blocks, job.lease.slots[:count])
+        rows, staging = ctx.cache.byte_rows, job.lease.pool.buffer
+        with anyio.CancelScope(shield=True):
+            await ctx.run_copy(plan.nbytes, gather, plan, rows, staging, hold=job.lease)
+
     async def _get_and_place(
         self, job: SliceJob, batch: GetBatch, deadline: float, claimed: bool
-    ) -> tuple[list[BlockStatus], list[str | None], int, float] | None:
+    ) -> tuple[list[BlockStatus], list[str | None], int, float, bool] | None:
         """Fetch a slice and check its leading fetched blocks — with ``claimed`` (the caller
         holds the claim on a host cache) also put the leading sound ones in the cache.
         Returns ``(statuses, checks of the leading fetched blocks, blocks now in the cache,
-        seconds)``, or ``None`` when the slice is settled already (the read stopped before
-        it, or the fetch failed)."""
+        seconds, whether staging lacks some fetched values)``, or ``None`` when the slice is
+        settled already (the read stopped before it, or the fetch failed)."""
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, ReadState)
         first = spec.first_block
@@ -201,7 +217,7 @@ class Reader(Actor[SliceJob]):
                 state.resolve(spec.index, scattered)
         else:
             checks = await self._verify(job, 0, fetched)
-        return statuses, checks, scattered, elapsed
+        return statuses, checks, scattered, elapsed, sink is not None and sink.elsewhere
 
     @staticmethod
     def _debug(
@@ -331,27 +347,34 @@ class _RowSink(FetchSink):
         self._digests = ctx.digests_of(state, spec)
         self._blocks = state.block_ids[spec.first_block : spec.end_block]
         self._rows = ctx.cache.byte_rows
+        self.offset = int(self._rows[0].ctypes.data) % 4096 if self._rows else 0
         self._segments = ctx.segments
         self._payload = ctx.payload_nbytes
         self._verify = ctx.config.verify_checksums
         self.checks: list[str | None] = [None] * n
         self.seen = [False] * n
         self.placed = [False] * n
+        self.elsewhere = False  # some value was placed from a buffer of the store's
         self._lock = threading.Lock()
         self._writers = 0
         self._closed = False
         self._idle = threading.Event()
         self._idle.set()
 
-    def fetched(self, index: int, checksum: int) -> bool:
-        value, payload = self._values[index], self._payload
-        h = xxhash.xxh3_64(value[:payload].data)
+    def fetched(self, index: int, checksum: int, value: memoryview | None = None) -> bool:
+        payload = self._payload
+        if value is None:
+            data = self._values[index]
+        else:  # the store's own buffer: staging will not hold this value
+            data = np.frombuffer(value, np.uint8)
+            self.elsewhere = True
+        h = xxhash.xxh3_64(data[:payload].data)
         digest = h.intdigest()
-        h.update(value[payload:].data)
+        h.update(data[payload:].data)
         if h.intdigest() != checksum:
             return False
         why = check_trailer(
-            value[payload : payload + TRAILER_NBYTES].tobytes(),
+            data[payload : payload + TRAILER_NBYTES].tobytes(),
             payload,
             self._digests[index],
             (lambda: digest) if self._verify else None,
@@ -362,7 +385,7 @@ class _RowSink(FetchSink):
             try:
                 block = int(self._blocks[index])
                 for seg in self._segments:
-                    self._rows[seg.tensor][block] = value[seg.offset : seg.offset + seg.nbytes]
+                    self._rows[seg.tensor][block] = data[seg.offset : seg.offset + seg.nbytes]
                 self.placed[index] = True
             finally:
                 self._exit()

@@ -29,6 +29,7 @@ __all__ = (
     "check_file",
     "native_available",
     "read_batch",
+    "read_cached",
     "read_one",
     "regular_files",
 )
@@ -135,6 +136,32 @@ def read_batch(
             hooks.count(io_errors=1)
             statuses.append(BlockStatus.FAILED)
     return statuses
+
+
+def read_cached(
+    hooks: ReadHooks,
+    root: Root,
+    key: str,
+    buf: memoryview,
+    fingerprint: str,
+    scratch: Scratch,
+    payload_ok: PayloadCheck | None = None,
+) -> BlockStatus | None:
+    """Read and check one block file in one native call if the page cache holds all of it
+    (``buf`` need not start on a page); ``None`` when it does not (``buf`` may then hold part
+    of it) or the call failed in a way :func:`read_batch` reports or works around."""
+    fileio = _native.fileio
+    assert fileio is not None
+    pages = scratch.pages(1)[0]
+    views = [pages.header, buf, pages.pad]
+    (got,) = fileio.read_cached_files(root.fd, _native.block_paths([key]), [views])
+    if got >= 0:
+        return _judge(hooks, root, key, buf, pages, False, got, fingerprint, payload_ok)
+    if got == fileio.NOT_REGULAR:
+        return _quarantine(hooks, root, key, "not a regular file")
+    if got == -errno.ENOENT:
+        return BlockStatus.MISSING
+    return None
 
 
 def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
