@@ -22,7 +22,14 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ("TRAILER_NBYTES", "check_block", "check_trailer", "seal_block", "value_nbytes")
+__all__ = (
+    "TRAILER_NBYTES",
+    "check_block",
+    "check_trailer",
+    "seal_and_digest",
+    "seal_block",
+    "value_nbytes",
+)
 
 _TRAILER: Final = struct.Struct("<4sHHQ16sQ8x")
 TRAILER_NBYTES: Final = _TRAILER.size
@@ -45,6 +52,20 @@ def seal_block(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: b
     flags = FLAG_CHECKSUM if checksum else 0
     trailer = _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, key_digest, digest)
     value[payload_nbytes : payload_nbytes + TRAILER_NBYTES] = np.frombuffer(trailer, np.uint8)
+
+
+def seal_and_digest(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: bool) -> int:
+    """:func:`seal_block`, and return the XXH3-64 of the whole sealed value (payload and
+    trailer) — computed in the same pass over the payload as the trailer's checksum, for a
+    store that keeps a checksum of each value (:attr:`kvpipe.backends.PutBatch.checksums`).
+    """
+    h = xxhash.xxh3_64(value[:payload_nbytes].data)
+    digest = h.intdigest() if checksum else 0
+    flags = FLAG_CHECKSUM if checksum else 0
+    trailer = _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, key_digest, digest)
+    value[payload_nbytes : payload_nbytes + TRAILER_NBYTES] = np.frombuffer(trailer, np.uint8)
+    h.update(trailer)
+    return h.intdigest()
 
 
 def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bool) -> str | None:

@@ -182,18 +182,23 @@ class PutBatch(_StagedBatch):
             :attr:`StorageBackend.keeps_values`): the backend may keep :attr:`values`
             themselves instead of copying them. Otherwise the values are views of staging
             that is reused after the call, and must be copied.
+        checksums: The XXH3-64 of each whole value, where kvpipe computed it while sealing
+            the value (in the same pass as the trailer's checksum); a store that keeps such
+            a checksum may take it rather than hash the value again. ``None``: not given.
     """
 
-    __slots__ = ("may_keep",)
+    __slots__ = ("checksums", "may_keep")
 
     def __init__(self, *args: Any, may_keep: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.may_keep = may_keep
+        self.checksums: list[int] | None = None
 
     def sub_batch(self, start: int, stop: int) -> PutBatch:
         """The blocks ``[start, stop)`` of this batch as a batch of their own, over the same
         staging (no copy): its keys, values, first block, parent key and token prefix are
-        those of that run of blocks, and it has this batch's :attr:`may_keep`.
+        those of that run of blocks, and it has this batch's :attr:`may_keep` (and its
+        :attr:`checksums` of those blocks).
 
         For a caller that stores only some runs of a batch (a wrapper, a fault injector).
         Calling the returned batch's :meth:`hold` keeps the whole lease.
@@ -203,7 +208,7 @@ class PutBatch(_StagedBatch):
         """
         if not 0 <= start < stop <= len(self.keys):
             raise ValueError(f"blocks [{start}, {stop}) are not a run of a {len(self)}-block batch")
-        return PutBatch(
+        sub = PutBatch(
             self.scope,
             self.request_id,
             self.keys[start:stop],
@@ -217,6 +222,9 @@ class PutBatch(_StagedBatch):
             offset=self._offset + start,
             may_keep=self.may_keep,
         )
+        if self.checksums is not None:
+            sub.checksums = self.checksums[start:stop]
+        return sub
 
     @property
     def values(self) -> list[memoryview]:

@@ -254,6 +254,9 @@ class FileStore(StorageBackend):
         record them — runs in one worker-thread call, so its bookkeeping completes even when
         the caller stops waiting.
 
+        A value's checksum in its file's header is ``batch.checksums[i]`` where kvpipe gave
+        it (computed while sealing the value), else computed here.
+
         Cancellation: blocks not yet renamed into place when the call is cancelled are not
         published (their reservations are released); the staging stays leased until the
         worker threads return.
@@ -271,6 +274,7 @@ class FileStore(StorageBackend):
                 batch.parent_key,
                 batch.scope.fingerprint,
                 abandoned,
+                batch.checksums,
             )
         except anyio.get_cancelled_exc_class():
             abandoned.set()
@@ -285,6 +289,7 @@ class FileStore(StorageBackend):
         parent: str | None,
         fingerprint: str,
         abandoned: Abandon,
+        checksums: list[int] | None = None,
     ) -> list[BlockStatus]:
         if not keys:
             return []
@@ -311,7 +316,7 @@ class FileStore(StorageBackend):
         try:
             for i, status in zip(
                 admitted,
-                self._write(hooks, root, admitted, keys, values, fingerprint, direct),
+                self._write(hooks, root, admitted, keys, values, fingerprint, direct, checksums),
                 strict=True,
             ):
                 statuses[i] = status
@@ -343,21 +348,27 @@ class FileStore(StorageBackend):
         values: list[memoryview],
         fingerprint: str,
         direct: bool,
+        checksums: list[int] | None,
     ) -> list[BlockStatus]:
         """Publish the admitted blocks: ``threads`` shares, each in one native call on an
-        executor thread, or file by file through os calls."""
+        executor thread, or file by file through os calls. ``checksums``: each value's
+        XXH3-64, where the caller gave them (the header's, not computed again)."""
         scratch = self._scratch
+        sums: list[int | None] = [None] * len(keys)
+        if checksums is not None and len(checksums) == len(keys):
+            sums[:] = checksums
         if self._native:
 
             def share(part: list[int]) -> list[BlockStatus]:
                 vals = [values[i] for i in part]
                 ks = [keys[i] for i in part]
-                return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch)
+                cs = [sums[i] for i in part]
+                return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch, cs)
 
             return self._in_shares(share, admitted)
 
         def one(i: int) -> BlockStatus:
-            return write_one(hooks, root, keys[i], values[i], fingerprint, direct, scratch)
+            return write_one(hooks, root, keys[i], values[i], fingerprint, direct, scratch, sums[i])
 
         return list(self._pool().map(one, admitted))
 
@@ -391,6 +402,14 @@ class FileStore(StorageBackend):
         A file that fails any check (header, key, layout, size, checksum) — or anything that
         is not a regular file at a block's name — is reported ``CORRUPT`` and moved to
         ``quarantine/`` (or removed) so later lookups stop before it.
+
+        With ``batch.sink`` (a pipeline's host cache), each file is read into a buffer of the
+        reading thread's and handed to the sink, which computes the payload checksum (with
+        its own trailer's, in one pass) and copies a sound value into the cache; the batch's
+        buffers are then left as they were.
+
+        Cancellation: the worker threads run on and the batch's staging stays leased until
+        they return (a sink copies nothing once the read that offered it has ended).
         """
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
@@ -417,14 +436,10 @@ class FileStore(StorageBackend):
         hooks = ReadHooks(lambda: self._direct_reads, self._refuse_direct, self._count, errors)
         scratch = self._scratch
         if sink is not None:
-            # The consumer hashes each value (for our checksum and its own, in one pass) and
-            # places it, in the thread that read it, from a buffer that thread reuses: the
-            # bytes are still in the processor's cache when it does.
             statuses = self._in_shares(
-                lambda part: [
-                    self._read_to_sink(hooks, root, keys[i], i, buffers[i], fingerprint, sink)
-                    for i in part
-                ],
+                lambda part: self._read_to_sink(
+                    hooks, root, keys, buffers, fingerprint, sink, part
+                ),
                 list(range(len(keys))),
             )
         elif self._native:  # ``threads`` shares, each read in one native call
@@ -466,29 +481,44 @@ class FileStore(StorageBackend):
         self,
         hooks: ReadHooks,
         root: Root,
-        key: str,
-        index: int,
-        buffer: memoryview,
+        keys: list[str],
+        buffers: list[memoryview],
         fingerprint: str,
         sink: FetchSink,
-    ) -> BlockStatus:
-        """Read one block file into a bounce buffer of this thread's and hand it to
-        ``sink``: a file the page cache holds into one at the sink's offset (its bytes then
-        copy fastest into the cache), any other into a page-aligned one (direct reads)."""
+        part: list[int],
+    ) -> list[BlockStatus]:
+        """Read the block files ``part`` and hand each to ``sink``, which computes the payload
+        checksum (with its own, in one pass) and places the value, in this thread. A file the
+        page cache holds whole is read on its own into a buffer this thread reuses, at the
+        sink's offset from a page: its bytes are still in the processor's cache when the sink
+        hashes and copies them, and copy fastest. The others are read together into their
+        buffers, as without a sink (``O_DIRECT`` for what is not cached)."""
         scratch = self._scratch
+        got: list[BlockStatus | None] = [None] * len(part)
         if self._native:
-            bounce = scratch.bounce(len(buffer), sink.offset % PAGE)
-            ok = functools.partial(sink.fetched, index, value=bounce)
-            status = read_cached(hooks, root, key, bounce, fingerprint, scratch, ok)
-            if status is not None:
-                return status
-            bounce = scratch.bounce(len(buffer))
-            ok = functools.partial(sink.fetched, index, value=bounce)
-            (status,) = read_batch(hooks, root, [key], [bounce], fingerprint, scratch, [ok])
-            return status
-        bounce = scratch.bounce(len(buffer))
-        ok = functools.partial(sink.fetched, index, value=bounce)
-        return read_one(hooks, root, key, bounce, fingerprint, scratch, ok)
+            for j, i in enumerate(part):
+                bounce = scratch.bounce(len(buffers[i]), sink.offset % PAGE)
+                ok = functools.partial(sink.fetched, i, value=bounce)
+                got[j] = read_cached(hooks, root, keys[i], bounce, fingerprint, scratch, ok)
+        rest = [i for i, status in zip(part, got, strict=True) if status is None]
+        oks = [functools.partial(sink.fetched, i) for i in rest]
+        if self._native:
+            statuses = read_batch(
+                hooks,
+                root,
+                [keys[i] for i in rest],
+                [buffers[i] for i in rest],
+                fingerprint,
+                scratch,
+                oks,
+            )
+        else:
+            statuses = [
+                read_one(hooks, root, keys[i], buffers[i], fingerprint, scratch, ok)
+                for i, ok in zip(rest, oks, strict=True)
+            ]
+        more = iter(statuses)
+        return [status if status is not None else next(more) for status in got]
 
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
         """Whether each block file exists, stopping at the first missing one."""
