@@ -205,12 +205,13 @@ class Reader(Actor[SliceJob]):
         fetched = leading_run(s is BlockStatus.OK for s in statuses)
         scattered = 0
         if fetched and sink is not None:
-            if sink.covers(fetched):  # checked and placed by the store's threads already
-                checks = sink.checks[:fetched]
-                scattered = leading_run(sink.placed[:fetched])
-            else:  # verify and scatter in one worker-thread call
+            if sink.covers(0):  # no value handed over: verify and scatter in one call
                 checks = await self._verify_and_scatter(job, fetched)
                 scattered = leading_run(c is None for c in checks)
+            else:  # those the store's threads did not check and place: in one call
+                await self._place_unseen(job, sink, fetched)
+                checks = sink.checks[:fetched]
+                scattered = leading_run(sink.placed[:fetched])
             if scattered == spec.count:
                 ctx.metrics.counters["blocks_read"] += scattered
                 ctx.metrics.counters["bytes_read"] += scattered * ctx.payload_nbytes
@@ -285,6 +286,36 @@ class Reader(Actor[SliceJob]):
         with anyio.CancelScope(shield=True):
             checks = await ctx.run_copy(fetched * payload, work, hold=job.lease)
         return checks
+
+    async def _place_unseen(self, job: SliceJob, sink: _RowSink, fetched: int) -> None:
+        """Check the leading ``fetched`` blocks the store did not hand to ``sink`` (they are
+        in staging, or lent) and copy the sound ones into the cache, in one worker-thread
+        call, shielded (the scatter is claimed by the caller); their verdicts go into
+        ``sink``."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        unseen = [i for i in range(fetched) if not sink.seen[i]]
+        if not unseen:
+            return
+        first = spec.first_block
+        sources = [job.sources(i, i + 1)[0] for i in unseen]
+        digests = ctx.digests_of(state, spec)
+        blocks = [int(state.block_ids[first + i]) for i in unseen]
+        payload, check_sums = ctx.payload_nbytes, ctx.config.verify_checksums
+        segments, rows = ctx.segments, ctx.cache.byte_rows
+
+        def work() -> list[str | None]:
+            checks = verify_values(sources, payload, [digests[i] for i in unseen], check_sums)
+            sound = [j for j, c in enumerate(checks) if c is None]
+            if sound:
+                scatter_values(
+                    segments, [sources[j] for j in sound], [blocks[j] for j in sound], rows
+                )
+            return checks
+
+        with anyio.CancelScope(shield=True):
+            checks = await ctx.run_copy(len(unseen) * payload, work, hold=job.lease)
+        for i, check in zip(unseen, checks, strict=True):
+            sink.checks[i], sink.seen[i], sink.placed[i] = check, True, check is None
 
     async def _refetch(
         self, job: SliceJob, lo: int, hi: int, deadline: float
@@ -392,8 +423,9 @@ class _RowSink(FetchSink):
         return True
 
     def covers(self, count: int) -> bool:
-        """Whether the first ``count`` values were all handed over."""
-        return all(self.seen[:count])
+        """Whether the first ``count`` values were all handed over (``0``: whether none
+        was)."""
+        return all(self.seen[:count]) if count else not any(self.seen)
 
     def _enter(self) -> bool:
         with self._lock:

@@ -487,12 +487,13 @@ class FileStore(StorageBackend):
         sink: FetchSink,
         part: list[int],
     ) -> list[BlockStatus]:
-        """Read the block files ``part`` and hand each to ``sink``, which computes the payload
-        checksum (with its own, in one pass) and places the value, in this thread. A file the
-        page cache holds whole is read on its own into a buffer this thread reuses, at the
-        sink's offset from a page: its bytes are still in the processor's cache when the sink
-        hashes and copies them, and copy fastest. The others are read together into their
-        buffers, as without a sink (``O_DIRECT`` for what is not cached)."""
+        """Read the block files ``part``. A file the page cache holds whole is read on its
+        own into a buffer this thread reuses, at the sink's offset from a page, and handed to
+        ``sink``, which computes the payload checksum (with its own, in one pass) and places
+        the value, in this thread: its bytes are still in the processor's cache then, and
+        copy fastest. The others are read together into their buffers and checked here, as
+        without a sink (``O_DIRECT`` for what is not cached): kvpipe checks and places them
+        afterwards, in its own threads, while these go on reading from the device."""
         scratch = self._scratch
         got: list[BlockStatus | None] = [None] * len(part)
         if self._native:
@@ -501,21 +502,12 @@ class FileStore(StorageBackend):
                 ok = functools.partial(sink.fetched, i, value=bounce)
                 got[j] = read_cached(hooks, root, keys[i], bounce, fingerprint, scratch, ok)
         rest = [i for i, status in zip(part, got, strict=True) if status is None]
-        oks = [functools.partial(sink.fetched, i) for i in rest]
         if self._native:
-            statuses = read_batch(
-                hooks,
-                root,
-                [keys[i] for i in rest],
-                [buffers[i] for i in rest],
-                fingerprint,
-                scratch,
-                oks,
-            )
+            bufs = [buffers[i] for i in rest]
+            statuses = read_batch(hooks, root, [keys[i] for i in rest], bufs, fingerprint, scratch)
         else:
             statuses = [
-                read_one(hooks, root, keys[i], buffers[i], fingerprint, scratch, ok)
-                for i, ok in zip(rest, oks, strict=True)
+                read_one(hooks, root, keys[i], buffers[i], fingerprint, scratch) for i in rest
             ]
         more = iter(statuses)
         return [status if status is not None else next(more) for status in got]
