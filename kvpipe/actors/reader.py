@@ -12,19 +12,16 @@ concurrently; once one stops short, later slices are cancelled and dropped.
 from __future__ import annotations
 
 import logging
-import threading
 
 import anyio
-import numpy as np
-import xxhash
 
-from .._blockformat import TRAILER_NBYTES, check_trailer
 from .._errors import BackendError
 from .._hostcopy import gather, scatter, scatter_values, verify_values
 from .._plan import copy_plan, leading_run
 from .._results import ReadStopReason
-from ..backends._base import BlockStatus, FetchSink, GetBatch
+from ..backends._base import BlockStatus, GetBatch
 from ._base import Actor, SliceJob, backend_call, check_statuses
+from ._rowsink import RowSink
 from ._state import ReadState, RequestState, describe_error
 
 __all__ = ("Reader",)
@@ -161,7 +158,7 @@ class Reader(Actor[SliceJob]):
         assert isinstance(state, ReadState)
         first = spec.first_block
         started = anyio.current_time()
-        sink = _RowSink(self, job) if claimed else None
+        sink = RowSink(self.ctx, job) if claimed else None
         batch.sink = sink
         statuses: list[BlockStatus] | None = None
         # The error's description, not the error: a local holding the exception would hold
@@ -287,7 +284,7 @@ class Reader(Actor[SliceJob]):
             checks = await ctx.run_copy(fetched * payload, work, hold=job.lease)
         return checks
 
-    async def _place_unseen(self, job: SliceJob, sink: _RowSink, fetched: int) -> None:
+    async def _place_unseen(self, job: SliceJob, sink: RowSink, fetched: int) -> None:
         """Check the leading ``fetched`` blocks the store did not hand to ``sink`` (they are
         in staging, or lent) and copy the sound ones into the cache, in one worker-thread
         call, shielded (the scatter is claimed by the caller); their verdicts go into
@@ -362,91 +359,3 @@ class Reader(Actor[SliceJob]):
                 log.warning(
                     "read %s: could not delete %d corrupt blocks: %s", request_id, len(keys), exc
                 )
-
-
-class _RowSink(FetchSink):
-    """A host-cache read slice's :class:`FetchSink`: each value the store hands over is
-    hashed once (the store's checksum of the whole value and the trailer's of the payload,
-    in one pass), its trailer checked, and — when sound — copied into the cache rows, in the
-    store's thread. Nothing is copied after :meth:`close` (the read's claim on the cache ends
-    only once :meth:`wait_idle` has seen every copy out)."""
-
-    def __init__(self, reader: Reader, job: SliceJob) -> None:
-        ctx, spec, state = reader.ctx, job.spec, job.state
-        n = spec.count
-        self._values = [job.lease.view(i) for i in range(n)]
-        self._digests = ctx.digests_of(state, spec)
-        self._blocks = state.block_ids[spec.first_block : spec.end_block]
-        self._rows = ctx.cache.byte_rows
-        self.offset = int(self._rows[0].ctypes.data) % 4096 if self._rows else 0
-        self._segments = ctx.segments
-        self._payload = ctx.payload_nbytes
-        self._verify = ctx.config.verify_checksums
-        self.checks: list[str | None] = [None] * n
-        self.seen = [False] * n
-        self.placed = [False] * n
-        self.elsewhere = False  # some value was placed from a buffer of the store's
-        self._lock = threading.Lock()
-        self._writers = 0
-        self._closed = False
-        self._idle = threading.Event()
-        self._idle.set()
-
-    def fetched(self, index: int, checksum: int, value: memoryview | None = None) -> bool:
-        payload = self._payload
-        if value is None:
-            data = self._values[index]
-        else:  # the store's own buffer: staging will not hold this value
-            data = np.frombuffer(value, np.uint8)
-            self.elsewhere = True
-        h = xxhash.xxh3_64(data[:payload].data)
-        digest = h.intdigest()
-        h.update(data[payload:].data)
-        if h.intdigest() != checksum:
-            return False
-        why = check_trailer(
-            data[payload : payload + TRAILER_NBYTES].tobytes(),
-            payload,
-            self._digests[index],
-            (lambda: digest) if self._verify else None,
-        )
-        self.checks[index] = why
-        self.seen[index] = True
-        if why is None and self._enter():
-            try:
-                block = int(self._blocks[index])
-                for seg in self._segments:
-                    self._rows[seg.tensor][block] = data[seg.offset : seg.offset + seg.nbytes]
-                self.placed[index] = True
-            finally:
-                self._exit()
-        return True
-
-    def covers(self, count: int) -> bool:
-        """Whether the first ``count`` values were all handed over (``0``: whether none
-        was)."""
-        return all(self.seen[:count]) if count else not any(self.seen)
-
-    def _enter(self) -> bool:
-        with self._lock:
-            if self._closed:
-                return False
-            self._writers += 1
-            self._idle.clear()
-            return True
-
-    def _exit(self) -> None:
-        with self._lock:
-            self._writers -= 1
-            if self._writers == 0:
-                self._idle.set()
-
-    def close(self) -> bool:
-        """Copy nothing more into the cache; whether no copy is running now."""
-        with self._lock:
-            self._closed = True
-            return self._writers == 0
-
-    def wait_idle(self) -> None:
-        """Block until no copy is running (after :meth:`close`: none will again)."""
-        self._idle.wait()

@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 import kvpipe
-from kvpipe.actors import reader
+from kvpipe.actors import _rowsink
 from kvpipe.backends.file import FileStore
 from kvpipe.backends.file._format import HEADER_NBYTES, file_nbytes, pack_header, unpack_header
 from kvpipe.benchmarks._file_baselines import warm_cached
@@ -115,7 +115,7 @@ class _Held:
         self._go = threading.Event()
         self._first = True
         self._lock = threading.Lock()
-        original = getattr(reader._RowSink, name)
+        original = getattr(_rowsink.RowSink, name)
 
         def held(sink: Any, *args: Any, **kwargs: Any) -> Any:
             with self._lock:
@@ -125,7 +125,7 @@ class _Held:
                 assert self._go.wait(30), "never let go"
             return original(sink, *args, **kwargs)
 
-        monkeypatch.setattr(reader._RowSink, name, held)
+        monkeypatch.setattr(_rowsink.RowSink, name, held)
 
     def go(self) -> None:
         self._go.set()
