@@ -15,13 +15,21 @@ fails any check is never scattered into the cache.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ("TRAILER_NBYTES", "check_block", "seal_block", "value_nbytes")
+__all__ = (
+    "TRAILER_NBYTES",
+    "check_block",
+    "check_trailer",
+    "seal_and_digest",
+    "seal_block",
+    "value_nbytes",
+)
 
 _TRAILER: Final = struct.Struct("<4sHHQ16sQ8x")
 TRAILER_NBYTES: Final = _TRAILER.size
@@ -46,6 +54,20 @@ def seal_block(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: b
     value[payload_nbytes : payload_nbytes + TRAILER_NBYTES] = np.frombuffer(trailer, np.uint8)
 
 
+def seal_and_digest(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: bool) -> int:
+    """:func:`seal_block`, and return the XXH3-64 of the whole sealed value (payload and
+    trailer) — computed in the same pass over the payload as the trailer's checksum, for a
+    store that keeps a checksum of each value (:attr:`kvpipe.backends.PutBatch.checksums`).
+    """
+    h = xxhash.xxh3_64(value[:payload_nbytes].data)
+    digest = h.intdigest() if checksum else 0
+    flags = FLAG_CHECKSUM if checksum else 0
+    trailer = _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, key_digest, digest)
+    value[payload_nbytes : payload_nbytes + TRAILER_NBYTES] = np.frombuffer(trailer, np.uint8)
+    h.update(trailer)
+    return h.intdigest()
+
+
 def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bool) -> str | None:
     """Check a fetched value; ``None`` when it is sound, else why it is not.
 
@@ -58,7 +80,30 @@ def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bo
     if len(value) < payload_nbytes + TRAILER_NBYTES:
         return "value shorter than a block"
     raw = value[payload_nbytes : payload_nbytes + TRAILER_NBYTES].tobytes()
-    magic, version, flags, length, kdigest, digest = _TRAILER.unpack(raw)
+    return check_trailer(
+        raw,
+        payload_nbytes,
+        key_digest,
+        (lambda: xxhash.xxh3_64_intdigest(value[:payload_nbytes].data)) if verify else None,
+    )
+
+
+def check_trailer(
+    trailer: bytes,
+    payload_nbytes: int,
+    key_digest: bytes,
+    payload_digest: Callable[[], int] | None,
+) -> str | None:
+    """Check a value's trailer; ``None`` when it is sound, else why it is not.
+
+    Args:
+        trailer: The ``TRAILER_NBYTES`` bytes after the payload.
+        payload_nbytes: The payload size the layout expects.
+        key_digest: Digest of the key it was fetched under.
+        payload_digest: The XXH3-64 of the payload as read (called only when the writer
+            recorded a checksum); ``None``: the checksum is not verified.
+    """
+    magic, version, flags, length, kdigest, digest = _TRAILER.unpack(trailer)
     if magic != MAGIC:
         return "bad magic"
     if version != VERSION:
@@ -67,7 +112,6 @@ def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bo
         return f"payload length {length}, expected {payload_nbytes}"
     if kdigest != key_digest:
         return "value belongs to another key"
-    if verify and flags & FLAG_CHECKSUM:
-        if xxhash.xxh3_64_intdigest(value[:payload_nbytes].data) != digest:
-            return "checksum mismatch"
+    if payload_digest is not None and flags & FLAG_CHECKSUM and payload_digest() != digest:
+        return "checksum mismatch"
     return None

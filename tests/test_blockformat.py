@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvpipe._blockformat import TRAILER_NBYTES, check_block, seal_block, value_nbytes
+from kvpipe._blockformat import (
+    TRAILER_NBYTES,
+    check_block,
+    seal_and_digest,
+    seal_block,
+    value_nbytes,
+)
 from kvpipe._keys import key_digest
 
 PAYLOAD = 100
@@ -117,3 +123,13 @@ def test_empty_payload() -> None:
     value = np.zeros(48, dtype=np.uint8)
     seal_block(value, 0, DIGEST, True)
     assert check_block(value, 0, DIGEST, True) is None
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_seal_and_digest_seals_as_seal_block_and_digests_the_whole_value(checksum: bool) -> None:
+    value = np.zeros(value_nbytes(PAYLOAD), dtype=np.uint8)
+    value[:PAYLOAD] = np.arange(PAYLOAD, dtype=np.uint8) * 7
+    digest = seal_and_digest(value, PAYLOAD, DIGEST, checksum)
+    assert np.array_equal(value, _sealed(checksum))
+    assert digest == xxhash.xxh3_64_intdigest(value.data)
+    assert check_block(value, PAYLOAD, DIGEST, True) is None

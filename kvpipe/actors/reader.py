@@ -16,11 +16,12 @@ import logging
 import anyio
 
 from .._errors import BackendError
-from .._hostcopy import scatter, scatter_values, verify_values
+from .._hostcopy import gather, scatter, scatter_values, verify_values
 from .._plan import copy_plan, leading_run
 from .._results import ReadStopReason
 from ..backends._base import BlockStatus, GetBatch
 from ._base import Actor, SliceJob, backend_call, check_statuses
+from ._rowsink import RowSink
 from ._state import ReadState, RequestState, describe_error
 
 __all__ = ("Reader",)
@@ -69,52 +70,22 @@ class Reader(Actor[SliceJob]):
         started = anyio.current_time()
         deadline = min(started + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, GetBatch)
-        statuses: list[BlockStatus] | None = None
-        # The error's description, not the error: a local holding the exception would hold
-        # this frame (and the job's staging) in a cycle through its traceback.
-        error: str | None = None
-        with state.bound(deadline, ("get", spec.index), spec.first_block):
-            try:
-                raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
-                statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
-            except BackendError as exc:
-                error = describe_error(exc)
-        elapsed = anyio.current_time() - started
-        if statuses is not None:
-            job.lent = batch.lent() or None
-        if state.stopped_before(first):
+        # Host caches: the claim on the cache is taken before the fetch and held until what
+        # was fetched is in place — a store that takes the batch's sink (the file store)
+        # places each value in its own thread while the fetch runs.
+        claimed = ctx.engine.name == "host" and state.scatter_begin()
+        if ctx.engine.name == "host" and not claimed:  # the read has ended
             state.resolve(spec.index, 0)
             return []
-        everything = list(range(first, spec.end_block))
-        if statuses is None:
-            reason: ReadStopReason
-            if error is not None:
-                reason, detail = "backend_error", error
-            else:
-                reason = "total_timeout" if deadline >= state.deadline else "slice_timeout"
-                detail = f"slice {spec.index} ran out of time"
-            ctx.metrics.slices[f"read_{reason}"] += 1
-            ctx.observe("read_slice", elapsed, reason)
-            self._debug(state, job, reason, 0, elapsed, detail)
-            state.stop_at(first, reason, everything, detail)
-            state.resolve(spec.index, 0)
-            return []
-        fetched = leading_run(s is BlockStatus.OK for s in statuses)
-        scattered = 0
-        if fetched and ctx.engine.name == "host" and state.scatter_begin():
-            # Host caches: verify and scatter the leading sound blocks in one worker-thread
-            # call (no hop to the swapper, the bytes still warm from the checksum).
-            try:
-                checks = await self._verify_and_scatter(job, fetched)
-                scattered = leading_run(c is None for c in checks)
-                if scattered == spec.count:
-                    ctx.metrics.counters["blocks_read"] += scattered
-                    ctx.metrics.counters["bytes_read"] += scattered * ctx.payload_nbytes
-                    state.resolve(spec.index, scattered)
-            finally:
+        try:
+            got = await self._get_and_place(job, batch, deadline, claimed)
+        finally:
+            if claimed:
                 state.scatter_end()
-        else:
-            checks = await self._verify(job, 0, fetched)
+        if got is None:
+            return []
+        statuses, checks, scattered, elapsed, elsewhere = got
+        fetched = len(checks)
         confirmed: set[int] = set()
         bad = leading_run(c is None for c in checks)
         if bad < fetched:
@@ -153,12 +124,98 @@ class Reader(Actor[SliceJob]):
         ctx.metrics.slices[f"read_{outcome}"] += 1
         ctx.observe("read_slice", elapsed, outcome)
         self._debug(state, job, outcome, valid, elapsed, None)
+        if elsewhere and 0 < valid < spec.count:
+            # Some values were placed from the store's buffers, not staging, and the swapper
+            # scatters the leading sound run from staging: put them there.
+            await self._stage_back(job, min(valid, scattered))
         # Fully loaded already: nothing for the swapper. Otherwise it scatters the leading
-        # sound run (again, for blocks the fused call put in the cache before a failure).
+        # sound run (again, for blocks already put in the cache before a failure).
         job.valid = 0 if scattered == spec.count else valid
         if job.valid == 0:
             state.resolve(spec.index, 0)  # a no-op when already resolved
         return corrupt
+
+    async def _stage_back(self, job: SliceJob, count: int) -> None:
+        """Copy the first ``count`` blocks of a slice from the cache (where they were placed)
+        into their staging slots."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        first = spec.first_block
+        blocks = state.block_ids[first : first + count]
+        plan = copy_plan(ctx.segments, blocks, job.lease.slots[:count])
+        rows, staging = ctx.cache.byte_rows, job.lease.pool.buffer
+        with anyio.CancelScope(shield=True):
+            await ctx.run_copy(plan.nbytes, gather, plan, rows, staging, hold=job.lease)
+
+    async def _get_and_place(
+        self, job: SliceJob, batch: GetBatch, deadline: float, claimed: bool
+    ) -> tuple[list[BlockStatus], list[str | None], int, float, bool] | None:
+        """Fetch a slice and check its leading fetched blocks — with ``claimed`` (the caller
+        holds the claim on a host cache) also put the leading sound ones in the cache.
+        Returns ``(statuses, checks of the leading fetched blocks, blocks now in the cache,
+        seconds, whether staging lacks some fetched values)``, or ``None`` when the slice is
+        settled already (the read stopped before it, or the fetch failed)."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        assert isinstance(state, ReadState)
+        first = spec.first_block
+        started = anyio.current_time()
+        sink = RowSink(self.ctx, job) if claimed else None
+        batch.sink = sink
+        statuses: list[BlockStatus] | None = None
+        # The error's description, not the error: a local holding the exception would hold
+        # this frame (and the job's staging) in a cycle through its traceback.
+        error: str | None = None
+        try:
+            with state.bound(deadline, ("get", spec.index), spec.first_block):
+                try:
+                    raw = await backend_call(
+                        ctx.backend, "get_blocks", ctx.backend.get_blocks, batch
+                    )
+                    statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
+                except BackendError as exc:
+                    error = describe_error(exc)
+        finally:
+            # A store thread may still be placing a value (the fetch was cancelled): no
+            # value goes into the cache from now on, and the claim lasts until it is out.
+            if sink is not None and not sink.close():
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(sink.wait_idle)
+        elapsed = anyio.current_time() - started
+        if statuses is not None:
+            job.lent = batch.lent() or None
+        if state.stopped_before(first):
+            state.resolve(spec.index, 0)
+            return None
+        if statuses is None:
+            reason: ReadStopReason
+            if error is not None:
+                reason, detail = "backend_error", error
+            else:
+                reason = "total_timeout" if deadline >= state.deadline else "slice_timeout"
+                detail = f"slice {spec.index} ran out of time"
+            ctx.metrics.slices[f"read_{reason}"] += 1
+            ctx.observe("read_slice", elapsed, reason)
+            self._debug(state, job, reason, 0, elapsed, detail)
+            everything = list(range(first, spec.end_block))
+            state.stop_at(first, reason, everything, detail)
+            state.resolve(spec.index, 0)
+            return None
+        fetched = leading_run(s is BlockStatus.OK for s in statuses)
+        scattered = 0
+        if fetched and sink is not None:
+            if sink.covers(0):  # no value handed over: verify and scatter in one call
+                checks = await self._verify_and_scatter(job, fetched)
+                scattered = leading_run(c is None for c in checks)
+            else:  # those the store's threads did not check and place: in one call
+                await self._place_unseen(job, sink, fetched)
+                checks = sink.checks[:fetched]
+                scattered = leading_run(sink.placed[:fetched])
+            if scattered == spec.count:
+                ctx.metrics.counters["blocks_read"] += scattered
+                ctx.metrics.counters["bytes_read"] += scattered * ctx.payload_nbytes
+                state.resolve(spec.index, scattered)
+        else:
+            checks = await self._verify(job, 0, fetched)
+        return statuses, checks, scattered, elapsed, sink is not None and sink.elsewhere
 
     @staticmethod
     def _debug(
@@ -226,6 +283,36 @@ class Reader(Actor[SliceJob]):
         with anyio.CancelScope(shield=True):
             checks = await ctx.run_copy(fetched * payload, work, hold=job.lease)
         return checks
+
+    async def _place_unseen(self, job: SliceJob, sink: RowSink, fetched: int) -> None:
+        """Check the leading ``fetched`` blocks the store did not hand to ``sink`` (they are
+        in staging, or lent) and copy the sound ones into the cache, in one worker-thread
+        call, shielded (the scatter is claimed by the caller); their verdicts go into
+        ``sink``."""
+        ctx, spec, state = self.ctx, job.spec, job.state
+        unseen = [i for i in range(fetched) if not sink.seen[i]]
+        if not unseen:
+            return
+        first = spec.first_block
+        sources = [job.sources(i, i + 1)[0] for i in unseen]
+        digests = ctx.digests_of(state, spec)
+        blocks = [int(state.block_ids[first + i]) for i in unseen]
+        payload, check_sums = ctx.payload_nbytes, ctx.config.verify_checksums
+        segments, rows = ctx.segments, ctx.cache.byte_rows
+
+        def work() -> list[str | None]:
+            checks = verify_values(sources, payload, [digests[i] for i in unseen], check_sums)
+            sound = [j for j, c in enumerate(checks) if c is None]
+            if sound:
+                scatter_values(
+                    segments, [sources[j] for j in sound], [blocks[j] for j in sound], rows
+                )
+            return checks
+
+        with anyio.CancelScope(shield=True):
+            checks = await ctx.run_copy(len(unseen) * payload, work, hold=job.lease)
+        for i, check in zip(unseen, checks, strict=True):
+            sink.checks[i], sink.seen[i], sink.placed[i] = check, True, check is None
 
     async def _refetch(
         self, job: SliceJob, lo: int, hi: int, deadline: float

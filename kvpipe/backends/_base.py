@@ -24,6 +24,7 @@ from .._workers import Lane, ThreadRunner
 
 __all__ = (
     "BlockStatus",
+    "FetchSink",
     "GetBatch",
     "KeyBatch",
     "PutBatch",
@@ -179,18 +180,23 @@ class PutBatch(_StagedBatch):
             :attr:`StorageBackend.keeps_values`): the backend may keep :attr:`values`
             themselves instead of copying them. Otherwise the values are views of staging
             that is reused after the call, and must be copied.
+        checksums: The XXH3-64 of each whole value, where kvpipe computed it while sealing
+            the value (in the same pass as the trailer's checksum); a store that keeps such
+            a checksum may take it rather than hash the value again. ``None``: not given.
     """
 
-    __slots__ = ("may_keep",)
+    __slots__ = ("checksums", "may_keep")
 
     def __init__(self, *args: Any, may_keep: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.may_keep = may_keep
+        self.checksums: list[int] | None = None
 
     def sub_batch(self, start: int, stop: int) -> PutBatch:
         """The blocks ``[start, stop)`` of this batch as a batch of their own, over the same
         staging (no copy): its keys, values, first block, parent key and token prefix are
-        those of that run of blocks, and it has this batch's :attr:`may_keep`.
+        those of that run of blocks, and it has this batch's :attr:`may_keep` (and its
+        :attr:`checksums` of those blocks).
 
         For a caller that stores only some runs of a batch (a wrapper, a fault injector).
         Calling the returned batch's :meth:`hold` keeps the whole lease.
@@ -200,7 +206,7 @@ class PutBatch(_StagedBatch):
         """
         if not 0 <= start < stop <= len(self.keys):
             raise ValueError(f"blocks [{start}, {stop}) are not a run of a {len(self)}-block batch")
-        return PutBatch(
+        sub = PutBatch(
             self.scope,
             self.request_id,
             self.keys[start:stop],
@@ -214,6 +220,9 @@ class PutBatch(_StagedBatch):
             offset=self._offset + start,
             may_keep=self.may_keep,
         )
+        if self.checksums is not None:
+            sub.checksums = self.checksums[start:stop]
+        return sub
 
     @property
     def values(self) -> list[memoryview]:
@@ -245,6 +254,41 @@ def _prefix_through(batch: KeyBatch, stop: int) -> Tokens:
     return batch.token_prefix[: (batch.first_block + stop) * block_size]
 
 
+class FetchSink(abc.ABC):
+    """What kvpipe offers a store that checks each value against a checksum of its own (a
+    :class:`GetBatch`'s :attr:`~GetBatch.sink`): finish the value in the store's worker
+    thread, right after it was read.
+
+    Instead of hashing a value itself, such a store calls :meth:`fetched` with the XXH3-64 it
+    recorded for the whole value: kvpipe hashes the bytes once, for the store's check and its
+    own trailer's, and copies a sound value into the cache in the same call (no second pass
+    over the bytes, no hop to another thread). The value may lie in a small buffer the store
+    reuses (one per thread): its bytes are then still in the processor's cache when kvpipe
+    hashes and copies them, and never pass through staging. A store that ignores the sink
+    loses nothing: kvpipe checks and copies every value it was not told about afterwards.
+    """
+
+    #: Where a buffer holding a value best starts, past a 4096-byte boundary (the offset of
+    #: the memory the value is copied into: copies between buffers at the same offset from a
+    #: page run fastest). For a store choosing its own buffers to pass as ``value``.
+    offset: int = 0
+
+    @abc.abstractmethod
+    def fetched(self, index: int, checksum: int, value: memoryview | None = None) -> bool:
+        """Value ``index`` is in ``buffers[index]`` — or in ``value``, a buffer of the
+        store's own, only until this returns (``buffers[index]`` is then left as it was):
+        check that its ``value_nbytes`` bytes hash (XXH3-64) to ``checksum`` and, when they
+        do, verify and place it.
+
+        Thread-safe; blocks (it hashes and copies megabytes): call it from the store's worker
+        thread, before the call that fetches the batch returns.
+
+        Returns:
+            Whether the bytes hash to ``checksum``. ``False``: the value is not what the
+            store wrote; report it ``CORRUPT``.
+        """
+
+
 class GetBatch(_StagedBatch):
     """Blocks to fetch: write each value into :attr:`buffers` (``value_nbytes`` each) — or,
     where :attr:`may_lend` allows, :meth:`lend` it.
@@ -252,13 +296,17 @@ class GetBatch(_StagedBatch):
     Attributes:
         may_lend: kvpipe takes a stored value by :meth:`lend` instead of a copy into
             :attr:`buffers` (it verifies and copies from it where it lies).
+        sink: Where a store that keeps a checksum of each value may hand it over to be
+            checked and placed in its own thread (:class:`FetchSink`); ``None`` (as built):
+            not offered. kvpipe sets it on the batches it builds for a host cache.
     """
 
-    __slots__ = ("_lent", "may_lend")
+    __slots__ = ("_lent", "may_lend", "sink")
 
     def __init__(self, *args: Any, may_lend: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.may_lend = may_lend
+        self.sink: FetchSink | None = None
         self._lent: dict[int, memoryview] = {}
 
     @property

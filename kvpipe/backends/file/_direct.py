@@ -53,10 +53,12 @@ class Pages:
 
 
 class Scratch(threading.local):
-    """Per-thread page-aligned scratch: :class:`Pages` for as many files as a batch needs."""
+    """Per-thread page-aligned scratch: :class:`Pages` for as many files as a batch needs,
+    and a bounce buffer for one value."""
 
     def __init__(self) -> None:
         self._pages: list[Pages] = []
+        self._bounce: dict[int, memoryview] = {}
         self._grow(1)
 
     def _grow(self, n: int) -> None:
@@ -70,6 +72,16 @@ class Scratch(threading.local):
             )
             for i in range(n)
         ]
+
+    def bounce(self, nbytes: int, offset: int = 0) -> memoryview:
+        """A buffer of ``nbytes`` that starts ``offset`` bytes past a page boundary (this
+        thread's one per offset, the same until a larger one is asked for; valid until
+        then)."""
+        have = self._bounce.get(offset)
+        if have is None or len(have) < nbytes:
+            mem = mmap.mmap(-1, -(-(nbytes + offset) // PAGE) * PAGE)
+            have = self._bounce[offset] = memoryview(mem)[offset : offset + nbytes]
+        return have[:nbytes]
 
     def pages(self, n: int) -> list[Pages]:
         """Scratch for ``n`` files (valid until the next call from this thread)."""

@@ -10,7 +10,8 @@
  * `direct`, a file the page cache holds (cachestat says so) is read from it (preadv2 with
  * RWF_NOWAIT, which stops where a page has gone since) and anything else, or the rest, with
  * O_DIRECT: a block hit again while cached costs a memory copy, one that is not a read from
- * the device that does not go through (nor fill) the cache.
+ * the device that does not go through (nor fill) the cache. read_cached_files() reads only
+ * files the page cache holds whole and never waits for the device to read file data.
  * write_files() publishes a batch of files atomically the same way the Python path does
  * (temporary file, fdatasync, rename, directory fsync per durability). Everything else
  * (which files, headers, checksums, what the bytes mean) stays in Python.
@@ -34,6 +35,8 @@
 
 /* Result for something other than a regular file at a block's name. */
 #define NOT_REGULAR (-1000000)
+/* Result of a cached-only read for a file the page cache does not hold whole. */
+#define NOT_CACHED (-1000001)
 #define MAX_VIEWS 16
 
 static int open_confined(int dir_fd, const char *path, int flags) {
@@ -200,6 +203,36 @@ static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, i
     return got;
 }
 
+/* One file, only if the page cache holds all of it (read_cached_files): bytes read
+ * (>= 0), NOT_CACHED (the views may hold part of it), NOT_REGULAR, or -errno. Never waits for
+ * the device to read file data. */
+static long read_one_cached(int dir_fd, const char *path, struct iovec *iov, int cnt) {
+    int fd = open_confined(dir_fd, path, O_RDONLY | O_NONBLOCK);
+    if (fd < 0) {
+        return -errno;
+    }
+    struct stat st;
+    long got;
+    int complete = 0;
+    if (fstat(fd, &st) != 0) {
+        got = -errno;
+    } else if (!S_ISREG(st.st_mode)) {
+        got = NOT_REGULAR;
+    } else if (!all_cached(fd, (long)st.st_size)) {
+        got = NOT_CACHED;
+    } else {
+        got = read_cached(fd, iov, cnt, (long)st.st_size, &complete);
+        if (got >= 0 && !complete) {
+            got = NOT_CACHED;
+        }
+    }
+    if (got < 0 && got != NOT_REGULAR && got != NOT_CACHED) {
+        got = not_regular_or(fd, got);
+    }
+    close(fd);
+    return got;
+}
+
 /* Take the buffers of sequence `item` (at most MAX_VIEWS) into bufs[*nbufs...] and `iov`;
  * their number into *count. -1 with an exception set on error (what was taken stays counted
  * in *nbufs, for the caller to release). */
@@ -264,13 +297,15 @@ PyDoc_STRVAR(read_files_doc,
 "does not hold with O_DIRECT (every buffer's address and length must then be whole pages;\n"
 "-EINVAL: the file system refused). The GIL is released throughout.");
 
-static PyObject *read_files(PyObject *self, PyObject *args) {
-    (void)self;
-    int dir_fd, direct;
-    PyObject *paths_obj, *views_obj;
-    if (!PyArg_ParseTuple(args, "iOOp", &dir_fd, &paths_obj, &views_obj, &direct)) {
-        return NULL;
-    }
+PyDoc_STRVAR(read_cached_files_doc,
+"read_cached_files(dir_fd, paths, views) -> list[int]\n\n"
+"As read_files, but a file only if the page cache holds all of it, never waiting for the\n"
+"device to read file data: NOT_CACHED where it does not (its views may then hold part of\n"
+"it). The GIL is released throughout.");
+
+/* read_files and read_cached_files (cached_only), their arguments parsed. */
+static PyObject *read_many(int dir_fd, PyObject *paths_obj, PyObject *views_obj, int direct,
+                           int cached_only) {
     PyObject *paths = PySequence_Fast(paths_obj, "paths must be a sequence");
     if (paths == NULL) {
         return NULL;
@@ -313,7 +348,8 @@ static PyObject *read_files(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        got[i] = read_one(dir_fd, cpaths[i], iov + i * MAX_VIEWS, counts[i], direct);
+        got[i] = cached_only ? read_one_cached(dir_fd, cpaths[i], iov + i * MAX_VIEWS, counts[i])
+                             : read_one(dir_fd, cpaths[i], iov + i * MAX_VIEWS, counts[i], direct);
     }
     Py_END_ALLOW_THREADS
     result = int_list(got, n);
@@ -525,9 +561,30 @@ done:
     return result;
 }
 
+static PyObject *read_files(PyObject *self, PyObject *args) {
+    (void)self;
+    int dir_fd, direct;
+    PyObject *paths_obj, *views_obj;
+    if (!PyArg_ParseTuple(args, "iOOp", &dir_fd, &paths_obj, &views_obj, &direct)) {
+        return NULL;
+    }
+    return read_many(dir_fd, paths_obj, views_obj, direct, 0);
+}
+
+static PyObject *read_cached_files(PyObject *self, PyObject *args) {
+    (void)self;
+    int dir_fd;
+    PyObject *paths_obj, *views_obj;
+    if (!PyArg_ParseTuple(args, "iOO", &dir_fd, &paths_obj, &views_obj)) {
+        return NULL;
+    }
+    return read_many(dir_fd, paths_obj, views_obj, 0, 1);
+}
+
 static PyMethodDef methods[] = {
     {"write_files", write_files, METH_VARARGS, write_files_doc},
     {"read_files", read_files, METH_VARARGS, read_files_doc},
+    {"read_cached_files", read_cached_files, METH_VARARGS, read_cached_files_doc},
     {"regular_files", regular_files, METH_VARARGS, regular_files_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -545,6 +602,7 @@ PyMODINIT_FUNC PyInit__fileio(void) {
     }
     if (PyModule_AddIntConstant(m, "NOT_REGULAR", NOT_REGULAR) < 0 ||
         PyModule_AddIntConstant(m, "MAX_VIEWS", MAX_VIEWS) < 0 ||
+        PyModule_AddIntConstant(m, "NOT_CACHED", NOT_CACHED) < 0 ||
         PyModule_AddIntConstant(m, "ABANDONED", ABANDONED) < 0) {
         Py_DECREF(m);
         return NULL;

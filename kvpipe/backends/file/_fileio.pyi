@@ -1,11 +1,15 @@
 from collections.abc import Sequence
 
 NOT_REGULAR: int
+NOT_CACHED: int
 MAX_VIEWS: int
 ABANDONED: int
 
 def read_files(
     dir_fd: int, paths: Sequence[bytes], views: Sequence[Sequence[memoryview]], direct: bool, /
+) -> list[int]: ...
+def read_cached_files(
+    dir_fd: int, paths: Sequence[bytes], views: Sequence[Sequence[memoryview]], /
 ) -> list[int]: ...
 def regular_files(dir_fd: int, paths: Sequence[bytes], stop_at_missing: bool, /) -> list[bool]: ...
 def write_files(

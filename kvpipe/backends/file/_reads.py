@@ -24,13 +24,19 @@ from ._format import HeaderError, block_location, unpack_header
 from ._fs import DirectIORefused, NotARegularFile, Root
 
 __all__ = (
+    "PayloadCheck",
     "ReadHooks",
     "check_file",
     "native_available",
     "read_batch",
+    "read_cached",
     "read_one",
     "regular_files",
 )
+
+
+#: Whether a payload hashes to the checksum given (the header's); see :func:`check_file`.
+PayloadCheck = Callable[[int], bool]
 
 
 def native_available() -> bool:
@@ -57,9 +63,16 @@ class ReadHooks:
 
 
 def read_one(
-    hooks: ReadHooks, root: Root, key: str, buf: memoryview, fingerprint: str, scratch: Scratch
+    hooks: ReadHooks,
+    root: Root,
+    key: str,
+    buf: memoryview,
+    fingerprint: str,
+    scratch: Scratch,
+    payload_ok: PayloadCheck | None = None,
 ) -> BlockStatus:
-    """Read and check one block file through ``os`` calls."""
+    """Read and check one block file through ``os`` calls (``payload_ok``: see
+    :func:`check_file`)."""
     parts, name = block_location(key)
     pages = scratch.pages(1)[0]
     direct = hooks.direct() and is_aligned(buf)
@@ -78,7 +91,7 @@ def read_one(
         return BlockStatus.FAILED
     if got is None:
         return BlockStatus.MISSING
-    return _judge(hooks, root, key, buf, pages, direct, got, fingerprint)
+    return _judge(hooks, root, key, buf, pages, direct, got, fingerprint, payload_ok)
 
 
 def read_batch(
@@ -88,9 +101,12 @@ def read_batch(
     bufs: Sequence[memoryview],
     fingerprint: str,
     scratch: Scratch,
+    payload_oks: Sequence[PayloadCheck | None] | None = None,
 ) -> list[BlockStatus]:
     """Read and check a batch of block files in one native call (see the module docstring);
-    a file the native reader could not handle its way is read again by :func:`read_one`."""
+    a file the native reader could not handle its way is read again by :func:`read_one`.
+    ``payload_oks``: each file's payload check, as :func:`check_file` takes it."""
+    oks = list(payload_oks) if payload_oks is not None else [None] * len(keys)
     fileio = _native.fileio
     assert fileio is not None
     pages = scratch.pages(len(keys))
@@ -98,15 +114,15 @@ def read_batch(
     flags = [direct and is_aligned(b) for b in bufs]
     if any(f != direct for f in flags):  # one mode per call: mixed batches go one by one
         return [
-            read_one(hooks, root, k, b, fingerprint, scratch)
-            for k, b in zip(keys, bufs, strict=True)
+            read_one(hooks, root, k, b, fingerprint, scratch, ok)
+            for k, b, ok in zip(keys, bufs, oks, strict=True)
         ]
     views = [read_views(b, p, direct) for b, p in zip(bufs, pages, strict=True)]
     results = fileio.read_files(root.fd, _native.block_paths(keys), views, direct)
     statuses: list[BlockStatus] = []
-    for key, buf, page, got in zip(keys, bufs, pages, results, strict=True):
+    for key, buf, page, got, ok in zip(keys, bufs, pages, results, oks, strict=True):
         if got >= 0:
-            statuses.append(_judge(hooks, root, key, buf, page, direct, got, fingerprint))
+            statuses.append(_judge(hooks, root, key, buf, page, direct, got, fingerprint, ok))
         elif got == fileio.NOT_REGULAR:
             statuses.append(_quarantine(hooks, root, key, "not a regular file"))
         elif got == -errno.ENOENT:
@@ -114,12 +130,38 @@ def read_batch(
         elif got in (-errno.EINVAL, -errno.ENOSYS, -errno.EPERM):
             # EINVAL: direct I/O refused (read_one turns it off); ENOSYS/EPERM: no openat2
             # here (read_one walks the path instead).
-            statuses.append(read_one(hooks, root, key, buf, fingerprint, scratch))
+            statuses.append(read_one(hooks, root, key, buf, fingerprint, scratch, ok))
         else:
             hooks.errors.append(f"{key}: {_native.errno_text(-got)}")
             hooks.count(io_errors=1)
             statuses.append(BlockStatus.FAILED)
     return statuses
+
+
+def read_cached(
+    hooks: ReadHooks,
+    root: Root,
+    key: str,
+    buf: memoryview,
+    fingerprint: str,
+    scratch: Scratch,
+    payload_ok: PayloadCheck | None = None,
+) -> BlockStatus | None:
+    """Read and check one block file in one native call if the page cache holds all of it
+    (``buf`` need not start on a page); ``None`` when it does not (``buf`` may then hold part
+    of it) or the call failed in a way :func:`read_batch` reports or works around."""
+    fileio = _native.fileio
+    assert fileio is not None
+    pages = scratch.pages(1)[0]
+    views = [pages.header, buf, pages.pad]
+    (got,) = fileio.read_cached_files(root.fd, _native.block_paths([key]), [views])
+    if got >= 0:
+        return _judge(hooks, root, key, buf, pages, False, got, fingerprint, payload_ok)
+    if got == fileio.NOT_REGULAR:
+        return _quarantine(hooks, root, key, "not a regular file")
+    if got == -errno.ENOENT:
+        return BlockStatus.MISSING
+    return None
 
 
 def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
@@ -140,10 +182,11 @@ def _judge(
     direct: bool,
     got: int,
     fingerprint: str,
+    payload_ok: PayloadCheck | None,
 ) -> BlockStatus:
     """The verdict on a block file read into ``buf`` (``got`` bytes in all)."""
     finish_read(buf, pages, direct)
-    why = check_file(key, bytes(pages.header), got, buf, fingerprint)
+    why = check_file(key, bytes(pages.header), got, buf, fingerprint, payload_ok)
     if why is None:
         return BlockStatus.OK
     return _quarantine(hooks, root, key, why)
@@ -156,9 +199,20 @@ def _quarantine(hooks: ReadHooks, root: Root, key: str, why: str) -> BlockStatus
     return BlockStatus.CORRUPT
 
 
-def check_file(key: str, raw: bytes, got: int, buf: memoryview, fingerprint: str) -> str | None:
+def check_file(
+    key: str,
+    raw: bytes,
+    got: int,
+    buf: memoryview,
+    fingerprint: str,
+    payload_ok: PayloadCheck | None = None,
+) -> str | None:
     """Why a block file read as ``raw`` (its header) and ``buf`` (its payload), ``got`` bytes
-    in all, cannot be trusted; ``None`` when it can."""
+    in all, cannot be trusted; ``None`` when it can.
+
+    ``payload_ok``: whether the payload hashes to the checksum it is given (the header's),
+    where the reader of the payload hashes it anyway (:class:`~.._base.FetchSink`); by
+    default the payload is hashed here. Called last, once everything else checked out."""
     if got < len(raw):
         return f"file of {got} B, shorter than a header"
     try:
@@ -174,6 +228,9 @@ def check_file(key: str, raw: bytes, got: int, buf: memoryview, fingerprint: str
     if got != header.file_nbytes:
         # shorter, or longer (it filled more than a valid file can: see Root.read_into)
         return f"{got} B read, its header says the file has {header.file_nbytes}"
-    if xxhash.xxh3_64_intdigest(buf) != header.checksum:
+    if payload_ok is not None:
+        if not payload_ok(header.checksum):
+            return "payload checksum mismatch"
+    elif xxhash.xxh3_64_intdigest(buf) != header.checksum:
         return "payload checksum mismatch"
     return None

@@ -71,10 +71,17 @@ class WriteHooks:
 
 
 def _chunks(
-    key: str, value: memoryview, fingerprint: str, direct: bool, pages: Pages
+    key: str,
+    value: memoryview,
+    fingerprint: str,
+    direct: bool,
+    pages: Pages,
+    checksum: int | None = None,
 ) -> Sequence[bytes | memoryview]:
-    """A block file's contents: its header, then the value (page-aligned for direct I/O)."""
-    checksum = xxhash.xxh3_64_intdigest(value)
+    """A block file's contents: its header, then the value (page-aligned for direct I/O).
+    ``checksum``: the value's XXH3-64 where the caller computed it already."""
+    if checksum is None:
+        checksum = xxhash.xxh3_64_intdigest(value)
     header = pack_header(key, len(value), checksum, time.time(), fingerprint, direct)
     return direct_chunks(header, value, pages) if direct else (header, value)
 
@@ -87,12 +94,13 @@ def write_one(
     fingerprint: str,
     direct: bool,
     scratch: Scratch,
+    checksum: int | None = None,
 ) -> BlockStatus:
-    """Publish one block file through ``os`` calls."""
+    """Publish one block file through ``os`` calls (``checksum``: see :func:`_chunks`)."""
     if hooks.abandoned.is_set():
         return BlockStatus.FAILED
     parts, name = block_location(key)
-    chunks = _chunks(key, value, fingerprint, direct, scratch.pages(1)[0])
+    chunks = _chunks(key, value, fingerprint, direct, scratch.pages(1)[0], checksum)
     try:
         if root.write_atomic(parts, name, chunks, hooks.durability, hooks.abandoned, direct):
             hooks.count(direct_writes=int(direct))
@@ -100,7 +108,7 @@ def write_one(
         return BlockStatus.FAILED
     except DirectIORefused as exc:
         hooks.refuse_direct(root, exc)
-        return write_one(hooks, root, key, value, fingerprint, False, scratch)
+        return write_one(hooks, root, key, value, fingerprint, False, scratch, checksum)
     except OSError as exc:
         return _failed(hooks, key, exc.errno or errno.EIO, str(exc))
 
@@ -113,10 +121,13 @@ def write_batch(
     fingerprint: str,
     direct: bool,
     scratch: Scratch,
+    checksums: Sequence[int | None] | None = None,
 ) -> list[BlockStatus]:
-    """Publish a batch of block files in one native call (see the module docstring)."""
+    """Publish a batch of block files in one native call (see the module docstring);
+    ``checksums``: each value's XXH3-64 where the caller computed it already."""
     fileio = _native.fileio
     assert fileio is not None
+    sums = list(checksums) if checksums is not None else [None] * len(keys)
     pages = scratch.pages(len(keys))
     where = [block_location(k) for k in keys]
     dirs = [os.path.join(*parts).encode() for parts, _ in where]
@@ -124,7 +135,8 @@ def write_batch(
     pid = os.getpid()
     temps = [temp_name(name, HOST, pid, secrets.token_hex(4)).encode() for _, name in where]
     chunks = [
-        _chunks(k, v, fingerprint, direct, p) for k, v, p in zip(keys, values, pages, strict=True)
+        _chunks(k, v, fingerprint, direct, p, c)
+        for k, v, p, c in zip(keys, values, pages, sums, strict=True)
     ]
     codes = fileio.write_files(
         root.fd,
@@ -137,7 +149,7 @@ def write_batch(
         hooks.abandoned.flag,
     )
     statuses: list[BlockStatus] = []
-    for key, value, code in zip(keys, values, codes, strict=True):
+    for key, value, code, checksum in zip(keys, values, codes, sums, strict=True):
         if code == 0:
             hooks.count(direct_writes=int(direct))
             statuses.append(BlockStatus.OK)
@@ -146,7 +158,9 @@ def write_batch(
         elif code == -errno.ENOENT or code == -errno.EINVAL:
             # ENOENT: the shard directory does not exist yet (write_one makes it); EINVAL:
             # direct I/O refused (write_one turns it off and writes through the page cache).
-            statuses.append(write_one(hooks, root, key, value, fingerprint, direct, scratch))
+            statuses.append(
+                write_one(hooks, root, key, value, fingerprint, direct, scratch, checksum)
+            )
         else:
             statuses.append(_failed(hooks, key, -code, _native.errno_text(-code)))
     return statuses

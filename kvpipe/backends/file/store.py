@@ -12,6 +12,7 @@ and the batch's staging stays leased until its threads return.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import os
@@ -26,18 +27,34 @@ import anyio
 
 from ..._errors import BackendError, ConfigError
 from ..._results import ResidencyEntry
-from .._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from .._base import (
+    BlockStatus,
+    FetchSink,
+    GetBatch,
+    KeyBatch,
+    PutBatch,
+    StorageBackend,
+    validate_key,
+)
 from .._inflight import InFlight
 from ._catalog import Catalog, CatalogFull
 from ._direct import Scratch, is_aligned, probe_direct
 from ._format import (
+    PAGE,
     block_location,
     file_nbytes,
     key_namespace,
 )
 from ._fs import Durability, Root, owner_token, store_root
 from ._inspect import recover
-from ._reads import ReadHooks, native_available, read_batch, read_one, regular_files
+from ._reads import (
+    ReadHooks,
+    native_available,
+    read_batch,
+    read_cached,
+    read_one,
+    regular_files,
+)
 from ._space import room, settle
 from ._writes import Abandon, WriteHooks, write_batch, write_one
 
@@ -237,6 +254,9 @@ class FileStore(StorageBackend):
         record them — runs in one worker-thread call, so its bookkeeping completes even when
         the caller stops waiting.
 
+        A value's checksum in its file's header is ``batch.checksums[i]`` where kvpipe gave
+        it (computed while sealing the value), else computed here.
+
         Cancellation: blocks not yet renamed into place when the call is cancelled are not
         published (their reservations are released); the staging stays leased until the
         worker threads return.
@@ -254,6 +274,7 @@ class FileStore(StorageBackend):
                 batch.parent_key,
                 batch.scope.fingerprint,
                 abandoned,
+                batch.checksums,
             )
         except anyio.get_cancelled_exc_class():
             abandoned.set()
@@ -268,6 +289,7 @@ class FileStore(StorageBackend):
         parent: str | None,
         fingerprint: str,
         abandoned: Abandon,
+        checksums: list[int] | None = None,
     ) -> list[BlockStatus]:
         if not keys:
             return []
@@ -294,7 +316,7 @@ class FileStore(StorageBackend):
         try:
             for i, status in zip(
                 admitted,
-                self._write(hooks, root, admitted, keys, values, fingerprint, direct),
+                self._write(hooks, root, admitted, keys, values, fingerprint, direct, checksums),
                 strict=True,
             ):
                 statuses[i] = status
@@ -326,21 +348,27 @@ class FileStore(StorageBackend):
         values: list[memoryview],
         fingerprint: str,
         direct: bool,
+        checksums: list[int] | None,
     ) -> list[BlockStatus]:
         """Publish the admitted blocks: ``threads`` shares, each in one native call on an
-        executor thread, or file by file through os calls."""
+        executor thread, or file by file through os calls. ``checksums``: each value's
+        XXH3-64, where the caller gave them (the header's, not computed again)."""
         scratch = self._scratch
+        sums: list[int | None] = [None] * len(keys)
+        if checksums is not None and len(checksums) == len(keys):
+            sums[:] = checksums
         if self._native:
 
             def share(part: list[int]) -> list[BlockStatus]:
                 vals = [values[i] for i in part]
                 ks = [keys[i] for i in part]
-                return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch)
+                cs = [sums[i] for i in part]
+                return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch, cs)
 
             return self._in_shares(share, admitted)
 
         def one(i: int) -> BlockStatus:
-            return write_one(hooks, root, keys[i], values[i], fingerprint, direct, scratch)
+            return write_one(hooks, root, keys[i], values[i], fingerprint, direct, scratch, sums[i])
 
         return list(self._pool().map(one, admitted))
 
@@ -374,6 +402,14 @@ class FileStore(StorageBackend):
         A file that fails any check (header, key, layout, size, checksum) — or anything that
         is not a regular file at a block's name — is reported ``CORRUPT`` and moved to
         ``quarantine/`` (or removed) so later lookups stop before it.
+
+        With ``batch.sink`` (a pipeline's host cache), each file is read into a buffer of the
+        reading thread's and handed to the sink, which computes the payload checksum (with
+        its own trailer's, in one pass) and copies a sound value into the cache; the batch's
+        buffers are then left as they were.
+
+        Cancellation: the worker threads run on and the batch's staging stays leased until
+        they return (a sink copies nothing once the read that offered it has ended).
         """
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
@@ -384,6 +420,7 @@ class FileStore(StorageBackend):
             keys,
             batch.buffers,
             batch.scope.fingerprint,
+            batch.sink,
         )
 
     def _get_sync(
@@ -393,11 +430,19 @@ class FileStore(StorageBackend):
         keys: list[str],
         buffers: list[memoryview],
         fingerprint: str,
+        sink: FetchSink | None,
     ) -> list[BlockStatus]:
         errors: list[str] = []
         hooks = ReadHooks(lambda: self._direct_reads, self._refuse_direct, self._count, errors)
         scratch = self._scratch
-        if self._native:  # ``threads`` shares, each read in one native call
+        if sink is not None:
+            statuses = self._in_shares(
+                lambda part: self._read_to_sink(
+                    hooks, root, keys, buffers, fingerprint, sink, part
+                ),
+                list(range(len(keys))),
+            )
+        elif self._native:  # ``threads`` shares, each read in one native call
 
             def share(part: list[int]) -> list[BlockStatus]:
                 bufs = [buffers[i] for i in part]
@@ -431,6 +476,41 @@ class FileStore(StorageBackend):
             catalog.touch(ok)
         self._count(blocks_read=len(ok))
         return statuses
+
+    def _read_to_sink(
+        self,
+        hooks: ReadHooks,
+        root: Root,
+        keys: list[str],
+        buffers: list[memoryview],
+        fingerprint: str,
+        sink: FetchSink,
+        part: list[int],
+    ) -> list[BlockStatus]:
+        """Read the block files ``part``. A file the page cache holds whole is read on its
+        own into a buffer this thread reuses, at the sink's offset from a page, and handed to
+        ``sink``, which computes the payload checksum (with its own, in one pass) and places
+        the value, in this thread: its bytes are still in the processor's cache then, and
+        copy fastest. The others are read together into their buffers and checked here, as
+        without a sink (``O_DIRECT`` for what is not cached): kvpipe checks and places them
+        afterwards, in its own threads, while these go on reading from the device."""
+        scratch = self._scratch
+        got: list[BlockStatus | None] = [None] * len(part)
+        if self._native:
+            for j, i in enumerate(part):
+                bounce = scratch.bounce(len(buffers[i]), sink.offset % PAGE)
+                ok = functools.partial(sink.fetched, i, value=bounce)
+                got[j] = read_cached(hooks, root, keys[i], bounce, fingerprint, scratch, ok)
+        rest = [i for i, status in zip(part, got, strict=True) if status is None]
+        if self._native:
+            bufs = [buffers[i] for i in rest]
+            statuses = read_batch(hooks, root, [keys[i] for i in rest], bufs, fingerprint, scratch)
+        else:
+            statuses = [
+                read_one(hooks, root, keys[i], buffers[i], fingerprint, scratch) for i in rest
+            ]
+        more = iter(statuses)
+        return [status if status is not None else next(more) for status in got]
 
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
         """Whether each block file exists, stopping at the first missing one."""

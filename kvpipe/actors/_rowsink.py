@@ -1,0 +1,106 @@
+"""The reader's :class:`~kvpipe.backends._base.FetchSink` for a host cache: each value a
+store hands over is hashed once, its trailer checked and, when sound, copied into the cache
+rows in the store's own thread, behind a gate the reader closes when the fetch ends."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import xxhash
+
+from .._blockformat import TRAILER_NBYTES, check_trailer
+from ..backends._base import FetchSink
+from ._base import ActorContext, SliceJob
+from ._state import ReadState
+
+__all__ = ("RowSink",)
+
+
+class RowSink(FetchSink):
+    """A host-cache read slice's :class:`FetchSink`: each value the store hands over is
+    hashed once (the store's checksum of the whole value and the trailer's of the payload,
+    in one pass), its trailer checked, and — when sound — copied into the cache rows, in the
+    store's thread. Nothing is copied after :meth:`close` (the read's claim on the cache ends
+    only once :meth:`wait_idle` has seen every copy out)."""
+
+    def __init__(self, ctx: ActorContext, job: SliceJob) -> None:
+        spec, state = job.spec, job.state
+        assert isinstance(state, ReadState)
+        n = spec.count
+        self._values = [job.lease.view(i) for i in range(n)]
+        self._digests = ctx.digests_of(state, spec)
+        self._blocks = state.block_ids[spec.first_block : spec.end_block]
+        self._rows = ctx.cache.byte_rows
+        self.offset = int(self._rows[0].ctypes.data) % 4096 if self._rows else 0
+        self._segments = ctx.segments
+        self._payload = ctx.payload_nbytes
+        self._verify = ctx.config.verify_checksums
+        self.checks: list[str | None] = [None] * n
+        self.seen = [False] * n
+        self.placed = [False] * n
+        self.elsewhere = False  # some value was placed from a buffer of the store's
+        self._lock = threading.Lock()
+        self._writers = 0
+        self._closed = False
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def fetched(self, index: int, checksum: int, value: memoryview | None = None) -> bool:
+        payload = self._payload
+        if value is None:
+            data = self._values[index]
+        else:  # the store's own buffer: staging will not hold this value
+            data = np.frombuffer(value, np.uint8)
+            self.elsewhere = True
+        h = xxhash.xxh3_64(data[:payload].data)
+        digest = h.intdigest()
+        h.update(data[payload:].data)
+        if h.intdigest() != checksum:
+            return False
+        why = check_trailer(
+            data[payload : payload + TRAILER_NBYTES].tobytes(),
+            payload,
+            self._digests[index],
+            (lambda: digest) if self._verify else None,
+        )
+        self.checks[index] = why
+        self.seen[index] = True
+        if why is None and self._enter():
+            try:
+                block = int(self._blocks[index])
+                for seg in self._segments:
+                    self._rows[seg.tensor][block] = data[seg.offset : seg.offset + seg.nbytes]
+                self.placed[index] = True
+            finally:
+                self._exit()
+        return True
+
+    def covers(self, count: int) -> bool:
+        """Whether the first ``count`` values were all handed over (``0``: whether none
+        was)."""
+        return all(self.seen[:count]) if count else not any(self.seen)
+
+    def _enter(self) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._writers += 1
+            self._idle.clear()
+            return True
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._writers -= 1
+            if self._writers == 0:
+                self._idle.set()
+
+    def close(self) -> bool:
+        """Copy nothing more into the cache; whether no copy is running now."""
+        with self._lock:
+            self._closed = True
+            return self._writers == 0
+
+    def wait_idle(self) -> None:
+        """Block until no copy is running (after :meth:`close`: none will again)."""
+        self._idle.wait()
