@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ._blockformat import check_block, seal_block
+from ._blockformat import check_block, seal_and_digest, seal_block
 from ._plan import CopyPlan, CopySegment
 
 __all__ = (
@@ -50,10 +50,18 @@ def seal_slots(
     payload_nbytes: int,
     digests: Sequence[bytes],
     checksum: bool,
-) -> None:
-    """Write the trailer of every slot (its payload already gathered)."""
-    for slot, digest in zip(slots, digests, strict=True):
-        seal_block(staging[slot], payload_nbytes, digest, checksum)
+) -> list[int] | None:
+    """Write the trailer of every slot (its payload already gathered). With ``checksum``,
+    also return each whole value's XXH3-64, from the same pass over the payload (for a store
+    that keeps one per value: ``PutBatch.checksums``); else ``None``."""
+    if not checksum:
+        for slot, digest in zip(slots, digests, strict=True):
+            seal_block(staging[slot], payload_nbytes, digest, False)
+        return None
+    return [
+        seal_and_digest(staging[slot], payload_nbytes, digest, True)
+        for slot, digest in zip(slots, digests, strict=True)
+    ]
 
 
 def verify_slots(

@@ -81,6 +81,8 @@ class SliceJob:
             ``lease`` are then only counted, never touched.
         lent: Read path: values the store lent instead of copying them into staging, by
             block index within the slice.
+        checksums: Write path: each sealed value's XXH3-64, computed while sealing, for the
+            put batch (a store that keeps one per value need not hash the bytes again).
     """
 
     state: WriteState | ReadState
@@ -89,6 +91,7 @@ class SliceJob:
     valid: int = 0
     data: StagingLease | None = None
     lent: dict[int, memoryview] | None = None
+    checksums: list[int] | None = None
 
     @property
     def staging(self) -> StagingLease:
@@ -180,7 +183,9 @@ class ActorContext:
             plan = copy_plan(self.segments, blocks, staging.slots)
 
             def seal() -> None:
-                seal_slots(staging.pool.buffer, staging.slots, payload, digests, checksum)
+                job.checksums = seal_slots(
+                    staging.pool.buffer, staging.slots, payload, digests, checksum
+                )
 
             async def on_host(fn: Callable[[], None]) -> None:
                 await self.run_copy(plan.nbytes if checksum else 0, fn, hold=staging)

@@ -69,6 +69,7 @@ class Writer(Actor[SliceJob]):
         started = anyio.current_time()
         deadline = min(started + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, PutBatch)
+        batch.checksums = job.checksums  # from the seal: the store need not hash again
         statuses: list[BlockStatus] | None = None
         # The error's description, not the error: a local holding the exception would hold
         # this frame (and the job's staging) in a cycle through its traceback.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import numpy as np
+import xxhash
 
 import kvpipe
 from kvpipe._blockformat import check_block
@@ -107,3 +108,40 @@ async def test_a_host_cache_s_slices_are_gathered_and_sealed_by_the_writer() -> 
             assert check_block(value, h.ctx.payload_nbytes, digest, True) is None
         lease.release()
         assert h.ctx.pool.in_use == 0
+
+
+class _Recording(kvpipe.MemoryStore):
+    """Copies values (keeps none), recording the checksums each put came with."""
+
+    keeps_values = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.given: list[list[int] | None] = []
+        self.hashed: list[list[int]] = []
+
+    async def put_blocks(self, batch):  # type: ignore[no-untyped-def]
+        self.given.append(batch.checksums)
+        self.hashed.append([xxhash.xxh3_64_intdigest(v) for v in batch.values])
+        return await super().put_blocks(batch)
+
+
+async def test_a_put_carries_each_value_s_checksum_from_the_seal() -> None:
+    store = _Recording()
+    async with harness(store, slice_blocks=4) as h:
+        state = h.write_state(TOKENS, np.arange(12))
+        for job in await _gathered_jobs(h, state):
+            await Writer(h.ctx, h.inboxes["writer"]).handle(job)
+        assert state.result is not None and state.result.written == 12
+    assert len(store.given) == 3
+    assert store.given == store.hashed  # the whole value's XXH3-64: the store need not hash
+
+
+async def test_without_checksums_a_put_carries_none() -> None:
+    store = _Recording()
+    config = kvpipe.PipelineConfig(slice_block_num=4, verify_checksums=False)
+    async with harness(store, config=config) as h:
+        state = h.write_state(TOKENS, np.arange(12))
+        for job in await _gathered_jobs(h, state):
+            await Writer(h.ctx, h.inboxes["writer"]).handle(job)
+    assert store.given == [None, None, None]
