@@ -158,7 +158,7 @@ class Reader(Actor[SliceJob]):
         assert isinstance(state, ReadState)
         first = spec.first_block
         started = anyio.current_time()
-        sink = RowSink(self.ctx, job) if claimed else None
+        sink = RowSink(self.ctx, job) if claimed and ctx.backend.uses_sink else None
         batch.sink = sink
         statuses: list[BlockStatus] | None = None
         # The error's description, not the error: a local holding the exception would hold
@@ -201,8 +201,8 @@ class Reader(Actor[SliceJob]):
             return None
         fetched = leading_run(s is BlockStatus.OK for s in statuses)
         scattered = 0
-        if fetched and sink is not None:
-            if sink.covers(0):  # no value handed over: verify and scatter in one call
+        if fetched and claimed:
+            if sink is None or sink.covers(0):  # none handed over: verify, scatter, one call
                 checks = await self._verify_and_scatter(job, fetched)
                 scattered = leading_run(c is None for c in checks)
             else:  # those the store's threads did not check and place: in one call

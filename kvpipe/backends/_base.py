@@ -354,6 +354,9 @@ class StorageBackend(abc.ABC):
     #: gathers each put into memory of its own (:attr:`PutBatch.may_keep`) so the backend can
     #: keep the values without copying them.
     keeps_values: bool = False
+    #: The backend hands fetched values to :attr:`GetBatch.sink` (:class:`FetchSink`): kvpipe
+    #: then offers one with each get (for other backends it builds none).
+    uses_sink: bool = False
 
     @abc.abstractmethod
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:

@@ -99,6 +99,7 @@ class FileStore(StorageBackend):
     """
 
     name = "file"
+    uses_sink = True
     #: Worker threads a batch's file I/O is spread over, unless told otherwise.
     DEFAULT_THREADS: Final = 4
 
