@@ -6,6 +6,7 @@ only when called, and :func:`require_matplotlib` raises a clear error without it
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -26,6 +27,9 @@ def require_matplotlib() -> Any:
         import matplotlib
 
         matplotlib.use("Agg")
+        # Its INFO notes (e.g. one per categorical axis) would flood a bench run's output
+        # wherever the root logger passes INFO on (Paddle's import configures it so).
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise PlotsUnavailable(
