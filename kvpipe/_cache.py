@@ -22,7 +22,9 @@ import numpy.typing as npt
 
 from ._device_tensors import device_pointers, device_tensor, parse_device
 from ._errors import LayoutError, Unsupported
+from ._hostcopy import RowGroups
 from ._layout import CacheLayout, RoleSpec, numpy_dtype
+from ._plan import CopySegment
 
 __all__ = ("KVCache", "create_kv_cache")
 
@@ -135,6 +137,7 @@ class KVCache:
         "_device",
         "_framework",
         "_freed",
+        "_groups",
         "_layout",
         "_num_blocks",
         "_order",
@@ -167,6 +170,7 @@ class KVCache:
         self._num_blocks = _leading_dim(self._tensors[0]) if self._tensors else 0
         self._release = release
         self._freed = False
+        self._groups: RowGroups | None = None
 
     @classmethod
     def from_tensors(
@@ -272,6 +276,18 @@ class KVCache:
             )
         return self._rows
 
+    def row_groups(self, segments: tuple[CopySegment, ...]) -> RowGroups:
+        """:attr:`byte_rows` grouped for the copies of ``segments`` (made once).
+
+        Raises:
+            Unsupported, LayoutError: As :attr:`byte_rows`.
+        """
+        rows = self.byte_rows
+        groups = self._groups
+        if groups is None or (groups.segments is not segments and groups.segments != segments):
+            groups = self._groups = RowGroups(segments, rows)
+        return groups
+
     @property
     def freed(self) -> bool:
         """Whether :meth:`free` has run."""
@@ -285,6 +301,7 @@ class KVCache:
             return
         self._freed = True
         self._rows = ()
+        self._groups = None
         self._tensors = ()
         release, self._release = self._release, None
         if release is not None:
@@ -344,12 +361,12 @@ def create_kv_cache(
             raise Unsupported(
                 f"device {device!r}: numpy allocates host memory only; use framework='paddle'"
             )
-        arrays = [
-            _zeros_on_a_page(
-                (num_blocks, *layout.role(role).block_shape), numpy_dtype(layout.role(role).dtype)
-            )
-            for role, _ in order
-        ]
+        arrays = _zeros_on_pages(
+            [
+                ((num_blocks, *layout.role(role).block_shape), numpy_dtype(layout.role(role).dtype))
+                for role, _ in order
+            ]
+        )
         return KVCache.from_tensors(layout, arrays)
     if framework == "paddle":
         try:
@@ -371,12 +388,24 @@ def create_kv_cache(
     raise LayoutError(f"unknown framework {framework!r}; expected 'numpy' or 'paddle'")
 
 
-def _zeros_on_a_page(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-    """Zeros of ``shape`` whose first byte starts a page. numpy's own arrays start 16 bytes
-    past one, and a copy into memory that is not 64-byte aligned runs ~20 % slower here
-    (32 KiB segments, the copies between a cache and staging): staging slots start on a page.
+def _zeros_on_pages(
+    specs: Sequence[tuple[tuple[int, ...], np.dtype[Any]]],
+) -> list[npt.NDArray[Any]]:
+    """Zeroed arrays of the given ``(shape, dtype)``, each starting a page, in one buffer at
+    equal steps wherever their sizes are equal.
+
+    On a page: numpy's own arrays start 16 bytes past one, and a copy into memory that is
+    not 64-byte aligned runs ~20 % slower here (32 KiB segments, the copies between a cache
+    and staging): staging slots start on a page. In one buffer: tensors at one stride are
+    copied as one 3-D view per run of blocks (``_hostcopy.RowGroups``) rather than one copy
+    per tensor.
     """
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.zeros(nbytes + _PAGE, np.uint8)  # calloc: pages are mapped when first touched
-    skip = -raw.ctypes.data % _PAGE
-    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+    sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs]
+    steps = [-(-n // _PAGE) * _PAGE for n in sizes]
+    raw = np.zeros(sum(steps) + _PAGE, np.uint8)  # calloc: pages are mapped when first touched
+    at = -raw.ctypes.data % _PAGE
+    out = []
+    for (shape, dtype), nbytes, step in zip(specs, sizes, steps, strict=True):
+        out.append(raw[at : at + nbytes].view(dtype).reshape(shape))
+        at += step
+    return out

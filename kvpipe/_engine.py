@@ -17,7 +17,7 @@ import anyio
 
 from ._cache import KVCache
 from ._errors import RequestError
-from ._hostcopy import gather, scatter
+from ._hostcopy import RowGroups, gather, scatter
 from ._plan import CopyPlan
 from ._staging import StagingLease, StagingPool
 from ._workers import Lane, ThreadRunner
@@ -138,17 +138,20 @@ class HostEngine(CopyEngine):
         self.limiter = limiter
         self.note = note
 
+    def _rows(self, plan: CopyPlan) -> RowGroups:
+        return self.cache.row_groups(plan.segments)
+
     async def gather(
         self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
     ) -> None:
         """See :meth:`CopyEngine.gather` (``after`` is always ``None`` for host caches)."""
-        await self._run(plan, gather, plan, self.cache.byte_rows, lease.pool.buffer, hold=lease)
+        await self._run(plan, gather, plan, self._rows(plan), lease.pool.buffer, hold=lease)
 
     async def scatter(
         self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
     ) -> None:
         """See :meth:`CopyEngine.scatter`."""
-        await self._run(plan, scatter, plan, lease.pool.buffer, self.cache.byte_rows, hold=lease)
+        await self._run(plan, scatter, plan, lease.pool.buffer, self._rows(plan), hold=lease)
 
     async def gather_then(
         self,
@@ -161,7 +164,7 @@ class HostEngine(CopyEngine):
         """See :meth:`CopyEngine.gather_then`: copy and ``then`` in one worker call."""
 
         def both() -> None:
-            gather(plan, self.cache.byte_rows, lease.pool.buffer)
+            gather(plan, self._rows(plan), lease.pool.buffer)
             then()
 
         await self._run(plan, both, hold=lease)

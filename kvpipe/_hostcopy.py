@@ -2,11 +2,19 @@
 
 These functions block (they copy megabytes); the swapper and reader run them in worker
 threads. numpy releases the GIL while it copies, so the event loop keeps running.
+
+Each numpy copy releases the GIL and takes it back: with one copy per segment (64 for a
+32-layer key/value block) a copy thread waits for the GIL dozens of times per slice, each time
+until the event loop's thread lets go of it. :class:`RowGroups` finds the cache tensors that
+lie at one stride from each other (one buffer, as :func:`~kvpipe.create_kv_cache` allocates)
+and copies each run of blocks as one 3-D view per group of them: one GIL release per run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import final
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +23,8 @@ from ._blockformat import check_block, seal_and_digest, seal_block
 from ._plan import CopyPlan, CopySegment
 
 __all__ = (
+    "RowGroup",
+    "RowGroups",
     "gather",
     "scatter",
     "scatter_values",
@@ -24,24 +34,111 @@ __all__ = (
 )
 
 Rows = npt.NDArray[np.uint8]
+_as_strided = np.lib.stride_tricks.as_strided
 
 
-def gather(plan: CopyPlan, rows: Sequence[Rows], staging: Rows) -> None:
+@final
+@dataclass(frozen=True, slots=True)
+class RowGroup:
+    """Consecutive segments of a block value whose cache tensors lie at one stride.
+
+    Attributes:
+        offset: Byte offset of the first segment inside a block value.
+        count: Segments in the group (each ``nbytes``, back to back in the value).
+        nbytes: Bytes of each segment.
+        rows: ``(count, num_blocks, nbytes)`` view over the group's cache tensors.
+    """
+
+    offset: int
+    count: int
+    nbytes: int
+    rows: npt.NDArray[np.uint8]
+
+    def of(self, values: Rows) -> Rows:
+        """The group's bytes of a ``(blocks, value bytes)`` array of values (staging slots),
+        as a ``(count, blocks, nbytes)`` view."""
+        cols = values[:, self.offset : self.offset + self.count * self.nbytes]
+        view = _as_strided(
+            cols, (len(values), self.count, self.nbytes), (values.strides[0], self.nbytes, 1)
+        )
+        return view.transpose(1, 0, 2)
+
+
+@final
+class RowGroups:
+    """A cache's byte rows, grouped for copies (see the module docstring).
+
+    Args:
+        segments: The packing of a block value (:func:`~kvpipe._plan.layout_segments`).
+        rows: The cache's byte rows, ``rows[segment.tensor]`` of shape ``(num_blocks,
+            segment.nbytes)``, C-contiguous rows.
+    """
+
+    __slots__ = ("groups", "rows", "segments")
+
+    def __init__(self, segments: Sequence[CopySegment], rows: Sequence[Rows]) -> None:
+        self.segments = tuple(segments)
+        self.rows = tuple(rows)
+        self.groups = _group(self.segments, self.rows)
+
+
+def _group(segments: tuple[CopySegment, ...], rows: Sequence[Rows]) -> tuple[RowGroup, ...]:
+    out: list[RowGroup] = []
+    addrs = [int(rows[s.tensor].ctypes.data) for s in segments]
+    i, n = 0, len(segments)
+    while i < n:
+        first, r = segments[i], rows[segments[i].tensor]
+        j, step = i + 1, 0
+        span = r.shape[0] * r.strides[0]  # tensors must not overlap
+        while j < n:
+            seg, q = segments[j], rows[segments[j].tensor]
+            d = addrs[j] - addrs[j - 1]
+            if (
+                seg.nbytes != first.nbytes
+                or seg.offset != first.offset + (j - i) * first.nbytes
+                or q.shape != r.shape
+                or q.strides != r.strides
+                or abs(d) < span
+                or (step and d != step)
+            ):
+                break
+            step = d
+            j += 1
+        view = _as_strided(r, (j - i, *r.shape), (step or span, *r.strides))
+        out.append(RowGroup(first.offset, j - i, first.nbytes, view))
+        i = j
+    return tuple(out)
+
+
+def _groups(
+    segments: Sequence[CopySegment], rows: Sequence[Rows] | RowGroups
+) -> tuple[RowGroup, ...]:
+    """The groups of ``rows`` for ``segments`` (made now unless ``rows`` has them)."""
+    if isinstance(rows, RowGroups):
+        if rows.segments is segments or rows.segments == tuple(segments):
+            return rows.groups
+        rows = rows.rows
+    return _group(tuple(segments), rows)
+
+
+def gather(plan: CopyPlan, rows: Sequence[Rows] | RowGroups, staging: Rows) -> None:
     """Copy cache blocks into staging slots per ``plan`` (cache → staging)."""
+    groups = _groups(plan.segments, rows)
     for run in plan.runs:
         dst = staging[run.slot_start : run.slot_start + run.length]
         src_lo, src_hi = run.cache_start, run.cache_start + run.length
-        for seg in plan.segments:
-            dst[:, seg.offset : seg.offset + seg.nbytes] = rows[seg.tensor][src_lo:src_hi]
+        for group in groups:
+            group.of(dst)[...] = group.rows[:, src_lo:src_hi]
 
 
-def scatter(plan: CopyPlan, staging: Rows, rows: Sequence[Rows]) -> None:
+def scatter(plan: CopyPlan, staging: Rows, rows: Sequence[Rows] | RowGroups) -> None:
     """Copy staging slots into cache blocks per ``plan`` (staging → cache)."""
+    groups = _groups(plan.segments, rows)
     for run in plan.runs:
         src = staging[run.slot_start : run.slot_start + run.length]
         dst_lo, dst_hi = run.cache_start, run.cache_start + run.length
-        for seg in plan.segments:
-            rows[seg.tensor][dst_lo:dst_hi] = src[:, seg.offset : seg.offset + seg.nbytes]
+        for group in groups:
+            group.rows[:, dst_lo:dst_hi] = group.of(src)
 
 
 def seal_slots(
@@ -78,27 +175,30 @@ def scatter_values(
     segments: Sequence[CopySegment],
     values: Sequence[Rows],
     cache_blocks: Sequence[int] | npt.NDArray[np.int64],
-    rows: Sequence[Rows],
+    rows: Sequence[Rows] | RowGroups,
 ) -> None:
     """Copy each value's segments into its cache block (``values[i]`` → ``cache_blocks[i]``):
     the scatter for values that are not in staging (lent by an in-memory store).
 
     Values that lie at equal steps in one buffer (blocks a store kept from one put) are
-    copied as one 2-D view per segment, as staging is; the others block by block.
+    copied as one 2-D view per group of segments, as staging is; the others block by block.
     """
+    groups = _groups(segments, rows)
     blocks = np.asarray(cache_blocks, dtype=np.int64)
     for lo, hi, view in _value_runs(values):
         dst = blocks[lo:hi]
         if view is None:
             b = int(dst[0])
-            for seg in segments:
-                rows[seg.tensor][b] = values[lo][seg.offset : seg.offset + seg.nbytes]
+            value = values[lo]
+            for group in groups:
+                end = group.offset + group.count * group.nbytes
+                group.rows[:, b] = value[group.offset : end].reshape(group.count, group.nbytes)
         else:
             lo_b = int(dst[0])
             consecutive = int(dst[-1]) - lo_b == len(dst) - 1 and bool(np.all(np.diff(dst) == 1))
             where = slice(lo_b, lo_b + len(dst)) if consecutive else dst
-            for seg in segments:
-                rows[seg.tensor][where] = view[:, seg.offset : seg.offset + seg.nbytes]
+            for group in groups:
+                group.rows[:, where] = group.of(view)
 
 
 def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:

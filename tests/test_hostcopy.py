@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvpipe
 from kvpipe import CacheLayout, create_kv_cache
 from kvpipe._blockformat import TRAILER_NBYTES, value_nbytes
 from kvpipe._hostcopy import (
@@ -299,3 +300,67 @@ def test_scatter_values_matches_block_by_block_for_runs_and_strays() -> None:
             want.byte_rows[seg.tensor][block] = value[seg.offset : seg.offset + seg.nbytes]
     for a, b in zip(got.byte_rows, want.byte_rows, strict=True):
         assert np.array_equal(a, b)
+
+
+# ---------------------------------------------------------------- row groups
+
+
+def test_row_groups_of_a_cache_in_one_buffer_copy_all_tensors_at_once() -> None:
+    layout = HOST_LAYOUTS["gqa_odd"]()
+    cache = create_kv_cache(layout, CACHE_BLOCKS)
+    groups = cache.row_groups(layout_segments(layout)).groups
+    assert [g.count for g in groups] == [len(layout.tensor_order())]
+    # roles of other sizes (fp8 scales) split the groups, as their segments differ
+    fp8 = HOST_LAYOUTS["gqa_fp8_odd"]()
+    counts = [g.count for g in create_kv_cache(fp8, 4).row_groups(layout_segments(fp8)).groups]
+    assert sum(counts) == len(fp8.tensor_order()) and len(counts) > 1
+
+
+@pytest.mark.parametrize("order", ["descending", "scattered"])
+def test_row_groups_follow_the_tensors_wherever_they_lie(order: str) -> None:
+    """Tensors at one negative stride (one buffer, back to front) form one group; at uneven
+    distances (0, 2, 6, 12 sizes in) a group ends where the step changes; both copy exactly
+    as the per-tensor reference."""
+    from kvpipe import KVCache
+    from kvpipe._hostcopy import RowGroups
+    from kvpipe._layout import numpy_dtype
+
+    layout = HOST_LAYOUTS["gqa_odd"]()
+    shapes = [(CACHE_BLOCKS, *layout.role(role).block_shape) for role, _ in layout.tensor_order()]
+    dtype = numpy_dtype(layout.role("key").dtype)
+    n = len(shapes)
+    size = int(np.prod(shapes[0])) * dtype.itemsize
+    if order == "descending":
+        raw = np.zeros(size * n, np.uint8)
+        tensors = [raw[(n - 1 - i) * size : (n - i) * size] for i in range(n)]
+    else:
+        raw = np.zeros(size * (n * n + n + 1), np.uint8)
+        tensors = [raw[(i * i + i) * size : (i * i + i + 1) * size] for i in range(n)]
+    arrays = [t.view(dtype).reshape(s) for t, s in zip(tensors, shapes, strict=True)]
+    cache = KVCache.from_tensors(layout, arrays)
+    fill_random(cache, 5)
+    segs = layout_segments(layout)
+    grouped = RowGroups(segs, cache.byte_rows)
+    assert n == 4
+    assert [g.count for g in grouped.groups] == ([4] if order == "descending" else [2, 2])
+    blocks, slots = [3, 4, 5, 0, 9], [1, 2, 3, 7, 0]
+    staging = np.zeros((SLOTS, _stride(layout)), dtype=np.uint8)
+    expected = staging.copy()
+    _ref_gather(layout, list(cache.byte_rows), expected, blocks, slots)
+    gather(copy_plan(segs, blocks, slots), grouped, staging)
+    assert np.array_equal(staging, expected)
+    want = [r.copy() for r in cache.byte_rows]
+    _ref_scatter(layout, staging, want, [8, 9, 10, 15, 1], slots)
+    scatter(copy_plan(segs, [8, 9, 10, 15, 1], slots), staging, grouped)
+    for got, w in zip(cache.byte_rows, want, strict=True):
+        assert np.array_equal(got, w)
+
+
+def test_a_freed_cache_has_no_row_groups() -> None:
+    layout = HOST_LAYOUTS["gqa_odd"]()
+    cache = create_kv_cache(layout, 4)
+    segs = layout_segments(layout)
+    assert cache.row_groups(segs) is cache.row_groups(segs)  # made once
+    cache.free()
+    with pytest.raises(kvpipe.LayoutError):
+        cache.row_groups(segs)

@@ -169,7 +169,7 @@ class ActorContext:
             # allocation maps memory, which on the event loop's thread would wait behind the
             # page faults of copies running in other threads.
             plan = copy_plan(self.segments, blocks, list(range(spec.count)))
-            slot_nbytes, rows = self.pool.slot_nbytes, self.cache.byte_rows
+            slot_nbytes, rows = self.pool.slot_nbytes, self.cache.row_groups(self.segments)
 
             def gather_into_new() -> StagingLease:
                 data = private_lease(slot_nbytes, spec.count)

@@ -142,7 +142,7 @@ class Reader(Actor[SliceJob]):
         first = spec.first_block
         blocks = state.block_ids[first : first + count]
         plan = copy_plan(ctx.segments, blocks, job.lease.slots[:count])
-        rows, staging = ctx.cache.byte_rows, job.lease.pool.buffer
+        rows, staging = ctx.cache.row_groups(ctx.segments), job.lease.pool.buffer
         with anyio.CancelScope(shield=True):
             await ctx.run_copy(plan.nbytes, gather, plan, rows, staging, hold=job.lease)
 
@@ -264,12 +264,12 @@ class Reader(Actor[SliceJob]):
         digests = ctx.digests_of(state, spec)[:fetched]
         blocks = state.block_ids[first : first + fetched]
         slots = job.lease.slots[:fetched]
-        staging, rows, lent = job.lease.pool.buffer, ctx.cache.byte_rows, bool(job.lent)
         payload, check_sums, segments = (
             ctx.payload_nbytes,
             ctx.config.verify_checksums,
             ctx.segments,
         )
+        staging, rows, lent = job.lease.pool.buffer, ctx.cache.row_groups(segments), bool(job.lent)
 
         def work() -> list[str | None]:
             checks = verify_values(sources, payload, digests, check_sums)
@@ -298,7 +298,8 @@ class Reader(Actor[SliceJob]):
         digests = ctx.digests_of(state, spec)
         blocks = [int(state.block_ids[first + i]) for i in unseen]
         payload, check_sums = ctx.payload_nbytes, ctx.config.verify_checksums
-        segments, rows = ctx.segments, ctx.cache.byte_rows
+        segments = ctx.segments
+        rows = ctx.cache.row_groups(segments)
 
         def work() -> list[str | None]:
             checks = verify_values(sources, payload, [digests[i] for i in unseen], check_sums)

@@ -80,7 +80,7 @@ class Swapper(Actor[SliceJob]):
                         ctx.segments,
                         sources,
                         blocks,
-                        ctx.cache.byte_rows,
+                        ctx.cache.row_groups(ctx.segments),
                         hold=job.lease,
                     )
                 else:
