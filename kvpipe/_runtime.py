@@ -386,7 +386,10 @@ class Runtime:
             with anyio.move_on_at(state.deadline + self.config.deadline_slack):
                 try:
                     assert self._outboxes is not None
-                    await self._outboxes.scheduler.send(state)
+                    try:  # without yielding when the scheduler's inbox has room
+                        self._outboxes.scheduler.send_nowait(state)
+                    except anyio.WouldBlock:
+                        await self._outboxes.scheduler.send(state)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     raise PipelineClosed("pipeline closed") from None
                 await state.wait()

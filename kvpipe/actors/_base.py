@@ -376,10 +376,14 @@ class Actor(abc.ABC, Generic[M]):
         """Send ``msg`` (waits while ``outbox`` is full).
 
         Returns ``False`` when the pipeline is closing (the inbox no longer takes messages):
-        the sender still owns what ``msg`` carries and lets go of it.
+        the sender still owns what ``msg`` carries and lets go of it. Sent at once, without
+        yielding, when the inbox has room (the receiver runs at the sender's next await).
         """
         try:
-            await outbox.send(msg)
+            try:
+                outbox.send_nowait(msg)
+            except anyio.WouldBlock:
+                await outbox.send(msg)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return False
         return True
