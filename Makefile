@@ -5,8 +5,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
-# Re-install when the packaging or the C extension changes.
-HASH   := $(shell cat pyproject.toml setup.py kvpipe/backends/file/_fileio.c | cksum | cut -d' ' -f1)
+# Re-install when the packaging or a C extension changes.
+HASH   := $(shell cat pyproject.toml setup.py kvpipe/backends/file/_fileio.c kvpipe/_digests.c | cksum | cut -d' ' -f1)
 
 .PHONY: run test lint unit bench soak clean
 

@@ -15,8 +15,8 @@ fails any check is never scattered into the cache.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -25,17 +25,27 @@ import xxhash
 __all__ = (
     "TRAILER_NBYTES",
     "check_block",
+    "check_blocks",
     "check_trailer",
     "seal_and_digest",
     "seal_block",
+    "seal_blocks",
     "value_nbytes",
 )
+
+native: Any
+try:  # hashes a batch of values with the GIL released once (setup.py; optional)
+    from . import _digests as native
+except ImportError:  # not built: python-xxhash, one GIL round trip per value
+    native = None
 
 _TRAILER: Final = struct.Struct("<4sHHQ16sQ8x")
 TRAILER_NBYTES: Final = _TRAILER.size
 MAGIC: Final = b"KVPB"
 VERSION: Final = 1
 FLAG_CHECKSUM: Final = 1
+#: Where the payload's XXH3-64 lies in the trailer.
+_DIGEST_AT: Final = struct.calcsize("<4sHHQ16s")
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -47,11 +57,7 @@ def value_nbytes(payload_nbytes: int) -> int:
 
 def seal_block(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: bool) -> None:
     """Write the trailer of ``value`` (whose payload is already in place)."""
-    payload = value[:payload_nbytes]
-    digest = xxhash.xxh3_64_intdigest(payload.data) if checksum else 0
-    flags = FLAG_CHECKSUM if checksum else 0
-    trailer = _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, key_digest, digest)
-    value[payload_nbytes : payload_nbytes + TRAILER_NBYTES] = np.frombuffer(trailer, np.uint8)
+    seal_blocks([value], payload_nbytes, [key_digest], checksum)
 
 
 def seal_and_digest(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: bool) -> int:
@@ -59,13 +65,51 @@ def seal_and_digest(value: Bytes, payload_nbytes: int, key_digest: bytes, checks
     trailer) — computed in the same pass over the payload as the trailer's checksum, for a
     store that keeps a checksum of each value (:attr:`kvpipe.backends.PutBatch.checksums`).
     """
-    h = xxhash.xxh3_64(value[:payload_nbytes].data)
-    digest = h.intdigest() if checksum else 0
+    digests = seal_blocks([value], payload_nbytes, [key_digest], checksum, whole=True)
+    assert digests is not None
+    return digests[0]
+
+
+def seal_blocks(
+    values: Sequence[Bytes],
+    payload_nbytes: int,
+    key_digests: Sequence[bytes],
+    checksum: bool,
+    *,
+    whole: bool | None = None,
+) -> list[int] | None:
+    """Write the trailer of each value (payloads already in place). With ``whole`` (by
+    default: with ``checksum``), also return each whole sealed value's XXH3-64, from the
+    same pass over its payload as the trailer's checksum; else ``None``.
+
+    With the native extension, every value is hashed with the GIL released once.
+
+    Raises:
+        ValueError: The key digests do not match the values one for one.
+    """
+    if len(key_digests) != len(values):
+        raise ValueError(f"{len(key_digests)} key digests for {len(values)} values")
+    whole = checksum if whole is None else whole
     flags = FLAG_CHECKSUM if checksum else 0
-    trailer = _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, key_digest, digest)
-    value[payload_nbytes : payload_nbytes + TRAILER_NBYTES] = np.frombuffer(trailer, np.uint8)
-    h.update(trailer)
-    return h.intdigest()
+    trailers = [_TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, k, 0) for k in key_digests]
+    end = payload_nbytes + TRAILER_NBYTES
+    if checksum and native is not None and values:
+        digests: list[int] = native.seal(values, payload_nbytes, b"".join(trailers), _DIGEST_AT)
+        return digests if whole else None
+    out: list[int] = []
+    for value, trailer in zip(values, trailers, strict=True):
+        h = xxhash.xxh3_64(value[:payload_nbytes].data) if checksum else None
+        if h is not None:
+            trailer = _TRAILER.pack(
+                MAGIC, VERSION, flags, payload_nbytes, trailer[16:32], h.intdigest()
+            )
+        value[payload_nbytes:end] = np.frombuffer(trailer, np.uint8)
+        if whole:
+            if h is None:
+                h = xxhash.xxh3_64(value[:payload_nbytes].data)
+            h.update(trailer)
+            out.append(h.intdigest())
+    return out if whole else None
 
 
 def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bool) -> str | None:
@@ -77,15 +121,44 @@ def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bo
         key_digest: Digest of the key it was fetched under.
         verify: Also recompute the payload checksum, when the writer recorded one.
     """
-    if len(value) < payload_nbytes + TRAILER_NBYTES:
-        return "value shorter than a block"
-    raw = value[payload_nbytes : payload_nbytes + TRAILER_NBYTES].tobytes()
-    return check_trailer(
-        raw,
-        payload_nbytes,
-        key_digest,
-        (lambda: xxhash.xxh3_64_intdigest(value[:payload_nbytes].data)) if verify else None,
-    )
+    return check_blocks([value], payload_nbytes, [key_digest], verify)[0]
+
+
+def check_blocks(
+    values: Sequence[Bytes], payload_nbytes: int, key_digests: Sequence[bytes], verify: bool
+) -> list[str | None]:
+    """:func:`check_block` of each value. With the native extension, the payloads whose
+    trailers are sound are hashed with the GIL released once.
+
+    Raises:
+        ValueError: The key digests do not match the values one for one.
+    """
+    if len(key_digests) != len(values):
+        raise ValueError(f"{len(key_digests)} key digests for {len(values)} values")
+    end = payload_nbytes + TRAILER_NBYTES
+    out: list[str | None] = []
+    expected: dict[int, int] = {}  # value index -> the checksum its trailer recorded
+    for i, (value, key_digest) in enumerate(zip(values, key_digests, strict=True)):
+        if len(value) < end:
+            out.append("value shorter than a block")
+            continue
+        why, recorded = _trailer_verdict(
+            value[payload_nbytes:end].tobytes(), payload_nbytes, key_digest
+        )
+        if why is None and verify and recorded is not None:
+            expected[i] = recorded  # compared below, once every payload is hashed
+        out.append(why)
+    if expected:
+        which = list(expected)
+        payloads = [values[i] for i in which]
+        if native is not None:
+            digests: list[int] = native.payload_digests(payloads, payload_nbytes)
+        else:
+            digests = [xxhash.xxh3_64_intdigest(v[:payload_nbytes].data) for v in payloads]
+        for i, digest in zip(which, digests, strict=True):
+            if digest != expected[i]:
+                out[i] = "checksum mismatch"
+    return out
 
 
 def check_trailer(
@@ -103,15 +176,25 @@ def check_trailer(
         payload_digest: The XXH3-64 of the payload as read (called only when the writer
             recorded a checksum); ``None``: the checksum is not verified.
     """
+    why, recorded = _trailer_verdict(trailer, payload_nbytes, key_digest)
+    if why is None and payload_digest is not None and recorded is not None:
+        if payload_digest() != recorded:
+            return "checksum mismatch"
+    return why
+
+
+def _trailer_verdict(
+    trailer: bytes, payload_nbytes: int, key_digest: bytes
+) -> tuple[str | None, int | None]:
+    """What is wrong with a trailer, the payload's checksum left aside (``None``: nothing),
+    and the checksum it recorded (``None``: none was)."""
     magic, version, flags, length, kdigest, digest = _TRAILER.unpack(trailer)
     if magic != MAGIC:
-        return "bad magic"
+        return "bad magic", None
     if version != VERSION:
-        return f"unknown format version {version}"
+        return f"unknown format version {version}", None
     if length != payload_nbytes:
-        return f"payload length {length}, expected {payload_nbytes}"
+        return f"payload length {length}, expected {payload_nbytes}", None
     if kdigest != key_digest:
-        return "value belongs to another key"
-    if payload_digest is not None and flags & FLAG_CHECKSUM and payload_digest() != digest:
-        return "checksum mismatch"
-    return None
+        return "value belongs to another key", None
+    return None, digest if flags & FLAG_CHECKSUM else None

@@ -19,7 +19,7 @@ from typing import final
 import numpy as np
 import numpy.typing as npt
 
-from ._blockformat import check_block, seal_and_digest, seal_block
+from ._blockformat import check_blocks, seal_blocks
 from ._plan import CopyPlan, CopySegment
 
 __all__ = (
@@ -151,24 +151,14 @@ def seal_slots(
     """Write the trailer of every slot (its payload already gathered). With ``checksum``,
     also return each whole value's XXH3-64, from the same pass over the payload (for a store
     that keeps one per value: ``PutBatch.checksums``); else ``None``."""
-    if not checksum:
-        for slot, digest in zip(slots, digests, strict=True):
-            seal_block(staging[slot], payload_nbytes, digest, False)
-        return None
-    return [
-        seal_and_digest(staging[slot], payload_nbytes, digest, True)
-        for slot, digest in zip(slots, digests, strict=True)
-    ]
+    return seal_blocks([staging[slot] for slot in slots], payload_nbytes, digests, checksum)
 
 
 def verify_slots(
     staging: Rows, slots: Sequence[int], payload_nbytes: int, digests: Sequence[bytes], verify: bool
 ) -> list[str | None]:
     """Check every slot's trailer (and checksum); ``None`` for a sound block."""
-    return [
-        check_block(staging[slot], payload_nbytes, digest, verify)
-        for slot, digest in zip(slots, digests, strict=True)
-    ]
+    return check_blocks([staging[slot] for slot in slots], payload_nbytes, digests, verify)
 
 
 def scatter_values(
@@ -265,7 +255,4 @@ def verify_values(
     values: Sequence[Rows], payload_nbytes: int, digests: Sequence[bytes], verify: bool
 ) -> list[str | None]:
     """Check every value's trailer (and checksum); ``None`` for a sound block."""
-    return [
-        check_block(value, payload_nbytes, digest, verify)
-        for value, digest in zip(values, digests, strict=True)
-    ]
+    return check_blocks(values, payload_nbytes, digests, verify)

@@ -1,4 +1,7 @@
-"""The stored block format: a 48-byte trailer after the payload, and check_block's verdicts."""
+"""The stored block format: a 48-byte trailer after the payload, and check_block's verdicts.
+
+Every test runs twice: hashing through the native extension (``kvpipe._digests``, where it
+was built) and through python-xxhash, one value at a time."""
 
 from __future__ import annotations
 
@@ -8,14 +11,30 @@ import numpy as np
 import pytest
 import xxhash
 
+import kvpipe._blockformat as blockformat
 from kvpipe._blockformat import (
     TRAILER_NBYTES,
     check_block,
+    check_blocks,
     seal_and_digest,
     seal_block,
+    seal_blocks,
     value_nbytes,
 )
 from kvpipe._keys import key_digest
+
+NATIVE = blockformat.native
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def hashing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "native":
+        if NATIVE is None:
+            pytest.skip("the native extension kvpipe._digests was not built (no C compiler)")
+    else:
+        monkeypatch.setattr(blockformat, "native", None)
+    return str(request.param)
+
 
 PAYLOAD = 100
 DIGEST = key_digest("ns@0123456789abcdef@0-1@00")
@@ -133,3 +152,53 @@ def test_seal_and_digest_seals_as_seal_block_and_digests_the_whole_value(checksu
     assert np.array_equal(value, _sealed(checksum))
     assert digest == xxhash.xxh3_64_intdigest(value.data)
     assert check_block(value, PAYLOAD, DIGEST, True) is None
+
+
+def _batch(sizes: list[int], seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, value_nbytes(n) + 5, dtype=np.uint8) for n in sizes]
+
+
+@pytest.mark.parametrize("payload", [0, 1, 7, 100, 4096, 70001])
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_batch_seals_as_each_value_alone(payload: int, checksum: bool) -> None:
+    values = _batch([payload] * 4, payload)
+    alone = [v.copy() for v in values]
+    keys = [key_digest(f"ns@0123456789abcdef@0-1@{i:02x}") for i in range(4)]
+    digests = seal_blocks(values, payload, keys, checksum)
+    wholes = [seal_and_digest(v, payload, k, checksum) for v, k in zip(alone, keys, strict=True)]
+    for v, a in zip(values, alone, strict=True):
+        assert np.array_equal(v, a)
+    end = value_nbytes(payload)
+    assert wholes == [xxhash.xxh3_64_intdigest(v[:end].data) for v in values]
+    assert digests == (wholes if checksum else None)
+    assert seal_blocks([], payload, [], checksum) == ([] if checksum else None)
+
+
+def test_a_batch_checks_as_each_value_alone() -> None:
+    keys = [key_digest(f"ns@0123456789abcdef@0-1@{i:02x}") for i in range(7)]
+    values = _batch([PAYLOAD] * 7, 3)
+    seal_blocks(values, PAYLOAD, keys, True)
+    seal_block(values[6], PAYLOAD, keys[6], False)  # no checksum recorded
+    values[1][5] ^= 1  # payload changed
+    values[2][PAYLOAD] ^= 1  # magic
+    values[4] = values[4][: PAYLOAD + 3]  # short
+    values[5][-10] ^= 1  # the trailer's reserved bytes: not checked
+    keys_read = list(keys)
+    keys_read[3] = OTHER  # fetched under another key
+    want = [
+        None,
+        "checksum mismatch",
+        "bad magic",
+        "value belongs to another key",
+        "value shorter than a block",
+        None,
+        None,
+    ]
+    assert check_blocks(values, PAYLOAD, keys_read, True) == want
+    assert [
+        check_block(v, PAYLOAD, k, True) for v, k in zip(values, keys_read, strict=True)
+    ] == want
+    assert check_blocks(values, PAYLOAD, keys_read, False)[1] is None
+    with pytest.raises(ValueError):
+        check_blocks(values, PAYLOAD, keys_read[:-1], True)
