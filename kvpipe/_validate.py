@@ -46,14 +46,14 @@ def check_tokens(token_ids: Any) -> Tokens:
         raise RequestError(f"token_ids must be 1-D, got shape {arr.shape}")
     if len(arr) == 0:
         raise RequestError("token_ids is empty")
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":  # bool is kind "b"
         raise RequestError(f"token_ids must be integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise RequestError("token_ids has values above the int64 range")
     # A private read-only copy: the request never sees later changes to the caller's array,
     # and nothing kvpipe hands to a backend can change the caller's tokens.
     tokens = np.array(as_tokens(arr), copy=True)
-    if int(tokens.min()) < 0:
+    if arr.dtype.kind == "i" and int(tokens.min()) < 0:
         raise RequestError(f"token_ids has a negative id at index {int(np.argmin(tokens))}")
     tokens.flags.writeable = False
     return tokens
@@ -100,7 +100,7 @@ def check_request(
     ids = np.asarray(block_ids)
     if ids.ndim != 1:
         raise RequestError(f"block_ids must be 1-D, got shape {ids.shape}")
-    if len(ids) and (ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer)):
+    if len(ids) and ids.dtype.kind not in "iu":  # bool is kind "b"
         raise RequestError(f"block_ids must be integers, got dtype {ids.dtype}")
     if not end <= len(ids) <= occupied:
         raise RequestError(
@@ -121,8 +121,7 @@ def check_request(
         if lo < 0 or hi >= num_cache_blocks:
             bad = lo if lo < 0 else hi
             raise RequestError(f"block id {bad} is outside the cache's [0, {num_cache_blocks})")
-    moved = ids[start:end].astype(np.int64)
-    if len(moved):
-        if len(np.unique(moved)) != len(moved):
-            raise RequestError("block_ids repeats a cache block within the blocks to move")
+    moved = ids[start:end].tolist()
+    if len(set(moved)) != len(moved):
+        raise RequestError("block_ids repeats a cache block within the blocks to move")
     return CheckedRequest(tokens, ids[:end].astype(np.int64), start, end)
