@@ -124,21 +124,38 @@ class BlockRun:
     length: int
 
 
+#: Up to this many blocks, runs are found in plain Python (numpy's fixed cost per call is
+#: larger for a slice of a few blocks).
+_SMALL_RUNS = 64
+
+
 def block_runs(
     cache_blocks: Sequence[int] | IntArray, slots: Sequence[int] | IntArray
 ) -> tuple[BlockRun, ...]:
     """Compress (cache block, staging slot) pairs into runs where both step by one."""
-    c = np.asarray(cache_blocks, dtype=np.int64)
-    s = np.asarray(slots, dtype=np.int64)
-    if c.shape != s.shape or c.ndim != 1:
+    if len(cache_blocks) <= _SMALL_RUNS and len(slots) == len(cache_blocks):
+        c = cache_blocks.tolist() if isinstance(cache_blocks, np.ndarray) else list(cache_blocks)
+        s = slots.tolist() if isinstance(slots, np.ndarray) else list(slots)
+        if all(type(x) is int for x in c) and all(type(x) is int for x in s):
+            runs: list[BlockRun] = []
+            a = 0
+            for i in range(1, len(c) + 1):
+                if i == len(c) or c[i] != c[i - 1] + 1 or s[i] != s[i - 1] + 1:
+                    runs.append(BlockRun(c[a], s[a], i - a))
+                    a = i
+            return tuple(runs)
+    c_arr = np.asarray(cache_blocks, dtype=np.int64)
+    s_arr = np.asarray(slots, dtype=np.int64)
+    if c_arr.shape != s_arr.shape or c_arr.ndim != 1:
         raise ValueError("cache_blocks and slots must be 1-D and of equal length")
-    if len(c) == 0:
+    if len(c_arr) == 0:
         return ()
-    breaks = np.flatnonzero((np.diff(c) != 1) | (np.diff(s) != 1)) + 1
+    breaks = np.flatnonzero((np.diff(c_arr) != 1) | (np.diff(s_arr) != 1)) + 1
     starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(c)]))
+    ends = np.concatenate((breaks, [len(c_arr)]))
     return tuple(
-        BlockRun(int(c[a]), int(s[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)
+        BlockRun(int(c_arr[a]), int(s_arr[a]), int(b - a))
+        for a, b in zip(starts, ends, strict=True)
     )
 
 

@@ -168,6 +168,12 @@ def _pairs() -> st.SearchStrategy[tuple[list[int], list[int]]]:
         st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=30).map(
             lambda ps: ([p[0] for p in ps], [p[1] for p in ps])
         ),
+        # past the plain-Python path's limit (64 pairs): numpy's
+        st.lists(
+            st.tuples(st.integers(0, 200), st.integers(0, 200), st.integers(1, 40)),
+            min_size=3,
+            max_size=8,
+        ).map(build),
     )
 
 
