@@ -22,6 +22,7 @@ setup(
             "kvpipe._digests",
             ["kvpipe/_digests.c"],
             include_dirs=["ext/xxhash"],
+            depends=["ext/xxhash/xxhash.h"],  # also what puts the header in an sdist
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
             optional=True,
         ),
