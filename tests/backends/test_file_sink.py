@@ -233,3 +233,42 @@ async def test_a_slice_partly_in_the_page_cache_loads_whole(tmp_path: Path) -> N
             assert r.complete and r.loaded == NBLOCKS
         for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
             assert np.array_equal(a[ids], c[dst_ids])
+
+
+@pytest.mark.parametrize("file_io", ["native"], indirect=True)
+@pytest.mark.parametrize("scatter", ["native", "numpy", "refused"])
+async def test_cached_values_land_in_every_row_whichever_way_they_are_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file_io: str, scatter: str
+) -> None:
+    """The sink copies a value's rows in one native call, or through numpy where the
+    extension is not there or refuses the rows: the cache gets the same bytes either way."""
+    native, calls = _rowsink._scatter_rows, []
+
+    def counted(*args: Any) -> None:
+        calls.append(args[2])
+        if scatter == "refused":
+            raise ValueError("rows it does not take")
+        assert native is not None
+        native(*args)
+
+    monkeypatch.setattr(_rowsink, "_scatter_rows", None if scatter == "numpy" else counted)
+    root = tmp_path / "store"
+    src = _source_cache()
+    config = kvpipe.PipelineConfig(slice_block_num=8)
+    ids = np.arange(NBLOCKS)
+    async with FileStore(root, durability="none") as store:
+        async with kvpipe.open_pipeline(src, store, config=config, namespace="e2e") as pipe:
+            assert (await pipe.write(TOKENS, ids)).complete
+        warm_cached(str(root / "blocks"))
+        dst = _blank_cache()
+        dst_ids = np.arange(31, 31 - NBLOCKS, -1)
+        async with kvpipe.open_pipeline(dst, store, config=config, namespace="e2e") as pipe:
+            r = await pipe.read(TOKENS, dst_ids)
+            assert r.complete and r.loaded == NBLOCKS
+        assert store.statistics().get("blocks_read") == NBLOCKS
+    for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a[ids], c[dst_ids])
+    # Native: every value in one call each; refused: asked once per slice, then numpy's way.
+    assert len(calls) == {"native": NBLOCKS, "numpy": 0, "refused": -(-NBLOCKS // 8)}[scatter]
+    untouched = np.setdiff1d(np.arange(32), dst_ids)
+    assert all(np.all(c[untouched] == SENTINEL) for c in dst.byte_rows)
