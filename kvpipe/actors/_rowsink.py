@@ -100,7 +100,7 @@ class RowSink(FetchSink):
             try:
                 self._native(data, self._rows, block, self._table)
                 return
-            except ValueError:  # rows it does not take (not each contiguous): numpy's way
+            except (ValueError, BufferError):  # buffers it does not take: numpy's way
                 self._native = None
         for seg in self._segments:
             self._rows[seg.tensor][block] = data[seg.offset : seg.offset + seg.nbytes]
