@@ -6,7 +6,10 @@ A value's rows (every layer's key and value: 64 for a 32-layer model) are copied
 to the file store's C extension where it was built, which releases the GIL once for all of
 them: copied one by one through numpy, each copy gives the GIL up and takes it back, and
 beside the store's other threads and the event loop each of those waits its turn (on two
-processors a hot read's copies took twice as long that way)."""
+processors a hot read's copies took twice as long that way). Without the extension, numpy
+copies the rows a group of cache tensors at one stride at a time
+(:class:`~kvpipe._hostcopy.RowGroups`: one copy for a cache in one buffer, one per tensor
+for tensors allocated one by one)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import numpy.typing as npt
 import xxhash
 
 from .._blockformat import TRAILER_NBYTES, check_trailer
+from .._hostcopy import scatter_values
 from .._plan import CopySegment
 from ..backends._base import FetchSink
 from ..backends.file import _native
@@ -52,7 +56,8 @@ class RowSink(FetchSink):
         self._rows = ctx.cache.byte_rows
         self.offset = int(self._rows[0].ctypes.data) % 4096 if self._rows else 0
         self._segments = ctx.segments
-        self._table = _table(tuple(ctx.segments))
+        self._table = _table(ctx.segments)
+        self._groups = ctx.cache.row_groups(ctx.segments)
         self._native = _scatter_rows
         self._payload = ctx.payload_nbytes
         self._verify = ctx.config.verify_checksums
@@ -102,8 +107,9 @@ class RowSink(FetchSink):
                 return
             except (ValueError, BufferError):  # buffers it does not take: numpy's way
                 self._native = None
-        for seg in self._segments:
-            self._rows[seg.tensor][block] = data[seg.offset : seg.offset + seg.nbytes]
+        # One numpy copy per group of cache tensors at one stride (one buffer, as
+        # create_kv_cache allocates: one group), else per tensor.
+        scatter_values(self._segments, [data], [block], self._groups)
 
     def covers(self, count: int) -> bool:
         """Whether the first ``count`` values were all handed over (``0``: whether none
