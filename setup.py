@@ -8,7 +8,12 @@ optional: where they cannot be compiled (no C compiler), kvpipe does the same in
   python-xxhash, one GIL round trip per value.
 """
 
+import platform
+
 from setuptools import Extension, setup
+
+# xxHash's run-time choice of vector unit builds for x86 only, with baseline flags.
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 setup(
     ext_modules=[
@@ -20,9 +25,11 @@ setup(
         ),
         Extension(
             "kvpipe._digests",
-            ["kvpipe/_digests.c"],
+            ["kvpipe/_digests.c", *(["ext/xxhash/xxh_x86dispatch.c"] if X86 else [])],
             include_dirs=["ext/xxhash"],
-            depends=["ext/xxhash/xxhash.h"],  # also what puts the header in an sdist
+            define_macros=[("XXHASH_X86_DISPATCH", "1")] if X86 else [],
+            # also what puts the headers in an sdist
+            depends=["ext/xxhash/xxhash.h", "ext/xxhash/xxh_x86dispatch.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
             optional=True,
         ),
