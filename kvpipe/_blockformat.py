@@ -91,22 +91,20 @@ def seal_blocks(
         raise ValueError(f"{len(key_digests)} key digests for {len(values)} values")
     whole = checksum if whole is None else whole
     flags = FLAG_CHECKSUM if checksum else 0
-    trailers = [_TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, k, 0) for k in key_digests]
-    end = payload_nbytes + TRAILER_NBYTES
     if checksum and native is not None and values:
-        digests: list[int] = native.seal(values, payload_nbytes, b"".join(trailers), _DIGEST_AT)
+        trailers = b"".join(
+            _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, k, 0) for k in key_digests
+        )  # the extension writes each payload's digest at _DIGEST_AT
+        digests: list[int] = native.seal(values, payload_nbytes, trailers, _DIGEST_AT)
         return digests if whole else None
+    end = payload_nbytes + TRAILER_NBYTES
     out: list[int] = []
-    for value, trailer in zip(values, trailers, strict=True):
-        h = xxhash.xxh3_64(value[:payload_nbytes].data) if checksum else None
-        if h is not None:
-            trailer = _TRAILER.pack(
-                MAGIC, VERSION, flags, payload_nbytes, trailer[16:32], h.intdigest()
-            )
+    for value, key_digest in zip(values, key_digests, strict=True):
+        h = xxhash.xxh3_64(value[:payload_nbytes].data) if checksum or whole else None
+        digest = h.intdigest() if h is not None and checksum else 0
+        trailer = _TRAILER.pack(MAGIC, VERSION, flags, payload_nbytes, key_digest, digest)
         value[payload_nbytes:end] = np.frombuffer(trailer, np.uint8)
-        if whole:
-            if h is None:
-                h = xxhash.xxh3_64(value[:payload_nbytes].data)
+        if h is not None and whole:
             h.update(trailer)
             out.append(h.intdigest())
     return out if whole else None

@@ -30,7 +30,6 @@ __all__ = (
     "scatter_values",
     "seal_slots",
     "verify_slots",
-    "verify_values",
 )
 
 Rows = npt.NDArray[np.uint8]
@@ -74,12 +73,16 @@ class RowGroups:
             segment.nbytes)``, C-contiguous rows.
     """
 
-    __slots__ = ("groups", "rows", "segments")
+    __slots__ = ("groups", "rows", "segments", "table")
 
     def __init__(self, segments: Sequence[CopySegment], rows: Sequence[Rows]) -> None:
         self.segments = tuple(segments)
         self.rows = tuple(rows)
         self.groups = _group(self.segments, self.rows)
+        #: The segments as int64 triples (tensor, offset, bytes): a native copy's table.
+        self.table = np.array(
+            [(s.tensor, s.offset, s.nbytes) for s in self.segments], np.int64
+        ).reshape(-1, 3)
 
 
 def _group(segments: tuple[CopySegment, ...], rows: Sequence[Rows]) -> tuple[RowGroup, ...]:
@@ -177,18 +180,13 @@ def scatter_values(
     blocks = np.asarray(cache_blocks, dtype=np.int64)
     for lo, hi, view in _value_runs(values):
         dst = blocks[lo:hi]
-        if view is None:
-            b = int(dst[0])
-            value = values[lo]
-            for group in groups:
-                end = group.offset + group.count * group.nbytes
-                group.rows[:, b] = value[group.offset : end].reshape(group.count, group.nbytes)
-        else:
-            lo_b = int(dst[0])
-            consecutive = int(dst[-1]) - lo_b == len(dst) - 1 and bool(np.all(np.diff(dst) == 1))
-            where = slice(lo_b, lo_b + len(dst)) if consecutive else dst
-            for group in groups:
-                group.rows[:, where] = group.of(view)
+        if view is None:  # a value of its own: a run of one
+            view = values[lo][None]
+        lo_b = int(dst[0])
+        consecutive = int(dst[-1]) - lo_b == len(dst) - 1 and bool(np.all(np.diff(dst) == 1))
+        where = slice(lo_b, lo_b + len(dst)) if consecutive else dst
+        for group in groups:
+            group.rows[:, where] = group.of(view)
 
 
 def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
@@ -249,10 +247,3 @@ def _owner(value: Rows) -> Rows | None:
             obj = obj.obj
         else:
             return None
-
-
-def verify_values(
-    values: Sequence[Rows], payload_nbytes: int, digests: Sequence[bytes], verify: bool
-) -> list[str | None]:
-    """Check every value's trailer (and checksum); ``None`` for a sound block."""
-    return check_blocks(values, payload_nbytes, digests, verify)

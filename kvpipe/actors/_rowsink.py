@@ -13,9 +13,8 @@ for tensors allocated one by one)."""
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,6 @@ import xxhash
 
 from .._blockformat import TRAILER_NBYTES, check_trailer
 from .._hostcopy import scatter_values
-from .._plan import CopySegment
 from ..backends._base import FetchSink
 from ..backends.file import _native
 from ._base import ActorContext, SliceJob
@@ -53,11 +51,10 @@ class RowSink(FetchSink):
         self._values = [job.lease.view(i) for i in range(n)]
         self._digests = ctx.digests_of(state, spec)
         self._blocks = state.block_ids[spec.first_block : spec.end_block]
-        self._rows = ctx.cache.byte_rows
-        self.offset = int(self._rows[0].ctypes.data) % 4096 if self._rows else 0
-        self._segments = ctx.segments
-        self._table = _table(ctx.segments)
         self._groups = ctx.cache.row_groups(ctx.segments)
+        rows = self._groups.rows
+        self.offset = int(rows[0].ctypes.data) % 4096 if rows else 0
+        self._segments = ctx.segments
         self._native = _scatter_rows
         self._payload = ctx.payload_nbytes
         self._verify = ctx.config.verify_checksums
@@ -103,7 +100,7 @@ class RowSink(FetchSink):
         """Copy a sound value's segments into cache block ``block``."""
         if self._native is not None:
             try:
-                self._native(data, self._rows, block, self._table)
+                self._native(data, self._groups.rows, block, self._groups.table)
                 return
             except (ValueError, BufferError):  # buffers it does not take: numpy's way
                 self._native = None
@@ -139,9 +136,3 @@ class RowSink(FetchSink):
     def wait_idle(self) -> None:
         """Block until no copy is running (after :meth:`close`: none will again)."""
         self._idle.wait()
-
-
-@functools.lru_cache(maxsize=8)
-def _table(segments: Sequence[CopySegment]) -> npt.NDArray[np.int64]:
-    """The native scatter's table of a layout's segments: (tensor, offset, bytes) each."""
-    return np.array([(s.tensor, s.offset, s.nbytes) for s in segments], np.int64).reshape(-1, 3)

@@ -15,8 +15,9 @@ import logging
 
 import anyio
 
+from .._blockformat import check_blocks
 from .._errors import BackendError
-from .._hostcopy import gather, scatter, scatter_values, verify_values
+from .._hostcopy import gather, scatter, scatter_values
 from .._plan import copy_plan, leading_run
 from .._results import ReadStopReason
 from ..backends._base import BlockStatus, GetBatch
@@ -246,7 +247,7 @@ class Reader(Actor[SliceJob]):
         ctx, spec, state = self.ctx, job.spec, job.state
         return await ctx.run_copy(
             (hi - lo) * ctx.payload_nbytes if ctx.config.verify_checksums else 0,
-            verify_values,
+            check_blocks,
             job.sources(lo, hi),
             ctx.payload_nbytes,
             ctx.digests_of(state, spec)[lo:hi],
@@ -272,7 +273,7 @@ class Reader(Actor[SliceJob]):
         staging, rows, lent = job.lease.pool.buffer, ctx.cache.row_groups(segments), bool(job.lent)
 
         def work() -> list[str | None]:
-            checks = verify_values(sources, payload, digests, check_sums)
+            checks = check_blocks(sources, payload, digests, check_sums)
             k = leading_run(c is None for c in checks)
             if k and lent:
                 scatter_values(segments, sources[:k], blocks[:k], rows)
@@ -302,7 +303,7 @@ class Reader(Actor[SliceJob]):
         rows = ctx.cache.row_groups(segments)
 
         def work() -> list[str | None]:
-            checks = verify_values(sources, payload, [digests[i] for i in unseen], check_sums)
+            checks = check_blocks(sources, payload, [digests[i] for i in unseen], check_sums)
             sound = [j for j, c in enumerate(checks) if c is None]
             if sound:
                 scatter_values(
