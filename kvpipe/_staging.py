@@ -7,13 +7,20 @@ on a timeout (:meth:`kvpipe._workers.ThreadRunner.run` keeps its own reference u
 thread returns).
 
 Waiters are served first come, first served, so a large slice is not starved by small ones.
+
+A store that keeps the values it is given (the memory store) gets each put gathered into
+memory of the values' own (:func:`private_lease`), or from a :class:`ValueMemory` that hands
+the memory of values nobody refers to any more to new ones.
 """
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import logging
 import os
+import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Final, TypeVar, final
@@ -26,7 +33,7 @@ import numpy.typing as npt
 
 from ._errors import ConfigError
 
-__all__ = ("StagingLease", "StagingPool", "private_lease", "stride_for")
+__all__ = ("StagingLease", "StagingPool", "ValueMemory", "private_lease", "stride_for")
 
 log = logging.getLogger("kvpipe.staging")
 
@@ -273,3 +280,76 @@ def private_lease(slot_nbytes: int, count: int) -> StagingLease:
     is gathered into when the store keeps the values it is given."""
     pool = StagingPool(slot_nbytes, count)
     return pool._lease(pool._take(count))
+
+
+@final
+class ValueMemory:
+    """Memory for values a store keeps, reused once nothing refers to them any more.
+
+    Fresh memory costs a page fault per page (the kernel zeroes each one first) and, on a
+    machine with few cores, holds up other threads' faults and the event loop's own
+    allocations; memory a deleted value held is already mapped. Each lease's slots lie in a
+    buffer of the pool's own; the arrays over it refer to it through a small wrapper object,
+    and when the last of them is gone (the store deleted or replaced every value of the lease
+    and nobody still reads one), reference counting alone returns the buffer here. Buffers
+    come back for leases of the same shape; up to ``limit_bytes`` of them are held, the rest
+    freed.
+
+    Thread-safe: leases are made in worker threads, and a buffer returns in whichever thread
+    drops the last reference to it.
+
+    Args:
+        limit_bytes: Bytes of unused buffers held for reuse at most (0: none, every lease
+            gets new memory).
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        if limit_bytes < 0:
+            raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes!r}")
+        self.limit_bytes = limit_bytes
+        self._free: dict[tuple[int, int], list[Rows]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+        #: Leases served from a returned buffer / from new memory.
+        self.reused = 0
+        self.allocated = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of unused buffers held for reuse now."""
+        return self._held
+
+    def lease(self, slot_nbytes: int, count: int) -> StagingLease:
+        """``count`` slots for values of ``slot_nbytes`` (as :func:`private_lease`), in a
+        returned buffer of the same shape when one is held."""
+        shape = (count, stride_for(slot_nbytes))
+        with self._lock:
+            free = self._free.get(shape)
+            buffer = free.pop() if free else None
+            if buffer is not None:
+                self._held -= buffer.nbytes
+                self.reused += 1
+            else:
+                self.allocated += 1
+        if buffer is None:
+            buffer = _page_aligned(shape)
+        # Views of the arrays below refer to the wrapper, not to ``buffer``: the wrapper dies
+        # with the last of them, and only then does ``buffer`` come back.
+        wrapper = (ctypes.c_ubyte * buffer.nbytes).from_buffer(buffer.data)
+        weakref.finalize(wrapper, self._returned, shape, buffer).atexit = False
+        pool = StagingPool(
+            slot_nbytes, count, np.frombuffer(memoryview(wrapper), np.uint8).reshape(shape)
+        )
+        return pool._lease(pool._take(count))
+
+    def clear(self) -> None:
+        """Free every buffer held for reuse (those still in use are freed when let go)."""
+        with self._lock:
+            self._free.clear()
+            self._held = 0
+
+    def _returned(self, shape: tuple[int, int], buffer: Rows) -> None:
+        with self._lock:
+            if self._held + buffer.nbytes <= self.limit_bytes:
+                self._free.setdefault(shape, []).append(buffer)
+                self._held += buffer.nbytes

@@ -3,13 +3,16 @@ ThreadRunner (results, errors, and holding staging while an abandoned thread sti
 
 from __future__ import annotations
 
+import threading
+import time
+
 import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
 
 from kvpipe._errors import ConfigError
-from kvpipe._staging import StagingLease, StagingPool
+from kvpipe._staging import StagingLease, StagingPool, ValueMemory
 from tests.helpers import checkpoints, until
 
 # ---------------------------------------------------------------- pool basics
@@ -270,3 +273,64 @@ async def test_served_then_cancelled_is_consistent() -> None:
     assert pool.leases == 0
     again = await pool.acquire(1)
     again.release()
+
+
+def test_value_memory_reuses_a_buffer_once_nothing_refers_to_it() -> None:
+    memory = ValueMemory(limit_bytes=1 << 20)
+    lease = memory.lease(1000, 4)
+    address = lease.pool.buffer.ctypes.data
+    lease.view(2)[:] = 7
+    kept = np.frombuffer(lease.view(2).data, np.uint8)  # what a store keeps of a value
+    lent = memoryview(kept).toreadonly()  # what a reader borrows
+    lease.release()
+    del lease, kept
+    assert memory.held_bytes == 0  # a value of it is still referred to
+    other = memory.lease(1000, 4)
+    assert memory.allocated == 2 and memory.reused == 0
+    assert other.pool.buffer.ctypes.data != address
+    other.pool.buffer[:] = 1
+    assert bytes(lent) == b"\x07" * 1000
+    del lent
+    assert memory.held_bytes == 4 * 1024
+    again = memory.lease(1000, 4)
+    assert (memory.reused, again.pool.buffer.ctypes.data) == (1, address)
+    assert memory.held_bytes == 0
+    memory.lease(1000, 2)  # another shape: new memory
+    assert memory.allocated == 3
+
+
+def test_value_memory_holds_at_most_its_limit_and_clear_frees_it() -> None:
+    memory = ValueMemory(limit_bytes=4 * 1024)
+    leases = [memory.lease(1000, 4) for _ in range(3)]
+    del leases
+    assert memory.held_bytes == 4 * 1024  # one buffer held, two freed
+    memory.clear()
+    assert memory.held_bytes == 0
+    none = ValueMemory(limit_bytes=0)
+    none.lease(1000, 4)
+    assert none.held_bytes == 0
+    with pytest.raises(ValueError):
+        ValueMemory(limit_bytes=-1)
+
+
+def test_value_memory_never_hands_out_memory_in_use_from_many_threads() -> None:
+    memory = ValueMemory(limit_bytes=64 * 4096)
+    broken: list[str] = []
+
+    def work(tag: int) -> None:
+        for _ in range(200):
+            lease = memory.lease(4000, 2)
+            buffer = lease.pool.buffer
+            buffer[:] = tag
+            time.sleep(0)
+            if not (buffer == tag).all():
+                broken.append(f"thread {tag}: a buffer in use was handed out again")
+            del lease, buffer
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert broken == []
+    assert memory.reused > 0

@@ -31,7 +31,7 @@ from .._hostcopy import gather, seal_slots
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
 from .._plan import CopySegment, SliceSpec, copy_plan
-from .._staging import StagingLease, StagingPool, private_lease
+from .._staging import StagingLease, StagingPool
 from .._workers import Lane, ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
 from ._channels import Outboxes
@@ -165,14 +165,15 @@ class ActorContext:
         digests = self.digests_of(state, spec)
         payload, checksum = self.payload_nbytes, self.config.verify_checksums
         if self.keep_values:
-            # Memory the store keeps, allocated in the worker thread with the gather: a large
-            # allocation maps memory, which on the event loop's thread would wait behind the
-            # page faults of copies running in other threads.
+            # Memory the store keeps (its value_memory), taken in the worker thread with the
+            # gather: a large new allocation maps memory, which on the event loop's thread
+            # would wait behind the page faults of copies running in other threads.
             plan = copy_plan(self.segments, blocks, list(range(spec.count)))
             slot_nbytes, rows = self.pool.slot_nbytes, self.cache.row_groups(self.segments)
+            new_values = self.backend.value_memory
 
             def gather_into_new() -> StagingLease:
-                data = private_lease(slot_nbytes, spec.count)
+                data = new_values(slot_nbytes, spec.count)
                 gather(plan, rows, data.pool.buffer)
                 seal_slots(data.pool.buffer, data.slots, payload, digests, checksum)
                 return data

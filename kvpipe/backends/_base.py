@@ -19,7 +19,7 @@ from typing import Any, Final, TypeVar
 
 from .._keys import Scope, Tokens
 from .._results import ResidencyEntry
-from .._staging import StagingLease
+from .._staging import StagingLease, private_lease
 from .._workers import Lane, ThreadRunner
 
 __all__ = (
@@ -351,8 +351,8 @@ class StorageBackend(abc.ABC):
     #: A short name for logs and statistics.
     name: str = "backend"
     #: The backend keeps the values it is given in memory (an in-process store): kvpipe then
-    #: gathers each put into memory of its own (:attr:`PutBatch.may_keep`) so the backend can
-    #: keep the values without copying them.
+    #: gathers each put into memory of its own (:attr:`PutBatch.may_keep`, from
+    #: :meth:`value_memory`) so the backend can keep the values without copying them.
     keeps_values: bool = False
     #: The backend hands fetched values to :attr:`GetBatch.sink` (:class:`FetchSink`): kvpipe
     #: then offers one with each get (for other backends it builds none).
@@ -402,6 +402,12 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
         """Every node's record for each key (an empty sequence when there is none)."""
+
+    def value_memory(self, slot_nbytes: int, count: int) -> StagingLease:
+        """Memory for ``count`` values of up to ``slot_nbytes`` bytes that a put is gathered
+        into and the backend then keeps (asked only when :attr:`keeps_values`). Called from
+        worker threads: it must be thread-safe. Default: new memory of the values' own."""
+        return private_lease(slot_nbytes, count)
 
     async def register_staging(self, buffer: memoryview) -> None:  # noqa: B027
         """Called when a pipeline opens with the buffer values will be moved from or into:

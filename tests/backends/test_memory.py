@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 
 import kvpipe
-from kvpipe.backends import BlockStatus, StorageBackend
+from kvpipe._keys import Scope, as_tokens
+from kvpipe._staging import StagingPool
+from kvpipe._workers import ThreadRunner
+from kvpipe.backends import BlockStatus, GetBatch, PutBatch, StorageBackend
 from kvpipe.testing import BackendConformance
+from tests.helpers import fill_random
+
+SCOPE = Scope("t", "0123456789abcdef")
 
 
 class TestMemoryStoreConformance(BackendConformance):
@@ -33,3 +40,59 @@ async def test_capacity_reports_no_space_for_what_does_not_fit() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError):
         kvpipe.MemoryStore(capacity_bytes=0)
+
+
+def test_recycle_bytes_must_not_be_negative() -> None:
+    with pytest.raises(ValueError):
+        kvpipe.MemoryStore(recycle_bytes=-1)
+
+
+LAYOUT = kvpipe.CacheLayout.gqa(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+
+
+async def test_later_puts_reuse_the_memory_of_deleted_values() -> None:
+    store = kvpipe.MemoryStore()
+    src = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    fill_random(src, seed=1)
+    dst = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    config = kvpipe.PipelineConfig(slice_block_num=4)
+    first, second = np.arange(16 * 8), np.arange(16 * 8) + 10_000
+    async with kvpipe.open_pipeline(src, store, config=config) as w:
+        assert (await w.write(first, np.arange(8))).complete
+        assert store.statistics()["recycle_allocated"] == 2
+        await store.delete(store.keys())
+        assert store.statistics()["recycle_held_bytes"] > 0
+        assert (await w.write(second, np.arange(8, 16))).complete
+    stats = store.statistics()
+    assert (stats["recycle_reused"], stats["recycle_allocated"]) == (2, 2)
+    async with kvpipe.open_pipeline(dst, store, config=config) as r:
+        assert (await r.read(second, np.arange(8))).complete
+    for rows, got in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(rows[8:16], got[:8])
+
+
+async def test_a_lent_value_keeps_its_memory_from_new_puts() -> None:
+    store = kvpipe.MemoryStore()
+    keys, slot = ["k0", "k1"], 4096
+    common = (SCOPE, "r", keys, 0, as_tokens(np.arange(8)))
+    async with ThreadRunner() as runner:
+        extra = {"value_nbytes": slot, "runner": runner, "limiter": None}
+        kept = store.value_memory(slot, 2)
+        kept.pool.buffer[:] = 5
+        put = PutBatch(*common, lease=kept, may_keep=True, **extra)
+        assert list(await store.put_blocks(put)) == [BlockStatus.OK] * 2
+        kept.release()
+        del kept, put
+        staging = StagingPool(slot, 2)
+        get = GetBatch(*common, lease=staging.try_acquire(2), may_lend=True, **extra)
+        assert list(await store.get_blocks(get)) == [BlockStatus.OK] * 2
+        lent = list(get.lent().values())
+        del get
+        await store.delete(keys)
+        new = store.value_memory(slot, 2)  # the memory is still lent: not reused
+        new.pool.buffer[:] = 9
+        assert store.statistics()["recycle_reused"] == 0
+        assert all(bytes(v) == b"\x05" * slot for v in lent)
+        del lent, new
+        assert store.value_memory(slot, 2) is not None
+        assert store.statistics()["recycle_reused"] == 1
