@@ -290,7 +290,7 @@ class FileStore(StorageBackend):
         parent: str | None,
         fingerprint: str,
         abandoned: Abandon,
-        checksums: list[int] | None = None,
+        checksums: list[int] | None,
     ) -> list[BlockStatus]:
         if not keys:
             return []
