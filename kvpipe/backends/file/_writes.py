@@ -102,7 +102,7 @@ def write_one(
     parts, name = block_location(key)
     chunks = _chunks(key, value, fingerprint, direct, scratch.pages(1)[0], checksum)
     try:
-        if root.write_atomic(parts, name, chunks, hooks.durability, hooks.abandoned, direct):
+        if root.write_atomic(parts, name, chunks, hooks.durability, hooks.abandoned.is_set, direct):
             hooks.count(direct_writes=int(direct))
             return BlockStatus.OK
         return BlockStatus.FAILED
