@@ -231,9 +231,4 @@ def write_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:
     views = [memoryview(c).cast("B") for c in chunks if len(c)]
     at = 0
     while at < len(views):
-        n = os.writev(fd, views[at : at + _IOV_MAX])
-        while at < len(views) and n >= len(views[at]):
-            n -= len(views[at])
-            at += 1
-        if at < len(views) and n:
-            views[at] = views[at][n:]
+        at = _advance(views, at, os.writev(fd, views[at : at + _IOV_MAX]))
