@@ -113,8 +113,6 @@ class CatalogStats:
     bytes: int
     pending: int
     namespaces: dict[str, int]
-    oldest: float | None
-    newest: float | None
     residency_records: int
 
 
@@ -374,16 +372,14 @@ class Catalog:
     def stats(self) -> CatalogStats:
         """Totals over the whole store."""
         with self._conn() as db:
-            blocks, oldest, newest = db.execute(
-                "SELECT COUNT(*), MIN(created), MAX(created) FROM blocks WHERE ready=1"
-            ).fetchone()
+            (blocks,) = db.execute("SELECT COUNT(*) FROM blocks WHERE ready=1").fetchone()
             (total,) = db.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()
             (pending,) = db.execute("SELECT COUNT(*) FROM blocks WHERE ready=0").fetchone()
             spaces = dict(
                 db.execute("SELECT namespace, COUNT(*) FROM blocks WHERE ready=1 GROUP BY 1")
             )
             (records,) = db.execute("SELECT COUNT(*) FROM residency").fetchone()
-        return CatalogStats(blocks, total, pending, spaces, oldest, newest, records)
+        return CatalogStats(blocks, total, pending, spaces, records)
 
     # -- residency ---------------------------------------------------------------------------
 
