@@ -64,7 +64,7 @@ _libc: ctypes.CDLL | None = None
 _have_openat2 = _SYS_OPENAT2 is not None and sys.platform == "linux"
 
 
-def openat2(dir_fd: int, rel: str, flags: int, mode: int = 0) -> int | None:
+def openat2(dir_fd: int, rel: str, flags: int) -> int | None:
     """``openat2`` beneath ``dir_fd``; ``None`` when the kernel lacks it.
 
     Raises:
@@ -76,7 +76,7 @@ def openat2(dir_fd: int, rel: str, flags: int, mode: int = 0) -> int | None:
         return None
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE)
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE)
     fd = int(
         _libc.syscall(_SYS_OPENAT2, dir_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
     )
