@@ -377,9 +377,12 @@ class FileStore(StorageBackend):
     def _in_shares(self, fn: Callable[[list[T]], list[U]], items: list[T]) -> list[U]:
         """``fn`` over ``threads`` consecutive shares of ``items`` on the executor, the
         results in order."""
+        pool = self._executor
+        if pool is None:
+            raise RuntimeError("file store is closed")
         step = max(1, -(-len(items) // self.threads))
         shares = [items[lo : lo + step] for lo in range(0, len(items), step)]
-        return [r for part in self._pool().map(fn, shares) for r in part]
+        return [r for part in pool.map(fn, shares) for r in part]
 
     def _refuse_direct(self, root: Root, exc: OSError) -> None:
         """The probe passed but a direct read or write was refused (a stricter device
@@ -391,12 +394,6 @@ class FileStore(StorageBackend):
                 root.path,
                 exc,
             )
-
-    def _pool(self) -> ThreadPoolExecutor:
-        pool = self._executor
-        if pool is None:
-            raise RuntimeError("file store is closed")
-        return pool
 
     async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
         """Read and verify block files into the batch's buffers.
