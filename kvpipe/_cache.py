@@ -20,7 +20,7 @@ from typing import Any, Literal, cast, final
 import numpy as np
 import numpy.typing as npt
 
-from ._device_tensors import device_pointers, device_tensor, parse_device
+from ._device_tensors import device_pointers, device_tensor, dtype_name, parse_device
 from ._errors import LayoutError, Unsupported
 from ._hostcopy import RowGroups
 from ._layout import CacheLayout, RoleSpec, numpy_dtype
@@ -30,11 +30,6 @@ __all__ = ("KVCache", "create_kv_cache")
 
 ByteRows = npt.NDArray[np.uint8]
 _PAGE = 4096
-
-
-def _dtype_name(obj: Any) -> str:
-    """``paddle.bfloat16`` / ``torch.bfloat16`` / numpy dtype → ``bfloat16``."""
-    return str(obj).rsplit(".", 1)[-1]
 
 
 def _check_shape(spec: RoleSpec, layer: int, shape: tuple[int, ...], num_blocks: int) -> None:
@@ -55,16 +50,18 @@ def _numpy_rows(spec: RoleSpec, layer: int, arr: npt.NDArray[Any], num_blocks: i
     return rows
 
 
-def _pointer_rows(
-    spec: RoleSpec, layer: int, ptr: int, shape: tuple[int, ...], dtype: str, num_blocks: int
-) -> ByteRows:
+def _data_ptr_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
+    """Rows aliasing a CPU tensor that exposes ``data_ptr()`` (Paddle, PyTorch)."""
+    if not t.is_contiguous():
+        raise LayoutError(f"{spec.name}[{layer}]: tensor is not contiguous")
+    dtype = dtype_name(t.dtype)
     if dtype != spec.dtype:
         raise LayoutError(f"{spec.name}[{layer}]: dtype {dtype}, expected {spec.dtype}")
-    _check_shape(spec, layer, shape, num_blocks)
+    _check_shape(spec, layer, tuple(int(d) for d in t.shape), num_blocks)
     nbytes = num_blocks * spec.block_nbytes
     if nbytes == 0:
         return np.empty((num_blocks, 0), dtype=np.uint8)
-    raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    raw = (ctypes.c_uint8 * nbytes).from_address(int(t.data_ptr()))
     rows: ByteRows = np.ctypeslib.as_array(raw).reshape(num_blocks, spec.block_nbytes)
     return rows
 
@@ -75,10 +72,7 @@ def _paddle_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRow
             f"{spec.name}[{layer}] is a Paddle tensor on {t.place}; device caches need the "
             "CUDA device path, which is not available in this build"
         )
-    if not t.is_contiguous():
-        raise LayoutError(f"{spec.name}[{layer}]: tensor is not contiguous")
-    shape = tuple(int(d) for d in t.shape)
-    return _pointer_rows(spec, layer, int(t.data_ptr()), shape, _dtype_name(t.dtype), num_blocks)
+    return _data_ptr_rows(spec, layer, t, num_blocks)
 
 
 def _generic_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
@@ -86,12 +80,7 @@ def _generic_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRo
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise Unsupported(f"{spec.name}[{layer}] lives on {device}; only CPU tensors here")
     if hasattr(t, "data_ptr") and hasattr(t, "is_contiguous"):
-        if not t.is_contiguous():
-            raise LayoutError(f"{spec.name}[{layer}]: tensor is not contiguous")
-        shape = tuple(int(d) for d in t.shape)
-        return _pointer_rows(
-            spec, layer, int(t.data_ptr()), shape, _dtype_name(t.dtype), num_blocks
-        )
+        return _data_ptr_rows(spec, layer, t, num_blocks)
     if hasattr(t, "__dlpack__") or hasattr(t, "__array_interface__"):
         try:
             arr = np.from_dlpack(t) if hasattr(t, "__dlpack__") else np.asarray(t)

@@ -18,7 +18,14 @@ from typing import Any, Final, final
 from ._errors import LayoutError, RequestError
 from ._layout import CacheLayout
 
-__all__ = ("DeviceTensor", "current_stream", "device_pointers", "device_tensor", "parse_device")
+__all__ = (
+    "DeviceTensor",
+    "current_stream",
+    "device_pointers",
+    "device_tensor",
+    "dtype_name",
+    "parse_device",
+)
 
 _KDL_CUDA: Final = 2
 _KDL_CUDA_MANAGED: Final = 13
@@ -95,8 +102,16 @@ def parse_device(device: str) -> int | None:
     raise LayoutError(f"unknown device {device!r}; expected 'cpu', 'gpu:N' or 'cuda:N'")
 
 
-def _name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """``paddle.bfloat16`` / ``torch.bfloat16`` / numpy dtype → ``bfloat16``."""
     return str(dtype).rsplit(".", 1)[-1]
+
+
+def _with_data_ptr(t: Any, index: int) -> DeviceTensor:
+    """A Paddle or PyTorch tensor on CUDA device ``index``, through ``data_ptr()``."""
+    shape = tuple(int(d) for d in t.shape)
+    contiguous = bool(t.is_contiguous())
+    return DeviceTensor(f"cuda:{index}", int(t.data_ptr()), shape, dtype_name(t.dtype), contiguous)
 
 
 def device_tensor(t: Any) -> DeviceTensor | None:
@@ -107,25 +122,10 @@ def device_tensor(t: Any) -> DeviceTensor | None:
     """
     place = getattr(t, "place", None)
     if type(t).__module__.startswith("paddle") and place is not None:
-        if not place.is_gpu_place():
-            return None
-        return DeviceTensor(
-            f"cuda:{int(place.gpu_device_id())}",
-            int(t.data_ptr()),
-            tuple(int(d) for d in t.shape),
-            _name(t.dtype),
-            bool(t.is_contiguous()),
-        )
+        return _with_data_ptr(t, int(place.gpu_device_id())) if place.is_gpu_place() else None
     device = getattr(t, "device", None)
     if getattr(device, "type", None) == "cuda" and hasattr(t, "data_ptr"):
-        index = getattr(device, "index", None)
-        return DeviceTensor(
-            f"cuda:{int(index or 0)}",
-            int(t.data_ptr()),
-            tuple(int(d) for d in t.shape),
-            _name(t.dtype),
-            bool(t.is_contiguous()),
-        )
+        return _with_data_ptr(t, int(getattr(device, "index", None) or 0))
     dl_device = getattr(t, "__dlpack_device__", None)
     if dl_device is not None and hasattr(t, "__dlpack__"):
         kind, index = (int(v) for v in dl_device())

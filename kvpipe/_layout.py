@@ -22,7 +22,7 @@ import numpy as np
 
 from ._errors import LayoutError
 
-__all__ = ("ROLE_ORDER", "CacheLayout", "RoleSpec", "dtype_itemsize", "numpy_dtype")
+__all__ = ("ROLE_ORDER", "CacheLayout", "RoleSpec", "numpy_dtype")
 
 #: Roles in their contract order within a layer.
 ROLE_ORDER: Final = ("key", "value", "key_scale", "value_scale", "indexer")
@@ -57,11 +57,6 @@ def numpy_dtype(name: str) -> np.dtype[np.generic]:
         raise LayoutError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
-def dtype_itemsize(name: str) -> int:
-    """Bytes per element of a kvpipe dtype name."""
-    return numpy_dtype(name).itemsize
-
-
 @final
 @dataclass(frozen=True, slots=True)
 class RoleSpec:
@@ -80,7 +75,7 @@ class RoleSpec:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block of one layer of this role."""
-        return math.prod(self.block_shape) * dtype_itemsize(self.dtype)
+        return math.prod(self.block_shape) * numpy_dtype(self.dtype).itemsize
 
 
 def _positive(name: str, value: int) -> int:

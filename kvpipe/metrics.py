@@ -56,20 +56,19 @@ _COUNTERS: Final = {
     "deadline_guard_expired": "Calls with no outcome by deadline + deadline_slack (should be 0).",
     "observer_errors": "Exceptions raised by observers (not propagated).",
 }
+#: ``statistics()`` fields exported as gauges of the same name.
+_GAUGES: Final = {
+    "queue_capacity": "Bound of every actor's inbox.",
+    "staging_in_use_bytes": "Staging leased now.",
+    "staging_capacity_bytes": "Size of the staging pool.",
+    "staging_waiters": "Slices waiting for staging.",
+    "threads_running": "kvpipe worker threads running.",
+    "slice_blocks": "Blocks per slice in use.",
+}
 _WRITE_OUTCOMES: Final = ("complete", "incomplete", "slice_timeout", "total_timeout")
 _TIMEOUTS: Final = ("slice_timeout", "total_timeout")
 _KINDS: Final = ("write", "read", "lookup", "locate", "flush")
 _BASE: Final = ("pipeline", "backend")
-
-
-def _require() -> None:
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError as exc:
-        raise Unsupported(
-            "kvpipe.PipelineMetrics needs the prometheus-client package: "
-            "pip install 'kvpipe[metrics]'"
-        ) from exc
 
 
 @dataclass(eq=False)
@@ -115,8 +114,13 @@ class PipelineMetrics:
         registry: CollectorRegistry | None = None,
         namespace: str = "kvpipe",
     ) -> None:
-        _require()
-        from prometheus_client import CollectorRegistry, Histogram
+        try:
+            from prometheus_client import CollectorRegistry, Histogram
+        except ImportError as exc:
+            raise Unsupported(
+                "kvpipe.PipelineMetrics needs the prometheus-client package: "
+                "pip install 'kvpipe[metrics]'"
+            ) from exc
 
         self._prefix = f"{namespace}_" if namespace else ""
         self._tracked: dict[Pipeline, _Tracked] = {}
@@ -250,8 +254,8 @@ class PipelineMetrics:
         restarts = counter("restarts", "Actor restarts after a crash.", "actor")
         for t, s in snapshots:
             base = [t.label, t.backend]
-            by_op = {("write", o): 0 for o in (*_WRITE_OUTCOMES, "backend_error")}
-            by_op.update({("read", o): 0 for o in (*_WRITE_OUTCOMES, "backend_error")})
+            outcomes = (*_WRITE_OUTCOMES, "backend_error")
+            by_op = {(op, o): 0 for op in ("write", "read") for o in outcomes}
             for key, n in s.slices.items():
                 op, outcome = ("read", key[5:]) if key.startswith("read_") else ("write", key)
                 by_op[(op, outcome)] = n
@@ -266,12 +270,7 @@ class PipelineMetrics:
         open_ = gauge("open", "1 while the pipeline accepts calls.")
         in_flight = gauge("in_flight_requests", "Calls accepted and not finished.", "kind")
         depth = gauge("queue_depth", "Items waiting in an actor's inbox.", "actor")
-        capacity = gauge("queue_capacity", "Bound of every actor's inbox.")
-        used = gauge("staging_in_use_bytes", "Staging leased now.")
-        staging = gauge("staging_capacity_bytes", "Size of the staging pool.")
-        waiters = gauge("staging_waiters", "Slices waiting for staging.")
-        threads = gauge("threads_running", "kvpipe worker threads running.")
-        slice_blocks = gauge("slice_blocks", "Blocks per slice in use.")
+        plain = {name: gauge(name, doc) for name, doc in _GAUGES.items()}
         backend = UnknownMetricFamily(
             p + "backend_statistic",
             "The store's own statistics() values.",
@@ -284,15 +283,10 @@ class PipelineMetrics:
                 in_flight.add_metric([*base, kind], s.in_flight.get(kind, 0))
             for actor, n in sorted(s.queue_depths.items()):
                 depth.add_metric([*base, actor], n)
-            capacity.add_metric(base, s.queue_capacity)
-            used.add_metric(base, s.staging_in_use_bytes)
-            staging.add_metric(base, s.staging_capacity_bytes)
-            waiters.add_metric(base, s.staging_waiters)
-            threads.add_metric(base, s.threads_running)
-            slice_blocks.add_metric(base, s.slice_blocks)
+            for name, family in plain.items():
+                family.add_metric(base, getattr(s, name))
             for stat, value in sorted(s.backend.items()):
                 backend.add_metric([*base, stat], float(value))
-        yield from (open_, in_flight, depth, capacity, used, staging, waiters, threads)
-        yield from (slice_blocks, backend)
+        yield from (open_, in_flight, depth, *plain.values(), backend)
         yield from self._slice.collect()
         yield from self._request.collect()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvpipe
-from kvpipe._layout import ROLE_ORDER, CacheLayout, dtype_itemsize, numpy_dtype
+from kvpipe._layout import ROLE_ORDER, CacheLayout, numpy_dtype
 
 GQA_ARGS: dict[str, Any] = dict(
     num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16"
@@ -280,7 +280,7 @@ def test_layout_error_is_value_error() -> None:
 )
 def test_known_dtypes(name: str, np_dtype: np.dtype[Any], itemsize: int) -> None:
     assert numpy_dtype(name) == np_dtype
-    assert dtype_itemsize(name) == itemsize
+    assert numpy_dtype(name).itemsize == itemsize
 
 
 def test_layout_is_frozen() -> None:

@@ -92,8 +92,14 @@ class ValueClient:
     def _batch(self, keys: Sequence[str]) -> KeyBatch:
         return KeyBatch(self.scope, "values", [validate_key(k) for k in keys], 0, _NO_TOKENS)
 
-    def _chunks(self, n: int) -> list[range]:
-        return [range(i, min(n, i + self.slots)) for i in range(0, n, self.slots)]
+    def _runs(self, sizes: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """``(size, positions)``: every position, grouped by its value's size, at most
+        ``slots`` to a group (one staged batch each)."""
+        by_size: dict[int, list[int]] = {}
+        for i, n in enumerate(sizes):
+            by_size.setdefault(n, []).append(i)
+        step = self.slots
+        return [(n, at[j : j + step]) for n, at in by_size.items() for j in range(0, len(at), step)]
 
     def _staged(self, kind: type[B], keys: list[str], lease: StagingLease, size: int) -> B:
         """A batch of whole values (no token prefix: the keys are the caller's)."""
@@ -128,23 +134,18 @@ class ValueClient:
         for k in keys:
             validate_key(k)
         out: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
-        by_size: dict[int, list[int]] = {}
-        for i, v in enumerate(values):
-            by_size.setdefault(memoryview(v).nbytes, []).append(i)
-        for size, positions in by_size.items():
+        for size, picked in self._runs([memoryview(v).nbytes for v in values]):
             pool = await self._pool(size)
-            for chunk in self._chunks(len(positions)):
-                picked = [positions[j] for j in chunk]
-                lease = await pool.acquire(len(picked))
-                try:
-                    for slot, i in zip(lease.slots, picked, strict=True):
-                        pool.slot(slot)[:] = np.frombuffer(values[i], np.uint8)
-                    batch = self._staged(PutBatch, [keys[i] for i in picked], lease, size)
-                    got = list(await self.store.put_blocks(batch))
-                finally:
-                    lease.release()
-                for i, status in zip(picked, got, strict=True):
-                    out[i] = status
+            lease = await pool.acquire(len(picked))
+            try:
+                for slot, i in zip(lease.slots, picked, strict=True):
+                    pool.slot(slot)[:] = np.frombuffer(values[i], np.uint8)
+                batch = self._staged(PutBatch, [keys[i] for i in picked], lease, size)
+                got = list(await self.store.put_blocks(batch))
+            finally:
+                lease.release()
+            for i, status in zip(picked, got, strict=True):
+                out[i] = status
         return out
 
     async def get(
@@ -164,24 +165,17 @@ class ValueClient:
         for k in keys:
             validate_key(k)
         out: list[tuple[BlockStatus, bytes]] = [(BlockStatus.FAILED, b"")] * len(keys)
-        by_size: dict[int, list[int]] = {}
-        for i, n in enumerate(nbytes):
-            by_size.setdefault(int(n), []).append(i)
-        for size, positions in by_size.items():
+        for size, picked in self._runs([int(n) for n in nbytes]):
             pool = await self._pool(size)
-            for chunk in self._chunks(len(positions)):
-                picked = [positions[j] for j in chunk]
-                lease = await pool.acquire(len(picked))
-                try:
-                    batch = self._staged(GetBatch, [keys[i] for i in picked], lease, size)
-                    got = list(await self.store.get_blocks(batch))
-                    for slot, i, status in zip(lease.slots, picked, got, strict=True):
-                        value = (
-                            pool.slot(slot)[:size].tobytes() if status is BlockStatus.OK else b""
-                        )
-                        out[i] = (status, value)
-                finally:
-                    lease.release()
+            lease = await pool.acquire(len(picked))
+            try:
+                batch = self._staged(GetBatch, [keys[i] for i in picked], lease, size)
+                got = list(await self.store.get_blocks(batch))
+                for slot, i, status in zip(lease.slots, picked, got, strict=True):
+                    value = pool.slot(slot)[:size].tobytes() if status is BlockStatus.OK else b""
+                    out[i] = (status, value)
+            finally:
+                lease.release()
         return out
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:

@@ -118,9 +118,9 @@ class MemoryStore(StorageBackend):
     async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
         """Copy stored values into the batch's buffers (see :class:`StorageBackend`)."""
         found = [self._data.get(key) for key in batch.keys]
+        statuses: list[BlockStatus] = []
         if batch.may_lend:  # values are immutable: lent, not copied
             await anyio.lowlevel.checkpoint()
-            statuses = []
             for i, value in enumerate(found):
                 if value is None:
                     statuses.append(BlockStatus.MISSING)
@@ -129,29 +129,26 @@ class MemoryStore(StorageBackend):
                 else:
                     batch.lend(i, value)
                     statuses.append(BlockStatus.OK)
-            self._counters["gets"] += 1
-            self._counters["blocks_got"] += statuses.count(BlockStatus.OK)
-            return statuses
-        buffers = batch.buffers
-
-        def copy() -> list[BlockStatus]:
-            out = []
-            for value, buf in zip(found, buffers, strict=True):
-                if value is None:
-                    out.append(BlockStatus.MISSING)
-                elif len(value) > len(buf):
-                    out.append(BlockStatus.CORRUPT)
-                else:
-                    np.frombuffer(buf, np.uint8)[: len(value)] = np.frombuffer(value, np.uint8)
-                    out.append(BlockStatus.OK)
-            return out
-
-        nbytes = sum(len(v) for v in found if v is not None)
-        if nbytes <= _INLINE_BYTES:
-            statuses = copy()
-            await anyio.lowlevel.checkpoint()
         else:
-            statuses = await batch.run_sync(copy)
+            buffers = batch.buffers
+
+            def copy() -> list[BlockStatus]:
+                out = []
+                for value, buf in zip(found, buffers, strict=True):
+                    if value is None:
+                        out.append(BlockStatus.MISSING)
+                    elif len(value) > len(buf):
+                        out.append(BlockStatus.CORRUPT)
+                    else:
+                        np.frombuffer(buf, np.uint8)[: len(value)] = np.frombuffer(value, np.uint8)
+                        out.append(BlockStatus.OK)
+                return out
+
+            if sum(len(v) for v in found if v is not None) <= _INLINE_BYTES:
+                statuses = copy()
+                await anyio.lowlevel.checkpoint()
+            else:
+                statuses = await batch.run_sync(copy)
         self._counters["gets"] += 1
         self._counters["blocks_got"] += statuses.count(BlockStatus.OK)
         return statuses

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar, final
@@ -263,10 +262,7 @@ class MooncakeStore(StorageBackend):
         """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        sizes = [batch.value_nbytes] * len(keys)
-        codes = await self._vendor(
-            batch, client.batch_upsert_from, keys, batch.buffer_addresses(), sizes
-        )
+        codes = await self._vendor(batch, client.batch_upsert_from, keys)
         out = []
         for key, code in zip(keys, codes, strict=True):
             if code == 0:
@@ -283,11 +279,8 @@ class MooncakeStore(StorageBackend):
         read is not trusted by :meth:`exists` again until it is stored anew."""
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        sizes = [batch.value_nbytes] * len(keys)
         try:
-            codes = await self._vendor(
-                batch, client.batch_get_into, keys, batch.buffer_addresses(), sizes
-            )
+            codes = await self._vendor(batch, client.batch_get_into, keys)
         except anyio.get_cancelled_exc_class():
             # The read gave up on these (a slice timeout: a segment owner hanging or gone):
             # do not count them in lookups again until they are stored anew.
@@ -307,9 +300,15 @@ class MooncakeStore(StorageBackend):
         self._counters["blocks_got"] += out.count(BlockStatus.OK)
         return out
 
-    async def _vendor(self, batch: PutBatch | GetBatch, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _vendor(
+        self, batch: PutBatch | GetBatch, fn: Callable[..., Any], keys: list[str]
+    ) -> Any:
+        """``fn(keys, addresses, sizes)`` over the batch's staging buffers, one code per key."""
+        sizes = [batch.value_nbytes] * len(keys)
         try:
-            codes = await batch.run_sync(self._inflight.track(fn), *args)
+            codes = await batch.run_sync(
+                self._inflight.track(fn), keys, batch.buffer_addresses(), sizes
+            )
         except Exception as exc:
             raise BackendError(self.name, fn.__name__, repr(exc)) from exc
         if len(codes) != len(batch.keys):
@@ -366,13 +365,3 @@ class MooncakeStore(StorageBackend):
     def statistics(self) -> Mapping[str, float]:
         """Counters of this client (blocks moved, codes seen, distrusted keys)."""
         return {**self._counters, "distrusted_keys": len(self._distrust)}
-
-
-def master_reachable(address: str, timeout: float = 1.0) -> bool:
-    """Whether something accepts TCP connections at ``host:port`` (blocking)."""
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError:
-        return False
-    return True

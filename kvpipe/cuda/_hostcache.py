@@ -17,14 +17,7 @@ from .._layout import CacheLayout, numpy_dtype
 from ._driver import CudaDriver, Driver
 from ._pinned import PinnedBuffer
 
-__all__ = ("create_host_cache", "host_cache_nbytes")
-
-
-def host_cache_nbytes(layout: CacheLayout, num_blocks: int) -> dict[str, int]:
-    """Bytes of each role's pinned allocation: ``num_layers * num_blocks * block_nbytes``."""
-    return {
-        spec.name: layout.num_layers * num_blocks * spec.block_nbytes for spec in layout.role_specs
-    }
+__all__ = ("create_host_cache",)
 
 
 def create_host_cache(

@@ -34,7 +34,6 @@ __all__ = (
     "Memory",
     "Mode",
     "SlotRun",
-    "VectorSplit",
     "choose_path",
     "dense_pairs",
     "launch_shape",
@@ -44,7 +43,6 @@ __all__ = (
     "segment_table",
     "slot_runs",
     "unpack_args",
-    "vector_split",
 )
 
 #: ``extern "C"`` kernel names in ``ext/kvpipe_copy.cu``.
@@ -204,27 +202,6 @@ def launch_shape(n_pairs: int, n_seg: int, max_seg_nbytes: int) -> LaunchShape:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class VectorSplit:
-    """How the kernel copies ``n`` bytes between two addresses: ``head`` single bytes, then
-    ``units`` aligned units of ``width`` bytes, then ``tail`` single bytes."""
-
-    width: int
-    head: int
-    units: int
-    tail: int
-
-
-def vector_split(src: int, dst: int, n: int) -> VectorSplit:
-    """The split ``kvpipe_copy_bytes`` uses (the widest mutually aligned unit ≤ 16 bytes)."""
-    mis = src ^ dst
-    width = next(w for w in (16, 8, 4, 2, 1) if mis & (w - 1) == 0)
-    head = min((width - (src & (width - 1))) & (width - 1), n)
-    units = (n - head) // width
-    return VectorSplit(width, head, units, n - head - units * width)
 
 
 class CopyPath(Enum):

@@ -142,30 +142,24 @@ def compile_source(source: bytes, filename: str, arch: str, kind: Kind = "cubin"
     try:
         opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture={arch}")]
         result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        log = _log(nvrtc, prog)
+        log = _output(nvrtc, prog, "ProgramLog").rstrip(b"\0").decode(errors="replace").strip()
         err = result[0] if isinstance(result, tuple) else result
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise DeviceError("nvrtcCompileProgram", err.name, f"{filename} for {arch}:\n{log}")
         if "warning" in log.lower():
             raise DeviceError("nvrtcCompileProgram", "WARNING", f"{filename} for {arch}:\n{log}")
-        if kind == "cubin":
-            (size,) = _check(nvrtc, "nvrtcGetCUBINSize", nvrtc.nvrtcGetCUBINSize(prog))
-            image = bytes(int(size))
-            _check(nvrtc, "nvrtcGetCUBIN", nvrtc.nvrtcGetCUBIN(prog, image))
-        else:
-            (size,) = _check(nvrtc, "nvrtcGetPTXSize", nvrtc.nvrtcGetPTXSize(prog))
-            image = bytes(int(size))
-            _check(nvrtc, "nvrtcGetPTX", nvrtc.nvrtcGetPTX(prog, image))
-        return image
+        return _output(nvrtc, prog, "CUBIN" if kind == "cubin" else "PTX")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def _log(nvrtc: Any, prog: Any) -> str:
-    (size,) = _check(nvrtc, "nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(prog))
+def _output(nvrtc: Any, prog: Any, what: str) -> bytes:
+    """``nvrtcGet<what>`` of ``prog`` (``CUBIN``, ``PTX``, ``ProgramLog``), sized first."""
+    size_call, call = f"nvrtcGet{what}Size", f"nvrtcGet{what}"
+    (size,) = _check(nvrtc, size_call, getattr(nvrtc, size_call)(prog))
     buf = bytes(int(size))
-    _check(nvrtc, "nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLog(prog, buf))
-    return buf.rstrip(b"\0").decode(errors="replace").strip()
+    _check(nvrtc, call, getattr(nvrtc, call)(prog, buf))
+    return buf
 
 
 def kernel_cache_dir() -> Path:

@@ -112,23 +112,18 @@ def _upload_table(drv: Driver, ledger: Ledger, events: EventPool, cache: KVCache
     data = segment_table(cache.pointers, layout_segments(cache.layout))
     table = ledger.mem_alloc(len(data))
     try:
-        host = ledger.pinned_alloc(len(data), mapped=False)
-        try:
+        with contextlib.ExitStack() as done:  # released in reverse order
+            host = ledger.pinned_alloc(len(data), mapped=False)
+            done.callback(ledger.pinned_free, host)
             host.array()[:] = np.frombuffer(data, dtype=np.uint8)
             stream = drv.stream_create()
-            try:
-                event = events.get()
-                try:
-                    drv.memcpy_htod_async(table, host.host_ptr, len(data), stream)
-                    drv.event_record(event, stream)
-                    while not drv.event_query(event):
-                        time.sleep(50e-6)
-                finally:
-                    events.put(event)
-            finally:
-                drv.stream_destroy(stream)
-        finally:
-            ledger.pinned_free(host)
+            done.callback(drv.stream_destroy, stream)
+            event = events.get()
+            done.callback(events.put, event)
+            drv.memcpy_htod_async(table, host.host_ptr, len(data), stream)
+            drv.event_record(event, stream)
+            while not drv.event_query(event):
+                time.sleep(50e-6)
     except BaseException:
         ledger.mem_free(table)
         raise

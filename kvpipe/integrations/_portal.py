@@ -39,14 +39,6 @@ T = TypeVar("T")
 HOP_SLACK: Final = 1.0
 
 
-def _in_running_loop() -> bool:
-    try:
-        anyio.lowlevel.current_token()
-    except anyio.NoEventLoopError:
-        return False
-    return True
-
-
 class LoopThread:
     """One event loop in one daemon thread; synchronous calls hop onto it.
 
@@ -73,8 +65,9 @@ class LoopThread:
             options = {"use_uvloop": True}
         except ImportError:
             pass
-        self._cm = anyio.from_thread.start_blocking_portal("asyncio", options, name=name)
-        self.portal = self._stack.enter_context(self._cm)
+        self.portal = self._stack.enter_context(
+            anyio.from_thread.start_blocking_portal("asyncio", options, name=name)
+        )
         self.uvloop = bool(options)
         ref = weakref.ref(self)
 
@@ -93,12 +86,15 @@ class LoopThread:
 
     def check_caller(self) -> None:
         """Raise if called from inside a running event loop (the call would block it)."""
-        if _in_running_loop():
-            raise RuntimeError(
-                f"{self.name}: synchronous call made from inside a running event loop; "
-                "call it from a plain thread (e.g. loop.run_in_executor / "
-                "anyio.to_thread.run_sync), or use kvpipe's async Pipeline directly"
-            )
+        try:
+            anyio.lowlevel.current_token()
+        except anyio.NoEventLoopError:
+            return
+        raise RuntimeError(
+            f"{self.name}: synchronous call made from inside a running event loop; "
+            "call it from a plain thread (e.g. loop.run_in_executor / "
+            "anyio.to_thread.run_sync), or use kvpipe's async Pipeline directly"
+        )
 
     def enter(self, cm: Any) -> Any:
         """Enter an async context manager in the loop; it is exited at :meth:`close`."""

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 import kvpipe
-from kvpipe._layout import dtype_itemsize
+from kvpipe._layout import numpy_dtype
 from tests.cuda.fake_driver import FakeDriver
 
 Rows = npt.NDArray[np.uint8]
@@ -43,7 +43,7 @@ class FakeCudaTensor:
     :class:`FakeDriver`, a ``device`` of type ``cuda``, ``data_ptr()``."""
 
     def __init__(self, fake: FakeDriver, shape: tuple[int, ...], dtype: str, index: int = 0):
-        self.nbytes = math.prod(shape) * dtype_itemsize(dtype)
+        self.nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
         self.ptr = fake.device_alloc(self.nbytes)
         self.shape = shape
         self.dtype = f"torch.{dtype}"

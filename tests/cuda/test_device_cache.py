@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import kvpipe
-from kvpipe._layout import dtype_itemsize
+from kvpipe._layout import numpy_dtype
 from kvpipe.cuda import probe_device
-from kvpipe.cuda._hostcache import host_cache_nbytes
 from tests.cuda.devcache import ODD_LAYOUTS, FakeCudaTensor, fake_device_cache, free_device_cache
 from tests.cuda.fake_driver import FakeDriver
 from tests.helpers import LAYOUTS, fill_random
@@ -77,7 +76,7 @@ class PaddleLikeGpuTensor:
 
 def test_paddle_gpu_tensors(fake: FakeDriver) -> None:
     layout = ODD_LAYOUTS["gqa_fp8_odd"]()
-    ptrs = [fake.device_alloc(math.prod(s) * dtype_itemsize(d)) for s, d in _specs(layout, 4)]
+    ptrs = [fake.device_alloc(math.prod(s) * numpy_dtype(d).itemsize) for s, d in _specs(layout, 4)]
     tensors = [
         PaddleLikeGpuTensor(s, d, p) for (s, d), p in zip(_specs(layout, 4), ptrs, strict=True)
     ]
@@ -159,7 +158,7 @@ def test_dlpack_cuda_tensors(fake: FakeDriver, name: str) -> None:
     layout = LAYOUTS[name]()
     tensors = []
     for shape, dtype in _specs(layout, 3):
-        ptr = fake.device_alloc(math.prod(shape) * dtype_itemsize(dtype) + 64)
+        ptr = fake.device_alloc(math.prod(shape) * numpy_dtype(dtype).itemsize + 64)
         tensors.append(DLPackCudaTensor(ptr + 64, shape, *_DL_CODES[dtype], offset=64))
     cache = kvpipe.KVCache.from_tensors(layout, tensors)
     assert cache.device == "cuda:0" and cache.framework == "dlpack"
@@ -211,8 +210,8 @@ def test_host_cache_is_pinned_with_the_device_byte_sizes(fake: FakeDriver, name:
     layout = LAYOUTS[name]()
     cache = kvpipe.create_host_cache(layout, 7, device_driver=fake)
     assert cache.device == "cpu"
-    sizes = host_cache_nbytes(layout, 7)
     # one pinned allocation per role, exactly that role's bytes over all layers
+    sizes = {s.name: layout.num_layers * 7 * s.block_nbytes for s in layout.role_specs}
     assert sorted(n for kind, n in fake.alloc_log if kind == "pinned") == sorted(sizes.values())
     assert sum(sizes.values()) == 7 * layout.block_nbytes
     if "key_scale" in layout.roles:

@@ -21,7 +21,7 @@ import pytest
 
 import kvpipe
 from kvpipe._blockformat import value_nbytes
-from kvpipe._layout import dtype_itemsize
+from kvpipe._layout import numpy_dtype
 from kvpipe._plan import copy_plan, layout_segments
 from kvpipe._staging import StagingPool, stride_for
 from kvpipe.cuda._driver import CudaDriver
@@ -58,7 +58,7 @@ class GpuTensor:
 
     def __init__(self, drv: CudaDriver, shape: tuple[int, ...], dtype: str) -> None:
         self.drv = drv
-        self.nbytes = math.prod(shape) * dtype_itemsize(dtype)
+        self.nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
         self.ptr = drv.mem_alloc(self.nbytes)
         self.shape, self.dtype = shape, f"torch.{dtype}"
         self.device = SimpleNamespace(type="cuda", index=0)

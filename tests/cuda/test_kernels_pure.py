@@ -35,7 +35,6 @@ from kvpipe.cuda._kernels import (
     segment_table,
     slot_runs,
     unpack_args,
-    vector_split,
 )
 from tests.cuda.devcache import ODD_LAYOUTS
 from tests.cuda.memory import RegionMemory
@@ -107,42 +106,6 @@ def test_launch_shape_rejects_empty(pairs: int, segs: int, nbytes: int) -> None:
 def test_launch_shape_rejects_grid_overflow() -> None:
     with pytest.raises(ValueError, match="grid limit"):
         launch_shape(2**30, 4, 16)
-
-
-# ---------------------------------------------------------------- the vector split
-
-
-@given(src=st.integers(0, 1 << 20), dst=st.integers(0, 1 << 20), n=st.integers(0, 5000))
-def test_vector_split_covers_every_byte_aligned(src: int, dst: int, n: int) -> None:
-    split = vector_split(src, dst, n)
-    assert split.head + split.units * split.width + split.tail == n
-    assert 0 <= split.head < split.width or (split.width == 1 and split.head == 0)
-    assert 0 <= split.tail < split.width or split.units == 0
-    if split.units:
-        assert (src + split.head) % split.width == 0
-        assert (dst + split.head) % split.width == 0
-    # the widest unit at which the two are mutually aligned (capped at 16 bytes)
-    assert (src - dst) % split.width == 0
-    if split.width < 16:
-        assert (src - dst) % (split.width * 2) != 0
-
-
-@pytest.mark.parametrize(
-    ("src", "dst", "n", "expected"),
-    [
-        (0, 0, 656, (16, 0, 41, 0)),  # a DSA key row, both aligned
-        (0, 0, 60, (16, 0, 3, 12)),  # a 60-byte block: the tail FastDeploy dropped
-        (4, 4, 60, (16, 12, 3, 0)),
-        (0, 8, 40, (8, 0, 5, 0)),
-        (1, 2, 7, (1, 0, 7, 0)),
-        (3, 3, 5, (16, 5, 0, 0)),
-    ],
-)
-def test_vector_split_examples(
-    src: int, dst: int, n: int, expected: tuple[int, int, int, int]
-) -> None:
-    s = vector_split(src, dst, n)
-    assert (s.width, s.head, s.units, s.tail) == expected
 
 
 # ---------------------------------------------------------------- pair and slot tables

@@ -113,8 +113,6 @@ class CatalogStats:
     bytes: int
     pending: int
     namespaces: dict[str, int]
-    oldest: float | None
-    newest: float | None
     residency_records: int
 
 
@@ -232,20 +230,19 @@ class Catalog:
         namespace: str,
         nbytes: int,
         capacity: int | None,
-        room: int | None = None,
+        room: int,
     ) -> Reservation:
         """Reserve room for a batch of consecutive blocks (``parent`` precedes ``keys[0]``).
 
         Args:
-            room: Bytes the batch may take on disk (see :func:`._space.room`), ``None``: no
-                limit. Every file is written before it replaces an older one, so each block
-                counts ``nbytes`` against it; blocks past it are refused (no eviction).
+            room: Bytes the batch may take on disk (see :func:`._space.room`). Every file is
+                written before it replaces an older one, so each block counts ``nbytes``
+                against it; blocks past it are refused (no eviction).
 
         Raises:
             CatalogFull: The disk is full: nothing was reserved.
         """
         now = time.time()
-        disk = room if room is not None else -1
         admitted: list[bool] = []
         victims: list[str] = []
         freed = 0
@@ -258,7 +255,7 @@ class Catalog:
                     continue
                 row = db.execute("SELECT nbytes FROM blocks WHERE key=?", (key,)).fetchone()
                 need = nbytes - (row[0] if row else 0)
-                if room is not None and disk < nbytes:
+                if room < nbytes:
                     admitted.append(False)
                     continue
                 if capacity is not None and total + need > capacity:
@@ -281,7 +278,7 @@ class Catalog:
                         (key, block_parent, namespace, nbytes, now, now, self.owner),
                     )
                 total += need
-                disk -= nbytes
+                room -= nbytes
                 admitted.append(True)
             db.execute("UPDATE meta SET value=? WHERE name='bytes'", (total,))
         return Reservation(admitted, victims, freed)
@@ -375,16 +372,14 @@ class Catalog:
     def stats(self) -> CatalogStats:
         """Totals over the whole store."""
         with self._conn() as db:
-            blocks, oldest, newest = db.execute(
-                "SELECT COUNT(*), MIN(created), MAX(created) FROM blocks WHERE ready=1"
-            ).fetchone()
+            (blocks,) = db.execute("SELECT COUNT(*) FROM blocks WHERE ready=1").fetchone()
             (total,) = db.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()
             (pending,) = db.execute("SELECT COUNT(*) FROM blocks WHERE ready=0").fetchone()
             spaces = dict(
                 db.execute("SELECT namespace, COUNT(*) FROM blocks WHERE ready=1 GROUP BY 1")
             )
             (records,) = db.execute("SELECT COUNT(*) FROM residency").fetchone()
-        return CatalogStats(blocks, total, pending, spaces, oldest, newest, records)
+        return CatalogStats(blocks, total, pending, spaces, records)
 
     # -- residency ---------------------------------------------------------------------------
 

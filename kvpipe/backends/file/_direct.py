@@ -132,10 +132,6 @@ def finish_read(into: memoryview, pages: Pages, direct: bool) -> None:
         into[whole:] = pages.tail[: len(into) - whole]
 
 
-#: A probe that meets these cannot write; it reads an existing file instead.
-_NO_ROOM: Final = (errno.ENOSPC, errno.EDQUOT)
-
-
 def probe_direct(dir_fd: int, scratch: Scratch, existing: str = "catalog.sqlite3") -> bool:
     """Whether the file system under ``dir_fd`` takes page-aligned ``O_DIRECT`` writes (tmpfs
     before Linux 6.6, for one, refuses to open with it). Leaves nothing behind.
@@ -152,25 +148,19 @@ def probe_direct(dir_fd: int, scratch: Scratch, existing: str = "catalog.sqlite3
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT
     try:
         fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+        try:
+            page = scratch.pages(1)[0].tail
+            page[:] = bytes(PAGE)
+            return os.write(fd, page) == PAGE
+        finally:
+            os.close(fd)
+            os.unlink(name, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
-        if exc.errno in _NO_ROOM:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # nothing can be written
             return _probe_read(dir_fd, existing, scratch)
         raise
-    page = scratch.pages(1)[0].tail
-    try:
-        page[:] = bytes(PAGE)
-        return os.write(fd, page) == PAGE
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        if exc.errno in _NO_ROOM:
-            return _probe_read(dir_fd, existing, scratch)
-        raise
-    finally:
-        os.close(fd)
-        os.unlink(name, dir_fd=dir_fd)
 
 
 def _probe_read(dir_fd: int, name: str, scratch: Scratch) -> bool:

@@ -21,7 +21,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final, Literal, final
@@ -166,7 +166,6 @@ class Root:
         fd = os.dup(self.fd)
         try:
             for part in parts:
-                _check(part)
                 try:
                     nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
@@ -193,13 +192,13 @@ class Root:
         name: str,
         chunks: Sequence[bytes | memoryview],
         durability: Durability,
-        abandoned: object = None,
-        direct: bool = False,
+        abandoned: Callable[[], bool],
+        direct: bool,
     ) -> bool:
         """Publish ``chunks`` as ``parts/name`` atomically.
 
         Args:
-            abandoned: An object with ``is_set()``; when set before the rename, the temporary
+            abandoned: Whether the put was abandoned; when it was by the rename, the temporary
                 file is removed and nothing is published.
             direct: Write with ``O_DIRECT`` (no page cache): every chunk's address and length
                 must then be a multiple of the device's block size (4096 is always enough).
@@ -232,7 +231,7 @@ class Root:
                         os.fdatasync(fd)
                 finally:
                     os.close(fd)
-                if abandoned is not None and abandoned.is_set():  # type: ignore[attr-defined]
+                if abandoned():
                     os.unlink(tmp, dir_fd=dfd)
                     return False
                 os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -296,11 +295,6 @@ class Root:
                 raise refused(exc, direct) from exc
         finally:
             os.close(fd)
-
-    @staticmethod
-    def _require_regular(fd: int, name: str) -> None:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotARegularFile(errno.EINVAL, f"{name!r} is not a regular file")
 
     def exists(self, parts: Sequence[str], name: str) -> bool:
         """Whether ``parts/name`` is a regular file (symbolic links are not)."""

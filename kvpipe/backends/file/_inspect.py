@@ -14,7 +14,14 @@ from typing import final
 import xxhash
 
 from ._catalog import Catalog, CatalogFull
-from ._format import BLOCK_SUFFIX, HEADER_NBYTES, HeaderError, block_location, unpack_header
+from ._format import (
+    BLOCK_SUFFIX,
+    HEADER_NBYTES,
+    BlockHeader,
+    HeaderError,
+    block_location,
+    unpack_header,
+)
 from ._fs import Root, owner_is_dead
 
 __all__ = ("RecoveryReport", "StoreReport", "inspect_store", "is_store", "recover")
@@ -33,12 +40,13 @@ class RecoveryReport:
     forgotten: int = 0
 
 
-def _read_header(path: str) -> tuple[bytes, int]:
-    """A block file's header bytes and its size (never blocks on a FIFO, never follows a
-    link).
+def _checked_header(path: str, parts: tuple[str, ...], name: str) -> tuple[BlockHeader, int]:
+    """The header of the block file ``parts/name`` at ``path``, and the file's size (never
+    blocks on a FIFO, never follows a link).
 
     Raises:
-        HeaderError: It is not a regular file.
+        HeaderError: It is not a regular file, its header is bad, it is not where its key
+            belongs, or its size is not the header's.
         OSError: It cannot be read.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -46,9 +54,14 @@ def _read_header(path: str) -> tuple[bytes, int]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise HeaderError("not a regular file")
-        return os.pread(fd, HEADER_NBYTES, 0), st.st_size
+        header = unpack_header(os.pread(fd, HEADER_NBYTES, 0))
     finally:
         os.close(fd)
+    if block_location(header.key) != (parts, name):
+        raise HeaderError("file is not where its key belongs")
+    if st.st_size != header.file_nbytes:
+        raise HeaderError(f"size {st.st_size} B, header says {header.file_nbytes}")
+    return header, st.st_size
 
 
 def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
@@ -86,12 +99,7 @@ def _repair_catalog(root: Root, catalog: Catalog, stale_after: float, counts: Co
                 seen.add(expected[name])  # known to the catalog: its header is read on use
                 continue
             try:
-                raw, size = _read_header(entry.path)
-                header = unpack_header(raw)
-                if block_location(header.key) != (parts, name):
-                    raise HeaderError("file is not where its key belongs")
-                if size != header.file_nbytes:
-                    raise HeaderError("truncated")
+                header, size = _checked_header(entry.path, parts, name)
             except (HeaderError, OSError):
                 if root.quarantine(parts, name):
                     counts["quarantined"] += 1
@@ -199,16 +207,11 @@ def _inspect_file(
     path: str, parts: tuple[str, ...], name: str, verify: bool, report: StoreReport
 ) -> str | None:
     try:
-        raw, size = _read_header(path)
-        header = unpack_header(raw)
+        header, size = _checked_header(path, parts, name)
     except HeaderError as exc:
         return str(exc)
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
-    if block_location(header.key) != (parts, name):
-        return "file is not where its key belongs"
-    if size != header.file_nbytes:
-        return f"size {size} B, header says {header.file_nbytes}"
     if verify:
         with open(path, "rb") as f:
             f.seek(HEADER_NBYTES)

@@ -69,10 +69,8 @@ def read_one(
     buf: memoryview,
     fingerprint: str,
     scratch: Scratch,
-    payload_ok: PayloadCheck | None = None,
 ) -> BlockStatus:
-    """Read and check one block file through ``os`` calls (``payload_ok``: see
-    :func:`check_file`)."""
+    """Read and check one block file through ``os`` calls."""
     parts, name = block_location(key)
     pages = scratch.pages(1)[0]
     direct = hooks.direct() and is_aligned(buf)
@@ -91,7 +89,7 @@ def read_one(
         return BlockStatus.FAILED
     if got is None:
         return BlockStatus.MISSING
-    return _judge(hooks, root, key, buf, pages, direct, got, fingerprint, payload_ok)
+    return _judge(hooks, root, key, buf, pages, direct, got, fingerprint, None)
 
 
 def read_batch(
@@ -101,28 +99,24 @@ def read_batch(
     bufs: Sequence[memoryview],
     fingerprint: str,
     scratch: Scratch,
-    payload_oks: Sequence[PayloadCheck | None] | None = None,
 ) -> list[BlockStatus]:
     """Read and check a batch of block files in one native call (see the module docstring);
-    a file the native reader could not handle its way is read again by :func:`read_one`.
-    ``payload_oks``: each file's payload check, as :func:`check_file` takes it."""
-    oks = list(payload_oks) if payload_oks is not None else [None] * len(keys)
+    a file the native reader could not handle its way is read again by :func:`read_one`."""
     fileio = _native.fileio
     assert fileio is not None
     pages = scratch.pages(len(keys))
     direct = hooks.direct()
-    flags = [direct and is_aligned(b) for b in bufs]
-    if any(f != direct for f in flags):  # one mode per call: mixed batches go one by one
+    if direct and not all(is_aligned(b) for b in bufs):  # one mode per call: one by one
         return [
-            read_one(hooks, root, k, b, fingerprint, scratch, ok)
-            for k, b, ok in zip(keys, bufs, oks, strict=True)
+            read_one(hooks, root, k, b, fingerprint, scratch)
+            for k, b in zip(keys, bufs, strict=True)
         ]
     views = [read_views(b, p, direct) for b, p in zip(bufs, pages, strict=True)]
     results = fileio.read_files(root.fd, _native.block_paths(keys), views, direct)
     statuses: list[BlockStatus] = []
-    for key, buf, page, got, ok in zip(keys, bufs, pages, results, oks, strict=True):
+    for key, buf, page, got in zip(keys, bufs, pages, results, strict=True):
         if got >= 0:
-            statuses.append(_judge(hooks, root, key, buf, page, direct, got, fingerprint, ok))
+            statuses.append(_judge(hooks, root, key, buf, page, direct, got, fingerprint, None))
         elif got == fileio.NOT_REGULAR:
             statuses.append(_quarantine(hooks, root, key, "not a regular file"))
         elif got == -errno.ENOENT:
@@ -130,7 +124,7 @@ def read_batch(
         elif got in (-errno.EINVAL, -errno.ENOSYS, -errno.EPERM):
             # EINVAL: direct I/O refused (read_one turns it off); ENOSYS/EPERM: no openat2
             # here (read_one walks the path instead).
-            statuses.append(read_one(hooks, root, key, buf, fingerprint, scratch, ok))
+            statuses.append(read_one(hooks, root, key, buf, fingerprint, scratch))
         else:
             hooks.errors.append(f"{key}: {_native.errno_text(-got)}")
             hooks.count(io_errors=1)

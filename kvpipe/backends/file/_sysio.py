@@ -64,7 +64,7 @@ _libc: ctypes.CDLL | None = None
 _have_openat2 = _SYS_OPENAT2 is not None and sys.platform == "linux"
 
 
-def openat2(dir_fd: int, rel: str, flags: int, mode: int = 0) -> int | None:
+def openat2(dir_fd: int, rel: str, flags: int) -> int | None:
     """``openat2`` beneath ``dir_fd``; ``None`` when the kernel lacks it.
 
     Raises:
@@ -76,7 +76,7 @@ def openat2(dir_fd: int, rel: str, flags: int, mode: int = 0) -> int | None:
         return None
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE)
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE)
     fd = int(
         _libc.syscall(_SYS_OPENAT2, dir_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
     )
@@ -231,9 +231,4 @@ def write_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:
     views = [memoryview(c).cast("B") for c in chunks if len(c)]
     at = 0
     while at < len(views):
-        n = os.writev(fd, views[at : at + _IOV_MAX])
-        while at < len(views) and n >= len(views[at]):
-            n -= len(views[at])
-            at += 1
-        if at < len(views) and n:
-            views[at] = views[at][n:]
+        at = _advance(views, at, os.writev(fd, views[at : at + _IOV_MAX]))

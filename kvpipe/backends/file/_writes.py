@@ -76,7 +76,7 @@ def _chunks(
     fingerprint: str,
     direct: bool,
     pages: Pages,
-    checksum: int | None = None,
+    checksum: int | None,
 ) -> Sequence[bytes | memoryview]:
     """A block file's contents: its header, then the value (page-aligned for direct I/O).
     ``checksum``: the value's XXH3-64 where the caller computed it already."""
@@ -94,7 +94,7 @@ def write_one(
     fingerprint: str,
     direct: bool,
     scratch: Scratch,
-    checksum: int | None = None,
+    checksum: int | None,
 ) -> BlockStatus:
     """Publish one block file through ``os`` calls (``checksum``: see :func:`_chunks`)."""
     if hooks.abandoned.is_set():
@@ -102,7 +102,7 @@ def write_one(
     parts, name = block_location(key)
     chunks = _chunks(key, value, fingerprint, direct, scratch.pages(1)[0], checksum)
     try:
-        if root.write_atomic(parts, name, chunks, hooks.durability, hooks.abandoned, direct):
+        if root.write_atomic(parts, name, chunks, hooks.durability, hooks.abandoned.is_set, direct):
             hooks.count(direct_writes=int(direct))
             return BlockStatus.OK
         return BlockStatus.FAILED
@@ -121,13 +121,12 @@ def write_batch(
     fingerprint: str,
     direct: bool,
     scratch: Scratch,
-    checksums: Sequence[int | None] | None = None,
+    checksums: Sequence[int | None],
 ) -> list[BlockStatus]:
     """Publish a batch of block files in one native call (see the module docstring);
     ``checksums``: each value's XXH3-64 where the caller computed it already."""
     fileio = _native.fileio
     assert fileio is not None
-    sums = list(checksums) if checksums is not None else [None] * len(keys)
     pages = scratch.pages(len(keys))
     where = [block_location(k) for k in keys]
     dirs = [os.path.join(*parts).encode() for parts, _ in where]
@@ -136,7 +135,7 @@ def write_batch(
     temps = [temp_name(name, HOST, pid, secrets.token_hex(4)).encode() for _, name in where]
     chunks = [
         _chunks(k, v, fingerprint, direct, p, c)
-        for k, v, p, c in zip(keys, values, pages, sums, strict=True)
+        for k, v, p, c in zip(keys, values, pages, checksums, strict=True)
     ]
     codes = fileio.write_files(
         root.fd,
@@ -149,7 +148,7 @@ def write_batch(
         hooks.abandoned.flag,
     )
     statuses: list[BlockStatus] = []
-    for key, value, code, checksum in zip(keys, values, codes, sums, strict=True):
+    for key, value, code, checksum in zip(keys, values, codes, checksums, strict=True):
         if code == 0:
             hooks.count(direct_writes=int(direct))
             statuses.append(BlockStatus.OK)

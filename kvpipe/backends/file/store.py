@@ -290,7 +290,7 @@ class FileStore(StorageBackend):
         parent: str | None,
         fingerprint: str,
         abandoned: Abandon,
-        checksums: list[int] | None = None,
+        checksums: list[int] | None,
     ) -> list[BlockStatus]:
         if not keys:
             return []
@@ -351,34 +351,38 @@ class FileStore(StorageBackend):
         direct: bool,
         checksums: list[int] | None,
     ) -> list[BlockStatus]:
-        """Publish the admitted blocks: ``threads`` shares, each in one native call on an
-        executor thread, or file by file through os calls. ``checksums``: each value's
-        XXH3-64, where the caller gave them (the header's, not computed again)."""
+        """Publish the admitted blocks: ``threads`` shares on the executor, each in one native
+        call, or file by file through os calls. ``checksums``: each value's XXH3-64, where the
+        caller gave them (the header's, not computed again)."""
         scratch = self._scratch
         sums: list[int | None] = [None] * len(keys)
         if checksums is not None and len(checksums) == len(keys):
             sums[:] = checksums
-        if self._native:
 
-            def share(part: list[int]) -> list[BlockStatus]:
-                vals = [values[i] for i in part]
-                ks = [keys[i] for i in part]
-                cs = [sums[i] for i in part]
-                return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch, cs)
+        def share(part: list[int]) -> list[BlockStatus]:
+            if not self._native:
+                return [
+                    write_one(
+                        hooks, root, keys[i], values[i], fingerprint, direct, scratch, sums[i]
+                    )
+                    for i in part
+                ]
+            vals = [values[i] for i in part]
+            ks = [keys[i] for i in part]
+            cs = [sums[i] for i in part]
+            return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch, cs)
 
-            return self._in_shares(share, admitted)
-
-        def one(i: int) -> BlockStatus:
-            return write_one(hooks, root, keys[i], values[i], fingerprint, direct, scratch, sums[i])
-
-        return list(self._pool().map(one, admitted))
+        return self._in_shares(share, admitted)
 
     def _in_shares(self, fn: Callable[[list[T]], list[U]], items: list[T]) -> list[U]:
         """``fn`` over ``threads`` consecutive shares of ``items`` on the executor, the
         results in order."""
+        pool = self._executor
+        if pool is None:
+            raise RuntimeError("file store is closed")
         step = max(1, -(-len(items) // self.threads))
         shares = [items[lo : lo + step] for lo in range(0, len(items), step)]
-        return [r for part in self._pool().map(fn, shares) for r in part]
+        return [r for part in pool.map(fn, shares) for r in part]
 
     def _refuse_direct(self, root: Root, exc: OSError) -> None:
         """The probe passed but a direct read or write was refused (a stricter device
@@ -390,12 +394,6 @@ class FileStore(StorageBackend):
                 root.path,
                 exc,
             )
-
-    def _pool(self) -> ThreadPoolExecutor:
-        pool = self._executor
-        if pool is None:
-            raise RuntimeError("file store is closed")
-        return pool
 
     async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
         """Read and verify block files into the batch's buffers.
@@ -435,28 +433,13 @@ class FileStore(StorageBackend):
     ) -> list[BlockStatus]:
         errors: list[str] = []
         hooks = ReadHooks(lambda: self._direct_reads, self._refuse_direct, self._count, errors)
-        scratch = self._scratch
-        if sink is not None:
-            statuses = self._in_shares(
-                lambda part: self._read_to_sink(
-                    hooks, root, keys, buffers, fingerprint, sink, part
-                ),
-                list(range(len(keys))),
-            )
-        elif self._native:  # ``threads`` shares, each read in one native call
 
-            def share(part: list[int]) -> list[BlockStatus]:
-                bufs = [buffers[i] for i in part]
-                return read_batch(hooks, root, [keys[i] for i in part], bufs, fingerprint, scratch)
+        def share(part: list[int]) -> list[BlockStatus]:
+            if sink is not None:
+                return self._read_to_sink(hooks, root, keys, buffers, fingerprint, sink, part)
+            return self._read(hooks, root, keys, buffers, fingerprint, part)
 
-            statuses = self._in_shares(share, list(range(len(keys))))
-        else:
-            statuses = list(
-                self._pool().map(
-                    lambda i: read_one(hooks, root, keys[i], buffers[i], fingerprint, scratch),
-                    range(len(keys)),
-                )
-            )
+        statuses = self._in_shares(share, list(range(len(keys))))
         if errors:  # one line per batch, not per block
             log.warning(
                 "file store %s: %d of %d blocks could not be read: %s",
@@ -503,15 +486,26 @@ class FileStore(StorageBackend):
                 ok = functools.partial(sink.fetched, i, value=bounce)
                 got[j] = read_cached(hooks, root, keys[i], bounce, fingerprint, scratch, ok)
         rest = [i for i, status in zip(part, got, strict=True) if status is None]
-        if self._native:
-            bufs = [buffers[i] for i in rest]
-            statuses = read_batch(hooks, root, [keys[i] for i in rest], bufs, fingerprint, scratch)
-        else:
-            statuses = [
-                read_one(hooks, root, keys[i], buffers[i], fingerprint, scratch) for i in rest
-            ]
-        more = iter(statuses)
+        more = iter(self._read(hooks, root, keys, buffers, fingerprint, rest))
         return [status if status is not None else next(more) for status in got]
+
+    def _read(
+        self,
+        hooks: ReadHooks,
+        root: Root,
+        keys: list[str],
+        buffers: list[memoryview],
+        fingerprint: str,
+        part: list[int],
+    ) -> list[BlockStatus]:
+        """Read and check the block files ``part`` into their buffers: in one native call, or
+        file by file through os calls."""
+        if not self._native:
+            return [
+                read_one(hooks, root, keys[i], buffers[i], fingerprint, self._scratch) for i in part
+            ]
+        bufs = [buffers[i] for i in part]
+        return read_batch(hooks, root, [keys[i] for i in part], bufs, fingerprint, self._scratch)
 
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
         """Whether each block file exists, stopping at the first missing one."""
