@@ -46,16 +46,14 @@ class MemoryStore(StorageBackend):
         capacity_bytes: When set, a put that would exceed it reports ``NO_SPACE`` for the
             blocks that do not fit (nothing is evicted).
         recycle_bytes: Memory of deleted or replaced values held for new puts to reuse, at
-            most (0: none). It saves new puts the page faults of fresh memory; it is freed
-            when the store is.
+            most (0: none; default 1 GiB, as much as a pipeline's default staging). It saves
+            new puts the page faults of fresh memory; it is freed when the store is.
     """
 
     name = "memory"
     keeps_values = True
 
-    def __init__(
-        self, capacity_bytes: int | None = None, *, recycle_bytes: int = 256 << 20
-    ) -> None:
+    def __init__(self, capacity_bytes: int | None = None, *, recycle_bytes: int = 1 << 30) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ConfigError("capacity_bytes", f"must be positive, got {capacity_bytes!r}")
         if recycle_bytes < 0:
