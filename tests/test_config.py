@@ -276,3 +276,12 @@ def test_bad_override_names_the_field() -> None:
     with pytest.raises(ConfigError) as info:
         PipelineConfig.from_env(environ={}, queue_depth=0)
     assert info.value.field == "queue_depth"
+
+
+@pytest.mark.parametrize(("processors", "threads"), [(1, 1), (2, 1), (3, 2), (64, 2)])
+def test_copy_threads_leave_the_event_loop_a_processor(
+    monkeypatch: pytest.MonkeyPatch, processors: int, threads: int
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(processors)))
+    assert PipelineConfig().copy_threads == threads
+    assert PipelineConfig(copy_threads=4).copy_threads == 4

@@ -12,9 +12,15 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, final
+from typing import Any, Final, final
 
-__all__ = ("Measurement", "Timer", "interleave")
+__all__ = ("THROUGHPUT_COPY_THREADS", "Measurement", "Timer", "interleave")
+
+#: ``copy_threads`` of the pipelines in the throughput scenarios (memory, sweeps, scaling,
+#: file, Mooncake): as many as the plain x2 contender's threads. The default leaves the event
+#: loop a processor of its own on a machine with 2 (one copy thread there); the lag and server
+#: scenarios, where the loop's latency is measured, run the default.
+THROUGHPUT_COPY_THREADS: Final = 2
 
 
 @final

@@ -41,7 +41,7 @@ from ._file_baselines import (
     raw_write,
     warm_cached,
 )
-from ._measure import Measurement, Timer, interleave
+from ._measure import THROUGHPUT_COPY_THREADS, Measurement, Timer, interleave
 
 __all__ = ("LAYOUTS", "FileBenchConfig", "drop_cached", "run_filestore_bench")
 
@@ -119,6 +119,7 @@ async def _bench_size(
     n = max(cfg.request_blocks, cfg.total_bytes // layout.block_nbytes)
     config = PipelineConfig(
         slice_block_num=max(8, (cfg.slice_mib << 20) // layout.block_nbytes),
+        copy_threads=THROUGHPUT_COPY_THREADS,
         staging_bytes=max(512 << 20, 64 * layout.block_nbytes),
     )
     records = []

@@ -40,7 +40,7 @@ from .._layout import CacheLayout
 from .._plan import CopySegment, layout_segments
 from ..backends.memory import MemoryStore
 from ..pipeline import open_pipeline
-from ._measure import Measurement, Timer, interleave
+from ._measure import THROUGHPUT_COPY_THREADS, Measurement, Timer, interleave
 from ._workload import random_cache, run_requests, same_bytes
 from .filestore import LAYOUTS
 
@@ -157,6 +157,7 @@ async def _bench_size(
     def config(check: bool) -> PipelineConfig:
         return PipelineConfig(
             slice_block_num=slice_blocks,
+            copy_threads=THROUGHPUT_COPY_THREADS,
             verify_checksums=check,
             staging_bytes=max(64 << 20, 2 * cfg.concurrency * slice_blocks * (nbytes + 64)),
         )

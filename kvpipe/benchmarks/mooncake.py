@@ -54,7 +54,7 @@ from .._layout import CacheLayout
 from ..backends.mooncake import MooncakeStore
 from ..backends.mooncake_local import LocalMooncake
 from ..pipeline import Pipeline, open_pipeline
-from ._measure import Measurement, Timer, interleave
+from ._measure import THROUGHPUT_COPY_THREADS, Measurement, Timer, interleave
 from ._mooncake_baselines import direct_put_get, hand_loop, holder_of
 from ._segment_holder import start_holder, stop_holder
 from .filestore import LAYOUTS
@@ -228,6 +228,7 @@ async def _bench_size(
     holders: set[str] = set()
     config = PipelineConfig(
         slice_block_num=cfg.slice_blocks(layout),
+        copy_threads=THROUGHPUT_COPY_THREADS,
         io_threads=cfg.io_threads,
         verify_checksums=cfg.verify_checksums,
         staging_bytes=max(256 << 20, 4 * cfg.concurrency * cfg.slice_blocks(layout) * vsize),

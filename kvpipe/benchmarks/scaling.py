@@ -85,6 +85,7 @@ async def _child_main(params: dict[str, Any]) -> dict[str, Any]:
     from .._config import PipelineConfig
     from ..backends.file import FileStore
     from ..pipeline import open_pipeline
+    from ._measure import THROUGHPUT_COPY_THREADS
     from ._workload import model_layout, random_cache, rss_bytes, run_requests, same_bytes
 
     layout = model_layout("2MiB")
@@ -92,7 +93,9 @@ async def _child_main(params: dict[str, Any]) -> dict[str, Any]:
     reference = random_cache(layout, params["base_blocks"])
     blocks = params["base_blocks"] * params["factor"]
     config = PipelineConfig(
-        slice_block_num=params["slice_block_num"], staging_bytes=params["staging_bytes"]
+        slice_block_num=params["slice_block_num"],
+        staging_bytes=params["staging_bytes"],
+        copy_threads=THROUGHPUT_COPY_THREADS,
     )
     shape = {"per_request": params["request_blocks"], "concurrency": params["concurrency"]}
     peak = [0]

@@ -3,7 +3,7 @@ and concurrency, over the memory store.
 
 Each sweep varies one setting around a fixed workload (:data:`SWEEPS`); every point writes
 ``total_bytes`` as requests of its shape and reads them back, with the pipeline's defaults
-otherwise (checksums on, ``copy_threads=2``, ``io_threads=8``) and ``staging_bytes`` fixed
+otherwise (checksums on, ``io_threads=8``), ``copy_threads=2`` and ``staging_bytes`` fixed
 for all points. The caches hold ``cache_bytes`` (request ``j`` uses cache blocks from ``j *
 request_blocks`` modulo its size), so every point moves the same bytes through caches of
 the same size.
@@ -29,7 +29,7 @@ from .._cache import KVCache, create_kv_cache
 from .._config import PipelineConfig
 from ..backends.memory import MemoryStore
 from ..pipeline import Pipeline, open_pipeline
-from ._measure import Timer
+from ._measure import THROUGHPUT_COPY_THREADS, Timer
 from ._workload import median, model_layout, percentiles, random_cache, run_requests, same_bytes
 from .memory import PlainCopies
 
@@ -129,7 +129,9 @@ async def _sweep(
     async with AsyncExitStack() as stack:
         for p in points:
             config = PipelineConfig(
-                slice_block_num=p.spec.slice_block_num, staging_bytes=cfg.staging_bytes
+                slice_block_num=p.spec.slice_block_num,
+                staging_bytes=cfg.staging_bytes,
+                copy_threads=THROUGHPUT_COPY_THREADS,
             )
             store = MemoryStore()
             p.wpipe = await stack.enter_async_context(open_pipeline(p.src, store, config=config))
