@@ -210,8 +210,7 @@ def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
         if root is not None and hi < n and roots[hi] is root:
             base = addrs[lo]
             stride = addrs[hi] - base
-            start = root.ctypes.data
-            end = start + root.nbytes
+            start, end = _span(root)
             while (
                 hi < n
                 and stride >= first.size
@@ -235,8 +234,9 @@ def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
     return out
 
 
-def _owner(value: Rows) -> Rows | None:
-    """The array that owns ``value``'s memory (through views and memoryviews), if any."""
+def _owner(value: Rows) -> object | None:
+    """What owns ``value``'s memory, through views and memoryviews: the array that owns it,
+    or the object that exports it (a store's value memory: ``_staging.ValueMemory``)."""
     obj: object = value
     while True:
         if isinstance(obj, np.ndarray):
@@ -246,4 +246,18 @@ def _owner(value: Rows) -> Rows | None:
         elif isinstance(obj, memoryview):
             obj = obj.obj
         else:
-            return None
+            try:
+                memoryview(obj)  # type: ignore[arg-type]
+            except TypeError:  # an array's base that exports no buffer (a capsule)
+                return None
+            return obj
+
+
+def _span(owner: object) -> tuple[int, int]:
+    """The first and one-past-last address of the memory ``owner`` owns or exports."""
+    if isinstance(owner, np.ndarray):
+        whole = owner
+    else:
+        whole = np.frombuffer(owner, np.uint8)  # type: ignore[call-overload]
+    start = int(whole.ctypes.data)
+    return start, start + whole.nbytes

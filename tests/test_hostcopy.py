@@ -302,6 +302,28 @@ def test_scatter_values_matches_block_by_block_for_runs_and_strays() -> None:
         assert np.array_equal(a, b)
 
 
+def test_values_kept_in_a_stores_value_memory_go_as_one_view() -> None:
+    """A store's value memory (``ValueMemory``) exports its buffer through a wrapper object,
+    not an array that owns it: the values of one put are still found to lie at one stride
+    in it and copied as one 2-D view (not block by block), and land where they belong."""
+    from kvpipe._hostcopy import _value_runs, scatter_values
+    from kvpipe._staging import ValueMemory
+
+    layout = CacheLayout.gqa(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4)
+    segments = layout_segments(layout)
+    payload = layout.block_nbytes
+    lease = ValueMemory(1 << 20).lease(payload + TRAILER_NBYTES, 4)
+    lease.pool.buffer[:] = np.random.default_rng(3).integers(0, 256, lease.pool.buffer.shape)
+    values = [np.frombuffer(lease.view(i).data.toreadonly(), np.uint8)[:payload] for i in range(4)]
+    assert [(lo, hi, view is not None) for lo, hi, view in _value_runs(values)] == [(0, 4, True)]
+    cache = create_kv_cache(layout, 8)
+    scatter_values(segments, values, [4, 5, 6, 7], cache.byte_rows)
+    for value, block in zip(values, [4, 5, 6, 7], strict=True):
+        for seg in segments:
+            want = value[seg.offset : seg.offset + seg.nbytes]
+            assert np.array_equal(cache.byte_rows[seg.tensor][block], want)
+
+
 # ---------------------------------------------------------------- row groups
 
 
