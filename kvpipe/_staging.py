@@ -342,11 +342,14 @@ class ValueMemory:
         )
         return pool._lease(pool._take(count))
 
-    def clear(self) -> None:
-        """Free every buffer held for reuse (those still in use are freed when let go)."""
+    def clear(self, *, hold_more: bool = True) -> None:
+        """Free every buffer held for reuse (those still in use are freed when let go);
+        with ``hold_more=False`` none is held from now on either."""
         with self._lock:
             self._free.clear()
             self._held = 0
+            if not hold_more:
+                self.limit_bytes = 0
 
     def _returned(self, shape: tuple[int, int], buffer: Rows) -> None:
         with self._lock:

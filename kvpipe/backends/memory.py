@@ -47,7 +47,8 @@ class MemoryStore(StorageBackend):
             blocks that do not fit (nothing is evicted).
         recycle_bytes: Memory of deleted or replaced values held for new puts to reuse, at
             most (0: none; default 1 GiB, as much as a pipeline's default staging). It saves
-            new puts the page faults of fresh memory; it is freed when the store is.
+            new puts the page faults of fresh memory; it is freed when the store is closed
+            or dropped.
     """
 
     name = "memory"
@@ -175,6 +176,11 @@ class MemoryStore(StorageBackend):
         """Every node's record for each key."""
         await anyio.lowlevel.checkpoint()
         return [tuple(self._residency.get(validate_key(key), {}).values()) for key in keys]
+
+    async def aclose(self) -> None:
+        """Free the memory held for reuse, and hold none from now on. The values stay, and
+        the store still answers calls (it has nothing else to close)."""
+        self._memory.clear(hold_more=False)
 
     def statistics(self) -> Mapping[str, float]:
         """Blocks, bytes, call counters, and the memory held for reuse (``recycle_held_bytes``;

@@ -96,3 +96,15 @@ async def test_a_lent_value_keeps_its_memory_from_new_puts() -> None:
         del lent, new
         assert store.value_memory(slot, 2) is not None
         assert store.statistics()["recycle_reused"] == 1
+
+
+async def test_closing_the_store_frees_the_memory_held_for_reuse() -> None:
+    store = kvpipe.MemoryStore()
+    lease = store.value_memory(4096, 2)
+    del lease
+    assert store.statistics()["recycle_held_bytes"] == 2 * 4096
+    async with store:
+        pass
+    assert store.statistics()["recycle_held_bytes"] == 0
+    store.value_memory(4096, 2)  # let go at once: freed, not held
+    assert store.statistics()["recycle_held_bytes"] == 0
