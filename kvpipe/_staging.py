@@ -275,10 +275,11 @@ class StagingLease:
         return [self.view(i).data for i in range(n)]
 
 
-def private_lease(slot_nbytes: int, count: int) -> StagingLease:
-    """``count`` slots of new memory of their own (a pool made for them alone): what a put
-    is gathered into when the store keeps the values it is given."""
-    pool = StagingPool(slot_nbytes, count)
+def private_lease(slot_nbytes: int, count: int, buffer: Rows | None = None) -> StagingLease:
+    """``count`` slots of memory of their own (a pool made for them alone, over ``buffer``
+    or new memory): what a put is gathered into when the store keeps the values it is
+    given."""
+    pool = StagingPool(slot_nbytes, count, buffer)
     return pool._lease(pool._take(count))
 
 
@@ -337,10 +338,9 @@ class ValueMemory:
         # with the last of them, and only then does ``buffer`` come back.
         wrapper = (ctypes.c_ubyte * buffer.nbytes).from_buffer(buffer.data)
         weakref.finalize(wrapper, self._returned, shape, buffer).atexit = False
-        pool = StagingPool(
+        return private_lease(
             slot_nbytes, count, np.frombuffer(memoryview(wrapper), np.uint8).reshape(shape)
         )
-        return pool._lease(pool._take(count))
 
     def clear(self, *, hold_more: bool = True) -> None:
         """Free every buffer held for reuse (those still in use are freed when let go);
