@@ -51,7 +51,7 @@ while True:
     print("start", b, flush=True)
     codes = store.batch_set(names, [host.ctypes.data + i * size for i in range(keys)],
                             [size] * keys)
-    print("done", b, *codes, flush=True)
+    print("done", b, *codes, "end", flush=True)
     b += 1
 """
 
@@ -110,8 +110,8 @@ def kill_during_batch_set(root: Path, k: int, delay: float | None) -> Run:
         words = line.split()
         if words[:1] == ["start"]:
             run.started.append(int(words[1]))
-        elif words[:1] == ["done"]:
-            run.done[int(words[1])] = [int(c) for c in words[2:]]
+        elif words[:1] == ["done"] and words[-1:] == ["end"]:  # not a line the kill cut
+            run.done[int(words[1])] = [int(c) for c in words[2:-1]]
     return run
 
 
