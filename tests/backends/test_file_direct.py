@@ -47,7 +47,7 @@ class _RefusingNative:
         return _fileio.read_files(fd, paths, views, direct)
 
     def write_files(self, fd: int, dirs: Any, *args: Any) -> list[int]:
-        if args[-2]:  # direct
+        if args[4]:  # direct (after temps, names, chunks, durability)
             self.direct_calls += 1
             return [-errno.EINVAL] * len(dirs)
         return _fileio.write_files(fd, dirs, *args)

@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -46,6 +47,25 @@ static int open_confined(int dir_fd, const char *path, int flags) {
     how.flags = (unsigned long long)(flags | O_NOFOLLOW | O_CLOEXEC);
     how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
     return (int)syscall(SYS_openat2, dir_fd, path, &how, sizeof how);
+}
+
+/* Whether a block file opened at fd (`st`: its fstat right after the open) may be read: a
+ * shared lock keeps a writer reusing the file (a deleted block's, see write_one) out while it
+ * is read, and its change time, the same after the lock, says it was not deleted and reused
+ * between the open and the lock (a rename changes it). 0, or -ENOENT: the file is no longer
+ * the block it was opened as (read as missing). Where the file system has no locks, 0. */
+static long still_block(int fd, const struct stat *st) {
+    if (flock(fd, LOCK_SH | LOCK_NB) != 0) {
+        return errno == EWOULDBLOCK ? -ENOENT : 0;
+    }
+    struct stat now;
+    if (fstat(fd, &now) != 0) {
+        return -errno;
+    }
+    if (now.st_ctim.tv_sec != st->st_ctim.tv_sec || now.st_ctim.tv_nsec != st->st_ctim.tv_nsec) {
+        return -ENOENT;
+    }
+    return 0;
 }
 
 static long not_regular_or(int fd, long err) {
@@ -177,6 +197,8 @@ static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, i
         got = -errno;
     } else if (!S_ISREG(st.st_mode)) {
         got = NOT_REGULAR;
+    } else if ((got = still_block(fd, &st)) != 0) {
+        /* -ENOENT or -errno */
     } else if (!direct) {
         got = transfer(fd, iov, cnt, 0, 0);
     } else {
@@ -219,6 +241,8 @@ static long read_one_cached(int dir_fd, const char *path, struct iovec *iov, int
         got = -errno;
     } else if (!S_ISREG(st.st_mode)) {
         got = NOT_REGULAR;
+    } else if ((got = still_block(fd, &st)) != 0) {
+        /* -ENOENT or -errno */
     } else if (!all_cached(fd, (long)st.st_size)) {
         got = NOT_CACHED;
     } else {
@@ -430,24 +454,88 @@ done:
 /* One file: 0 published, ABANDONED, or -errno (nothing published, no temporary file left). */
 #define ABANDONED 1
 
+/* The directory of `path` (beneath dir_fd, opened confined) and, in *name, its last part. */
+static int open_parent(int dir_fd, const char *path, const char **name) {
+    const char *slash = strrchr(path, '/');
+    char dir[4096];
+    size_t n = slash ? (size_t)(slash - path) : 0;
+    if (!slash || n >= sizeof dir) {
+        errno = EINVAL;
+        return -1;
+    }
+    memcpy(dir, path, n);
+    dir[n] = 0;
+    *name = slash + 1;
+    return open_confined(dir_fd, dir, O_RDONLY | O_DIRECTORY);
+}
+
+/* Take the deleted block file at `spare` (a path beneath dir_fd: directory, then one of the
+ * store's temporary names) for a new block, moved to `tmp` in dfd: opened for writing and
+ * locked exclusively, so that no reader is reading it (a reader holds a shared lock: see
+ * still_block) and none starts until it is published again. The descriptor, or -1 when it
+ * cannot be had (gone, being read: then it is let go of, a reader keeps what it opened). */
+static int claim_spare(int dir_fd, const char *spare, int dfd, const char *tmp, int direct) {
+    const char *name;
+    int sdfd = open_parent(dir_fd, spare, &name);
+    if (sdfd < 0) {
+        return -1;
+    }
+    int fd = openat(sdfd, name, O_WRONLY | O_NOFOLLOW | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+        close(fd);
+        fd = -1;
+    }
+    if (fd >= 0 && renameat(sdfd, name, dfd, tmp) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    if (fd < 0) {
+        unlinkat(sdfd, name, 0);
+    }
+    close(sdfd);
+    return fd;
+}
+
+/* Remove the spare at `spare` (beneath dir_fd) that a file did not use. */
+static void drop_spare(int dir_fd, const char *spare) {
+    const char *name;
+    int sdfd = open_parent(dir_fd, spare, &name);
+    if (sdfd >= 0) {
+        unlinkat(sdfd, name, 0);
+        close(sdfd);
+    }
+}
+
 static long write_one(int dir_fd, const char *dir, const char *tmp, const char *name,
-                      struct iovec *iov, int cnt, int durability, int direct,
+                      const char *spare, struct iovec *iov, int cnt, int durability, int direct,
                       volatile const char *abandoned) {
     int dfd = open_confined(dir_fd, dir, O_RDONLY | O_DIRECTORY);
     if (dfd < 0) {
-        return -errno;
+        long err = -errno;
+        if (spare) {
+            drop_spare(dir_fd, spare);
+        }
+        return err;
     }
     long out = 0;
-    int fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC |
+    int fd = spare ? claim_spare(dir_fd, spare, dfd, tmp, direct) : -1;
+    if (fd >= 0) {
+        futimens(fd, NULL); /* a fresh temporary file to anyone sweeping stale ones */
+    } else {
+        fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC |
                     (direct ? O_DIRECT : 0), 0600);
+    }
     if (fd < 0) {
         out = -errno;
         close(dfd);
         return out;
     }
     long moved = transfer(fd, iov, cnt, 0, 1);
+    struct stat st;
     if (moved < 0) {
         out = moved;
+    } else if (spare && fstat(fd, &st) == 0 && st.st_size > moved && ftruncate(fd, moved) != 0) {
+        out = -errno; /* a reused file longer than this block */
     }
     if (out == 0 && durability >= 1 && fdatasync(fd) != 0) {
         out = -errno;
@@ -471,27 +559,31 @@ static long write_one(int dir_fd, const char *dir, const char *tmp, const char *
 }
 
 PyDoc_STRVAR(write_files_doc,
-"write_files(dir_fd, dirs, temps, names, chunks, durability, direct, abandoned) -> list[int]\n\n"
+"write_files(dir_fd, dirs, temps, names, chunks, durability, direct, abandoned, spares=None)\n"
+"-> list[int]\n\n"
 "Publish each file atomically: write chunks[i] into dirs[i]/temps[i] (created 0600, never\n"
 "through a link; dirs[i] beneath dir_fd), fdatasync it (durability >= 1), rename it over\n"
 "dirs[i]/names[i], and with durability 2 fsync the directory. When abandoned[0] is set the\n"
-"file is removed instead of published. Per file: 0, ABANDONED or -errno; a file not\n"
-"published leaves no temporary file. The GIL is released throughout.");
+"file is removed instead of published. spares[i], None or a path beneath dir_fd: a deleted\n"
+"block file to reuse as the temporary file (overwritten in place, cut to length; skipped\n"
+"while a reader holds it); it is used or removed either way. Per file: 0, ABANDONED or\n"
+"-errno; a file not published leaves no temporary file. The GIL is released throughout.");
 
 static PyObject *write_files(PyObject *self, PyObject *args) {
     (void)self;
     int dir_fd, durability, direct;
-    PyObject *dirs_obj, *temps_obj, *names_obj, *chunks_obj, *abandoned_obj;
-    if (!PyArg_ParseTuple(args, "iOOOOipO", &dir_fd, &dirs_obj, &temps_obj, &names_obj,
-                          &chunks_obj, &durability, &direct, &abandoned_obj)) {
+    PyObject *dirs_obj, *temps_obj, *names_obj, *chunks_obj, *abandoned_obj, *spares_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "iOOOOipO|O", &dir_fd, &dirs_obj, &temps_obj, &names_obj,
+                          &chunks_obj, &durability, &direct, &abandoned_obj, &spares_obj)) {
         return NULL;
     }
     Py_buffer flag;
     if (PyObject_GetBuffer(abandoned_obj, &flag, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
-    PyObject *seqs[4] = {NULL, NULL, NULL, NULL};
-    PyObject *objs[4] = {dirs_obj, temps_obj, names_obj, chunks_obj};
+    /* the four paths of a file (spares[i] may be None), then its chunks */
+    PyObject *seqs[5] = {NULL, NULL, NULL, NULL, NULL};
+    PyObject *objs[5] = {dirs_obj, temps_obj, names_obj, spares_obj, chunks_obj};
     PyObject *result = NULL;
     const char **strs = NULL;
     struct iovec *iov = NULL;
@@ -503,20 +595,23 @@ static PyObject *write_files(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "abandoned must hold a byte");
         goto done;
     }
-    for (int k = 0; k < 4; k++) {
+    if (spares_obj == Py_None) { /* none to reuse: one None per file */
+        objs[3] = dirs_obj;
+    }
+    for (int k = 0; k < 5; k++) {
         seqs[k] = PySequence_Fast(objs[k], "expected a sequence");
         if (seqs[k] == NULL) {
             goto done;
         }
     }
     n = PySequence_Fast_GET_SIZE(seqs[0]);
-    for (int k = 1; k < 4; k++) {
+    for (int k = 1; k < 5; k++) {
         if (PySequence_Fast_GET_SIZE(seqs[k]) != n) {
-            PyErr_SetString(PyExc_ValueError, "dirs, temps, names and chunks differ in length");
+            PyErr_SetString(PyExc_ValueError, "dirs, temps, names, spares and chunks differ in length");
             goto done;
         }
     }
-    strs = calloc(3 * (size_t)n + 1, sizeof *strs);
+    strs = calloc(4 * (size_t)n + 1, sizeof *strs);
     iov = calloc((size_t)n * MAX_VIEWS + 1, sizeof *iov);
     counts = calloc((size_t)n + 1, sizeof *counts);
     codes = calloc((size_t)n + 1, sizeof *codes);
@@ -526,12 +621,15 @@ static PyObject *write_files(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        for (int k = 0; k < 3; k++) {
-            if (take_path(PySequence_Fast_GET_ITEM(seqs[k], i), &strs[3 * i + k]) < 0) {
+        for (int k = 0; k < 4; k++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seqs[k], i);
+            if (k == 3 && (item == Py_None || spares_obj == Py_None)) {
+                strs[4 * i + k] = NULL;
+            } else if (take_path(item, &strs[4 * i + k]) < 0) {
                 goto done;
             }
         }
-        if (take_buffers(PySequence_Fast_GET_ITEM(seqs[3], i), PyBUF_C_CONTIGUOUS, bufs, &nbufs,
+        if (take_buffers(PySequence_Fast_GET_ITEM(seqs[4], i), PyBUF_C_CONTIGUOUS, bufs, &nbufs,
                          iov + i * MAX_VIEWS, &counts[i]) < 0) {
             goto done;
         }
@@ -539,10 +637,16 @@ static PyObject *write_files(PyObject *self, PyObject *args) {
     volatile const char *abandoned = (volatile const char *)flag.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        codes[i] = *abandoned ? ABANDONED
-                              : write_one(dir_fd, strs[3 * i], strs[3 * i + 1], strs[3 * i + 2],
-                                          iov + i * MAX_VIEWS, counts[i], durability, direct,
-                                          abandoned);
+        const char **at = strs + 4 * i;
+        if (*abandoned) {
+            codes[i] = ABANDONED;
+            if (at[3]) {
+                drop_spare(dir_fd, at[3]);
+            }
+        } else {
+            codes[i] = write_one(dir_fd, at[0], at[1], at[2], at[3], iov + i * MAX_VIEWS,
+                                 counts[i], durability, direct, abandoned);
+        }
     }
     Py_END_ALLOW_THREADS
     result = int_list(codes, n);
@@ -551,7 +655,7 @@ done:
         PyBuffer_Release(&bufs[k]);
     }
     PyBuffer_Release(&flag);
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 5; k++) {
         Py_XDECREF(seqs[k]);
     }
     free(strs);

@@ -21,6 +21,7 @@ def write_files(
     durability: int,
     direct: bool,
     abandoned: bytearray,
+    spares: Sequence[bytes | None] | None = None,
     /,
 ) -> list[int]: ...
 def scatter_rows(src: object, rows: Sequence[object], block: int, table: object, /) -> None: ...

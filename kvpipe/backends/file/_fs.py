@@ -103,6 +103,21 @@ class TempFile:
     removable: bool
 
 
+def still_block(fd: int, st: os.stat_result) -> bool:
+    """Whether the block file opened at ``fd`` (``st``: its ``fstat`` right after the open)
+    may be read: a shared lock keeps a writer reusing the file (a deleted block's, see
+    :mod:`._spares`) out while it is read, and its change time, the same after the lock,
+    says it was not deleted and reused between the open and the lock (a rename changes it).
+    ``False``: read it as missing. Where the file system has no locks, ``True``."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return os.fstat(fd).st_ctime_ns == st.st_ctime_ns
+
+
 @final
 class Root:
     """An open store root. Thread-safe: it only holds the root's descriptor.
@@ -258,7 +273,8 @@ class Root:
                 of the device's block size.
 
         Returns:
-            The bytes read, or ``None`` when the file does not exist. The caller checks the
+            The bytes read, or ``None`` when the file does not exist (or no longer is this
+            block: see :func:`still_block`). The caller checks the
             header and the count (a valid file fills less than ``views`` can hold, so a
             longer file shows) before trusting what was read.
 
@@ -278,6 +294,8 @@ class Root:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise NotARegularFile(errno.EINVAL, f"{name!r} is not a regular file")
+            if not still_block(fd, st):
+                return None
             if not direct:
                 return read_fully(fd, list(views))
             got, complete = (

@@ -122,9 +122,11 @@ def write_batch(
     direct: bool,
     scratch: Scratch,
     checksums: Sequence[int | None],
+    spares: Sequence[bytes | None],
 ) -> list[BlockStatus]:
     """Publish a batch of block files in one native call (see the module docstring);
-    ``checksums``: each value's XXH3-64 where the caller computed it already."""
+    ``checksums``: each value's XXH3-64 where the caller computed it already; ``spares``:
+    deleted block files to write over (:mod:`._spares`), each used or removed."""
     fileio = _native.fileio
     assert fileio is not None
     pages = scratch.pages(len(keys))
@@ -146,6 +148,7 @@ def write_batch(
         _DURABILITY[hooks.durability],
         direct,
         hooks.abandoned.flag,
+        spares,
     )
     statuses: list[BlockStatus] = []
     for key, value, code, checksum in zip(keys, values, codes, checksums, strict=True):

@@ -11,6 +11,7 @@ and the batch's staging stays leased until its threads return.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -56,6 +57,7 @@ from ._reads import (
     regular_files,
 )
 from ._space import room, settle
+from ._spares import Spares
 from ._writes import Abandon, WriteHooks, write_batch, write_one
 
 __all__ = ("FileStore",)
@@ -89,6 +91,10 @@ class FileStore(StorageBackend):
             ``durability`` is not ``"none"`` (unsynced writes go to the page cache), reads
             in every durability. ``True``: both; opening fails where the file system does
             not allow it. ``False``: never.
+        spare_bytes: Deleted (and evicted) block files are kept, up to this many bytes, for
+            later puts to write over instead of allocating new files (see
+            :mod:`._spares`); they are removed at :meth:`aclose` and when the disk is full.
+            0: removed at once.
 
     Raises:
         TypeError: ``root`` is not a ``str`` or ``os.PathLike[str]``.
@@ -113,6 +119,7 @@ class FileStore(StorageBackend):
         stale_temp_after: float = 3600.0,
         scan_on_open: bool = True,
         direct_io: bool | None = None,
+        spare_bytes: int = 1 << 30,
     ) -> None:
         self.path = store_root(root)
         if durability not in _DURABILITIES:
@@ -121,6 +128,8 @@ class FileStore(StorageBackend):
             raise ConfigError("capacity_bytes", f"must be positive, got {capacity_bytes!r}")
         if threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {threads!r}")
+        if spare_bytes < 0:
+            raise ConfigError("spare_bytes", f"must be >= 0, got {spare_bytes!r}")
         if isinstance(stale_temp_after, bool) or not (
             isinstance(stale_temp_after, int | float) and 0 < stale_temp_after < math.inf
         ):
@@ -135,6 +144,7 @@ class FileStore(StorageBackend):
         self._direct_reads = False  # direct reads (of what the page cache lacks): likewise
         self._native = False  # batch reads and probes in native code: decided at open
         self._scratch = Scratch()
+        self._spares = Spares(spare_bytes)
         self._root: Root | None = None
         self._catalog: Catalog | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -226,6 +236,7 @@ class FileStore(StorageBackend):
                 if self._executor is not None:
                     self._executor.shutdown(wait=True)
                     self._executor = None
+                await anyio.to_thread.run_sync(self._spares.drain, self._root)
                 self._catalog.close()
                 self._root.close()
                 self._root = self._catalog = None
@@ -310,7 +321,8 @@ class FileStore(StorageBackend):
         if res.victims:
             self._count(evictions=len(res.victims), evicted_bytes=res.evicted_bytes)
             for key in res.victims:
-                root.discard(*block_location(key))
+                with contextlib.suppress(OSError):  # as a failed delete: its record is gone
+                    self._spares.retire(root, *block_location(key))
         written: list[str] = []
         errors: list[str] = []
         hooks = WriteHooks(self.durability, self._refuse_direct, self._count, errors, abandoned)
@@ -329,6 +341,8 @@ class FileStore(StorageBackend):
                 statuses[keys.index(key)] = BlockStatus.NO_SPACE
                 written.remove(key)
                 self._count(no_space=1)
+        if BlockStatus.NO_SPACE in statuses:
+            self._spares.drain(root)
         self._count(blocks_written=len(written), bytes_written=len(written) * value_nbytes)
         if errors:  # one line per batch, not per block
             log.warning(
@@ -370,7 +384,9 @@ class FileStore(StorageBackend):
             vals = [values[i] for i in part]
             ks = [keys[i] for i in part]
             cs = [sums[i] for i in part]
-            return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch, cs)
+            nbytes = file_nbytes(len(vals[0]), padded=direct)
+            spares = [self._spares.take(nbytes) for _ in part]
+            return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch, cs, spares)
 
         return self._in_shares(share, admitted)
 
@@ -532,7 +548,7 @@ class FileStore(StorageBackend):
 
         def remove() -> None:
             for key in keys:
-                root.unlink(*block_location(key))
+                self._spares.retire(root, *block_location(key))
             catalog.remove(keys)
 
         await self._thread(remove)
@@ -552,7 +568,9 @@ class FileStore(StorageBackend):
     def statistics(self) -> Mapping[str, float]:
         """Counters of this process's use of the store (evictions, corrupt blocks, ...)."""
         with self._lock:
-            return dict(self._counters)
+            counters = dict(self._counters)
+        spares = {"spare_files": self._spares.files, "spare_bytes": self._spares.held_bytes}
+        return counters | spares
 
 
 def _some(errors: Sequence[str], shown: int = 3) -> str:

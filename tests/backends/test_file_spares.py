@@ -1,0 +1,232 @@
+"""Deleted block files kept for later puts (``FileStore(spare_bytes=...)``): reused in place,
+bounded, removed at close and when the disk is full, and never written over while a reader
+holds one or read as a block once it has been reused."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+import kvpipe
+from kvpipe._staging import StagingPool
+from kvpipe._workers import ThreadRunner
+from kvpipe.backends import BlockStatus
+from kvpipe.backends.file import _native
+from kvpipe.backends.file import store as store_module
+from kvpipe.backends.file._format import is_temp_name
+from kvpipe.backends.file._fs import Root, still_block
+from kvpipe.testing.batches import Batches
+
+from .test_file_direct import LARGE, values
+from .test_file_hostile import block_file
+
+fileio = _native.fileio
+native = pytest.mark.skipif(fileio is None, reason="the C extension was not built")
+
+
+@asynccontextmanager
+async def batches() -> AsyncIterator[Batches]:
+    pool = StagingPool(LARGE, 16)
+    async with ThreadRunner() as runner:
+        yield Batches(pool, runner)
+
+
+def with_shards(root: Path) -> Path:
+    """``root`` with every shard directory of the test keys' namespace made, as in a store
+    that has held a few thousand blocks (a put into a shard not yet there takes the os
+    path, which makes it, and a new file)."""
+    for i in range(256):
+        (root / "blocks" / "conformance" / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def locked(path: Path, how: int) -> int:
+    """A descriptor of ``path`` holding a ``flock`` of kind ``how``."""
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, how)
+    return fd
+
+
+def spares_on_disk(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and is_temp_name(p.name)]
+
+
+async def put(store: kvpipe.FileStore, b: Batches, n: int, seed: int) -> tuple[str, ...]:
+    keys, _ = b.keys(n, seed=seed)
+    assert await b.put(store, keys, values(n, b.pool.slot_nbytes, seed)) == [BlockStatus.OK] * n
+    return keys
+
+
+@native
+@pytest.mark.parametrize("durability", ["none", "data"])
+async def test_a_deleted_block_file_is_written_over_by_the_next_put(
+    tmp_path: Path, durability: str
+) -> None:
+    with_shards(tmp_path)
+    async with kvpipe.FileStore(tmp_path, durability=durability) as store, batches() as b:  # type: ignore[arg-type]
+        old = await put(store, b, 3, seed=1)
+        inodes = {block_file(tmp_path, k).stat().st_ino for k in old}
+        await store.delete(old)
+        assert store.statistics()["spare_files"] == 3
+        assert len(spares_on_disk(tmp_path)) == 3
+        assert not any(block_file(tmp_path, k).exists() for k in old)
+        assert (await b.get(store, old))[0] == [BlockStatus.MISSING] * 3
+        new = await put(store, b, 3, seed=2)
+        assert {block_file(tmp_path, k).stat().st_ino for k in new} == inodes  # no new file
+        assert store.statistics()["spare_files"] == 0 and spares_on_disk(tmp_path) == []
+        statuses, got = await b.get(store, new)
+        assert statuses == [BlockStatus.OK] * 3
+        assert got == values(3, b.pool.slot_nbytes, 2)
+
+
+@native
+async def test_a_reused_file_longer_than_the_new_block_is_cut_to_length(tmp_path: Path) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / ".old.tmp").write_bytes(b"x" * 10_000)
+        assert fileio is not None
+        spares = [b"d/.old.tmp"]
+        got = fileio.write_files(
+            fd, [b"d"], [b".new.tmp"], [b"new"], [[b"fresh"]], 1, False, bytearray(1), spares
+        )
+    finally:
+        os.close(fd)
+    assert got == [0]
+    assert (tmp_path / "d" / "new").read_bytes() == b"fresh"
+    assert os.listdir(tmp_path / "d") == ["new"]
+
+
+async def test_spares_are_bounded_and_removed_at_close(tmp_path: Path) -> None:
+    async with batches() as b:
+        async with kvpipe.FileStore(tmp_path / "s", durability="none") as store:
+            keys = await put(store, b, 4, seed=1)
+            size = block_file(tmp_path / "s", keys[0]).stat().st_size
+        async with kvpipe.FileStore(
+            tmp_path / "s", durability="none", spare_bytes=size * 5 // 2
+        ) as store:
+            await store.delete(keys)
+            assert store.statistics()["spare_files"] == 2
+            assert store.statistics()["spare_bytes"] == 2 * size
+            assert len(spares_on_disk(tmp_path / "s")) == 2  # the others removed
+        assert spares_on_disk(tmp_path / "s") == []
+        async with kvpipe.FileStore(tmp_path / "s", spare_bytes=0) as store:
+            keys = await put(store, b, 2, seed=2)
+            await store.delete(keys)
+            assert store.statistics()["spare_files"] == 0
+            assert spares_on_disk(tmp_path / "s") == []
+
+
+async def test_evicted_block_files_are_reused_by_the_put_that_evicted_them(tmp_path: Path) -> None:
+    async with batches() as b, kvpipe.FileStore(tmp_path / "p") as probe:
+        size = block_file(tmp_path / "p", (await put(probe, b, 1, seed=9))[0]).stat().st_size
+    root = with_shards(tmp_path / "s")
+    async with batches() as b, kvpipe.FileStore(root, capacity_bytes=4 * size) as store:
+        first = await put(store, b, 4, seed=1)
+        inodes = {block_file(root, k).stat().st_ino for k in first}
+        new = await put(store, b, 2, seed=2)  # evicts two of the first
+        stats = store.statistics()
+        assert stats["evictions"] == 2
+        assert stats["spare_files"] == 0 and spares_on_disk(root) == []
+        assert {block_file(root, k).stat().st_ino for k in new} <= inodes
+
+
+async def test_a_full_disk_lets_the_spares_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with kvpipe.FileStore(tmp_path) as store, batches() as b:
+        await store.delete(await put(store, b, 3, seed=1))
+        assert store.statistics()["spare_files"] == 3
+        monkeypatch.setattr(store_module, "room", lambda root: 0)
+        keys, _ = b.keys(2, seed=2)
+        got = await b.put(store, keys, values(2, b.pool.slot_nbytes, 2))
+        assert got == [BlockStatus.NO_SPACE] * 2
+        assert store.statistics()["spare_files"] == 0 and spares_on_disk(tmp_path) == []
+
+
+@native
+async def test_a_spare_a_reader_holds_is_not_written_over(tmp_path: Path) -> None:
+    async with kvpipe.FileStore(tmp_path, durability="none") as store, batches() as b:
+        with_shards(tmp_path)
+        old = await put(store, b, 1, seed=1)
+        before = block_file(tmp_path, old[0]).read_bytes()
+        reader = locked(block_file(tmp_path, old[0]), fcntl.LOCK_SH)  # a reader mid-read
+        try:
+            await store.delete(old)
+            new = await put(store, b, 1, seed=2)
+            assert os.fstat(reader).st_ino != block_file(tmp_path, new[0]).stat().st_ino
+            assert os.pread(reader, len(before), 0) == before  # what it opened
+        finally:
+            os.close(reader)
+        assert spares_on_disk(tmp_path) == []  # let go of, not kept
+        assert (await b.get(store, new))[0] == [BlockStatus.OK]
+
+
+@pytest.mark.usefixtures("file_io")
+async def test_a_block_file_being_written_over_reads_as_missing(tmp_path: Path) -> None:
+    async with kvpipe.FileStore(tmp_path, durability="none") as store, batches() as b:
+        keys = await put(store, b, 1, seed=1)
+        writer = locked(block_file(tmp_path, keys[0]), fcntl.LOCK_EX)  # a writer reusing it
+        try:
+            statuses, _ = await b.get(store, keys)
+        finally:
+            os.close(writer)
+        assert statuses == [BlockStatus.MISSING]
+        assert store.statistics().get("corrupt", 0) == 0
+        assert (await b.get(store, keys))[0] == [BlockStatus.OK]  # the lock gone
+
+
+def test_a_file_renamed_after_it_was_opened_is_no_longer_the_block(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    path = tmp_path / "d" / "f"
+    path.write_bytes(b"block")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        assert still_block(fd, st)
+        time.sleep(0.02)  # past the file system's timestamp tick, where ctime is coarse
+        os.rename(path, tmp_path / "d" / ".spare.tmp")  # deleted, and
+        os.rename(tmp_path / "d" / ".spare.tmp", path)  # published again as another block
+        assert not still_block(fd, st)
+    finally:
+        os.close(fd)
+    root = Root(tmp_path)
+    try:
+        assert root.read_into(("d",), "f", [memoryview(bytearray(8))]) == 5
+    finally:
+        root.close()
+
+
+@pytest.mark.usefixtures("file_io")
+async def test_reads_racing_deletes_and_reuse_are_right_or_missing(tmp_path: Path) -> None:
+    root = with_shards(tmp_path)
+    seen: list[BlockStatus] = []
+    async with kvpipe.FileStore(root, durability="none", threads=2) as store, batches() as b:
+        for r in range(12):
+            keys = await put(store, b, 6, seed=r)
+            want = values(6, b.pool.slot_nbytes, r)
+
+            async def read(keys: tuple[str, ...] = keys, want: list[bytes] = want) -> None:
+                for _ in range(3):
+                    statuses, got = await b.get(store, keys)
+                    for status, value, expected in zip(statuses, got, want, strict=True):
+                        assert status in (BlockStatus.OK, BlockStatus.MISSING)
+                        assert status is not BlockStatus.OK or value == expected
+                    seen.extend(statuses)
+
+            async def replace(keys: tuple[str, ...] = keys, r: int = r) -> None:
+                await store.delete(keys)
+                await put(store, b, 6, seed=1000 + r)  # written over the deleted files
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                tg.start_soon(replace)
+        assert store.statistics().get("corrupt", 0) == 0
+    assert BlockStatus.OK in seen
