@@ -104,6 +104,7 @@ async def test_a_reused_file_longer_than_the_new_block_is_cut_to_length(tmp_path
     assert os.listdir(tmp_path / "d") == ["new"]
 
 
+@native
 async def test_spares_are_bounded_and_removed_at_close(tmp_path: Path) -> None:
     async with batches() as b:
         async with kvpipe.FileStore(tmp_path / "s", durability="none") as store:
@@ -124,6 +125,7 @@ async def test_spares_are_bounded_and_removed_at_close(tmp_path: Path) -> None:
             assert spares_on_disk(tmp_path / "s") == []
 
 
+@native
 async def test_evicted_block_files_are_reused_by_the_put_that_evicted_them(tmp_path: Path) -> None:
     async with batches() as b, kvpipe.FileStore(tmp_path / "p") as probe:
         size = block_file(tmp_path / "p", (await put(probe, b, 1, seed=9))[0]).stat().st_size
@@ -138,6 +140,17 @@ async def test_evicted_block_files_are_reused_by_the_put_that_evicted_them(tmp_p
         assert {block_file(root, k).stat().st_ino for k in new} <= inodes
 
 
+async def test_without_the_native_writer_deleted_files_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_native, "fileio", None)  # only the native writer reuses files
+    async with kvpipe.FileStore(tmp_path) as store, batches() as b:
+        await store.delete(await put(store, b, 3, seed=1))
+        assert store.statistics()["spare_files"] == 0
+        assert spares_on_disk(tmp_path) == []
+
+
+@native
 async def test_a_full_disk_lets_the_spares_go(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

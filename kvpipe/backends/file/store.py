@@ -94,7 +94,7 @@ class FileStore(StorageBackend):
         spare_bytes: Deleted (and evicted) block files are kept, up to this many bytes, for
             later puts to write over instead of allocating new files (see
             :mod:`._spares`); they are removed at :meth:`aclose` and when the disk is full.
-            0: removed at once.
+            0: removed at once (as where the C extension was not built).
 
     Raises:
         TypeError: ``root`` is not a ``str`` or ``os.PathLike[str]``.
@@ -144,7 +144,8 @@ class FileStore(StorageBackend):
         self._direct_reads = False  # direct reads (of what the page cache lacks): likewise
         self._native = False  # batch reads and probes in native code: decided at open
         self._scratch = Scratch()
-        self._spares = Spares(spare_bytes)
+        self.spare_bytes = spare_bytes
+        self._spares = Spares(0)  # made at open: only the native writer reuses files
         self._root: Root | None = None
         self._catalog: Catalog | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -185,6 +186,7 @@ class FileStore(StorageBackend):
             self._direct_reads = allowed
             self._direct = allowed and (self.direct_io or self.durability != "none")
             self._native = native_available() and root.confined_opens()
+            self._spares = Spares(self.spare_bytes if self._native else 0)
             catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"), owner_token())
         except BaseException:
             root.close()
