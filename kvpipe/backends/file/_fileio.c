@@ -519,7 +519,8 @@ static long write_one(int dir_fd, const char *dir, const char *tmp, const char *
     }
     long out = 0;
     int fd = spare ? claim_spare(dir_fd, spare, dfd, tmp, direct) : -1;
-    if (fd >= 0) {
+    int reused = fd >= 0;
+    if (reused) {
         futimens(fd, NULL); /* a fresh temporary file to anyone sweeping stale ones */
     } else {
         fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC |
@@ -534,7 +535,7 @@ static long write_one(int dir_fd, const char *dir, const char *tmp, const char *
     struct stat st;
     if (moved < 0) {
         out = moved;
-    } else if (spare && fstat(fd, &st) == 0 && st.st_size > moved && ftruncate(fd, moved) != 0) {
+    } else if (reused && fstat(fd, &st) == 0 && st.st_size > moved && ftruncate(fd, moved) != 0) {
         out = -errno; /* a reused file longer than this block */
     }
     if (out == 0 && durability >= 1 && fdatasync(fd) != 0) {

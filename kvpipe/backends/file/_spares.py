@@ -72,11 +72,14 @@ class Spares:
         Raises:
             OSError: The file could not be moved nor removed.
         """
+        if not self.limit_bytes:
+            return root.unlink(parts, name)
         try:
             with root.directory(parts, create=False) as dfd:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 if not stat.S_ISREG(st.st_mode) or not self._room(st.st_size):
-                    return root.unlink(parts, name)
+                    os.unlink(name, dir_fd=dfd)
+                    return True
                 spare = temp_name(name, HOST, os.getpid(), secrets.token_hex(4))
                 try:
                     os.rename(name, spare, src_dir_fd=dfd, dst_dir_fd=dfd)
