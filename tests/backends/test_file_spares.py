@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import pytest
 
 import kvpipe
@@ -220,26 +221,30 @@ def test_a_file_renamed_after_it_was_opened_is_no_longer_the_block(tmp_path: Pat
 @pytest.mark.usefixtures("file_io")
 async def test_reads_racing_deletes_and_reuse_are_right_or_missing(tmp_path: Path) -> None:
     root = with_shards(tmp_path)
-    seen: list[BlockStatus] = []
     async with kvpipe.FileStore(root, durability="none", threads=2) as store, batches() as b:
         for r in range(12):
             keys = await put(store, b, 6, seed=r)
             want = values(6, b.pool.slot_nbytes, r)
 
-            async def read(keys: tuple[str, ...] = keys, want: list[bytes] = want) -> None:
+            async def read(
+                *,
+                task_status: anyio.abc.TaskStatus[None],
+                keys: tuple[str, ...] = keys,
+                want: list[bytes] = want,
+            ) -> None:
+                assert await b.get(store, keys) == ([BlockStatus.OK] * 6, want)  # before the race
+                task_status.started()
                 for _ in range(3):
                     statuses, got = await b.get(store, keys)
                     for status, value, expected in zip(statuses, got, want, strict=True):
                         assert status in (BlockStatus.OK, BlockStatus.MISSING)
                         assert status is not BlockStatus.OK or value == expected
-                    seen.extend(statuses)
 
             async def replace(keys: tuple[str, ...] = keys, r: int = r) -> None:
                 await store.delete(keys)
                 await put(store, b, 6, seed=1000 + r)  # written over the deleted files
 
             async with anyio.create_task_group() as tg:
-                tg.start_soon(read)
+                await tg.start(read)
                 tg.start_soon(replace)
         assert store.statistics().get("corrupt", 0) == 0
-    assert BlockStatus.OK in seen
