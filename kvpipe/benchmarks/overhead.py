@@ -95,7 +95,8 @@ class PlainLoop:
 
     async def request(self, tokens: Any, ids: Any, write: bool) -> None:
         """Write (or read) one sequence, slice after slice, as the actors would."""
-        keys = block_keys(self.scope, tokens, self.cache.layout.block_size, False).keys
+        block_size = self.cache.layout.block_size
+        keys = block_keys(self.scope, tokens, block_size, False).keys
         s = self.slice_blocks
         for lo in range(0, len(keys), s):
             flags = await self.store.exists(
@@ -109,7 +110,7 @@ class PlainLoop:
             try:
                 plan = copy_plan(self.segments, ids[lo:hi], lease.slots)
                 digests = [key_digest(k) for k in keys[lo:hi]]
-                common = (self.scope, "r", keys[lo:hi], lo, tokens[: hi * s])
+                common = (self.scope, "r", keys[lo:hi], lo, tokens[: hi * block_size])
                 extra = {"lease": lease, "value_nbytes": self.payload + 48}
                 extra |= {"runner": self.runner, "limiter": self.limiter}
                 if write:
