@@ -204,13 +204,9 @@ class ActorContext:
         self, nbytes: int, fn: Callable[..., T], *args: Any, hold: StagingLease
     ) -> T:
         """Run host work on staging (sealing, verification): inline when small, else in a
-        copy worker thread.
-
-        Inline work does not yield first: every caller goes on to a store call or a send,
-        which is where a cancelled slice stops (a checkpoint here cost a loop iteration per
-        slice, ~2-3 µs of the actors' fixed cost, for a cancellation point one await away).
-        """
+        copy worker thread."""
         if nbytes <= INLINE_COPY_BYTES:
+            await anyio.lowlevel.checkpoint()
             return fn(*args)
         return await self.runner.run(fn, *args, hold=hold, lane=self.copy_limiter)
 

@@ -6,12 +6,15 @@ against the same work done by the same library calls in a plain loop.
 and value: 64 segments per block) but 16 bytes per segment (1 KiB blocks, one token per
 block), so copies cost next to nothing and every call runs inline on the event loop (no
 worker threads below 256 KiB). Over a :class:`~kvpipe.MemoryStore`, checksums on, one
-request at a time, two contenders interleaved per round:
+request at a time, three contenders interleaved per round:
 
 - ``pipeline``: ``pipe.write`` then ``pipe.read`` through the actors;
 - ``plain``: the same calls in one task: keys (``block_keys``), the ``exists`` probe, and per
   slice a staging lease, the host engine's gather, sealing, ``put_blocks`` (reads:
-  ``get_blocks``, verification, scatter), release.
+  ``get_blocks``, verification, scatter), release;
+- ``one_hop``: the plain loop's calls behind the least an actor design on anyio adds (one
+  memory-object-stream hop and one deadline cancel scope per slice, an event per request:
+  :class:`OneHopLoop`). ``one_hop`` - ``plain`` is that floor.
 
 Three request shapes give per-request ``a``, per-slice ``b`` and per-block ``c`` costs
 (``t = a + slices * b + blocks * c``): 64 blocks in 1 slice, 64 blocks in 64 slices, 1
@@ -52,8 +55,11 @@ from ..backends.memory import MemoryStore
 from ..pipeline import open_pipeline
 from ._workload import model_layout, random_cache
 
-__all__ = ("SHAPES", "OverheadBenchConfig", "PlainLoop", "run_overhead_bench")
+__all__ = ("SHAPES", "OneHopLoop", "OverheadBenchConfig", "PlainLoop", "run_overhead_bench")
 
+#: Who runs the same calls: the pipeline, the plain loop, and the plain loop behind one
+#: actor hop (:class:`OneHopLoop`).
+CONTENDERS: Final = ("pipeline", "plain", "one_hop")
 #: (name, blocks per request, blocks per slice).
 SHAPES: Final = (("1x64", 64, 64), ("64x1", 64, 1), ("1x1", 1, 1))
 #: Slices of a 64-block request at which the overhead per 2 MiB block is reported.
@@ -79,7 +85,6 @@ def tiny_layout() -> CacheLayout:
     return CacheLayout.gqa(num_layers=32, num_kv_heads=1, head_dim=8, block_size=1)
 
 
-@final
 class PlainLoop:
     """The pipeline's library calls for one request at a time, in one task, no actors."""
 
@@ -95,8 +100,19 @@ class PlainLoop:
 
     async def request(self, tokens: Any, ids: Any, write: bool) -> None:
         """Write (or read) one sequence, slice after slice, as the actors would."""
-        block_size = self.cache.layout.block_size
-        keys = block_keys(self.scope, tokens, block_size, False).keys
+        keys = await self._probe(tokens, write)
+        s = self.slice_blocks
+        for lo in range(0, len(keys), s):
+            hi = min(lo + s, len(keys))
+            lease = await self.pool.acquire(hi - lo)
+            try:
+                await self._slice(keys, tokens, ids, lo, hi, lease, write)
+            finally:
+                lease.release()
+
+    async def _probe(self, tokens: Any, write: bool) -> tuple[str, ...]:
+        """The request's keys, after the ``exists`` probe of each slice's."""
+        keys = block_keys(self.scope, tokens, self.cache.layout.block_size, False).keys
         s = self.slice_blocks
         for lo in range(0, len(keys), s):
             flags = await self.store.exists(
@@ -104,25 +120,26 @@ class PlainLoop:
             )
             if write and not all(flags):
                 break
-        for lo in range(0, len(keys), s):
-            hi = min(lo + s, len(keys))
-            lease = await self.pool.acquire(hi - lo)
-            try:
-                plan = copy_plan(self.segments, ids[lo:hi], lease.slots)
-                digests = [key_digest(k) for k in keys[lo:hi]]
-                common = (self.scope, "r", keys[lo:hi], lo, tokens[: hi * block_size])
-                extra = {"lease": lease, "value_nbytes": self.payload + 48}
-                extra |= {"runner": self.runner, "limiter": self.limiter}
-                if write:
-                    await self.engine.gather(plan, lease)
-                    await self._copy(plan.nbytes, seal_slots, lease, digests)
-                    await self.store.put_blocks(PutBatch(*common, **extra))
-                else:
-                    await self.store.get_blocks(GetBatch(*common, **extra))
-                    await self._copy(plan.nbytes, verify_slots, lease, digests)
-                    await self.engine.scatter(plan, lease)
-            finally:
-                lease.release()
+        return keys
+
+    async def _slice(
+        self, keys: Any, tokens: Any, ids: Any, lo: int, hi: int, lease: Any, write: bool
+    ) -> None:
+        """One slice's calls: gather, seal, put (reads: get, verify, scatter)."""
+        plan = copy_plan(self.segments, ids[lo:hi], lease.slots)
+        digests = [key_digest(k) for k in keys[lo:hi]]
+        block_size = self.cache.layout.block_size
+        common = (self.scope, "r", keys[lo:hi], lo, tokens[: hi * block_size])
+        extra = {"lease": lease, "value_nbytes": self.payload + 48}
+        extra |= {"runner": self.runner, "limiter": self.limiter}
+        if write:
+            await self.engine.gather(plan, lease)
+            await self._copy(plan.nbytes, seal_slots, lease, digests)
+            await self.store.put_blocks(PutBatch(*common, **extra))
+        else:
+            await self.store.get_blocks(GetBatch(*common, **extra))
+            await self._copy(plan.nbytes, verify_slots, lease, digests)
+            await self.engine.scatter(plan, lease)
 
     async def _copy(self, nbytes: int, fn: Any, lease: Any, digests: list[bytes]) -> None:
         args = (self.pool.buffer, lease.slots, self.payload, digests, True)
@@ -131,6 +148,47 @@ class PlainLoop:
             fn(*args)
         else:
             await self.runner.run(fn, *args, hold=lease, lane=self.limiter)
+
+
+@final
+class OneHopLoop(PlainLoop):
+    """The plain loop's calls behind the least any actor design on anyio adds: the request's
+    task leases each slice's staging and sends it through a memory object stream to one
+    long-lived task, which runs the slice's calls in a cancel scope with a deadline and
+    releases the staging; the request waits on an event set after its last slice. One hop
+    and one deadline scope per slice, nothing else: no ordering, no request state, no
+    metrics."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._send, self._inbox = anyio.create_memory_object_stream[Any](2)
+
+    async def serve(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """The slice task: runs until :meth:`close`."""
+        task_status.started()
+        async with self._inbox:
+            async for keys, tokens, ids, lo, hi, lease, write, done in self._inbox:
+                try:
+                    with anyio.CancelScope(deadline=anyio.current_time() + 10.0):
+                        await self._slice(keys, tokens, ids, lo, hi, lease, write)
+                finally:
+                    lease.release()
+                if hi == len(keys):
+                    done.set()
+
+    def close(self) -> None:
+        """No more slices: :meth:`serve` returns."""
+        self._send.close()
+
+    async def request(self, tokens: Any, ids: Any, write: bool) -> None:
+        """Lease and send each slice to the slice task; wait for the last one."""
+        keys = await self._probe(tokens, write)
+        done = anyio.Event()
+        for lo in range(0, len(keys), self.slice_blocks):
+            hi = min(lo + self.slice_blocks, len(keys))
+            lease = await self.pool.acquire(hi - lo)
+            await self._send.send((keys, tokens, ids, lo, hi, lease, write, done))
+        await done.wait()
 
 
 def _fit(t_1x64: float, t_64x1: float, t_1x1: float) -> dict[str, float]:
@@ -160,8 +218,8 @@ async def _fixed_costs(cfg: OverheadBenchConfig, tick: Callable[[str], None]) ->
         async def one() -> None:
             seq[0] += 1
             tokens = np.arange(blocks, dtype=np.int64) + seq[0] * 1000
-            if who == "plain":
-                await plains[name].request(tokens, ids, write)
+            if who != "pipeline":
+                await loops[who][name].request(tokens, ids, write)
                 return
             pipe = pipes[name]
             res = await (pipe.write(tokens, ids) if write else pipe.read(tokens, ids))
@@ -170,18 +228,28 @@ async def _fixed_costs(cfg: OverheadBenchConfig, tick: Callable[[str], None]) ->
 
         return one
 
-    async with ThreadRunner() as runner, AsyncExitStack() as stack:
-        pipes, plains = {}, {}
+    # The stack closes the one-hop loops (and the pipelines) before the task group waits for
+    # their slice tasks to return.
+    async with (
+        ThreadRunner() as runner,
+        anyio.create_task_group() as tg,
+        AsyncExitStack() as stack,
+    ):
+        pipes: dict[str, Any] = {}
+        loops: dict[str, dict[str, PlainLoop]] = {"plain": {}, "one_hop": {}}
         for name, _, s in SHAPES:
             config = PipelineConfig(slice_block_num=s, staging_bytes=4 << 20)
             pipes[name] = await stack.enter_async_context(
                 open_pipeline(cache, store, config=config)
             )
-            plains[name] = PlainLoop(cache, store, s, runner)
+            loops["plain"][name] = PlainLoop(cache, store, s, runner)
+            hop = loops["one_hop"][name] = OneHopLoop(cache, store, s, runner)
+            await tg.start(hop.serve)
+            stack.callback(hop.close)
         for r in range(cfg.rounds + 1):
             times: dict[tuple[str, str], dict[str, float]] = {}
             for (name, blocks, _), count in zip(SHAPES, cfg.requests, strict=True):
-                for who in ("pipeline", "plain"):
+                for who in CONTENDERS:
                     first = seq[0]
                     t_w = await _timed(request(who, name, blocks, True), count)
                     seq[0] = first  # read back the same sequences
@@ -198,12 +266,13 @@ async def _fixed_costs(cfg: OverheadBenchConfig, tick: Callable[[str], None]) ->
         out.setdefault(who, {})[op] = {
             k: round(statistics.median(f[k] for f in fits) * 1e6, 2) for k in fits[0]
         }
-    for op in ("write", "read"):
-        pairs = zip(rounds[("pipeline", op)], rounds[("plain", op)], strict=True)
-        diffs = [{k: a[k] - b[k] for k in ("request", "slice", "block")} for a, b in pairs]
-        out.setdefault("actors", {})[op] = {
-            k: round(statistics.median(d[k] for d in diffs) * 1e6, 2) for k in diffs[0]
-        }
+    for label, who in (("actors", "pipeline"), ("one_hop_floor", "one_hop")):
+        for op in ("write", "read"):
+            pairs = zip(rounds[(who, op)], rounds[("plain", op)], strict=True)
+            diffs = [{k: a[k] - b[k] for k in ("request", "slice", "block")} for a, b in pairs]
+            out.setdefault(label, {})[op] = {
+                k: round(statistics.median(d[k] for d in diffs) * 1e6, 2) for k in diffs[0]
+            }
     return out
 
 

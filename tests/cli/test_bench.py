@@ -163,7 +163,7 @@ def test_new_scenarios_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert lag["memory write"]["gbps"] > 0 and lag["file read"]["gbps"] > 0
 
     ov = results["overhead"]
-    for who in ("pipeline", "plain", "actors"):
+    for who in ("pipeline", "plain", "one_hop", "actors", "one_hop_floor"):
         assert set(ov["fixed_us"][who]) == {"write", "read"}
     assert ov["reference"]["gather_2mib_us"] > 0 and ov["reference"]["thread_hop_us"] > 0
     assert [p["slice_block_num"] for p in ov["per_2mib_block"]] == [1, 4, 16, 64]
