@@ -91,6 +91,7 @@ class PlainLoop:
     def __init__(self, cache: Any, store: MemoryStore, slice_blocks: int, runner: ThreadRunner):
         self.cache, self.store, self.slice_blocks, self.runner = cache, store, slice_blocks, runner
         layout = cache.layout
+        self.block_size = layout.block_size
         self.segments = layout_segments(layout)
         self.payload = layout.block_nbytes
         self.scope = Scope("plain", layout.fingerprint)
@@ -112,7 +113,7 @@ class PlainLoop:
 
     async def _probe(self, tokens: Any, write: bool) -> tuple[str, ...]:
         """The request's keys, after the ``exists`` probe of each slice's."""
-        keys = block_keys(self.scope, tokens, self.cache.layout.block_size, False).keys
+        keys = block_keys(self.scope, tokens, self.block_size, False).keys
         s = self.slice_blocks
         for lo in range(0, len(keys), s):
             flags = await self.store.exists(
@@ -128,8 +129,7 @@ class PlainLoop:
         """One slice's calls: gather, seal, put (reads: get, verify, scatter)."""
         plan = copy_plan(self.segments, ids[lo:hi], lease.slots)
         digests = [key_digest(k) for k in keys[lo:hi]]
-        block_size = self.cache.layout.block_size
-        common = (self.scope, "r", keys[lo:hi], lo, tokens[: hi * block_size])
+        common = (self.scope, "r", keys[lo:hi], lo, tokens[: hi * self.block_size])
         extra = {"lease": lease, "value_nbytes": self.payload + 48}
         extra |= {"runner": self.runner, "limiter": self.limiter}
         if write:
@@ -159,8 +159,10 @@ class OneHopLoop(PlainLoop):
     and one deadline scope per slice, nothing else: no ordering, no request state, no
     metrics."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(
+        self, cache: Any, store: MemoryStore, slice_blocks: int, runner: ThreadRunner
+    ) -> None:
+        super().__init__(cache, store, slice_blocks, runner)
         self._send, self._inbox = anyio.create_memory_object_stream[Any](2)
 
     async def serve(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
