@@ -259,7 +259,12 @@ class Runtime:
             ChildSpec("scheduler", lambda: Scheduler(ctx, inbox.scheduler, cfg.queue_depth)),
             ChildSpec("slicer", lambda: Slicer(ctx, inbox.slicer, cfg.queue_depth)),
             ChildSpec("swapper", lambda: Swapper(ctx, inbox.swapper, cfg.copy_threads)),
-            ChildSpec("writer", lambda: Writer(ctx, inbox.writer)),
+            # A host cache's writes come whole (each leases its own staging as it goes):
+            # as many at once as the slicer runs; a device cache's slices each hold staging.
+            ChildSpec(
+                "writer",
+                lambda: Writer(ctx, inbox.writer, cfg.queue_depth if ctx.host_copies else None),
+            ),
             ChildSpec("reader", lambda: Reader(ctx, inbox.reader)),
         ]
         self._supervisor = Supervisor(

@@ -2,9 +2,9 @@
 
 Requests (:class:`~kvpipe.actors._state.RequestState`) go to the scheduler; planned writes and
 reads to the slicer; slice jobs (:class:`~kvpipe.actors._base.SliceJob`) to the swapper, the
-writer and the reader. An inbox outlives a crashed actor, so its restart resumes on the same
-queue; closing the send ends (:meth:`Outboxes.close`) lets every actor leave its loop once its
-inbox is empty.
+writer and the reader, and a host cache's planned writes on to the writer whole. An inbox
+outlives a crashed actor, so its restart resumes on the same queue; closing the send ends
+(:meth:`Outboxes.close`) lets every actor leave its loop once its inbox is empty.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Outboxes:
     scheduler: MemoryObjectSendStream[RequestState]
     slicer: MemoryObjectSendStream[WriteState | ReadState]
     swapper: MemoryObjectSendStream[SliceJob]
-    writer: MemoryObjectSendStream[SliceJob]
+    writer: MemoryObjectSendStream[WriteState | SliceJob]
     reader: MemoryObjectSendStream[SliceJob]
 
     def close(self) -> None:
@@ -47,7 +47,7 @@ class Inboxes:
     scheduler: MemoryObjectReceiveStream[RequestState]
     slicer: MemoryObjectReceiveStream[WriteState | ReadState]
     swapper: MemoryObjectReceiveStream[SliceJob]
-    writer: MemoryObjectReceiveStream[SliceJob]
+    writer: MemoryObjectReceiveStream[WriteState | SliceJob]
     reader: MemoryObjectReceiveStream[SliceJob]
 
     def by_name(self) -> dict[str, MemoryObjectReceiveStream[Any]]:

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import Any, ClassVar, Literal
+from collections.abc import Iterable
+from typing import Any, ClassVar, Literal, final
 
 import anyio
 import numpy as np
@@ -36,6 +35,7 @@ from .._results import ReadResult, ReadStopReason, SliceOutcome, WriteResult
 from .._write_machine import Ending, WriteMachine
 
 __all__ = (
+    "Bound",
     "CallState",
     "Ending",
     "ReadState",
@@ -76,22 +76,13 @@ class RequestState(abc.ABC):
         """Wait until the request has ended."""
         await self._done.wait()
 
-    @contextmanager
-    def bound(
-        self, deadline: float, tag: object = None, first_block: int = 0
-    ) -> Iterator[anyio.CancelScope]:
+    def bound(self, deadline: float, tag: object = None, first_block: int = 0) -> Bound:
         """A cancel scope that ends at ``deadline`` or when the request ends — or, for a
         read, when loading stops at or before ``first_block``. ``tag`` names it uniquely."""
-        scope = anyio.CancelScope(deadline=deadline)
-        key = tag if tag is not None else object()
-        self._scopes[key] = (first_block, scope)
+        bound = Bound(self._scopes, deadline, tag if tag is not None else object(), first_block)
         if self.done:
-            scope.cancel()
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._scopes.pop(key, None)
+            bound.scope.cancel()
+        return bound
 
     def cancel_scopes(self, from_block: int = 0) -> None:
         """Cancel work in flight on blocks at or after ``from_block``."""
@@ -127,6 +118,32 @@ class RequestState(abc.ABC):
         """How the request ended, as a metrics label (see :class:`~kvpipe.actors.Observer`)."""
         error = self.error
         return "ok" if error is None else error_label(error)
+
+
+@final
+class Bound:
+    """The context manager of :meth:`RequestState.bound`: a cancel scope registered with its
+    request while it is entered (a class, not a generator: it is entered once per slice)."""
+
+    __slots__ = ("_key", "_scopes", "scope")
+
+    def __init__(
+        self,
+        scopes: dict[object, tuple[int, anyio.CancelScope]],
+        deadline: float,
+        key: object,
+        first_block: int,
+    ) -> None:
+        self.scope = anyio.CancelScope(deadline=deadline)
+        self._scopes, self._key = scopes, key
+        scopes[key] = (first_block, self.scope)
+
+    def __enter__(self) -> anyio.CancelScope:
+        return self.scope.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        self._scopes.pop(self._key, None)
+        return bool(self.scope.__exit__(*exc_info))
 
 
 class CallState(RequestState):

@@ -1,9 +1,10 @@
 """The slicer: leases staging for each slice of a request, in order, and sends it on.
 
-Write slices go to be gathered (a host cache's by the writer itself, a device cache's by the
-swapper), read slices to the reader (to be fetched). Staging is leased here, before any copy,
-so no copy waits for memory and the read and write paths cannot deadlock on the pool. A
-request that has stopped gets no further slices.
+A device cache's write slices go to the swapper (to be gathered), read slices to the reader
+(to be fetched). Staging is leased here, before any copy, so no copy waits for memory and the
+read and write paths cannot deadlock on the pool. A request that has stopped gets no further
+slices. A host cache's write goes on to the writer whole: it leases, gathers and puts each
+slice itself, with no hop between actors per slice.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ class Slicer(Actor[WriteState | ReadState]):
 
     async def handle(self, msg: WriteState | ReadState) -> None:
         ctx, outboxes = self.ctx, self.ctx.outboxes
+        outbox: MemoryObjectSendStream[SliceJob]
         if isinstance(msg, WriteState):
-            outbox = outboxes.writer if ctx.host_copies else outboxes.swapper
+            if ctx.host_copies:
+                await self._hand_on(msg)
+                return
+            outbox = outboxes.swapper
         else:
             outbox = outboxes.reader
         for spec in msg.slices:
@@ -50,6 +55,19 @@ class Slicer(Actor[WriteState | ReadState]):
                 if not msg.stopped_before(spec.first_block):
                     msg.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
                 msg.resolve(spec.index, 0)
+
+    async def _hand_on(self, msg: WriteState) -> None:
+        """Send a host cache's write to the writer whole, waiting for room in its inbox
+        until the deadline or until the request ends."""
+        if msg.done:
+            return
+        writer = self.ctx.outboxes.writer
+        sent = self.try_send(writer, msg)
+        if sent is None:
+            with msg.bound(msg.deadline, "hand_on"):
+                sent = await self.send(writer, msg)
+        if not sent:
+            msg.end("total_timeout", "deadline passed waiting for a full queue, or closing")
 
     async def _lease_and_send(
         self, msg: WriteState | ReadState, spec: SliceSpec, outbox: MemoryObjectSendStream[SliceJob]

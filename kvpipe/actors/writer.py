@@ -1,27 +1,35 @@
 """The backend writer: sends each gathered slice to the store, strictly in order.
 
-Slices of a host cache come to it from the slicer and it gathers and seals them itself (in
-parallel, up to the copy threads), then waits for each slice's turn; a device cache's come
-gathered from the swapper.
+A host cache's write comes to it whole, from the slicer, and it runs the request's slices
+itself, one after the other: lease the slice's staging, gather and seal it, put it — no hop
+between actors per slice. A gather large enough to run in a copy thread is started up to
+``copy_threads`` slices ahead of the put waiting for it, so copies overlap the store's calls.
+A device cache's slices come to it one by one, gathered by the swapper (possibly out of
+order), and each waits for its turn.
 
-Each slice runs in its own cancel scope with deadline ``min(now + slice_timeout, request
-deadline)``. Only the leading run of blocks the backend reports stored counts. The first slice
-that stores fewer blocks than it carries, times out or fails ends the request: no later slice
-of it is sent. Blocks the backend reported stored after a failed one are never counted. They
-are left in place: keys are content-chained, so such a block holds exactly the right bytes for
-its key and simply cannot be reached until its predecessors are stored, while deleting it could
-remove a block that a concurrent writer of the same prefix has just stored and counted.
+Each slice's put runs in its own cancel scope with deadline ``min(now + slice_timeout,
+request deadline)``. Only the leading run of blocks the backend reports stored counts. The
+first slice that stores fewer blocks than it carries, times out or fails ends the request: no
+later slice of it is sent. Blocks the backend reported stored after a failed one are never
+counted. They are left in place: keys are content-chained, so such a block holds exactly the
+right bytes for its key and simply cannot be reached until its predecessors are stored, while
+deleting it could remove a block that a concurrent writer of the same prefix has just stored
+and counted.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import anyio
+import anyio.abc
 
+from .._engine import INLINE_COPY_BYTES
 from .._errors import BackendError
-from .._plan import leading_run
+from .._plan import SliceSpec, leading_run
 from .._results import SliceOutcome, SliceStatus
+from .._staging import StagingLease
 from ..backends._base import BlockStatus, PutBatch
 from ._base import Actor, SliceJob, backend_call, check_statuses
 from ._state import RequestState, WriteState, describe_error
@@ -30,25 +38,107 @@ __all__ = ("Writer",)
 
 log = logging.getLogger("kvpipe.writer")
 
+#: A slice on its way to the store: the job, and the event set once its gather is done
+#: (``None``: gathered already).
+_Ahead = tuple[SliceJob, anyio.Event | None]
 
-class Writer(Actor[SliceJob]):
+
+class Writer(Actor[WriteState | SliceJob]):
     """Writes slices (see the module docstring)."""
 
     name = "writer"
 
     @staticmethod
-    def state_of(msg: SliceJob) -> RequestState:
-        return msg.state
+    def state_of(msg: WriteState | SliceJob) -> RequestState:
+        return msg if isinstance(msg, WriteState) else msg.state
 
-    async def handle(self, msg: SliceJob) -> None:
+    async def handle(self, msg: WriteState | SliceJob) -> None:
+        if isinstance(msg, WriteState):
+            await self._run_request(msg)
+            return
         try:
-            if self.ctx.host_copies:  # a host cache's slices come straight from the slicer
-                if msg.state.done:
-                    return
-                await self.ctx.gather_and_seal(msg)
             await self._write(msg)
         finally:
             msg.release()
+
+    async def _run_request(self, state: WriteState) -> None:
+        """A host cache's write: each slice leased, gathered and sealed, then put, in order.
+
+        Staging is never waited for while this request holds some: the slices already
+        leased are put (and let go) first. Gathers of ``INLINE_COPY_BYTES`` or less run on
+        the event loop and each slice is put as soon as it is gathered; larger ones run in
+        their own tasks, up to ``copy_threads`` ahead of the put.
+        """
+        ahead: deque[_Ahead] = deque()
+        try:
+            slices = state.slices
+            if slices and slices[0].count * self.ctx.payload_nbytes > INLINE_COPY_BYTES:
+                async with anyio.create_task_group() as tg:
+                    await self._run_slices(state, ahead, tg)
+            else:  # every slice is gathered inline (the first one is the largest)
+                await self._run_slices(state, ahead, None)
+        finally:
+            for job, _ in ahead:
+                job.release()
+
+    async def _run_slices(
+        self, state: WriteState, ahead: deque[_Ahead], tg: anyio.abc.TaskGroup | None
+    ) -> None:
+        """The loop of :meth:`_run_request`; large gathers start as tasks of ``tg``."""
+        ctx = self.ctx
+        for spec in state.slices:
+            lease = ctx.pool.try_acquire(spec.count)
+            while lease is None and ahead and not state.done:
+                await self._put_first(ahead)
+                lease = ctx.pool.try_acquire(spec.count)
+            if lease is None and not state.done:
+                lease = await self._lease(state, spec)
+            if state.done:
+                if lease is not None:
+                    lease.release()
+                break
+            assert lease is not None
+            job = SliceJob(state, spec, lease)
+            if tg is not None and spec.count * ctx.payload_nbytes > INLINE_COPY_BYTES:
+                gathered = anyio.Event()
+                ahead.append((job, gathered))
+                tg.start_soon(self._gather, job, gathered)
+                if len(ahead) > ctx.config.copy_threads:
+                    await self._put_first(ahead)
+            else:
+                ahead.append((job, None))
+                await ctx.gather_and_seal(job)
+                while ahead:
+                    await self._put_first(ahead)
+        while ahead:
+            await self._put_first(ahead)
+
+    async def _lease(self, state: WriteState, spec: SliceSpec) -> StagingLease | None:
+        """Wait for a slice's staging until the deadline, or until the request ends (then
+        ``None``: the request has ended, by the deadline if nothing else ended it first)."""
+        with state.bound(state.deadline, ("lease", spec.index), spec.first_block):
+            return await self.ctx.pool.acquire(spec.count)
+        state.end("total_timeout", "deadline passed waiting for staging")  # no-op if ended
+        return None
+
+    async def _gather(self, job: SliceJob, gathered: anyio.Event) -> None:
+        """Gather and seal a slice (not once its request has ended), then say so."""
+        if not job.state.done:
+            await self.ctx.gather_and_seal(job)
+        gathered.set()
+
+    async def _put_first(self, ahead: deque[_Ahead]) -> None:
+        """Put the first slice of ``ahead`` once it is gathered (not once its request has
+        ended), and let go of it."""
+        job, gathered = ahead[0]
+        try:
+            if gathered is not None:
+                await gathered.wait()
+            if not job.state.done:
+                await self._write(job)
+        finally:
+            ahead.popleft()
+            job.release()
 
     async def _write(self, job: SliceJob) -> None:
         ctx, spec, state = self.ctx, job.spec, job.state
@@ -106,7 +196,7 @@ class Writer(Actor[SliceJob]):
             SliceOutcome(spec.index, spec.first_block, spec.count, written, elapsed, outcome),
             detail,
         )
-        if statuses is not None:
+        if statuses is not None and written < spec.count:
             strays = sum(s is BlockStatus.OK for s in statuses[written + 1 :])
             if strays:
                 ctx.metrics.counters["blocks_stored_past_a_failure"] += strays

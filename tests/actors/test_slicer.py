@@ -1,4 +1,5 @@
-"""The slicer alone: leases staging per slice, in order; stops for ended requests."""
+"""The slicer alone: leases staging per slice, in order (a host cache's write: hands it to
+the writer whole); stops for ended requests."""
 
 from __future__ import annotations
 
@@ -20,21 +21,30 @@ def anyio_backend() -> tuple[str, dict[str, object]]:
     return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
 
 
-async def test_write_slices_are_leased_and_sent_in_order() -> None:
-    """A host cache's write slices go straight to the writer (it gathers them itself)."""
+async def test_a_host_cache_s_write_goes_to_the_writer_whole() -> None:
+    """The writer leases, gathers and puts a host cache's slices itself: nothing is leased
+    here, and the request travels as one message."""
     async with harness(kvpipe.MemoryStore(), slice_blocks=4) as h:
         state = h.write_state(TOKENS, np.arange(10))
         await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
         assert h.sent("swapper") == []
-        jobs = h.sent("writer")
-        assert [(j.spec.first_block, j.spec.count, len(j.lease.slots)) for j in jobs] == [
-            (0, 4, 4),
-            (4, 4, 4),
-            (8, 2, 2),
-        ]
-        assert h.ctx.pool.in_use == 10
-        for j in jobs:
-            j.lease.release()
+        assert h.sent("writer") == [state]
+        assert h.ctx.pool.in_use == 0 and not state.done
+
+
+async def test_handing_a_write_on_to_a_full_writer_is_bounded_by_the_deadline() -> None:
+    async with harness(kvpipe.MemoryStore(), slice_blocks=4) as h:
+        while True:  # fill the writer's inbox
+            try:
+                h.sends["writer"].send_nowait(None)
+            except anyio.WouldBlock:
+                break
+        state = h.write_state(TOKENS, np.arange(10), timeout=7)
+        start = anyio.current_time()
+        await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
+        assert anyio.current_time() - start == pytest.approx(7.0)
+        assert state.result is not None and state.result.stop_reason == "total_timeout"
+        assert state not in h.sent("writer")
 
 
 async def test_a_device_cache_s_write_slices_go_to_the_swapper() -> None:
@@ -51,23 +61,27 @@ async def test_a_device_cache_s_write_slices_go_to_the_swapper() -> None:
 
 async def test_waiting_for_staging_is_bounded_by_the_deadline() -> None:
     async with harness(kvpipe.MemoryStore(), slice_blocks=4, pool_slots=4) as h:
+        h.ctx.engine.name = "cuda"  # a device cache's slices are leased here
         hog = await h.ctx.pool.acquire(4)
         state = h.write_state(TOKENS, np.arange(10), timeout=7)
         start = anyio.current_time()
         await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
         assert anyio.current_time() - start == pytest.approx(7.0)
         assert state.result is not None and state.result.stop_reason == "total_timeout"
-        assert h.sent("writer") == []
+        assert h.sent("swapper") == []
         hog.release()
         assert h.ctx.pool.in_use == 0
 
 
-async def test_an_ended_write_gets_no_more_slices() -> None:
+@pytest.mark.parametrize("engine", ["host", "cuda"])
+async def test_an_ended_write_gets_no_more_slices(engine: str) -> None:
     async with harness(kvpipe.MemoryStore(), slice_blocks=4) as h:
+        h.ctx.engine.name = engine
         state = h.write_state(TOKENS, np.arange(10))
         state.end("cancelled", "test")
         await Slicer(h.ctx, h.inboxes["slicer"]).handle(state)
-        assert h.sent("writer") == []
+        assert h.sent("writer") == [] and h.sent("swapper") == []
+        assert h.ctx.pool.in_use == 0
 
 
 async def test_read_slices_past_the_stop_are_resolved_without_fetching() -> None:

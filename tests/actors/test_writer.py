@@ -1,15 +1,20 @@
-"""The writer alone: order, per-slice results, stop at the first incomplete slice."""
+"""The writer alone: order, per-slice results, stop at the first incomplete slice — for a
+device cache's slices (handed on one by one) and a host cache's whole writes (leased,
+gathered and put slice by slice)."""
 
 from __future__ import annotations
 
 import anyio
 import numpy as np
+import pytest
+import trio.testing
 import xxhash
 
 import kvpipe
 from kvpipe._blockformat import check_block
 from kvpipe._keys import as_tokens, key_digest
 from kvpipe.actors import SliceJob, Writer
+from kvpipe.actors import writer as writer_module
 from kvpipe.backends import BlockStatus, GetBatch
 from tests.actors.harness import BLOCK, Harness, harness
 from tests.fakes import Act, ScriptedStore
@@ -18,8 +23,16 @@ TOKENS = np.arange(12 * BLOCK)
 
 
 async def _gathered_jobs(h: Harness, state) -> list[SliceJob]:  # type: ignore[no-untyped-def]
-    """The slicer's jobs for a host cache: the writer gathers them itself."""
+    """A device cache's jobs, as the swapper hands them on (not gathered: the stores of the
+    tests that use them do not look at the bytes)."""
     return [SliceJob(state, spec, await h.ctx.pool.acquire(spec.count)) for spec in state.slices]
+
+
+@pytest.fixture
+def big_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every slice of a host cache's write counts as large: gathered in a task of its own,
+    ahead of the puts."""
+    monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
 
 
 async def test_slices_are_written_in_order_even_when_they_arrive_out_of_order() -> None:
@@ -68,22 +81,24 @@ async def test_a_wrong_number_of_statuses_is_a_backend_error() -> None:
     store = Short()
     async with harness(store, slice_blocks=4) as h:
         state = h.write_state(TOKENS, np.arange(12))
-        jobs = await _gathered_jobs(h, state)
-        writer = Writer(h.ctx, h.inboxes["writer"])
-        for job in jobs:
-            await writer.handle(job)
+        await Writer(h.ctx, h.inboxes["writer"]).handle(state)
         assert state.result is not None
         assert (state.result.written, state.result.stop_reason) == (0, "backend_error")
         assert "statuses" in (state.result.error or "")
+        assert len(store.calls_of("put")) == 1 and h.ctx.pool.in_use == 0
 
 
-async def test_a_host_cache_s_slices_are_gathered_and_sealed_by_the_writer() -> None:
+@pytest.mark.parametrize("large", [False, True])
+async def test_a_host_cache_s_slices_are_gathered_and_sealed_by_the_writer(
+    large: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if large:
+        monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
     store = kvpipe.MemoryStore()
     async with harness(store, slice_blocks=6) as h:
         ids = np.array([9, 3, 4, 5, 40, 0])
         state = h.write_state(TOKENS[: 6 * BLOCK], ids)
-        (job,) = await _gathered_jobs(h, state)
-        await Writer(h.ctx, h.inboxes["writer"]).handle(job)
+        await Writer(h.ctx, h.inboxes["writer"]).handle(state)
         assert state.result is not None and state.result.written == 6
         assert state.keys is not None
         lease = await h.ctx.pool.acquire(6)
@@ -130,8 +145,7 @@ async def test_a_put_carries_each_value_s_checksum_from_the_seal() -> None:
     store = _Recording()
     async with harness(store, slice_blocks=4) as h:
         state = h.write_state(TOKENS, np.arange(12))
-        for job in await _gathered_jobs(h, state):
-            await Writer(h.ctx, h.inboxes["writer"]).handle(job)
+        await Writer(h.ctx, h.inboxes["writer"]).handle(state)
         assert state.result is not None and state.result.written == 12
     assert len(store.given) == 3
     assert store.given == store.hashed  # the whole value's XXH3-64: the store need not hash
@@ -142,6 +156,71 @@ async def test_without_checksums_a_put_carries_none() -> None:
     config = kvpipe.PipelineConfig(slice_block_num=4, verify_checksums=False)
     async with harness(store, config=config) as h:
         state = h.write_state(TOKENS, np.arange(12))
-        for job in await _gathered_jobs(h, state):
-            await Writer(h.ctx, h.inboxes["writer"]).handle(job)
+        await Writer(h.ctx, h.inboxes["writer"]).handle(state)
     assert store.given == [None, None, None]
+
+
+@pytest.mark.parametrize("large", [False, True])
+async def test_a_host_cache_s_write_stops_at_the_first_incomplete_slice(
+    large: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slices gathered ahead of a put that fell short are let go, never put."""
+    if large:
+        monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
+    store = ScriptedStore(puts={1: Act(fail=[1])})
+    async with harness(store, slice_blocks=2) as h:
+        state = h.write_state(TOKENS, np.arange(12))
+        await Writer(h.ctx, h.inboxes["writer"]).handle(state)
+        assert [c.first_block for c in store.calls_of("put")] == [0, 2]
+        assert state.result is not None
+        assert (state.result.written, state.result.stop_reason) == (3, "incomplete_slice")
+        assert h.ctx.pool.in_use == 0
+
+
+@pytest.mark.usefixtures("big_slices")
+async def test_a_host_cache_s_write_never_waits_for_staging_while_holding_some() -> None:
+    """Two slots of staging, two-block slices gathered ahead: each slice's staging comes
+    from the put of the one before it, not from a wait that would never end."""
+    store = ScriptedStore()
+    async with harness(store, slice_blocks=2, pool_slots=2) as h:
+        state = h.write_state(TOKENS, np.arange(12))
+        with anyio.fail_after(10):
+            await Writer(h.ctx, h.inboxes["writer"]).handle(state)
+        assert [c.first_block for c in store.calls_of("put")] == [0, 2, 4, 6, 8, 10]
+        assert state.result is not None and state.result.written == 12
+        assert h.ctx.pool.in_use == 0
+
+
+class TestVirtualTime:
+    @pytest.fixture
+    def anyio_backend(self) -> tuple[str, dict[str, object]]:
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+    async def test_waiting_for_staging_is_bounded_by_the_deadline(self) -> None:
+        store = ScriptedStore()
+        async with harness(store, slice_blocks=4, pool_slots=4) as h:
+            hog = await h.ctx.pool.acquire(4)
+            state = h.write_state(TOKENS, np.arange(12), timeout=7)
+            start = anyio.current_time()
+            await Writer(h.ctx, h.inboxes["writer"]).handle(state)
+            assert anyio.current_time() - start == pytest.approx(7.0)
+            assert state.result is not None and state.result.stop_reason == "total_timeout"
+            assert store.calls_of("put") == []
+            hog.release()
+            assert h.ctx.pool.in_use == 0
+
+    @pytest.mark.usefixtures("big_slices")
+    async def test_a_slow_put_times_out_and_the_slices_gathered_behind_it_are_let_go(
+        self,
+    ) -> None:
+        store = ScriptedStore(puts={0: Act(hang=True)})
+        config = kvpipe.PipelineConfig(slice_block_num=2, slice_timeout=3, copy_threads=2)
+        async with harness(store, config=config, slice_blocks=2) as h:
+            state = h.write_state(TOKENS, np.arange(12))
+            start = anyio.current_time()
+            await Writer(h.ctx, h.inboxes["writer"]).handle(state)
+            assert anyio.current_time() - start == pytest.approx(3.0)
+            assert state.result is not None
+            assert (state.result.written, state.result.stop_reason) == (0, "slice_timeout")
+            assert len(store.calls_of("put")) == 1
+            assert h.ctx.pool.in_use == 0
