@@ -35,6 +35,14 @@ def big_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
 
 
+@pytest.fixture(params=["inline", "large"])
+def gathers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways a host cache's slices are gathered: inline, and (every slice counted as
+    large) in tasks of their own ahead of the puts."""
+    if request.param == "large":
+        monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
+
+
 async def test_slices_are_written_in_order_even_when_they_arrive_out_of_order() -> None:
     store = ScriptedStore()
     async with harness(store, slice_blocks=4) as h:
@@ -88,12 +96,8 @@ async def test_a_wrong_number_of_statuses_is_a_backend_error() -> None:
         assert len(store.calls_of("put")) == 1 and h.ctx.pool.in_use == 0
 
 
-@pytest.mark.parametrize("large", [False, True])
-async def test_a_host_cache_s_slices_are_gathered_and_sealed_by_the_writer(
-    large: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if large:
-        monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
+@pytest.mark.usefixtures("gathers")
+async def test_a_host_cache_s_slices_are_gathered_and_sealed_by_the_writer() -> None:
     store = kvpipe.MemoryStore()
     async with harness(store, slice_blocks=6) as h:
         ids = np.array([9, 3, 4, 5, 40, 0])
@@ -160,13 +164,9 @@ async def test_without_checksums_a_put_carries_none() -> None:
     assert store.given == [None, None, None]
 
 
-@pytest.mark.parametrize("large", [False, True])
-async def test_a_host_cache_s_write_stops_at_the_first_incomplete_slice(
-    large: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("gathers")
+async def test_a_host_cache_s_write_stops_at_the_first_incomplete_slice() -> None:
     """Slices gathered ahead of a put that fell short are let go, never put."""
-    if large:
-        monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
     store = ScriptedStore(puts={1: Act(fail=[1])})
     async with harness(store, slice_blocks=2) as h:
         state = h.write_state(TOKENS, np.arange(12))
