@@ -182,8 +182,8 @@ def scatter_values(
         dst = blocks[lo:hi]
         if view is None:  # a value of its own: a run of one
             view = values[lo][None]
-        lo_b = int(dst[0])
-        consecutive = int(dst[-1]) - lo_b == len(dst) - 1 and bool(np.all(np.diff(dst) == 1))
+        lo_b, n = int(dst[0]), len(dst)
+        consecutive = int(dst[-1]) - lo_b == n - 1 and (n < 3 or bool(np.all(np.diff(dst) == 1)))
         where = slice(lo_b, lo_b + len(dst)) if consecutive else dst
         for group in groups:
             group.rows[:, where] = group.of(view)

@@ -21,9 +21,10 @@ def _cache() -> kvpipe.KVCache:
     return cache
 
 
-# The actors a write of a host cache passes through: the writer gathers and seals its slices
-# itself; the swapper gathers only a device cache's.
-@pytest.mark.parametrize("actor", ["scheduler", "slicer", "writer"])
+# The actors a write of a host cache passes through: the scheduler hands it to the writer
+# whole, which leases, gathers and seals its slices itself; the slicer and the swapper serve
+# only a device cache's.
+@pytest.mark.parametrize("actor", ["scheduler", "writer"])
 async def test_write_crash_fails_that_request_then_next_one_succeeds(actor: str) -> None:
     hooks = CrashHooks(actor, ["victim"])
     store = kvpipe.MemoryStore()
@@ -40,10 +41,11 @@ async def test_write_crash_fails_that_request_then_next_one_succeeds(actor: str)
         assert stats.open and stats.staging_in_use_bytes == 0 and stats.in_flight == {}
 
 
-# The actors a read of a host cache passes through: the reader verifies and scatters a sound
-# slice itself (one worker-thread call); the swapper scatters reads only after a block failed
-# verification, and for device caches.
-@pytest.mark.parametrize("actor", ["scheduler", "slicer", "reader"])
+# The actors a read of a host cache passes through: the scheduler hands it to the reader whole,
+# which leases each slice and verifies and scatters a sound one itself; the slicer serves only
+# device caches, and the swapper scatters reads only for them and after a block failed
+# verification.
+@pytest.mark.parametrize("actor", ["scheduler", "reader"])
 async def test_read_crash_fails_that_request_then_next_one_succeeds(actor: str) -> None:
     store = kvpipe.MemoryStore()
     src = _cache()

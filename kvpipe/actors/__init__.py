@@ -1,6 +1,8 @@
 """The pipeline's actors, one per module, and their supervisor.
 
-``scheduler`` → ``slicer`` → (write) ``swapper`` → ``writer``; (read) ``reader`` → ``swapper``.
+A device cache's requests: ``scheduler`` → ``slicer`` → (write) ``swapper`` → ``writer``;
+(read) ``reader`` → ``swapper``. A host cache's: ``scheduler`` → ``writer`` or ``reader``
+(whole requests; each runs its slices itself).
 """
 
 from ._base import Actor, ActorContext, PipelineHooks, SliceJob

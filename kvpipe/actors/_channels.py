@@ -1,10 +1,11 @@
 """The pipeline's channels: one bounded inbox per actor, typed by what travels on it.
 
-Requests (:class:`~kvpipe.actors._state.RequestState`) go to the scheduler; planned writes and
-reads to the slicer; slice jobs (:class:`~kvpipe.actors._base.SliceJob`) to the swapper, the
-writer and the reader, and a host cache's planned writes on to the writer whole. An inbox
-outlives a crashed actor, so its restart resumes on the same queue; closing the send ends
-(:meth:`Outboxes.close`) lets every actor leave its loop once its inbox is empty.
+Requests (:class:`~kvpipe.actors._state.RequestState`) go to the scheduler; a device cache's
+planned writes and reads to the slicer; slice jobs (:class:`~kvpipe.actors._base.SliceJob`)
+to the swapper, the writer and the reader; a host cache's planned writes and reads to the
+writer and the reader whole. An inbox outlives a crashed actor, so its restart resumes on the
+same queue; closing the send ends (:meth:`Outboxes.close`) lets every actor leave its loop
+once its inbox is empty.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Outboxes:
     slicer: MemoryObjectSendStream[WriteState | ReadState]
     swapper: MemoryObjectSendStream[SliceJob]
     writer: MemoryObjectSendStream[WriteState | SliceJob]
-    reader: MemoryObjectSendStream[SliceJob]
+    reader: MemoryObjectSendStream[ReadState | SliceJob]
 
     def close(self) -> None:
         """No new message: each actor leaves its loop once its inbox is empty."""
@@ -48,7 +49,7 @@ class Inboxes:
     slicer: MemoryObjectReceiveStream[WriteState | ReadState]
     swapper: MemoryObjectReceiveStream[SliceJob]
     writer: MemoryObjectReceiveStream[WriteState | SliceJob]
-    reader: MemoryObjectReceiveStream[SliceJob]
+    reader: MemoryObjectReceiveStream[ReadState | SliceJob]
 
     def by_name(self) -> dict[str, MemoryObjectReceiveStream[Any]]:
         """Each inbox under its actor's name (for statistics and draining)."""

@@ -1,5 +1,11 @@
 """The backend reader: fetches a slice into staging and verifies every block.
 
+A host cache's read comes to it whole, from the slicer, and it runs the request's slices
+itself: lease the slice's staging, fetch, verify and put the sound blocks in the cache — no
+hop between actors per slice. Small slices from a store that keeps its values in memory run
+one after the other; others run in tasks of their own, as many at once as staging allows. A
+device cache's slices come to it one by one, leased by the slicer.
+
 Each slice runs in its own cancel scope (``min(now + slice_timeout, request deadline)``).
 Fetched blocks are checked (trailer, key, checksum) in a worker thread; only the leading run
 of sound blocks goes on to the swapper to be scattered. A block that failed verification is
@@ -14,12 +20,16 @@ from __future__ import annotations
 import logging
 
 import anyio
+import anyio.abc
+import anyio.lowlevel
 
 from .._blockformat import check_blocks
+from .._engine import INLINE_COPY_BYTES
 from .._errors import BackendError
 from .._hostcopy import gather, scatter, scatter_values
-from .._plan import copy_plan, leading_run
+from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
+from .._staging import StagingLease
 from ..backends._base import BlockStatus, GetBatch
 from ._base import Actor, SliceJob, backend_call, check_statuses
 from ._rowsink import RowSink
@@ -30,16 +40,71 @@ __all__ = ("Reader",)
 log = logging.getLogger("kvpipe.reader")
 
 
-class Reader(Actor[SliceJob]):
+class Reader(Actor[ReadState | SliceJob]):
     """Fetches and verifies read slices (see the module docstring)."""
 
     name = "reader"
 
     @staticmethod
-    def state_of(msg: SliceJob) -> RequestState:
-        return msg.state
+    def state_of(msg: ReadState | SliceJob) -> RequestState:
+        return msg if isinstance(msg, ReadState) else msg.state
 
-    async def handle(self, msg: SliceJob) -> None:
+    async def handle(self, msg: ReadState | SliceJob) -> None:
+        if isinstance(msg, ReadState):
+            await self._run_request(msg)
+        else:
+            await self._slice(msg)
+
+    async def _run_request(self, state: ReadState) -> None:
+        """A host cache's read: each slice leased in order, then fetched, verified and put in
+        the cache — inline when it is small and the store keeps its values in memory (its
+        fetch does not leave the event loop), else in a task of its own. A slice past where
+        loading stopped is resolved without being fetched."""
+        slices = state.slices
+        if slices and self._in_task(slices[0]):
+            async with anyio.create_task_group() as tg:
+                await self._run_slices(state, tg)
+        else:  # every slice runs inline (the first one is the largest)
+            await self._run_slices(state, None)
+
+    def _in_task(self, spec: SliceSpec) -> bool:
+        ctx = self.ctx
+        return not ctx.keep_values or spec.count * ctx.payload_nbytes > INLINE_COPY_BYTES
+
+    async def _run_slices(self, state: ReadState, tg: anyio.abc.TaskGroup | None) -> None:
+        """The loop of :meth:`_run_request`; slices that run in tasks start in ``tg``."""
+        for spec in state.slices:
+            if state.stopped_before(spec.first_block):
+                state.resolve(spec.index, 0)
+                continue
+            lease = self.ctx.pool.try_acquire(spec.count)
+            if lease is None:
+                lease = await self._lease(state, spec)
+                if lease is None:
+                    continue
+            job = SliceJob(state, spec, lease)
+            if tg is not None and self._in_task(spec):
+                tg.start_soon(self._slice, job)
+                # Let it start before the next: slices reach the store in planned order.
+                await anyio.lowlevel.checkpoint()
+            else:
+                await self._slice(job)
+
+    async def _lease(self, state: ReadState, spec: SliceSpec) -> StagingLease | None:
+        """Wait for a slice's staging until the deadline, until the request ends, or until
+        loading stops before the slice; then (``None``) the slice is resolved, and loading
+        stops at it unless it had stopped before."""
+        with state.bound(state.deadline, ("lease", spec.index), spec.first_block):
+            return await self.ctx.pool.acquire(spec.count)
+        if not state.stopped_before(spec.first_block):
+            detail = "deadline passed waiting for staging"
+            state.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
+        state.resolve(spec.index, 0)
+        return None
+
+    async def _slice(self, msg: SliceJob) -> None:
+        """Fetch, verify and place one slice; the handler owns its staging (passes it on to
+        the swapper or lets go of it)."""
         owned = True
         corrupt: list[str] = []
         try:
@@ -125,15 +190,18 @@ class Reader(Actor[SliceJob]):
         ctx.metrics.slices[f"read_{outcome}"] += 1
         ctx.observe("read_slice", elapsed, outcome)
         self._debug(state, job, outcome, valid, elapsed, None)
-        if elsewhere and 0 < valid < spec.count:
+        if scattered >= valid:
+            # Every sound block is in the cache already (or none is sound): nothing for the
+            # swapper.
+            job.valid = 0
+            state.resolve(spec.index, valid)  # a no-op when already resolved
+            return corrupt
+        if elsewhere and scattered:
             # Some values were placed from the store's buffers, not staging, and the swapper
             # scatters the leading sound run from staging: put them there.
-            await self._stage_back(job, min(valid, scattered))
-        # Fully loaded already: nothing for the swapper. Otherwise it scatters the leading
-        # sound run (again, for blocks already put in the cache before a failure).
-        job.valid = 0 if scattered == spec.count else valid
-        if job.valid == 0:
-            state.resolve(spec.index, 0)  # a no-op when already resolved
+            await self._stage_back(job, scattered)
+        # The swapper scatters the leading sound run (again, for the blocks already placed).
+        job.valid = valid
         return corrupt
 
     async def _stage_back(self, job: SliceJob, count: int) -> None:
@@ -257,7 +325,8 @@ class Reader(Actor[SliceJob]):
 
     async def _verify_and_scatter(self, job: SliceJob, fetched: int) -> list[str | None]:
         """Check the ``fetched`` leading blocks and copy the leading sound ones into the
-        cache, in one worker-thread call, shielded (the scatter is claimed by the caller).
+        cache, in one call: inline when small, else in a worker thread, shielded (the scatter
+        is claimed by the caller).
         Returns each block's check, ``None`` for a sound one."""
         ctx, spec, state = self.ctx, job.spec, job.state
         first = spec.first_block
@@ -281,8 +350,12 @@ class Reader(Actor[SliceJob]):
                 scatter(copy_plan(segments, blocks[:k], slots[:k]), staging, rows)
             return checks
 
+        nbytes = fetched * payload
+        if nbytes <= INLINE_COPY_BYTES:  # on the event loop: cancelled here, none is placed
+            await anyio.lowlevel.checkpoint()
+            return work()
         with anyio.CancelScope(shield=True):
-            checks = await ctx.run_copy(fetched * payload, work, hold=job.lease)
+            checks = await ctx.run_copy(nbytes, work, hold=job.lease)
         return checks
 
     async def _place_unseen(self, job: SliceJob, sink: RowSink, fetched: int) -> None:

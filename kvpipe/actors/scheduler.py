@@ -1,9 +1,10 @@
 """The scheduler: admission, keys, deduplication, and the small index calls.
 
 For a write it computes the keys, skips the leading blocks already stored, cuts the rest into
-slices and hands the request to the slicer. For a read it counts the leading stored blocks
-(stop at the first miss) and hands those to the slicer. ``lookup``, ``locate`` and
-``flush_index`` are answered here.
+slices and hands the request on: a host cache's to the writer, which runs its slices itself; a
+device cache's to the slicer. For a read it counts the leading stored blocks (stop at the
+first miss) and hands those on: a host cache's to the reader, a device cache's to the slicer.
+``lookup``, ``locate`` and ``flush_index`` are answered here.
 """
 
 from __future__ import annotations
@@ -126,7 +127,11 @@ class Scheduler(Actor[RequestState]):
             )
             if state.done:
                 return
-            await self.send(self.ctx.outboxes.slicer, state)
+            outboxes = ctx.outboxes
+            if ctx.host_copies:
+                await self.send(outboxes.writer, state)
+            else:
+                await self.send(outboxes.slicer, state)
         if scope.cancelled_caught:  # the deadline, or the request ended (then a no-op)
             state.end("total_timeout", "deadline passed before the first slice was sent")
 
@@ -160,7 +165,11 @@ class Scheduler(Actor[RequestState]):
                 )
             )
             if state.slices:
-                await self.send(self.ctx.outboxes.slicer, state)
+                outboxes = ctx.outboxes
+                if ctx.host_copies:
+                    await self.send(outboxes.reader, state)
+                else:
+                    await self.send(outboxes.slicer, state)
         if scope.cancelled_caught:
             state.end("total_timeout", "deadline passed before the first slice was fetched")
 

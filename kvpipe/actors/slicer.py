@@ -1,10 +1,10 @@
-"""The slicer: leases staging for each slice of a request, in order, and sends it on.
+"""The slicer: leases staging for each slice of a device cache's request, in order, and sends
+it on.
 
-A device cache's write slices go to the swapper (to be gathered), read slices to the reader
-(to be fetched). Staging is leased here, before any copy, so no copy waits for memory and the
-read and write paths cannot deadlock on the pool. A request that has stopped gets no further
-slices. A host cache's write goes on to the writer whole: it leases, gathers and puts each
-slice itself, with no hop between actors per slice.
+Write slices go to the swapper (to be gathered), read slices to the reader (to be fetched).
+Staging is leased here, before any copy, so no copy waits for memory and the read and write
+paths cannot deadlock on the pool. A request that has stopped gets no further slices. (A host
+cache's requests do not come here: the writer and the reader run their slices themselves.)
 """
 
 from __future__ import annotations
@@ -30,15 +30,9 @@ class Slicer(Actor[WriteState | ReadState]):
         return msg
 
     async def handle(self, msg: WriteState | ReadState) -> None:
-        ctx, outboxes = self.ctx, self.ctx.outboxes
+        outboxes = self.ctx.outboxes
         outbox: MemoryObjectSendStream[SliceJob]
-        if isinstance(msg, WriteState):
-            if ctx.host_copies:
-                await self._hand_on(msg)
-                return
-            outbox = outboxes.swapper
-        else:
-            outbox = outboxes.reader
+        outbox = outboxes.swapper if isinstance(msg, WriteState) else outboxes.reader
         for spec in msg.slices:
             if isinstance(msg, WriteState):
                 if msg.done:
@@ -55,19 +49,6 @@ class Slicer(Actor[WriteState | ReadState]):
                 if not msg.stopped_before(spec.first_block):
                     msg.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
                 msg.resolve(spec.index, 0)
-
-    async def _hand_on(self, msg: WriteState) -> None:
-        """Send a host cache's write to the writer whole, waiting for room in its inbox
-        until the deadline or until the request ends."""
-        if msg.done:
-            return
-        writer = self.ctx.outboxes.writer
-        sent = self.try_send(writer, msg)
-        if sent is None:
-            with msg.bound(msg.deadline, "hand_on"):
-                sent = await self.send(writer, msg)
-        if not sent:
-            msg.end("total_timeout", "deadline passed waiting for a full queue, or closing")
 
     async def _lease_and_send(
         self, msg: WriteState | ReadState, spec: SliceSpec, outbox: MemoryObjectSendStream[SliceJob]

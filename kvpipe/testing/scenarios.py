@@ -117,8 +117,8 @@ SCENARIOS: Final[tuple[Scenario, ...]] = (
     ),
     Scenario(
         "crash_loop",
-        "the slicer crashes on every request",
-        crash_actor="slicer",
+        "the scheduler crashes on every request",
+        crash_actor="scheduler",
         crash_every=1,
         closes=True,
         config={"max_restarts": 2},

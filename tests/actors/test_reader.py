@@ -1,12 +1,19 @@
-"""The reader alone: fetch, verify, stop at the first bad block, delete corrupt ones."""
+"""The reader alone: fetch, verify, stop at the first bad block, delete corrupt ones — for a
+device cache's slices (handed on one by one) and a host cache's whole reads (leased, fetched
+and placed slice by slice, inline or in tasks)."""
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
+import pytest
+import trio.testing
 
 import kvpipe
 from kvpipe._plan import plan_slices
 from kvpipe.actors import Reader, SliceJob, Swapper
+from kvpipe.actors import reader as reader_module
+from kvpipe.backends import StorageBackend
 from tests.actors.harness import BLOCK, Harness, harness
 from tests.fakes import Act, ScriptedStore
 
@@ -65,12 +72,14 @@ async def test_a_corrupt_block_stops_loading_and_is_deleted() -> None:
     async with harness(store, slice_blocks=8) as h:
         await _store_all(h)
         state, job = await _read_slice(h)
-        assert job.valid == 3
+        # the three sound blocks are in the cache already: nothing for the swapper
+        assert job.valid == 0 and h.sent("swapper") == []
+        assert state.result is not None and state.result.loaded == 3
         assert state.machine.stop_block == 3 and state.machine.stop_reason == "failed_block"
         assert 3 in state.machine.failed
         assert store.deleted == [store.calls_of("get")[0].keys[3]]
         assert h.ctx.metrics.counters["blocks_failed_verify"] == 1
-        job.lease.release()
+        assert h.ctx.pool.in_use == 0
 
 
 async def test_a_block_the_store_returns_for_another_key_is_rejected() -> None:
@@ -115,3 +124,95 @@ async def test_unverified_reads_still_check_the_key(monkeypatch: object) -> None
         state, _job = await _read_slice(h)
         # byte 7 of the payload flipped: not detectable without checksums, so all 8 load
         assert state.result is not None and state.result.loaded == 8
+
+
+@pytest.fixture(params=["inline", "tasks"])
+def runs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a host cache's slices run: inline (small slices from a store that keeps its
+    values in memory) and in tasks of their own (every slice counted as large)."""
+    if request.param == "tasks":
+        monkeypatch.setattr(reader_module, "INLINE_COPY_BYTES", 0)
+    return str(request.param)
+
+
+def _whole_read(h: Harness, slice_blocks: int, *, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    state = h.read_state(TOKENS, np.arange(30, 38), timeout=timeout)
+    state.plan(plan_slices(0, 8, slice_blocks, BLOCK, len(TOKENS)))
+    return state
+
+
+def _loaded_rows_match(h: Harness, count: int) -> bool:
+    return all(np.array_equal(r[0:count], r[30 : 30 + count]) for r in h.ctx.cache.byte_rows)
+
+
+@pytest.mark.parametrize("store", [kvpipe.MemoryStore, ScriptedStore])
+async def test_a_host_cache_s_read_runs_whole(runs: str, store: type[StorageBackend]) -> None:
+    """The reader leases, fetches, verifies and places each slice of a whole read itself,
+    with no hop to the swapper, and lets go of all its staging."""
+    backend = store()
+    async with harness(backend, slice_blocks=2) as h:
+        h.ctx.keep_values = backend.keeps_values
+        await _store_all(h)
+        state = _whole_read(h, 2)
+        await Reader(h.ctx, h.inboxes["reader"]).handle(state)
+        assert state.result is not None and state.result.loaded == 8
+        assert _loaded_rows_match(h, 8)
+        assert h.sent("swapper") == [] and h.ctx.pool.in_use == 0
+
+
+async def test_a_whole_read_stops_at_a_failed_block(runs: str) -> None:
+    store = ScriptedStore(gets={1: Act(fail=[1])})
+    async with harness(store, slice_blocks=2) as h:
+        await _store_all(h)
+        state = _whole_read(h, 2)
+        await Reader(h.ctx, h.inboxes["reader"]).handle(state)
+        assert state.result is not None
+        assert (state.result.loaded, state.result.stop_reason) == (3, "failed_block")
+        assert _loaded_rows_match(h, 3)
+        assert h.ctx.pool.in_use == 0
+
+
+async def test_a_whole_read_with_less_staging_than_it_needs_completes(runs: str) -> None:
+    """Two slots of staging for four slices of two blocks: each slice waits for the one
+    before it to let go of its staging (it never waits while holding some)."""
+    async with harness(ScriptedStore(), slice_blocks=2, pool_slots=2) as h:
+        await _store_all_in_slices(h)
+        state = _whole_read(h, 2)
+        await Reader(h.ctx, h.inboxes["reader"]).handle(state)
+        assert state.result is not None and state.result.loaded == 8
+        assert _loaded_rows_match(h, 8) and h.ctx.pool.in_use == 0
+
+
+async def _store_all_in_slices(h: Harness) -> None:
+    """:func:`_store_all` with a pool too small for one 8-block slice: the write's own
+    two-block slices."""
+    state = h.write_state(TOKENS, np.arange(8))
+    swapper = Swapper(h.ctx, h.inboxes["swapper"])
+    from kvpipe.actors import Writer
+
+    writer = Writer(h.ctx, h.inboxes["writer"])
+    for spec in state.slices:
+        await swapper.handle(SliceJob(state, spec, await h.ctx.pool.acquire(spec.count)))
+        for job in h.sent("writer"):
+            await writer.handle(job)
+    assert state.result is not None and state.result.complete
+
+
+class TestVirtualTime:
+    @pytest.fixture
+    def anyio_backend(self) -> tuple[str, dict[str, object]]:
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+    async def test_waiting_for_staging_is_bounded_by_the_deadline(self, runs: str) -> None:
+        async with harness(ScriptedStore(), slice_blocks=2, pool_slots=4) as h:
+            await _store_all_in_slices(h)
+            hog = await h.ctx.pool.acquire(4)
+            state = _whole_read(h, 2, timeout=7)
+            start = anyio.current_time()
+            await Reader(h.ctx, h.inboxes["reader"]).handle(state)
+            assert anyio.current_time() - start == pytest.approx(7.0)
+            assert state.result is not None
+            assert (state.result.loaded, state.result.stop_reason) == (0, "total_timeout")
+            assert state.machine.pending == set()
+            hog.release()
+            assert h.ctx.pool.in_use == 0

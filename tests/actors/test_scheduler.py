@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
+import trio.testing
 
 import kvpipe
 from kvpipe._keys import as_tokens
@@ -21,9 +22,17 @@ async def _store_first(store: kvpipe.MemoryStore, h_keys: tuple[str, ...], n: in
     store._data.update({k: b"x" for k in h_keys[:n]})
 
 
-async def test_write_skips_the_stored_leading_blocks_and_plans_the_rest() -> None:
+@pytest.fixture(params=["host", "cuda"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """The cache's engine: a host cache's requests go on to the writer or the reader whole,
+    a device cache's to the slicer."""
+    return str(request.param)
+
+
+async def test_write_skips_the_stored_leading_blocks_and_plans_the_rest(engine: str) -> None:
     store = kvpipe.MemoryStore()
     async with harness(store, slice_blocks=4) as h:
+        h.ctx.engine.name = engine
         state = h.write_state(TOKENS, np.arange(10))
         state.keys = None
         sched = Scheduler(h.ctx, h.inboxes["scheduler"])
@@ -34,7 +43,7 @@ async def test_write_skips_the_stored_leading_blocks_and_plans_the_rest() -> Non
         await sched.handle(state)
         assert state.machine.skipped == 3
         assert [(s.first_block, s.count) for s in state.slices] == [(3, 4), (7, 3)]
-        assert h.sent("slicer") == [state]
+        assert h.sent("writer" if engine == "host" else "slicer") == [state]
         assert not state.done
 
 
@@ -47,7 +56,7 @@ async def test_write_of_an_entirely_stored_prefix_finishes_without_slices() -> N
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert state.done and state.result is not None
         assert (state.result.skipped, state.result.written, state.result.complete) == (10, 0, True)
-        assert h.sent("slicer") == []
+        assert h.sent("slicer") == h.sent("writer") == []
 
 
 @pytest.mark.parametrize(
@@ -82,9 +91,10 @@ async def test_failed_dedup_probe_writes_everything() -> None:
         assert h.ctx.metrics.counters["probe_errors"] == 1
 
 
-async def test_read_stops_at_the_first_block_not_stored() -> None:
+async def test_read_stops_at_the_first_block_not_stored(engine: str) -> None:
     store = kvpipe.MemoryStore()
     async with harness(store) as h:
+        h.ctx.engine.name = engine
         state = h.read_state(TOKENS, np.arange(10))
         assert state.keys is not None
         store._data.update({k: b"x" for k in state.keys.keys[:6]})
@@ -92,7 +102,7 @@ async def test_read_stops_at_the_first_block_not_stored() -> None:
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert [(s.first_block, s.count) for s in state.slices] == [(0, 4), (4, 2)]
         assert state.machine.stop_block == 6 and state.machine.stop_reason == "not_stored"
-        assert h.sent("slicer") == [state]
+        assert h.sent("reader" if engine == "host" else "slicer") == [state]
 
 
 async def test_read_with_nothing_stored_ends_at_once() -> None:
@@ -102,7 +112,7 @@ async def test_read_with_nothing_stored_ends_at_once() -> None:
         assert state.done and state.result is not None
         assert (state.result.loaded, state.result.stop_reason) == (0, "not_stored")
         assert state.result.failed_blocks == (0,)
-        assert h.sent("slicer") == []
+        assert h.sent("slicer") == h.sent("reader") == []
 
 
 async def test_flush_and_locate_record_this_node() -> None:
@@ -157,3 +167,33 @@ async def test_backend_errors_reach_index_callers(op: str) -> None:
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert isinstance(state.error, kvpipe.BackendError)
         assert "no index" in str(state.error)
+
+
+class TestVirtualTime:
+    @pytest.fixture
+    def anyio_backend(self) -> tuple[str, dict[str, object]]:
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+    @pytest.mark.parametrize("kind", ["write", "read"])
+    async def test_handing_on_to_a_full_inbox_is_bounded_by_the_deadline(
+        self, engine: str, kind: str
+    ) -> None:
+        store = kvpipe.MemoryStore()
+        async with harness(store, slice_blocks=4) as h:
+            h.ctx.engine.name = engine
+            to = "slicer" if engine == "cuda" else ("writer" if kind == "write" else "reader")
+            while True:  # fill the next actor's inbox
+                try:
+                    h.sends[to].send_nowait(None)
+                except anyio.WouldBlock:
+                    break
+            make = h.write_state if kind == "write" else h.read_state
+            state = make(TOKENS, np.arange(10), timeout=7)
+            assert state.keys is not None
+            if kind == "read":  # stored: the read has slices to hand on
+                await _store_first(store, state.keys.keys, 10)
+            start = anyio.current_time()
+            await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+            assert anyio.current_time() - start == pytest.approx(7.0)
+            assert state.result is not None and state.result.stop_reason == "total_timeout"
+            assert state not in h.sent(to)
