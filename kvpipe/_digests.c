@@ -1,4 +1,5 @@
-/* kvpipe._digests: the XXH3-64 digests of many block values in one call, without the GIL.
+/* kvpipe._digests: the XXH3-64 digests of many block values in one call, without the GIL
+ * (and, for the scatter of values lent by a store, their addresses in one call).
  *
  * python-xxhash gives up the GIL for each value it hashes and takes it back after; a copy
  * thread hashing a slice's blocks one call at a time then waits for the GIL once per block,
@@ -177,9 +178,44 @@ static PyObject *seal(PyObject *self, PyObject *args) {
     return out;
 }
 
+PyDoc_STRVAR(addresses_doc,
+             "addresses(values, /) -> list[int]\n\n"
+             "The address of each value's first byte, -1 for a value that is not one\n"
+             "contiguous buffer: what ``ndarray.ctypes.data`` gives, at a thirtieth of its\n"
+             "cost per value.");
+
+static PyObject *addresses(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *values;
+    if (!PyArg_ParseTuple(args, "O:addresses", &values)) return NULL;
+    PyObject *seq = PySequence_Fast(values, "values must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        Py_buffer view;
+        PyObject *addr = NULL;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &view, PyBUF_C_CONTIGUOUS) == 0) {
+            addr = PyLong_FromVoidPtr(view.buf);
+            PyBuffer_Release(&view);
+        } else { /* not one contiguous buffer */
+            PyErr_Clear();
+            addr = PyLong_FromLong(-1);
+        }
+        if (addr == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, addr);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"payload_digests", payload_digests, METH_VARARGS, payload_digests_doc},
     {"seal", seal, METH_VARARGS, seal_doc},
+    {"addresses", addresses, METH_VARARGS, addresses_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._blockformat import check_blocks, seal_blocks
+from ._blockformat import native as _native
 from ._plan import CopyPlan, CopySegment
 
 __all__ = (
@@ -190,74 +191,39 @@ def scatter_values(
 
 
 def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
-    """Split ``values`` into runs ``[lo, hi)`` that lie at one stride inside one buffer,
-    each with a 2-D view of it (``None`` for a run of one)."""
+    """Split ``values`` into runs ``[lo, hi)`` that lie at one stride, each with a 2-D view
+    of it (``None`` for a run of one, but for a value that is not contiguous: a contiguous
+    copy of it).
+
+    Each row of a view is exactly one value's memory, found by its address (the values of
+    one put that a store kept in one buffer): the view reads nothing else, and is good for
+    as long as the values are.
+    """
     out: list[tuple[int, int, Rows | None]] = []
-    roots = [_owner(v) for v in values]
+    addrs = _addresses(values)
     n = len(values)
-    # Each address once (``ndarray.ctypes`` costs ~1 µs), and only of values that share their
-    # owner with a neighbour.
-    addrs = [
-        v.ctypes.data
-        if r is not None and ((i + 1 < n and roots[i + 1] is r) or (i > 0 and roots[i - 1] is r))
-        else 0
-        for i, (v, r) in enumerate(zip(values, roots, strict=True))
-    ]
     lo = 0
     while lo < n:
-        first, root = values[lo], roots[lo]
-        hi = lo + 1
-        if root is not None and hi < n and roots[hi] is root:
-            base = addrs[lo]
-            stride = addrs[hi] - base
-            start, end = _span(root)
-            while (
-                hi < n
-                and stride >= first.size
-                and roots[hi] is root
-                and values[hi].size == first.size
-                and addrs[hi] == base + (hi - lo) * stride
-                and start <= addrs[hi]
-                and addrs[hi] + first.size <= end
-            ):
+        first = values[lo]
+        size, base, hi = first.size, addrs[lo], lo + 1
+        stride = addrs[hi] - base if hi < n else 0
+        if base >= 0 and stride >= size:  # contiguous rows that do not overlap
+            while hi < n and values[hi].size == size and addrs[hi] == base + (hi - lo) * stride:
                 hi += 1
-        if hi - lo > 1 and start <= base:
-            # Every row lies inside the buffer they share: so does the view.
-            view = np.lib.stride_tricks.as_strided(
-                first, shape=(hi - lo, first.size), strides=(stride, 1), writeable=False
-            )
+        if hi - lo > 1:
+            view = _as_strided(first, shape=(hi - lo, size), strides=(stride, 1), writeable=False)
             out.append((lo, hi, view))
+        elif base < 0:  # copied whole first: the copies below take each row as contiguous
+            out.append((lo, lo + 1, np.ascontiguousarray(first)[None]))
         else:
-            hi = lo + 1
-            out.append((lo, hi, None))
+            out.append((lo, lo + 1, None))
         lo = hi
     return out
 
 
-def _owner(value: Rows) -> object | None:
-    """What owns ``value``'s memory, through views and memoryviews: the array that owns it,
-    or the object that exports it (a store's value memory: ``_staging.ValueMemory``)."""
-    obj: object = value
-    while True:
-        if isinstance(obj, np.ndarray):
-            if obj.base is None:
-                return obj if obj.flags.owndata else None
-            obj = obj.base
-        elif isinstance(obj, memoryview):
-            obj = obj.obj
-        else:
-            try:
-                memoryview(obj)  # type: ignore[arg-type]
-            except TypeError:  # an array's base that exports no buffer (a capsule)
-                return None
-            return obj
-
-
-def _span(owner: object) -> tuple[int, int]:
-    """The first and one-past-last address of the memory ``owner`` owns or exports."""
-    if isinstance(owner, np.ndarray):
-        whole = owner
-    else:
-        whole = np.frombuffer(owner, np.uint8)  # type: ignore[call-overload]
-    start = int(whole.ctypes.data)
-    return start, start + whole.nbytes
+def _addresses(values: Sequence[Rows]) -> list[int]:
+    """Each value's address, -1 for one that is not contiguous (in one call when built)."""
+    if _native is not None:
+        addrs: list[int] = _native.addresses(values)
+        return addrs
+    return [v.ctypes.data if v.flags.c_contiguous else -1 for v in values]

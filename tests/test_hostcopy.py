@@ -302,6 +302,37 @@ def test_scatter_values_matches_block_by_block_for_runs_and_strays() -> None:
         assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_values_out_of_order_or_not_contiguous_go_block_by_block(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs are found by address alone (the C helper, or numpy without it): values of one
+    buffer in reverse order, or one that is not contiguous, are not taken for a run, and
+    every block still lands where a per-block copy puts it."""
+    from kvpipe import _hostcopy
+    from kvpipe._plan import layout_segments
+
+    if not native:
+        monkeypatch.setattr(_hostcopy, "_native", None)
+    layout = CacheLayout.gqa(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4)
+    segments = layout_segments(layout)
+    payload = layout.block_nbytes
+    kept = np.random.default_rng(5).integers(0, 256, (4, 2 * payload), dtype=np.uint8)
+    backwards = [kept[i, :payload] for i in (3, 2, 1)]
+    strided = kept[0, : 2 * payload : 2]  # every other byte: one value, not contiguous
+    values = [*backwards, strided, kept[1, :payload], kept[2, :payload]]
+    assert _hostcopy._addresses(values)[3] == -1
+    runs = [(lo, hi) for lo, hi, _view in _hostcopy._value_runs(values) if hi - lo > 1]
+    assert runs == [(4, 6)]  # only the two values in order, one stride apart
+    blocks = [7, 1, 4, 0, 2, 3]
+    got = create_kv_cache(layout, 8)
+    _hostcopy.scatter_values(segments, values, blocks, got.byte_rows)
+    for value, block in zip(values, blocks, strict=True):
+        for seg in segments:
+            want = value[seg.offset : seg.offset + seg.nbytes]
+            assert np.array_equal(got.byte_rows[seg.tensor][block], want)
+
+
 def test_values_kept_in_a_stores_value_memory_go_as_one_view() -> None:
     """A store's value memory (``ValueMemory``) exports its buffer through a wrapper object,
     not an array that owns it: the values of one put are still found to lie at one stride
