@@ -1,6 +1,6 @@
 """The backend reader: fetches a slice into staging and verifies every block.
 
-A host cache's read comes to it whole, from the slicer, and it runs the request's slices
+A host cache's read comes to it whole, from the scheduler, and it runs the request's slices
 itself: lease the slice's staging, fetch, verify and put the sound blocks in the cache — no
 hop between actors per slice. Small slices from a store that keeps its values in memory run
 one after the other; others run in tasks of their own, as many at once as staging allows. A

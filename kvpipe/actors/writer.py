@@ -1,6 +1,6 @@
 """The backend writer: sends each gathered slice to the store, strictly in order.
 
-A host cache's write comes to it whole, from the slicer, and it runs the request's slices
+A host cache's write comes to it whole, from the scheduler, and it runs the request's slices
 itself, one after the other: lease the slice's staging, gather and seal it, put it — no hop
 between actors per slice. A gather large enough to run in a copy thread is started up to
 ``copy_threads`` slices ahead of the put waiting for it, so copies overlap the store's calls.
