@@ -11,7 +11,7 @@ import trio.testing
 
 import kvpipe
 from kvpipe._plan import plan_slices
-from kvpipe.actors import Reader, SliceJob, Swapper
+from kvpipe.actors import Reader, SliceJob, Swapper, Writer
 from kvpipe.actors import reader as reader_module
 from kvpipe.backends import StorageBackend
 from tests.actors.harness import BLOCK, Harness, harness
@@ -21,15 +21,15 @@ TOKENS = np.arange(8 * BLOCK)
 
 
 async def _store_all(h: Harness) -> None:
+    """Write the 8 blocks, slice by slice (each slice's staging let go before the next is
+    leased: a pool smaller than the write will do)."""
     state = h.write_state(TOKENS, np.arange(8))
     swapper = Swapper(h.ctx, h.inboxes["swapper"])
+    writer = Writer(h.ctx, h.inboxes["writer"])
     for spec in state.slices:
         await swapper.handle(SliceJob(state, spec, await h.ctx.pool.acquire(spec.count)))
-    from kvpipe.actors import Writer
-
-    writer = Writer(h.ctx, h.inboxes["writer"])
-    for job in h.sent("writer"):
-        await writer.handle(job)
+        for job in h.sent("writer"):
+            await writer.handle(job)
     assert state.result is not None and state.result.complete
 
 
@@ -176,26 +176,11 @@ async def test_a_whole_read_with_less_staging_than_it_needs_completes(runs: str)
     """Two slots of staging for four slices of two blocks: each slice waits for the one
     before it to let go of its staging (it never waits while holding some)."""
     async with harness(ScriptedStore(), slice_blocks=2, pool_slots=2) as h:
-        await _store_all_in_slices(h)
+        await _store_all(h)
         state = _whole_read(h, 2)
         await Reader(h.ctx, h.inboxes["reader"]).handle(state)
         assert state.result is not None and state.result.loaded == 8
         assert _loaded_rows_match(h, 8) and h.ctx.pool.in_use == 0
-
-
-async def _store_all_in_slices(h: Harness) -> None:
-    """:func:`_store_all` with a pool too small for one 8-block slice: the write's own
-    two-block slices."""
-    state = h.write_state(TOKENS, np.arange(8))
-    swapper = Swapper(h.ctx, h.inboxes["swapper"])
-    from kvpipe.actors import Writer
-
-    writer = Writer(h.ctx, h.inboxes["writer"])
-    for spec in state.slices:
-        await swapper.handle(SliceJob(state, spec, await h.ctx.pool.acquire(spec.count)))
-        for job in h.sent("writer"):
-            await writer.handle(job)
-    assert state.result is not None and state.result.complete
 
 
 class TestVirtualTime:
@@ -205,7 +190,7 @@ class TestVirtualTime:
 
     async def test_waiting_for_staging_is_bounded_by_the_deadline(self, runs: str) -> None:
         async with harness(ScriptedStore(), slice_blocks=2, pool_slots=4) as h:
-            await _store_all_in_slices(h)
+            await _store_all(h)
             hog = await h.ctx.pool.acquire(4)
             state = _whole_read(h, 2, timeout=7)
             start = anyio.current_time()
