@@ -89,6 +89,10 @@ class RowGroups:
 def _group(segments: tuple[CopySegment, ...], rows: Sequence[Rows]) -> tuple[RowGroup, ...]:
     out: list[RowGroup] = []
     addrs = [int(rows[s.tensor].ctypes.data) for s in segments]
+    # Only tensors of one buffer go in one view: over separate allocations, a view's extent
+    # can take in other arrays (staging), and numpy then copies its source to a temporary
+    # "like" it, which overlaps again, until the stack runs out (seen: a segfault in gather).
+    roots = [_root(rows[s.tensor]) for s in segments]
     i, n = 0, len(segments)
     while i < n:
         first, r = segments[i], rows[segments[i].tensor]
@@ -104,6 +108,7 @@ def _group(segments: tuple[CopySegment, ...], rows: Sequence[Rows]) -> tuple[Row
                 or q.strides != r.strides
                 or abs(d) < span
                 or (step and d != step)
+                or roots[j] is not roots[i]
             ):
                 break
             step = d
@@ -112,6 +117,13 @@ def _group(segments: tuple[CopySegment, ...], rows: Sequence[Rows]) -> tuple[Row
         out.append(RowGroup(first.offset, j - i, first.nbytes, view))
         i = j
     return tuple(out)
+
+
+def _root(array: Rows) -> object:
+    """The array (or buffer exporter) at the end of ``array``'s chain of bases."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array if array.base is None else array.base
 
 
 def _groups(

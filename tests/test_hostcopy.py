@@ -417,3 +417,34 @@ def test_a_freed_cache_has_no_row_groups() -> None:
     cache.free()
     with pytest.raises(kvpipe.LayoutError):
         cache.row_groups(segs)
+
+
+def test_tensors_of_separate_buffers_are_never_one_view() -> None:
+    """Rows of separate allocations that happen to lie at one step (here: views through
+    memoryviews of one array, with staging between them) are not grouped into one view: its
+    extent would take in the staging, and numpy's overlap handling then recursed until the
+    stack ran out (a segfault in gather, seen in a full test run). The gather is exact."""
+    from kvpipe._hostcopy import RowGroups, gather
+    from kvpipe._plan import layout_segments
+
+    layout = CacheLayout.gqa(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4)
+    segments = layout_segments(layout)
+    nbytes, blocks = segments[0].nbytes, 4
+    stride = layout.block_nbytes + 64
+    step = nbytes * blocks + 2 * stride  # each row, then room for the staging
+    arena = np.random.default_rng(9).integers(0, 256, len(segments) * step, dtype=np.uint8)
+    rows = [
+        np.frombuffer(memoryview(arena[k * step : k * step + nbytes * blocks]), np.uint8).reshape(
+            blocks, nbytes
+        )
+        for k in range(len(segments))
+    ]
+    groups = RowGroups(segments, rows).groups
+    assert len(groups) == len(segments)  # one per separate buffer
+    staging = arena[nbytes * blocks : nbytes * blocks + 2 * stride].reshape(2, stride)
+    before = arena.copy()
+    gather(copy_plan(segments, [3, 1], [0, 1]), rows, staging)
+    for slot, block in enumerate([3, 1]):
+        for seg in segments:
+            want = before[seg.tensor * step + block * nbytes :][:nbytes]
+            assert np.array_equal(staging[slot, seg.offset : seg.offset + nbytes], want)
