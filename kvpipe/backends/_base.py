@@ -344,6 +344,11 @@ class StorageBackend(abc.ABC):
     timeouts) and treats a cancelled call as not done. Blocking work belongs in worker
     threads (:meth:`PutBatch.run_sync`), never on the event loop.
 
+    :meth:`put_blocks` and :meth:`get_blocks` are checkpoints, as trio asks of every async
+    API: a call that returns has let the event loop run at least once (awaited something
+    that yields, or ``anyio.lowlevel.checkpoint()``). A write of small slices yields to the
+    event loop only in its puts.
+
     Exceptions: an exception from any method fails the whole call; kvpipe wraps it in
     :class:`kvpipe.BackendError` (chained) and counts no block of the batch as done.
     """

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import anyio
@@ -31,7 +31,7 @@ from .._blockformat import value_nbytes
 from .._results import Residency, ResidencyEntry
 from .._staging import StagingPool
 from .._workers import ThreadRunner
-from ..backends import BlockStatus, StorageBackend
+from ..backends import BlockStatus, GetBatch, PutBatch, StorageBackend
 from .batches import Batches, random_values
 
 __all__ = ("BackendConformance",)
@@ -64,6 +64,42 @@ async def _watching(
             yield vanished
         finally:
             done.set()
+
+
+async def _yields(call: Callable[[], Awaitable[object]]) -> bool:
+    """Whether awaiting ``call()`` let the event loop run (a schedule point)."""
+    try:
+        import trio
+
+        me = trio.lowlevel.current_task()  # RuntimeError unless trio is running
+    except (ImportError, RuntimeError):
+        me = None
+    if me is not None:
+        steps = 0
+
+        class Steps(trio.abc.Instrument):
+            def before_task_step(self, task: trio.lowlevel.Task) -> None:
+                nonlocal steps
+                steps += task is me
+
+        steps_seen = Steps()
+        trio.lowlevel.add_instrument(steps_seen)
+        try:
+            await call()
+        finally:
+            trio.lowlevel.remove_instrument(steps_seen)
+        return steps > 0  # this task was suspended, then stepped again
+    ran = False
+
+    async def mark() -> None:
+        nonlocal ran
+        ran = True
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(mark)  # asyncio runs ready tasks first come, first served
+        await call()
+        seen = ran
+    return seen
 
 
 class BackendConformance:
@@ -263,6 +299,34 @@ class BackendConformance:
                 for g in range(6):
                     tg.start_soon(get, g)
             assert all(got[g] == values[g] for g in range(6))
+
+    async def test_puts_and_gets_are_checkpoints(self, backend: StorageBackend) -> None:
+        """A put or get that returns has let the event loop run (StorageBackend): a task
+        started just before the call has run by the time it returns — for new and stored
+        keys, and for missing ones."""
+        async with self._batches(backend) as b:
+            keys, _ = b.keys(2, seed=40)
+            _, first, tokens, parent = b._runs(keys)[0]
+            values = random_values(2, b.pool.slot_nbytes, seed=40)
+            lease = b.pool.try_acquire(2)
+            assert lease is not None
+            try:
+                for slot, value in zip(lease.slots, values, strict=True):
+                    b.pool.slot(slot)[:] = np.frombuffer(value, np.uint8)
+                put = b._staged(PutBatch, list(keys), first, tokens, parent, lease)
+                get = b._staged(GetBatch, list(keys), first, tokens, parent, lease)
+
+                async def yielded(batch: PutBatch | GetBatch) -> bool:
+                    if isinstance(batch, PutBatch):
+                        return await _yields(lambda: backend.put_blocks(batch))
+                    return await _yields(lambda: backend.get_blocks(batch))
+
+                assert await yielded(get), "get_blocks of missing keys returned without yielding"
+                assert await yielded(put), "put_blocks of new keys returned without yielding"
+                assert await yielded(put), "put_blocks of stored keys returned without yielding"
+                assert await yielded(get), "get_blocks of stored keys returned without yielding"
+            finally:
+                lease.release()
 
     async def test_a_cancelled_put_leaves_the_backend_usable(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:
