@@ -117,3 +117,23 @@ async def test_a_store_that_does_not_keep_values_gets_copies() -> None:
     assert store.lent and not any(store.lent)
     assert _rows(dst, range(12)) == _rows(src, range(12))
     assert BlockStatus.OK  # the enum is what the statuses are made of
+
+
+async def test_small_puts_are_copied_from_staging_into_values_of_their_own() -> None:
+    tiny = kvpipe.CacheLayout.gqa(num_layers=2, num_kv_heads=1, head_dim=8, block_size=1)
+    src, dst = kvpipe.create_kv_cache(tiny, 8), kvpipe.create_kv_cache(tiny, 8)
+    fill_random(src, seed=7)
+    store = kvpipe.MemoryStore()
+    cfg = kvpipe.PipelineConfig(slice_block_num=2)
+    async with kvpipe.open_pipeline(src, store, config=cfg) as pipe:
+        staging = pipe._runtime._pool.buffer  # type: ignore[union-attr]
+        assert (await pipe.write(np.arange(8), np.arange(8))).complete
+        values = [store._data[k] for k in store.keys()]
+        assert len(values) == 8
+        assert all(v.flags.owndata for v in values)  # copies, one per value
+        assert not any(np.shares_memory(v, staging) for v in values)
+        del staging
+    assert store.statistics()["recycle_allocated"] == 0  # no memory leased for them
+    async with kvpipe.open_pipeline(dst, store, config=cfg) as pipe:
+        assert (await pipe.read(np.arange(8), np.arange(8))).complete
+    assert [bytes(r) for r in dst.byte_rows] == [bytes(r) for r in src.byte_rows]

@@ -60,12 +60,13 @@ class RequestState(abc.ABC):
         self.deadline = deadline
         self.started = started
         self._done = anyio.Event()
+        self._over = False  # the event's state, read on every slice
         self._scopes: dict[object, tuple[int, anyio.CancelScope]] = {}
 
     @property
     def done(self) -> bool:
         """Whether the request has ended."""
-        return self._done.is_set()
+        return self._over
 
     @property
     @abc.abstractmethod
@@ -84,6 +85,17 @@ class RequestState(abc.ABC):
             bound.scope.cancel()
         return bound
 
+    def watch(self, scope: anyio.CancelScope, tag: object, first_block: int = 0) -> None:
+        """Have the request's end cancel ``scope`` until :meth:`unwatch` (what :meth:`bound`
+        does, without a context manager of its own: for a scope entered once per slice)."""
+        self._scopes[tag] = (first_block, scope)
+        if self._over:
+            scope.cancel()
+
+    def unwatch(self, tag: object) -> None:
+        """Undo :meth:`watch`."""
+        self._scopes.pop(tag, None)
+
     def cancel_scopes(self, from_block: int = 0) -> None:
         """Cancel work in flight on blocks at or after ``from_block``."""
         for first, scope in list(self._scopes.values()):
@@ -92,7 +104,8 @@ class RequestState(abc.ABC):
 
     def _ended(self) -> None:
         """The machine has ended: wake the caller, cancel all work in flight."""
-        if not self._done.is_set():
+        if not self._over:
+            self._over = True
             self._done.set()
             self.cancel_scopes()
             self._scopes.clear()
@@ -275,9 +288,12 @@ class WriteState(SlicedState):
         self.machine.planned(skipped, slices, anyio.current_time())
         self._sync()
 
-    def slice_done(self, outcome: SliceOutcome, detail: str | None = None) -> None:
-        """Record a slice's outcome; the first incomplete slice ends the write."""
-        self.machine.slice_done(outcome, detail, anyio.current_time())
+    def slice_done(
+        self, outcome: SliceOutcome, detail: str | None = None, now: float | None = None
+    ) -> None:
+        """Record a slice's outcome (at ``now``, the event loop's clock; default: the
+        current time); the first incomplete slice ends the write."""
+        self.machine.slice_done(outcome, detail, anyio.current_time() if now is None else now)
         turn = self._turns.pop(self.machine.turn, None)
         if turn is not None:
             turn.set()

@@ -31,7 +31,14 @@ from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
 from .._staging import StagingLease
 from ..backends._base import BlockStatus, GetBatch
-from ._base import Actor, SliceJob, backend_call, check_statuses
+from ._base import (
+    Actor,
+    SliceJob,
+    as_backend_error,
+    backend_call,
+    check_statuses,
+    leading_ok,
+)
 from ._rowsink import RowSink
 from ._state import ReadState, RequestState, describe_error
 
@@ -133,8 +140,7 @@ class Reader(Actor[ReadState | SliceJob]):
         if state.stopped_before(first):
             state.resolve(spec.index, 0)
             return []
-        started = anyio.current_time()
-        deadline = min(started + ctx.config.slice_timeout, state.deadline)
+        deadline = min(anyio.current_time() + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, GetBatch)
         # Host caches: the claim on the cache is taken before the fetch and held until what
         # was fetched is in place — a store that takes the batch's sink (the file store)
@@ -159,7 +165,7 @@ class Reader(Actor[ReadState | SliceJob]):
             # corruption in transit is not a reason to delete a good stored block.
             again = await self._refetch(job, bad, fetched, deadline)
             if again is not None:
-                ok_again = leading_run(s is BlockStatus.OK for s in again)
+                ok_again = leading_ok(again)
                 checks2 = await self._verify(job, bad, bad + ok_again)
                 confirmed = {
                     bad + i
@@ -171,10 +177,10 @@ class Reader(Actor[ReadState | SliceJob]):
                 fetched = bad + ok_again
                 ctx.metrics.counters["blocks_refetched"] += len(again)
         valid = leading_run(c is None for c in checks)
-        failed = [first + i for i, s in enumerate(statuses) if s is not BlockStatus.OK]
-        failed += [first + i for i, c in enumerate(checks) if c is not None]
         corrupt = [batch.keys[i] for i in sorted(confirmed)]
         if valid < spec.count:
+            failed = [first + i for i, s in enumerate(statuses) if s is not BlockStatus.OK]
+            failed += [first + i for i, c in enumerate(checks) if c is not None]
             bad = valid
             why = checks[bad] if bad < fetched else statuses[bad].value
             detail = f"block {first + bad}: {why}"
@@ -189,7 +195,8 @@ class Reader(Actor[ReadState | SliceJob]):
         outcome = "complete" if valid == spec.count else "incomplete"
         ctx.metrics.slices[f"read_{outcome}"] += 1
         ctx.observe("read_slice", elapsed, outcome)
-        self._debug(state, job, outcome, valid, elapsed, None)
+        if log.isEnabledFor(logging.DEBUG):
+            self._debug(state, job, outcome, valid, elapsed, None)
         if scattered >= valid:
             # Every sound block is in the cache already (or none is sound): nothing for the
             # swapper.
@@ -234,14 +241,12 @@ class Reader(Actor[ReadState | SliceJob]):
         # this frame (and the job's staging) in a cycle through its traceback.
         error: str | None = None
         try:
-            with state.bound(deadline, ("get", spec.index), spec.first_block):
+            with state.bound(deadline, job, first):
                 try:
-                    raw = await backend_call(
-                        ctx.backend, "get_blocks", ctx.backend.get_blocks, batch
-                    )
+                    raw = await ctx.backend.get_blocks(batch)
                     statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
-                except BackendError as exc:
-                    error = describe_error(exc)
+                except Exception as exc:  # the store's own errors too, translated here
+                    error = describe_error(as_backend_error(ctx.backend, "get_blocks", exc))
         finally:
             # A store thread may still be placing a value (the fetch was cancelled): no
             # value goes into the cache from now on, and the claim lasts until it is out.
@@ -268,7 +273,7 @@ class Reader(Actor[ReadState | SliceJob]):
             state.stop_at(first, reason, everything, detail)
             state.resolve(spec.index, 0)
             return None
-        fetched = leading_run(s is BlockStatus.OK for s in statuses)
+        fetched = leading_ok(statuses)
         scattered = 0
         if fetched and claimed:
             if sink is None or sink.covers(0):  # none handed over: verify, scatter, one call

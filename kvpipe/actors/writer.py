@@ -26,12 +26,11 @@ import anyio
 import anyio.abc
 
 from .._engine import INLINE_COPY_BYTES
-from .._errors import BackendError
-from .._plan import SliceSpec, leading_run
+from .._plan import SliceSpec
 from .._results import SliceOutcome, SliceStatus
 from .._staging import StagingLease
 from ..backends._base import BlockStatus, PutBatch
-from ._base import Actor, SliceJob, backend_call, check_statuses
+from ._base import Actor, SliceJob, as_backend_error, check_statuses, leading_ok
 from ._state import RequestState, WriteState, describe_error
 
 __all__ = ("Writer",)
@@ -71,6 +70,8 @@ class Writer(Actor[WriteState | SliceJob]):
         """
         ahead: deque[_Ahead] = deque()
         try:
+            # One scope for the whole request, ended with it: each put's own scope then only
+            # needs its deadline.
             slices = state.slices
             if slices and slices[0].count * self.ctx.payload_nbytes > INLINE_COPY_BYTES:
                 async with anyio.create_task_group() as tg:
@@ -106,10 +107,14 @@ class Writer(Actor[WriteState | SliceJob]):
                 if len(ahead) > ctx.config.copy_threads:
                     await self._put_first(ahead)
             else:
-                ahead.append((job, None))
-                await ctx.gather_and_seal(job)
                 while ahead:
                     await self._put_first(ahead)
+                try:
+                    await ctx.gather_and_seal(job)
+                    if not state.done:
+                        await self._write(job)
+                finally:
+                    job.release()
         while ahead:
             await self._put_first(ahead)
 
@@ -141,6 +146,7 @@ class Writer(Actor[WriteState | SliceJob]):
             job.release()
 
     async def _write(self, job: SliceJob) -> None:
+        """Put one slice when its turn comes, and record its outcome."""
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, WriteState)
         if not state.machine.is_turn(spec.index):
@@ -153,26 +159,30 @@ class Writer(Actor[WriteState | SliceJob]):
             # The deadline passed while an earlier slice was still in flight: that slice's
             # own scope ends at the same deadline and reports the outcome. Just drop this one.
             return
-        if anyio.current_time() >= state.deadline:
+        started = anyio.current_time()
+        if started >= state.deadline:
             state.end("total_timeout", "deadline passed before the slice was sent")
             return
-        started = anyio.current_time()
         deadline = min(started + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, PutBatch)
-        batch.checksums = job.checksums  # from the seal: the store need not hash again
         statuses: list[BlockStatus] | None = None
         # The error's description, not the error: a local holding the exception would hold
         # this frame (and the job's staging) in a cycle through its traceback.
         error: str | None = None
-        with state.bound(deadline, ("put", spec.index), spec.first_block) as scope:
-            try:
-                raw = await backend_call(ctx.backend, "put_blocks", ctx.backend.put_blocks, batch)
+        scope = anyio.CancelScope(deadline=deadline)
+        state.watch(scope, job, spec.first_block)
+        try:
+            with scope:
+                raw = await ctx.backend.put_blocks(batch)
                 statuses = check_statuses(ctx.backend, "put_blocks", raw, spec.count)
-            except BackendError as exc:
-                error = describe_error(exc)
+        except Exception as exc:  # the store's own errors too, translated here
+            error = describe_error(as_backend_error(ctx.backend, "put_blocks", exc))
+        finally:
+            state.unwatch(job)
         if state.done:
             return
-        elapsed = anyio.current_time() - started
+        now = anyio.current_time()
+        elapsed = now - started
         written = 0
         detail: str | None = None
         outcome: SliceStatus
@@ -184,49 +194,36 @@ class Writer(Actor[WriteState | SliceJob]):
             detail = error
         else:
             assert statuses is not None
-            written = leading_run(s is BlockStatus.OK for s in statuses)
+            written = leading_ok(statuses)
             outcome = "complete" if written == spec.count else "incomplete"
             if written < spec.count:
                 detail = f"block {spec.first_block + written}: {statuses[written].value}"
         ctx.observe("write_slice", elapsed, outcome)
-        self._account(
-            state, spec.index, spec.first_block, spec.count, written, elapsed, outcome, detail
-        )
+        m = ctx.metrics
+        m.slices[outcome] += 1
+        m.counters["blocks_written"] += written
+        m.counters["bytes_written"] += written * ctx.payload_nbytes
+        if log.isEnabledFor(logging.DEBUG):
+            # One line per slice, at DEBUG only: a write that stops short is reported once,
+            # at WARNING, when it ends (WriteState), whatever stopped it.
+            log.debug(
+                "write %s slice %d (blocks %d-%d): %s, %d of %d written in %.4f s%s",
+                state.request_id,
+                spec.index,
+                spec.first_block,
+                spec.end_block - 1,
+                outcome,
+                written,
+                spec.count,
+                elapsed,
+                f" ({detail})" if detail else "",
+            )
         state.slice_done(
             SliceOutcome(spec.index, spec.first_block, spec.count, written, elapsed, outcome),
             detail,
+            now,
         )
         if statuses is not None and written < spec.count:
             strays = sum(s is BlockStatus.OK for s in statuses[written + 1 :])
             if strays:
                 ctx.metrics.counters["blocks_stored_past_a_failure"] += strays
-
-    def _account(
-        self,
-        state: WriteState,
-        index: int,
-        first: int,
-        count: int,
-        written: int,
-        elapsed: float,
-        outcome: str,
-        detail: str | None,
-    ) -> None:
-        m = self.ctx.metrics
-        m.slices[outcome] += 1
-        m.counters["blocks_written"] += written
-        m.counters["bytes_written"] += written * self.ctx.payload_nbytes
-        # One line per slice, at DEBUG only: a write that stops short is reported once, at
-        # WARNING, when it ends (WriteState), whatever stopped it.
-        log.debug(
-            "write %s slice %d (blocks %d-%d): %s, %d of %d written in %.4f s%s",
-            state.request_id,
-            index,
-            first,
-            first + count - 1,
-            outcome,
-            written,
-            count,
-            elapsed,
-            f" ({detail})" if detail else "",
-        )

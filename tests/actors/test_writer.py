@@ -15,6 +15,7 @@ from kvpipe._blockformat import check_block
 from kvpipe._keys import as_tokens, key_digest
 from kvpipe.actors import SliceJob, Writer
 from kvpipe.actors import writer as writer_module
+from kvpipe.actors._base import keeps_own_memory
 from kvpipe.backends import BlockStatus, GetBatch
 from tests.actors.harness import BLOCK, Harness, harness
 from tests.fakes import Act, ScriptedStore
@@ -224,3 +225,10 @@ class TestVirtualTime:
             assert (state.result.written, state.result.stop_reason) == (0, "slice_timeout")
             assert len(store.calls_of("put")) == 1
             assert h.ctx.pool.in_use == 0
+
+
+def test_only_puts_over_32_kib_are_gathered_into_memory_the_store_keeps() -> None:
+    assert not keeps_own_memory(1, 1024)
+    assert not keeps_own_memory(32, 1024)
+    assert keeps_own_memory(33, 1024)
+    assert keeps_own_memory(1, (32 << 10) + 1)
