@@ -70,8 +70,6 @@ class Writer(Actor[WriteState | SliceJob]):
         """
         ahead: deque[_Ahead] = deque()
         try:
-            # One scope for the whole request, ended with it: each put's own scope then only
-            # needs its deadline.
             slices = state.slices
             if slices and slices[0].count * self.ctx.payload_nbytes > INLINE_COPY_BYTES:
                 async with anyio.create_task_group() as tg:
