@@ -37,9 +37,9 @@ __all__ = ("Writer",)
 
 log = logging.getLogger("kvpipe.writer")
 
-#: A slice on its way to the store: the job, and the event set once its gather is done
-#: (``None``: gathered already).
-_Ahead = tuple[SliceJob, anyio.Event | None]
+#: A slice gathered in a task of its own on its way to the store: the job, and the event set
+#: once its gather is done.
+_Ahead = tuple[SliceJob, anyio.Event]
 
 
 class Writer(Actor[WriteState | SliceJob]):
@@ -135,8 +135,7 @@ class Writer(Actor[WriteState | SliceJob]):
         ended), and let go of it."""
         job, gathered = ahead[0]
         try:
-            if gathered is not None:
-                await gathered.wait()
+            await gathered.wait()
             if not job.state.done:
                 await self._write(job)
         finally:
