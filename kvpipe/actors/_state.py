@@ -80,10 +80,7 @@ class RequestState(abc.ABC):
     def bound(self, deadline: float, tag: object = None, first_block: int = 0) -> Bound:
         """A cancel scope that ends at ``deadline`` or when the request ends — or, for a
         read, when loading stops at or before ``first_block``. ``tag`` names it uniquely."""
-        bound = Bound(self._scopes, deadline, tag if tag is not None else object(), first_block)
-        if self.done:
-            bound.scope.cancel()
-        return bound
+        return Bound(self, deadline, tag if tag is not None else object(), first_block)
 
     def watch(self, scope: anyio.CancelScope, tag: object, first_block: int = 0) -> None:
         """Have the request's end cancel ``scope`` until :meth:`unwatch` (what :meth:`bound`
@@ -138,24 +135,18 @@ class Bound:
     """The context manager of :meth:`RequestState.bound`: a cancel scope registered with its
     request while it is entered (a class, not a generator: it is entered once per slice)."""
 
-    __slots__ = ("_key", "_scopes", "scope")
+    __slots__ = ("_key", "_state", "scope")
 
-    def __init__(
-        self,
-        scopes: dict[object, tuple[int, anyio.CancelScope]],
-        deadline: float,
-        key: object,
-        first_block: int,
-    ) -> None:
+    def __init__(self, state: RequestState, deadline: float, key: object, first_block: int) -> None:
         self.scope = anyio.CancelScope(deadline=deadline)
-        self._scopes, self._key = scopes, key
-        scopes[key] = (first_block, self.scope)
+        self._state, self._key = state, key
+        state.watch(self.scope, key, first_block)
 
     def __enter__(self) -> anyio.CancelScope:
         return self.scope.__enter__()
 
     def __exit__(self, *exc_info: Any) -> bool:
-        self._scopes.pop(self._key, None)
+        self._state.unwatch(self._key)
         return bool(self.scope.__exit__(*exc_info))
 
 
