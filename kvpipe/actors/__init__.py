@@ -5,7 +5,8 @@ A device cache's requests: ``scheduler`` → ``slicer`` → (write) ``swapper`` 
 (whole requests; each runs its slices itself).
 """
 
-from ._base import Actor, ActorContext, PipelineHooks, SliceJob
+from ._base import Actor, ActorContext, PipelineHooks
+from ._channels import SliceJob
 from ._observe import Metrics, ObservationKind, Observer, Observers
 from .reader import Reader
 from .scheduler import Scheduler

@@ -34,7 +34,7 @@ from .._plan import CopySegment, SliceSpec, copy_plan
 from .._staging import StagingLease, StagingPool
 from .._workers import Lane, ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
-from ._channels import Outboxes
+from ._channels import Outboxes, SliceJob
 from ._observe import Metrics, ObservationKind, Observers
 from ._state import ReadState, RequestState, WriteState, describe_error
 
@@ -81,58 +81,6 @@ def keeps_own_memory(count: int, payload_nbytes: int) -> bool:
     90 -> 112 µs: the copy wins up to about 32 KiB a put.
     """
     return count * payload_nbytes > SMALL_PUT_BYTES
-
-
-@dataclass(eq=False, slots=True)
-class SliceJob:
-    """One slice of a request travelling between stages, with the staging it owns.
-
-    Whoever holds a job owns its leases: it passes the job on or releases them
-    (:meth:`release`).
-
-    Attributes:
-        state: The request.
-        spec: Which blocks.
-        lease: Staging slots, one per block, in order: what bounds the pipeline's memory.
-        valid: Read path: leading blocks verified and to be scattered.
-        data: Write path, for a store that keeps its values: memory of this job's own that
-            the blocks are gathered into (the store keeps it); the staging slots of
-            ``lease`` are then only counted, never touched.
-        lent: Read path: values the store lent instead of copying them into staging, by
-            block index within the slice.
-        checksums: Write path: each sealed value's XXH3-64, computed while sealing, for the
-            put batch (a store that keeps one per value need not hash the bytes again).
-    """
-
-    state: WriteState | ReadState
-    spec: SliceSpec
-    lease: StagingLease
-    valid: int = 0
-    data: StagingLease | None = None
-    lent: dict[int, memoryview] | None = None
-    checksums: list[int] | None = None
-
-    @property
-    def staging(self) -> StagingLease:
-        """Where the job's bytes are: :attr:`data` when it has memory of its own."""
-        return self.data if self.data is not None else self.lease
-
-    def sources(self, lo: int, hi: int) -> list[Rows]:
-        """The fetched values of blocks ``[lo, hi)`` of the slice: lent, or in staging."""
-        lent = self.lent or {}
-        out: list[Rows] = []
-        for i in range(lo, hi):
-            view = lent.get(i)
-            out.append(np.frombuffer(view, np.uint8) if view is not None else self.lease.view(i))
-        return out
-
-    def release(self) -> None:
-        """Let go of the staging (and of lent values)."""
-        self.lent = None
-        if self.data is not None:
-            self.data.release()
-            self.data = None
-        self.lease.release()
 
 
 @dataclass(eq=False)

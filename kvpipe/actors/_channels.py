@@ -1,8 +1,8 @@
 """The pipeline's channels: one bounded inbox per actor, typed by what travels on it.
 
 Requests (:class:`~kvpipe.actors._state.RequestState`) go to the scheduler; a device cache's
-planned writes and reads to the slicer; slice jobs (:class:`~kvpipe.actors._base.SliceJob`)
-to the swapper, the writer and the reader; a host cache's planned writes and reads to the
+planned writes and reads to the slicer; slice jobs (:class:`SliceJob`, defined here) to the
+swapper, the writer and the reader; a host cache's planned writes and reads to the
 writer and the reader whole. An inbox outlives a crashed actor, so its restart resumes on the
 same queue; closing the send ends (:meth:`Outboxes.close`) lets every actor leave its loop
 once its inbox is empty.
@@ -14,13 +14,71 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, final
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._plan import SliceSpec
+from .._staging import StagingLease
+
 if TYPE_CHECKING:
-    from ._base import SliceJob
     from ._state import ReadState, RequestState, WriteState
 
-__all__ = ("Inboxes", "Outboxes", "open_channels")
+__all__ = ("Inboxes", "Outboxes", "SliceJob", "open_channels")
+
+Rows = npt.NDArray[np.uint8]
+
+
+@dataclass(eq=False, slots=True)
+class SliceJob:
+    """One slice of a request travelling between stages, with the staging it owns.
+
+    Whoever holds a job owns its leases: it passes the job on or releases them
+    (:meth:`release`).
+
+    Attributes:
+        state: The request.
+        spec: Which blocks.
+        lease: Staging slots, one per block, in order: what bounds the pipeline's memory.
+        valid: Read path: leading blocks verified and to be scattered.
+        data: Write path, for a store that keeps its values: memory of this job's own that
+            the blocks are gathered into (the store keeps it); the staging slots of
+            ``lease`` are then only counted, never touched.
+        lent: Read path: values the store lent instead of copying them into staging, by
+            block index within the slice.
+        checksums: Write path: each sealed value's XXH3-64, computed while sealing, for the
+            put batch (a store that keeps one per value need not hash the bytes again).
+    """
+
+    state: WriteState | ReadState
+    spec: SliceSpec
+    lease: StagingLease
+    valid: int = 0
+    data: StagingLease | None = None
+    lent: dict[int, memoryview] | None = None
+    checksums: list[int] | None = None
+
+    @property
+    def staging(self) -> StagingLease:
+        """Where the job's bytes are: :attr:`data` when it has memory of its own."""
+        return self.data if self.data is not None else self.lease
+
+    def sources(self, lo: int, hi: int) -> list[Rows]:
+        """The fetched values of blocks ``[lo, hi)`` of the slice: lent, or in staging."""
+        lent = self.lent or {}
+        out: list[Rows] = []
+        for i in range(lo, hi):
+            view = lent.get(i)
+            out.append(np.frombuffer(view, np.uint8) if view is not None else self.lease.view(i))
+        return out
+
+    def release(self) -> None:
+        """Let go of the staging (and of lent values)."""
+        self.lent = None
+        if self.data is not None:
+            self.data.release()
+            self.data = None
+        self.lease.release()
 
 
 @final

@@ -25,7 +25,8 @@ from .._blockformat import TRAILER_NBYTES, check_trailer
 from .._hostcopy import scatter_values
 from ..backends._base import FetchSink
 from ..backends.file import _native
-from ._base import ActorContext, SliceJob
+from ._base import ActorContext
+from ._channels import SliceJob
 from ._state import ReadState
 
 __all__ = ("RowSink",)

@@ -14,7 +14,8 @@ import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectSendStream
 
 from .._plan import SliceSpec
-from ._base import Actor, SliceJob
+from ._base import Actor
+from ._channels import SliceJob
 from ._state import ReadState, RequestState, WriteState
 
 __all__ = ("Slicer",)

@@ -22,7 +22,8 @@ import anyio
 
 from .._hostcopy import scatter_values
 from .._plan import copy_plan
-from ._base import Actor, SliceJob
+from ._base import Actor
+from ._channels import SliceJob
 from ._state import ReadState, RequestState, WriteState
 
 __all__ = ("Swapper",)

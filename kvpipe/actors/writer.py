@@ -30,7 +30,8 @@ from .._plan import SliceSpec
 from .._results import SliceOutcome, SliceStatus
 from .._staging import StagingLease
 from ..backends._base import BlockStatus, PutBatch
-from ._base import Actor, SliceJob, as_backend_error, check_statuses, leading_ok
+from ._base import Actor, as_backend_error, check_statuses, leading_ok
+from ._channels import SliceJob
 from ._state import RequestState, WriteState, describe_error
 
 __all__ = ("Writer",)
