@@ -19,8 +19,6 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import anyio
 import anyio.abc
-import numpy as np
-import numpy.typing as npt
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._cache import KVCache
@@ -49,7 +47,6 @@ __all__ = (
 )
 
 M = TypeVar("M")
-Rows = npt.NDArray[np.uint8]
 T = TypeVar("T")
 log = logging.getLogger("kvpipe.actors")
 
