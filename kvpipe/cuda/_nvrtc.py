@@ -1,7 +1,8 @@
 """Run-time compilation of the kernels in ``ext/`` with NVRTC, cached on disk.
 
 Kernels are compiled with ``-std=c++17 -Werror=all-warnings`` (every warning is an error; a
-successful compile whose log still mentions a warning is refused too) for the device's
+successful compile whose log still mentions a warning is refused too; an NVRTC without the
+option, such as 13.0, compiles without it and only the log check applies) for the device's
 architecture, to CUBIN when NVRTC knows the architecture and to PTX for the newest one it
 knows otherwise (the driver finishes the job). Results are cached under
 ``$KVPIPE_KERNEL_CACHE`` or ``$XDG_CACHE_HOME/kvpipe/kernels`` (``~/.cache/kvpipe/kernels``),
@@ -23,6 +24,7 @@ from .._errors import DeviceError, Unsupported
 
 __all__ = (
     "OPTIONS",
+    "WERROR",
     "KernelImage",
     "compile_source",
     "ext_dir",
@@ -34,8 +36,11 @@ __all__ = (
     "target_arch",
 )
 
+#: Warnings as errors. NVRTC 13.0 rejects it as unrecognized (13.5 takes it); without it a
+#: log that mentions a warning still fails the compile.
+WERROR: Final = "-Werror=all-warnings"
 #: Options every compile uses (the architecture is added per target).
-OPTIONS: Final = ("-std=c++17", "-Werror=all-warnings")
+OPTIONS: Final = ("-std=c++17", WERROR)
 
 Kind = Literal["cubin", "ptx"]
 _MISSING = "NVRTC is not available ({}); install it with `pip install nvidia-cuda-nvrtc`"
@@ -134,23 +139,35 @@ def compile_source(source: bytes, filename: str, arch: str, kind: Kind = "cubin"
     """
     nvrtc = _nvrtc()
     nvrtc_version()
-    (prog,) = _check(
-        nvrtc,
-        "nvrtcCreateProgram",
-        nvrtc.nvrtcCreateProgram(source, filename.encode(), 0, [], []),
-    )
-    try:
-        opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture={arch}")]
-        result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        log = _output(nvrtc, prog, "ProgramLog").rstrip(b"\0").decode(errors="replace").strip()
-        err = result[0] if isinstance(result, tuple) else result
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise DeviceError("nvrtcCompileProgram", err.name, f"{filename} for {arch}:\n{log}")
-        if "warning" in log.lower():
-            raise DeviceError("nvrtcCompileProgram", "WARNING", f"{filename} for {arch}:\n{log}")
-        return _output(nvrtc, prog, "CUBIN" if kind == "cubin" else "PTX")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    options = [*OPTIONS, f"--gpu-architecture={arch}"]
+    while True:
+        (prog,) = _check(
+            nvrtc,
+            "nvrtcCreateProgram",
+            nvrtc.nvrtcCreateProgram(source, filename.encode(), 0, [], []),
+        )
+        try:
+            opts = [o.encode() for o in options]
+            result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+            log = _output(nvrtc, prog, "ProgramLog").rstrip(b"\0").decode(errors="replace").strip()
+            err = result[0] if isinstance(result, tuple) else result
+            if _lacks_werror(nvrtc, err, log) and WERROR in options:
+                options.remove(WERROR)  # this NVRTC has no such option: the log check stays
+                continue
+            where = f"{filename} for {arch}:\n{log}"
+            if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                raise DeviceError("nvrtcCompileProgram", err.name, where)
+            if "warning" in log.lower():
+                raise DeviceError("nvrtcCompileProgram", "WARNING", where)
+            return _output(nvrtc, prog, "CUBIN" if kind == "cubin" else "PTX")
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _lacks_werror(nvrtc: Any, err: Any, log: str) -> bool:
+    """Whether NVRTC refused the compile for not knowing :data:`WERROR` (NVRTC 13.0 logs
+    ``unrecognized option -Werror=all-warnings found``)."""
+    return err == nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_OPTION and f"option {WERROR}" in log
 
 
 def _output(nvrtc: Any, prog: Any, what: str) -> bytes:

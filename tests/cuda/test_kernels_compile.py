@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ import kvpipe
 from kvpipe.cuda import _nvrtc
 from kvpipe.cuda._kernels import KERNELS
 from kvpipe.cuda._nvrtc import (
+    WERROR,
     compile_source,
     ext_dir,
     kernel_sources,
@@ -55,6 +57,67 @@ def test_a_warning_fails_the_compile() -> None:
     with pytest.raises(kvpipe.DeviceError, match="never referenced") as info:
         compile_source(src, "warn.cu", "sm_80")
     assert info.value.call == "nvrtcCompileProgram"
+
+
+class NoWerror:
+    """NVRTC as 13.0 is: ``-Werror=all-warnings`` is an unrecognized option (seen on the H200
+    machine, NVRTC 13.0.88); everything else is the real NVRTC."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.compiles: list[list[bytes]] = []
+        self.refused: set[int] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def nvrtcCompileProgram(self, prog: Any, n: int, opts: list[bytes]) -> Any:
+        self.compiles.append(list(opts))
+        if WERROR.encode() in opts:
+            self.refused.add(int(prog))
+            return (self.real.nvrtcResult.NVRTC_ERROR_INVALID_OPTION,)
+        return self.real.nvrtcCompileProgram(prog, n, opts)
+
+    def nvrtcDestroyProgram(self, prog: Any) -> Any:
+        self.refused.discard(int(prog))  # the next program may get the same handle
+        return self.real.nvrtcDestroyProgram(prog)
+
+
+@pytest.fixture
+def old_nvrtc(monkeypatch: pytest.MonkeyPatch) -> NoWerror:
+    fake = NoWerror(_nvrtc._nvrtc())
+    real_output = _nvrtc._output
+
+    def output(nvrtc: Any, prog: Any, what: str) -> bytes:
+        if what == "ProgramLog" and int(prog) in fake.refused:
+            return f"nvrtc: error: unrecognized option {WERROR} found\n\0".encode()
+        return real_output(nvrtc, prog, what)
+
+    monkeypatch.setattr(_nvrtc, "_nvrtc", lambda: fake)
+    monkeypatch.setattr(_nvrtc, "_output", output)
+    return fake
+
+
+def test_an_nvrtc_without_werror_compiles_without_it(old_nvrtc: NoWerror) -> None:
+    src = ext_dir() / "kvpipe_copy.cu"
+    image = compile_source(src.read_bytes(), src.name, "sm_90")
+    assert image[:4] == b"\x7fELF"
+    assert [WERROR.encode() in opts for opts in old_nvrtc.compiles] == [True, False]
+
+
+def test_an_nvrtc_without_werror_still_fails_on_a_warning(old_nvrtc: NoWerror) -> None:
+    src = b'extern "C" __global__ void k(int* p) { int unused = 3; p[0] = 1; }'
+    with pytest.raises(kvpipe.DeviceError, match="never referenced") as info:
+        compile_source(src, "warn.cu", "sm_80")
+    assert info.value.code == "WARNING"
+    assert len(old_nvrtc.compiles) == 2
+
+
+def test_another_invalid_option_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_nvrtc, "OPTIONS", (*_nvrtc.OPTIONS, "--no-such-option"))
+    with pytest.raises(kvpipe.DeviceError, match="no-such-option") as info:
+        compile_source(b"", "empty.cu", "sm_90")
+    assert info.value.code == "NVRTC_ERROR_INVALID_OPTION"
 
 
 def test_a_compile_error_carries_the_log() -> None:
