@@ -2,7 +2,9 @@
 
 Values put by a pipeline are kept in the memory they were gathered into (no copy); that
 memory comes from the store's :class:`~kvpipe._staging.ValueMemory`, which reuses the memory of
-values deleted or replaced once nothing refers to them.
+values deleted or replaced once nothing refers to them. Values the store must copy (from
+staging it may not keep, such as the CUDA path's pinned staging) are copied into that memory
+too when large; small ones into fresh arrays.
 """
 
 from __future__ import annotations
@@ -25,13 +27,30 @@ Bytes = npt.NDArray[np.uint8]
 
 
 def _copies(values: Sequence[memoryview]) -> list[Bytes]:
-    """One read-only array copy per value."""
+    """One read-only array copy per value (small values: the allocator's memory is mapped)."""
     out = []
     for value in values:
         a = np.frombuffer(value, np.uint8).copy()
         a.flags.writeable = False
         out.append(a)
     return out
+
+
+def _copies_into(
+    memory: ValueMemory, values: Sequence[memoryview], slot_nbytes: int
+) -> tuple[StagingLease, list[Bytes]]:
+    """A read-only copy of each value, in memory of the store's own (a deleted value's when
+    one of the same shape is free, which saves the page faults of fresh memory); and the
+    lease of that memory, to be released on the event loop's thread."""
+    lease = memory.lease(slot_nbytes, len(values))
+    rows = lease.pool.buffer
+    out = []
+    for value, slot in zip(values, lease.slots, strict=True):
+        a = rows[slot, : len(value)]
+        a[:] = np.frombuffer(value, np.uint8)
+        a.flags.writeable = False
+        out.append(a)
+    return lease, out
 
 
 #: Copies smaller than this run on the event loop; larger ones in a worker thread.
@@ -98,7 +117,10 @@ class MemoryStore(StorageBackend):
             copies = _copies(values)
             await anyio.lowlevel.checkpoint()
         else:
-            copies = await batch.run_sync(_copies, values)
+            lease, copies = await batch.run_sync(
+                _copies_into, self._memory, values, batch.value_nbytes
+            )
+            lease.release()  # the memory stays with the copies, and comes back after them
         self._counters["puts"] += 1
         statuses = []
         for key, value in zip(batch.keys, copies, strict=True):

@@ -108,3 +108,30 @@ async def test_closing_the_store_frees_the_memory_held_for_reuse() -> None:
     assert store.statistics()["recycle_held_bytes"] == 0
     store.value_memory(4096, 2)  # let go at once: freed, not held
     assert store.statistics()["recycle_held_bytes"] == 0
+
+
+async def test_large_copied_puts_reuse_the_memory_of_deleted_values() -> None:
+    """Values the store must copy (staging it may not keep: the CUDA path's pinned staging)
+    go into its recycled memory when large, as kept ones do, not into fresh memory."""
+    store = kvpipe.MemoryStore()
+    slot, n = 256 * 1024, 4  # over the inline limit: copied in a worker thread
+    staging = StagingPool(slot, n)
+    async with ThreadRunner() as runner:
+        extra = {"value_nbytes": slot, "runner": runner, "limiter": None}
+        for round_, fill in enumerate((3, 7)):
+            keys = [f"r{round_}k{i}" for i in range(n)]
+            common = (SCOPE, "r", keys, 0, as_tokens(np.arange(8)))
+            lease = staging.try_acquire(n)
+            assert lease is not None
+            staging.buffer[:] = fill
+            put = PutBatch(*common, lease=lease, may_keep=False, **extra)
+            assert list(await store.put_blocks(put)) == [BlockStatus.OK] * n
+            staging.buffer[:] = 0  # staging is reused: the store holds copies
+            assert all(bytes(store._data[k]) == bytes([fill]) * slot for k in keys)
+            assert all(not np.shares_memory(store._data[k], staging.buffer) for k in keys)
+            lease.release()
+            del put
+            if round_ == 0:
+                await store.delete(keys)
+    stats = store.statistics()
+    assert (stats["recycle_allocated"], stats["recycle_reused"]) == (1, 1)
