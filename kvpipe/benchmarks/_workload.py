@@ -87,14 +87,17 @@ async def run_requests(
     tag: int,
     write: bool,
     cache_blocks: int | None = None,
+    offset: int = 0,
+    stream: int | None = None,
 ) -> Requests:
     """Write (or read) ``blocks`` blocks as requests of ``per_request`` blocks, at most
     ``concurrency`` of them in flight (a server's concurrent sequences).
 
     Request ``j`` is its own sequence (tokens offset by ``tag``, so another tag is another
     set of keys); its blocks live in cache blocks ``first .. first + per_request`` modulo
-    ``cache_blocks`` (default: the whole cache, no wrap). A request's latency runs from the
-    call to its result, after it got its turn.
+    ``cache_blocks`` (default: the whole cache, no wrap), plus ``offset``. ``stream`` is passed
+    to every call (a device cache's producer stream). A request's latency runs from the call
+    to its result, after it got its turn.
 
     Raises:
         RuntimeError: A request did not complete.
@@ -108,10 +111,13 @@ async def run_requests(
     async def one(first: int) -> None:
         count = min(per_request, blocks - first)
         tokens = np.arange(first * bs, (first + count) * bs, dtype=np.int64) + tag * 10**10
-        ids = (np.arange(first, first + count) % wrap).astype(np.int64)
+        ids = (np.arange(first, first + count) % wrap + offset).astype(np.int64)
+        call = pipe.write if write else pipe.read
         async with limit:
             started = time.perf_counter()
-            result = await (pipe.write(tokens, ids) if write else pipe.read(tokens, ids))
+            result = await (
+                call(tokens, ids) if stream is None else call(tokens, ids, stream=stream)
+            )
             out.latencies.append(time.perf_counter() - started)
         if not result.complete:
             failures.append(result)

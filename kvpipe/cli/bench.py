@@ -40,6 +40,12 @@ And the FastDeploy adapter's cost (issue 15):
   blocks, and the thread hop's latency p50 / p99 (:mod:`kvpipe.benchmarks.integration`;
   needs Paddle).
 
+And the CUDA device path (needs a GPU; ``all`` includes it only where one is usable):
+
+- ``device``: a GPU cache offloaded to :class:`kvpipe.MemoryStore` and reloaded, versus a
+  hand-written loop (one DMA per tensor per slice, numpy on the host), and the PCIe link's
+  own GB/s (:mod:`kvpipe.benchmarks.device`).
+
 Rounds are interleaved after a warm-up; the ratio is the median over rounds of pipeline /
 best baseline of that round. Results: a table per scenario, ``--json PATH``,
 ``--markdown PATH``, PNG plots with ``--plot DIR`` (the ``plots`` extra), and the generated
@@ -63,6 +69,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from ..benchmarks import report
 from ..benchmarks._asgi import UvicornUnavailable, require_uvicorn
 from ..benchmarks._workload import CpuWatch
+from ..benchmarks.device import DeviceBenchConfig, run_device_bench
 from ..benchmarks.filestore import LAYOUTS, FileBenchConfig, run_filestore_bench
 from ..benchmarks.integration import IntegrationBenchConfig, run_integration_bench
 from ..benchmarks.lag import LagBenchConfig, run_lag_bench
@@ -73,6 +80,7 @@ from ..benchmarks.plots import PlotsUnavailable, plot_all, require_matplotlib
 from ..benchmarks.scaling import ScalingBenchConfig, run_scaling_bench
 from ..benchmarks.server import ServerBenchConfig, run_server_bench
 from ..benchmarks.sweeps import SweepBenchConfig, run_sweep_bench
+from ..cuda import probe_device
 from . import _console as ui
 from ._bench_tables import file_markdown, file_table, mooncake_markdown, mooncake_table
 
@@ -92,6 +100,7 @@ DEFAULT_ROUNDS: Final = {
     "overhead": 7,
     "integration": 5,
     "server": 7,
+    "device": 5,
 }
 
 
@@ -162,6 +171,11 @@ async def _run_new_scenario(
         if args.smoke:
             server = replace(server, cache_bytes=16 << 20, passes=1, idle_seconds=0.1)
         return await run_server_bench(server, tick)
+    if scenario == "device":
+        device = DeviceBenchConfig(rounds=rounds)
+        if args.smoke:
+            device = replace(device, size="256KiB", total_bytes=4 << 20, request_bytes=1 << 20)
+        return await run_device_bench(device, tick)
     overhead = OverheadBenchConfig(rounds=rounds)
     if args.smoke:
         overhead = replace(overhead, requests=(4, 2, 8))
@@ -215,8 +229,11 @@ def _options(args: argparse.Namespace) -> str:
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     """Run the chosen scenarios and report."""
     scenarios = args.scenario or ["file"]
+    probe = probe_device() if "all" in scenarios or "device" in scenarios else None
     if "all" in scenarios:
-        scenarios = list(SCENARIOS)
+        scenarios = [s for s in SCENARIOS if s != "device" or (probe and probe.available)]
+    if "device" in scenarios and probe is not None and not probe.available:
+        raise ui.UsageError(f"the device scenario needs a CUDA GPU: {probe.note}")
     if "server" in scenarios:
         try:
             require_uvicorn()

@@ -238,3 +238,18 @@ def test_help_shows_a_list_default_as_typed(capsys: pytest.CaptureFixture[str]) 
     assert main(["bench", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the help's own line breaks aside
     assert "block sizes (default: 256KiB 2MiB 8MiB)" in out and "['" not in out, out
+
+
+def test_device_bench_without_a_gpu_says_why(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where no GPU is usable, ``--scenario device`` is a usage error naming the probe's
+    reason (the scenario itself runs in tests/benchmarks/test_device.py on the driver's
+    test double, and on a GPU with ``kvpipe bench --scenario device``)."""
+    from kvpipe.cli import bench
+    from kvpipe.cuda import DeviceProbe
+
+    monkeypatch.setattr(bench, "probe_device", lambda: DeviceProbe(False, 0, "no driver here"))
+    rc = main(["bench", "--scenario", "device", "--smoke"])
+    assert rc == 2
+    assert "needs a CUDA GPU: no driver here" in capsys.readouterr().err

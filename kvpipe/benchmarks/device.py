@@ -1,0 +1,386 @@
+"""The CUDA device path end to end: the pipeline offloading a GPU cache to the memory store
+and reloading it, against a hand-written loop doing the same data movement, in the same run.
+
+The cache is Llama-3-8B's layout (bf16, 32 layers, K and V: 64 tensors of
+``[num_blocks, 16, 8, 128]``, 2 MiB blocks by default) in device memory that kvpipe's own
+driver allocates (no framework needed), filled with random bytes. Each round writes
+``blocks`` blocks from the first half of the cache and reads them back into the second half,
+in interleaved rounds after one warm-up round:
+
+- ``pipeline``: ``pipe.write`` over a :class:`~kvpipe.MemoryStore` (dedup probe, the gather
+  kernel into pinned staging, XXH3 trailer, the store's copy of each value into a fresh
+  ``bytes``), then ``pipe.read`` (probe, the store's copy into staging, verify, one DMA and
+  the scatter kernel). Requests of ``request_bytes`` in ``slice_bytes`` slices,
+  ``concurrency`` in flight, ordered after a producer stream (``stream=``).
+- ``plain`` (the baseline): ``threads`` threads over disjoint slices of the same size, each
+  with its own stream and pinned buffer (kept across passes): **write** = one
+  ``cuMemcpyDtoHAsync`` per tensor of the slice's consecutive blocks into a layer-major
+  pinned buffer, wait, then each block's 64 segments copied by one strided numpy copy into a
+  fresh array held in a dict; **read** = each stored value copied back by one strided copy,
+  one ``cuMemcpyHtoDAsync`` per tensor, wait. No keys, checksums, trailer, actors or event
+  loop. The store is emptied after each round, for both.
+- ``link`` (the ceiling of the PCIe link, not a contender): one ``cuMemcpyAsync`` per
+  direction of ``slice_bytes`` at a time between one device buffer and pinned memory, no
+  host copy at all.
+
+Ratios are medians over rounds of pipeline / plain speed. Every round of both contenders
+checks the blocks read back against the blocks written (outside the timed part).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Final, TypeVar, final
+
+import numpy as np
+from anyio.to_thread import run_sync
+
+from .._cache import KVCache
+from .._config import PipelineConfig
+from .._layout import CacheLayout, numpy_dtype
+from ..backends.memory import MemoryStore
+from ..cuda._driver import CudaDriver, Driver
+from ..cuda._pinned import PinnedBuffer
+from ..pipeline import open_pipeline
+from ._measure import Measurement, interleave
+from ._workload import MODEL_BLOCK_TOKENS, model_layout, run_requests
+
+__all__ = ("DeviceBenchConfig", "run_device_bench")
+
+CONTENDERS: Final = ("pipeline", "plain")
+T = TypeVar("T")
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class DeviceBenchConfig:
+    """What to run.
+
+    Attributes:
+        size: Block size, a key of :data:`~kvpipe.benchmarks._workload.MODEL_BLOCK_TOKENS`.
+        total_bytes: Bytes one round writes (and reads back) per contender.
+        rounds: Recorded rounds (after one warm-up).
+        request_bytes: Bytes per pipeline request.
+        slice_bytes: Bytes per slice, and the plain loop's and the link's chunk.
+        concurrency: Pipeline requests in flight.
+        threads: The pipeline's ``copy_threads`` and the plain loop's threads.
+        verify_checksums: The pipeline's :attr:`~kvpipe.PipelineConfig.verify_checksums`.
+        staging_bytes: The pipeline's :attr:`~kvpipe.PipelineConfig.staging_bytes` (pinned).
+        ordinal: The CUDA device.
+    """
+
+    size: str = "2MiB"
+    total_bytes: int = 2 << 30
+    rounds: int = 5
+    request_bytes: int = 256 << 20
+    slice_bytes: int = 64 << 20
+    concurrency: int = 4
+    threads: int = 4
+    verify_checksums: bool = True
+    staging_bytes: int = 1 << 30
+    ordinal: int = 0
+
+
+@final
+class _DeviceArray:
+    """Device memory from kvpipe's driver, shaped as a CUDA tensor (``data_ptr``,
+    ``device``), which :meth:`KVCache.from_tensors` takes as it takes a framework's."""
+
+    def __init__(self, drv: Driver, shape: tuple[int, ...], dtype: str, ordinal: int) -> None:
+        self.shape, self.dtype = shape, dtype
+        self.nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
+        self.device = SimpleNamespace(type="cuda", index=ordinal)
+        self.ptr = drv.mem_alloc(self.nbytes)
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+async def _on_device(drv: Driver, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread with the driver's context current there."""
+
+    def call() -> T:
+        drv.make_current()
+        return fn(*args)
+
+    return await run_sync(call)
+
+
+def _wait(drv: Driver, stream: int, event: int) -> None:
+    """Block this (worker) thread until ``stream``'s queued work is done."""
+    drv.event_record(event, stream)
+    while not drv.event_query(event):
+        time.sleep(20e-6)
+
+
+@final
+class _Bench:
+    """The cache, the device-side buffers and the plain loop's state, for one run."""
+
+    def __init__(self, cfg: DeviceBenchConfig, drv: Driver, layout: CacheLayout) -> None:
+        self.cfg, self.drv, self.layout = cfg, drv, layout
+        nbytes = layout.block_nbytes
+        self.blocks = max(1, cfg.total_bytes // nbytes)
+        self.per_request = max(1, cfg.request_bytes // nbytes)
+        self.per_slice = max(1, cfg.slice_bytes // nbytes)
+        specs = [layout.role(role) for role, _l in layout.tensor_order()]
+        if len({s.block_nbytes for s in specs}) != 1:
+            raise ValueError("the device scenario's layout has tensors of one block size")
+        self.seg_nbytes = specs[0].block_nbytes
+        self.tensors = [
+            _DeviceArray(drv, (2 * self.blocks, *s.block_shape), s.dtype, cfg.ordinal)
+            for s in specs
+        ]
+        self.cache = KVCache.from_tensors(layout, self.tensors)
+        self.producer = drv.stream_create()
+        self.plain_store: dict[int, np.ndarray[Any, Any]] = {}
+        # the plain loop's own: a stream, an event and a pinned buffer per thread, kept
+        # across passes as a hand-written offload would keep them
+        self._pool = ThreadPoolExecutor(cfg.threads)
+        self._streams = [drv.stream_create() for _ in range(cfg.threads)]
+        self._events = [drv.event_create() for _ in range(cfg.threads)]
+        chunk = self.per_slice * layout.block_nbytes
+        self._hosts = [PinnedBuffer(drv, chunk, mapped=False) for _ in range(cfg.threads)]
+        self._fill_random()
+
+    def _fill_random(self) -> None:
+        rng = np.random.default_rng(0)
+        biggest = max(t.nbytes for t in self.tensors)
+        host = PinnedBuffer(self.drv, biggest, mapped=False)
+        stream, event = self.drv.stream_create(), self.drv.event_create()
+        try:
+            for t in self.tensors:
+                host.array()[: t.nbytes] = np.frombuffer(rng.bytes(t.nbytes), np.uint8)
+                self.drv.memcpy_htod_async(t.ptr, host.host_ptr, t.nbytes, stream)
+                _wait(self.drv, stream, event)
+        finally:
+            self.drv.event_destroy(event)
+            self.drv.stream_destroy(stream)
+            host.free()
+
+    def halves_equal(self) -> bool:
+        """Whether every tensor's second half (read back) equals its first (written)."""
+        half = [t.nbytes // 2 for t in self.tensors]
+        host = PinnedBuffer(self.drv, max(half) * 2, mapped=False)
+        stream, event = self.drv.stream_create(), self.drv.event_create()
+        try:
+            for t, n in zip(self.tensors, half, strict=True):
+                self.drv.memcpy_dtoh_async(host.host_ptr, t.ptr, 2 * n, stream)
+                _wait(self.drv, stream, event)
+                a = host.array()
+                if not np.array_equal(a[:n], a[n : 2 * n]):
+                    return False
+            return True
+        finally:
+            self.drv.event_destroy(event)
+            self.drv.stream_destroy(stream)
+            host.free()
+
+    def clear_second_half(self) -> None:
+        """Poison the blocks a round reads into, so a read that moved nothing fails."""
+        zeros = PinnedBuffer(self.drv, max(t.nbytes for t in self.tensors) // 2, mapped=False)
+        zeros.array()[:] = 0xA5
+        stream, event = self.drv.stream_create(), self.drv.event_create()
+        try:
+            for t in self.tensors:
+                n = t.nbytes // 2
+                self.drv.memcpy_htod_async(t.ptr + n, zeros.host_ptr, n, stream)
+            _wait(self.drv, stream, event)
+        finally:
+            self.drv.event_destroy(event)
+            self.drv.stream_destroy(stream)
+            zeros.free()
+
+    # ------------------------------------------------------------------ the plain loop
+
+    def _plain_slice(self, k: int, first: int, write: bool) -> None:
+        """Thread ``k``'s share: one slice of consecutive blocks from ``first``."""
+        drv, stream, event = self.drv, self._streams[k], self._events[k]
+        n, seg = min(self.per_slice, self.blocks - first), self.seg_nbytes
+        host = self._hosts[k]
+        # layer-major: tensor j's n blocks, as one DMA moves them; block i is host[:, i]
+        rows = host.array()[: len(self.tensors) * n * seg].reshape(len(self.tensors), n, seg)
+        if write:
+            for j, t in enumerate(self.tensors):
+                dst = host.host_ptr + j * n * seg
+                drv.memcpy_dtoh_async(dst, t.ptr + first * seg, n * seg, stream)
+            _wait(drv, stream, event)
+            for i in range(n):
+                self.plain_store[first + i] = rows[:, i].copy()  # fresh memory, as the store
+            return
+        for i in range(n):
+            rows[:, i] = self.plain_store[first + i]
+        target = first + self.blocks
+        for j, t in enumerate(self.tensors):
+            src = host.host_ptr + j * n * seg
+            drv.memcpy_htod_async(t.ptr + target * seg, src, n * seg, stream)
+        _wait(drv, stream, event)
+
+    def plain(self, write: bool) -> float:
+        """One plain pass (all blocks, ``threads`` threads); its seconds."""
+        firsts = list(range(0, self.blocks, self.per_slice))
+        threads = self.cfg.threads
+        if write:
+            self.plain_store.clear()
+
+        def worker(k: int) -> None:
+            self.drv.make_current()
+            for first in firsts[k::threads]:
+                self._plain_slice(k, first, write)
+
+        started = time.perf_counter()
+        list(self._pool.map(worker, range(threads)))
+        return time.perf_counter() - started
+
+    def link(self) -> dict[str, float]:
+        """GB/s of one contiguous ``cuMemcpyAsync`` per slice, each direction (best of 3)."""
+        chunk = self.per_slice * self.layout.block_nbytes
+        total = chunk * max(1, self.blocks // self.per_slice)
+        dev = self.drv.mem_alloc(chunk)
+        host = PinnedBuffer(self.drv, chunk, mapped=False)
+        stream, event = self.drv.stream_create(), self.drv.event_create()
+        out = {}
+        try:
+            for name, copy, args in (
+                ("d2h", self.drv.memcpy_dtoh_async, (host.host_ptr, dev, chunk)),
+                ("h2d", self.drv.memcpy_htod_async, (dev, host.host_ptr, chunk)),
+            ):
+                best = math.inf
+                for _ in range(3):
+                    started = time.perf_counter()
+                    for _ in range(total // chunk):
+                        copy(*args, stream)
+                    _wait(self.drv, stream, event)
+                    best = min(best, time.perf_counter() - started)
+                out[name] = round(total / best / 1e9, 2)
+        finally:
+            self.drv.event_destroy(event)
+            self.drv.stream_destroy(stream)
+            host.free()
+            self.drv.mem_free(dev)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        for stream, event, host in zip(self._streams, self._events, self._hosts, strict=True):
+            self.drv.stream_destroy(stream)
+            self.drv.event_destroy(event)
+            host.free()
+        self.drv.stream_destroy(self.producer)
+        for t in self.tensors:
+            self.drv.mem_free(t.ptr)
+
+
+async def run_device_bench(
+    cfg: DeviceBenchConfig,
+    tick: Callable[[str], None] | None = None,
+    *,
+    driver: Driver | None = None,
+) -> dict[str, Any]:
+    """Run the scenario on CUDA device ``cfg.ordinal``; a JSON-ready record.
+
+    ``driver`` replaces the CUDA driver (the tests' double) for the benchmark and the
+    pipeline alike.
+
+    Raises:
+        Unsupported: No usable CUDA driver or device, or no NVRTC.
+        RuntimeError: A request did not complete, or blocks read back differ.
+    """
+    if cfg.size not in MODEL_BLOCK_TOKENS:
+        raise ValueError(f"unknown size {cfg.size!r}; one of {sorted(MODEL_BLOCK_TOKENS)}")
+    drv = driver if driver is not None else CudaDriver()
+    info = await run_sync(drv.open, cfg.ordinal)
+    try:
+        bench = await _on_device(drv, _Bench, cfg, drv, model_layout(cfg.size))
+        try:
+            return await _measure(cfg, bench, info, tick, driver)
+        finally:
+            await _on_device(drv, bench.close)
+    finally:
+        drv.close()
+
+
+async def _measure(
+    cfg: DeviceBenchConfig,
+    bench: _Bench,
+    info: Any,
+    tick: Callable[[str], None] | None,
+    driver: Driver | None,
+) -> dict[str, Any]:
+    writes = Measurement(bench.blocks * bench.layout.block_nbytes)
+    reads = Measurement(writes.nbytes)
+    config = PipelineConfig(
+        slice_block_num=bench.per_slice,
+        copy_threads=cfg.threads,
+        verify_checksums=cfg.verify_checksums,
+        staging_bytes=cfg.staging_bytes,
+    )
+    store = MemoryStore()
+    async with open_pipeline(bench.cache, store, config=config, device_driver=driver) as pipe:
+        tag = 0
+
+        async def pipeline() -> float:
+            nonlocal tag
+            tag += 1
+            await _on_device(bench.drv, bench.clear_second_half)
+            common = dict(blocks=bench.blocks, per_request=bench.per_request)
+            w = await run_requests(
+                pipe, **common, concurrency=cfg.concurrency, tag=tag, write=True,
+                stream=bench.producer,
+            )  # fmt: skip
+            r = await run_requests(
+                pipe, **common, concurrency=cfg.concurrency, tag=tag, write=False,
+                stream=bench.producer, offset=bench.blocks,
+            )  # fmt: skip
+            await _check(bench, "pipeline")
+            await store.delete(store.keys())  # as the plain loop drops its values
+            writes.add("pipeline", w.seconds)
+            reads.add("pipeline", r.seconds)
+            return 0.0
+
+        async def plain() -> float:
+            await _on_device(bench.drv, bench.clear_second_half)
+            writes.add("plain", await _on_device(bench.drv, bench.plain, True))
+            reads.add("plain", await _on_device(bench.drv, bench.plain, False))
+            await _check(bench, "plain")
+            return 0.0
+
+        def on_round(r: int) -> None:
+            if tick is not None:
+                tick(f"device: round {r}/{cfg.rounds}")
+            if r == 0:  # the warm-up round is not recorded
+                for m in (writes, reads):
+                    m.seconds.clear()
+
+        await interleave({"pipeline": pipeline, "plain": plain}, cfg.rounds, on_round)
+        path = pipe.statistics().device_path
+    link = await _on_device(bench.drv, bench.link)
+    return {
+        "device": f"{info.name} (sm_{info.capability[0]}{info.capability[1]})",
+        "device_path": path,
+        "block_size": cfg.size,
+        "block_bytes": bench.layout.block_nbytes,
+        "blocks": bench.blocks,
+        "request_blocks": bench.per_request,
+        "slice_blocks": bench.per_slice,
+        "concurrency": cfg.concurrency,
+        "threads": cfg.threads,
+        "verify_checksums": cfg.verify_checksums,
+        "staging_bytes": cfg.staging_bytes,
+        "link_gbps": link,
+        "write": writes.summary("pipeline", ["plain"]),
+        "read": reads.summary("pipeline", ["plain"]),
+    }
+
+
+async def _check(bench: _Bench, who: str) -> None:
+    if not await _on_device(bench.drv, bench.halves_equal):
+        raise RuntimeError(f"device bench: the blocks {who} read back differ from those written")

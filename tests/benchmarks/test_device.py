@@ -1,0 +1,62 @@
+"""The device scenario's own code on the test double of the driver (its figures mean
+nothing there: ``FakeDriver`` is not evidence of GPU speed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpipe.benchmarks import device, report
+from kvpipe.benchmarks.device import DeviceBenchConfig, run_device_bench
+from tests.cuda.fake_driver import FakeDriver
+
+SMALL = DeviceBenchConfig(
+    size="256KiB",
+    total_bytes=3 << 20,
+    rounds=2,
+    request_bytes=1 << 20,
+    slice_bytes=512 << 10,
+    concurrency=2,
+    threads=2,
+)
+
+
+async def test_runs_and_checks_what_it_read_back() -> None:
+    fake = FakeDriver()
+    ticks: list[str] = []
+    result = await run_device_bench(SMALL, ticks.append, driver=fake)
+    assert fake.violations == []
+    fake.assert_clean()
+    assert result["device_path"] == "cuda"
+    assert result["blocks"] == 12 and result["slice_blocks"] == 2
+    for op in ("write", "read"):
+        assert result[op]["rounds"] == 2
+        assert result[op]["gbps_median"] > 0 and result[op]["plain_gbps_median"] > 0
+    assert set(result["link_gbps"]) == {"d2h", "h2d"}
+    assert ticks == ["device: round 0/2", "device: round 1/2", "device: round 2/2"]
+    results = {
+        "device": result,
+        "when": "now",
+        "machine": "here",
+        "seconds": {"device": 1.0},
+        "command": "kvpipe bench --scenario device",
+    }
+    text = report.markdown(results, "device")
+    assert f"| write | {result['write']['gbps_median']} / " in text
+    assert f"**{result['link_gbps']['d2h']} GB/s device to host" in text
+    updated, missing = report.update_doc(
+        "<!-- kvpipe-bench:device -->\nold\n<!-- /kvpipe-bench:device -->", results
+    )
+    assert missing == [] and "old" not in updated and "| read |" in updated
+    assert len(report.tables(results, "device")) == 1
+
+
+async def test_a_plain_loop_that_drops_a_block_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = device._Bench._plain_slice
+
+    def lossy(self: device._Bench, k: int, first: int, write: bool) -> None:
+        if write or first != 0:
+            real(self, k, first, write)
+
+    monkeypatch.setattr(device._Bench, "_plain_slice", lossy)
+    with pytest.raises(RuntimeError, match="plain read back differ"):
+        await run_device_bench(SMALL, driver=FakeDriver())
