@@ -64,13 +64,17 @@ async def test_round_trip(fake: FakeDriver, name: str, consecutive: bool, mode: 
             "staged": CopyPath.GATHER_STAGED,
             "mapped": CopyPath.GATHER_MAPPED,
         }[mode]
-        scatter_path = CopyPath.SCATTER_MAPPED if mode == "mapped" else CopyPath.SCATTER_STAGED
+        scatter_path = {
+            "auto": CopyPath.SCATTER_MAPPED if consecutive else CopyPath.SCATTER_STAGED,
+            "staged": CopyPath.SCATTER_STAGED,
+            "mapped": CopyPath.SCATTER_MAPPED,
+        }[mode]
         assert eng.paths == {gather_path: 1, scatter_path: 1}
     free_device_cache(fake, cache)
     fake.assert_clean()
 
 
-async def test_fast_paths_use_one_launch_and_at_most_one_dma(fake: FakeDriver) -> None:
+async def test_fast_paths_use_one_launch_and_no_data_dma(fake: FakeDriver) -> None:
     layout = _layout("dsa_real_rows")
     cache = fake_device_cache(fake, layout, 8)
     fill_device(fake, cache, seed=1)
@@ -85,11 +89,19 @@ async def test_fast_paths_use_one_launch_and_at_most_one_dma(fake: FakeDriver) -
         assert fake.memcpys == [("htod", 4 * 16)]
         fake.memcpys.clear()
         await eng.scatter(copy_plan(segs, [2, 3, 4, 7], lease.slots), lease)
-        # host -> device fast path: the pair table, then ONE DMA of the consecutive staging
-        # range into scratch, then the scatter kernel
+        # host -> device fast path: likewise, the kernel reads mapped pinned staging
+        assert fake.memcpys == [("htod", 64)]
+        assert [name for name, *_ in fake.launches] == [GATHER, SCATTER]
+        lease.release()
+    async with engine(fake, cache, options=CudaOptions(h2d="staged")) as (eng, pool):
+        lease = await pool.acquire(4)
+        fake.memcpys.clear()
+        await eng.scatter(copy_plan(segs, [2, 3, 4, 7], lease.slots), lease)
+        # host -> device through scratch: the pair table, then ONE DMA of the consecutive
+        # staging range into scratch, then the scatter kernel
         stride = pool.stride
         assert fake.memcpys == [("htod", 64), ("htod", 3 * stride + layout.block_nbytes)]
-        assert [name for name, *_ in fake.launches] == [GATHER, SCATTER]
+        assert [name for name, *_ in fake.launches][-1] == SCATTER
         lease.release()
     free_device_cache(fake, cache)
 
