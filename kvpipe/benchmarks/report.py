@@ -179,17 +179,22 @@ def _lag(records: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]], lis
     return header, rows, []
 
 
-def _integration(result: dict[str, Any]) -> tuple[list[str], list[list[Any]], list[str]]:
-    header = ["op", "adapter GB/s (median / best)", "direct GB/s (median / best)", "ratio"]
-    rows = [
+def _op_rows(result: dict[str, Any], baseline: str) -> list[list[Any]]:
+    """A write row and a read row: GB/s of the contender and of ``baseline``, and the ratio."""
+    return [
         [
             op,
             f"{result[op]['gbps_median']} / {result[op]['gbps_best']}",
-            f"{result[op]['direct_gbps_median']} / {result[op]['direct_gbps_best']}",
+            f"{result[op][f'{baseline}_gbps_median']} / {result[op][f'{baseline}_gbps_best']}",
             f"**{result[op]['ratio_median']}**",
         ]
         for op in ("write", "read")
     ]
+
+
+def _integration(result: dict[str, Any]) -> tuple[list[str], list[list[Any]], list[str]]:
+    header = ["op", "adapter GB/s (median / best)", "direct GB/s (median / best)", "ratio"]
+    rows = _op_rows(result, "direct")
     hop = result["hop_us"]
     note = [
         f"KVPipeAttentionStore (per-layer Paddle CPU tensors) from {result['threads']} threads "
@@ -208,15 +213,7 @@ def _integration(result: dict[str, Any]) -> tuple[list[str], list[list[Any]], li
 
 def _device(result: dict[str, Any]) -> tuple[list[str], list[list[Any]], list[str]]:
     header = ["op", "pipeline GB/s (median / best)", "plain GB/s (median / best)", "ratio"]
-    rows = [
-        [
-            op,
-            f"{result[op]['gbps_median']} / {result[op]['gbps_best']}",
-            f"{result[op]['plain_gbps_median']} / {result[op]['plain_gbps_best']}",
-            f"**{result[op]['ratio_median']}**",
-        ]
-        for op in ("write", "read")
-    ]
+    rows = _op_rows(result, "plain")
     link = result["link_gbps"]
     note = [
         f"{result['device']}, copy path `{result['device_path']}`: "
