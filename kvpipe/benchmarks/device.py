@@ -8,9 +8,9 @@ driver allocates (no framework needed), filled with random bytes. Each round wri
 in interleaved rounds after one warm-up round:
 
 - ``pipeline``: ``pipe.write`` over a :class:`~kvpipe.MemoryStore` (dedup probe, the gather
-  kernel into pinned staging, XXH3 trailer, the store's copy of each value into a fresh
-  ``bytes``), then ``pipe.read`` (probe, the store's copy into staging, verify, one DMA and
-  the scatter kernel). Requests of ``request_bytes`` in ``slice_bytes`` slices,
+  kernel into pinned staging, XXH3 trailer, the store's copy of each value into memory of
+  its own), then ``pipe.read`` (probe, the store's copy into staging, verify, the scatter
+  kernel reading mapped staging). Requests of ``request_bytes`` in ``slice_bytes`` slices,
   ``concurrency`` in flight, ordered after a producer stream (``stream=``).
 - ``plain`` (the baseline): ``threads`` threads over disjoint slices of the same size, each
   with its own stream and pinned buffer (kept across passes): **write** = one
@@ -214,7 +214,7 @@ class _Bench:
                 drv.memcpy_dtoh_async(dst, t.ptr + first * seg, n * seg, stream)
             _wait(drv, stream, event)
             for i in range(n):
-                self.plain_store[first + i] = rows[:, i].copy()  # fresh memory, as the store
+                self.plain_store[first + i] = rows[:, i].copy()  # its own copy, as the store
             return
         for i in range(n):
             rows[:, i] = self.plain_store[first + i]
