@@ -35,7 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Final, TypeVar, final
+from typing import Any, TypeVar, final
 
 import numpy as np
 from anyio.to_thread import run_sync
@@ -47,12 +47,11 @@ from ..backends.memory import MemoryStore
 from ..cuda._driver import CudaDriver, Driver
 from ..cuda._pinned import PinnedBuffer
 from ..pipeline import open_pipeline
-from ._measure import Measurement, interleave
+from ._measure import Measurement
 from ._workload import MODEL_BLOCK_TOKENS, model_layout, run_requests
 
 __all__ = ("DeviceBenchConfig", "run_device_bench")
 
-CONTENDERS: Final = ("pipeline", "plain")
 T = TypeVar("T")
 
 
@@ -149,55 +148,36 @@ class _Bench:
         self._events = [drv.event_create() for _ in range(cfg.threads)]
         chunk = self.per_slice * layout.block_nbytes
         self._hosts = [PinnedBuffer(drv, chunk, mapped=False) for _ in range(cfg.threads)]
+        # the bench's own, for filling, poisoning, checking and the link: one tensor's bytes
+        self._host = PinnedBuffer(drv, max(self.tensors[0].nbytes, chunk), mapped=False)
+        self._stream, self._event = drv.stream_create(), drv.event_create()
         self._fill_random()
 
     def _fill_random(self) -> None:
-        rng = np.random.default_rng(0)
-        biggest = max(t.nbytes for t in self.tensors)
-        host = PinnedBuffer(self.drv, biggest, mapped=False)
-        stream, event = self.drv.stream_create(), self.drv.event_create()
-        try:
-            for t in self.tensors:
-                host.array()[: t.nbytes] = np.frombuffer(rng.bytes(t.nbytes), np.uint8)
-                self.drv.memcpy_htod_async(t.ptr, host.host_ptr, t.nbytes, stream)
-                _wait(self.drv, stream, event)
-        finally:
-            self.drv.event_destroy(event)
-            self.drv.stream_destroy(stream)
-            host.free()
+        rng, host = np.random.default_rng(0), self._host.array()
+        for t in self.tensors:
+            host[: t.nbytes] = np.frombuffer(rng.bytes(t.nbytes), np.uint8)
+            self.drv.memcpy_htod_async(t.ptr, self._host.host_ptr, t.nbytes, self._stream)
+            _wait(self.drv, self._stream, self._event)
 
     def halves_equal(self) -> bool:
         """Whether every tensor's second half (read back) equals its first (written)."""
-        half = [t.nbytes // 2 for t in self.tensors]
-        host = PinnedBuffer(self.drv, max(half) * 2, mapped=False)
-        stream, event = self.drv.stream_create(), self.drv.event_create()
-        try:
-            for t, n in zip(self.tensors, half, strict=True):
-                self.drv.memcpy_dtoh_async(host.host_ptr, t.ptr, 2 * n, stream)
-                _wait(self.drv, stream, event)
-                a = host.array()
-                if not np.array_equal(a[:n], a[n : 2 * n]):
-                    return False
-            return True
-        finally:
-            self.drv.event_destroy(event)
-            self.drv.stream_destroy(stream)
-            host.free()
+        host = self._host.array()
+        for t in self.tensors:
+            n = t.nbytes // 2
+            self.drv.memcpy_dtoh_async(self._host.host_ptr, t.ptr, 2 * n, self._stream)
+            _wait(self.drv, self._stream, self._event)
+            if not np.array_equal(host[:n], host[n : 2 * n]):
+                return False
+        return True
 
     def clear_second_half(self) -> None:
         """Poison the blocks a round reads into, so a read that moved nothing fails."""
-        zeros = PinnedBuffer(self.drv, max(t.nbytes for t in self.tensors) // 2, mapped=False)
-        zeros.array()[:] = 0xA5
-        stream, event = self.drv.stream_create(), self.drv.event_create()
-        try:
-            for t in self.tensors:
-                n = t.nbytes // 2
-                self.drv.memcpy_htod_async(t.ptr + n, zeros.host_ptr, n, stream)
-            _wait(self.drv, stream, event)
-        finally:
-            self.drv.event_destroy(event)
-            self.drv.stream_destroy(stream)
-            zeros.free()
+        self._host.array()[:] = 0xA5
+        for t in self.tensors:
+            n = t.nbytes // 2
+            self.drv.memcpy_htod_async(t.ptr + n, self._host.host_ptr, n, self._stream)
+        _wait(self.drv, self._stream, self._event)
 
     # ------------------------------------------------------------------ the plain loop
 
@@ -244,27 +224,22 @@ class _Bench:
         """GB/s of one contiguous ``cuMemcpyAsync`` per slice, each direction (best of 3)."""
         chunk = self.per_slice * self.layout.block_nbytes
         total = chunk * max(1, self.blocks // self.per_slice)
-        dev = self.drv.mem_alloc(chunk)
-        host = PinnedBuffer(self.drv, chunk, mapped=False)
-        stream, event = self.drv.stream_create(), self.drv.event_create()
+        dev, host, stream = self.drv.mem_alloc(chunk), self._host.host_ptr, self._stream
         out = {}
         try:
             for name, copy, args in (
-                ("d2h", self.drv.memcpy_dtoh_async, (host.host_ptr, dev, chunk)),
-                ("h2d", self.drv.memcpy_htod_async, (dev, host.host_ptr, chunk)),
+                ("d2h", self.drv.memcpy_dtoh_async, (host, dev, chunk)),
+                ("h2d", self.drv.memcpy_htod_async, (dev, host, chunk)),
             ):
                 best = math.inf
                 for _ in range(3):
                     started = time.perf_counter()
                     for _ in range(total // chunk):
                         copy(*args, stream)
-                    _wait(self.drv, stream, event)
+                    _wait(self.drv, stream, self._event)
                     best = min(best, time.perf_counter() - started)
                 out[name] = round(total / best / 1e9, 2)
         finally:
-            self.drv.event_destroy(event)
-            self.drv.stream_destroy(stream)
-            host.free()
             self.drv.mem_free(dev)
         return out
 
@@ -274,6 +249,9 @@ class _Bench:
             self.drv.stream_destroy(stream)
             self.drv.event_destroy(event)
             host.free()
+        self._host.free()
+        self.drv.stream_destroy(self._stream)
+        self.drv.event_destroy(self._event)
         self.drv.stream_destroy(self.producer)
         for t in self.tensors:
             self.drv.mem_free(t.ptr)
@@ -325,42 +303,30 @@ async def _measure(
     )
     store = MemoryStore()
     async with open_pipeline(bench.cache, store, config=config, device_driver=driver) as pipe:
-        tag = 0
-
-        async def pipeline() -> float:
-            nonlocal tag
-            tag += 1
+        for r in range(cfg.rounds + 1):  # round 0 warms up and is not recorded
             await _on_device(bench.drv, bench.clear_second_half)
             common = dict(blocks=bench.blocks, per_request=bench.per_request)
             w = await run_requests(
-                pipe, **common, concurrency=cfg.concurrency, tag=tag, write=True,
+                pipe, **common, concurrency=cfg.concurrency, tag=r, write=True,
                 stream=bench.producer,
             )  # fmt: skip
-            r = await run_requests(
-                pipe, **common, concurrency=cfg.concurrency, tag=tag, write=False,
+            rd = await run_requests(
+                pipe, **common, concurrency=cfg.concurrency, tag=r, write=False,
                 stream=bench.producer, offset=bench.blocks,
             )  # fmt: skip
             await _check(bench, "pipeline")
             await store.delete(store.keys())  # as the plain loop drops its values
-            writes.add("pipeline", w.seconds)
-            reads.add("pipeline", r.seconds)
-            return 0.0
-
-        async def plain() -> float:
             await _on_device(bench.drv, bench.clear_second_half)
-            writes.add("plain", await _on_device(bench.drv, bench.plain, True))
-            reads.add("plain", await _on_device(bench.drv, bench.plain, False))
+            plain_w = await _on_device(bench.drv, bench.plain, True)
+            plain_r = await _on_device(bench.drv, bench.plain, False)
             await _check(bench, "plain")
-            return 0.0
-
-        def on_round(r: int) -> None:
+            if r:
+                writes.add("pipeline", w.seconds)
+                reads.add("pipeline", rd.seconds)
+                writes.add("plain", plain_w)
+                reads.add("plain", plain_r)
             if tick is not None:
                 tick(f"device: round {r}/{cfg.rounds}")
-            if r == 0:  # the warm-up round is not recorded
-                for m in (writes, reads):
-                    m.seconds.clear()
-
-        await interleave({"pipeline": pipeline, "plain": plain}, cfg.rounds, on_round)
         path = pipe.statistics().device_path
     link = await _on_device(bench.drv, bench.link)
     return {
