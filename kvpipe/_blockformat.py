@@ -27,6 +27,7 @@ __all__ = (
     "check_block",
     "check_blocks",
     "check_trailer",
+    "place_if_sound",
     "seal_and_digest",
     "seal_block",
     "seal_blocks",
@@ -179,6 +180,61 @@ def check_trailer(
         if payload_digest() != recorded:
             return "checksum mismatch"
     return why
+
+
+#: :func:`place_if_sound`'s verdicts (the native extension's codes).
+PLACED: Final = 0
+WHOLE_MISMATCH: Final = 1
+_TRAILER_DIFFERS: Final = 2
+
+
+def place_if_sound(
+    value: Bytes,
+    payload_nbytes: int,
+    checksum: int,
+    key_digest: bytes,
+    verify: bool,
+    rows: Sequence[Any],
+    block: int,
+    table: Any,
+) -> int | None:
+    """Check a fetched value and copy it into cache block ``block`` only if it passes, in one
+    call to the native extension that releases the GIL once (the hash, the checks and the
+    copy of every piece): for a store that hands its values to a host cache's sink.
+
+    It passes when the XXH3-64 of all of it is ``checksum`` (what its store recorded) and its
+    trailer is the one :func:`seal_blocks` writes with a checksum for ``key_digest`` — with
+    ``verify``, the payload's own XXH3-64 included.
+
+    Args:
+        value: The value's bytes.
+        payload_nbytes: The payload size the layout expects.
+        checksum: The XXH3-64 of the whole value, as its store recorded it.
+        key_digest: Digest of the key it was fetched under.
+        verify: Also compare the payload's checksum with the trailer's.
+        rows: The cache's 2-D byte arrays, one row per block, each row contiguous.
+        block: The cache block to copy into.
+        table: int64 triples (row array index, offset in the value, bytes)
+            (:attr:`~kvpipe._hostcopy.RowGroups.table`).
+
+    Returns:
+        :data:`PLACED` (checked and copied); :data:`WHOLE_MISMATCH` (the value is not what
+        its store wrote: nothing copied); ``None``: nothing copied, and the caller decides
+        the slow way — the extension was not built, or the trailer is not as expected (from
+        another key, or from a writer that recorded no checksum: :func:`check_trailer` says
+        which).
+
+    Raises:
+        ValueError, IndexError, BufferError: ``rows`` or ``table`` are not what the
+            extension takes (checked before anything is copied).
+    """
+    if native is None:
+        return None
+    trailer = _TRAILER.pack(MAGIC, VERSION, FLAG_CHECKSUM, payload_nbytes, key_digest, 0)
+    code: int = native.check_place(
+        value, payload_nbytes, checksum, trailer, _DIGEST_AT, verify, rows, block, table
+    )
+    return None if code == _TRAILER_DIFFERS else code
 
 
 def _trailer_verdict(

@@ -1,5 +1,6 @@
 /* kvpipe._digests: the XXH3-64 digests of many block values in one call, without the GIL
- * (and, for the scatter of values lent by a store, their addresses in one call).
+ * (and, for the scatter of values lent by a store, their addresses in one call; for a value a
+ * store hands to a host cache's sink, its checks and its copy into the cache in one call).
  *
  * python-xxhash gives up the GIL for each value it hashes and takes it back after; a copy
  * thread hashing a slice's blocks one call at a time then waits for the GIL once per block,
@@ -9,7 +10,8 @@
  *
  * What a trailer holds and means stays in Python (kvpipe/_blockformat.py): seal() copies a
  * trailer Python packed into each value and writes the payload's digest at the offset it is
- * told.
+ * told; check_place() compares a fetched value's trailer with one Python packed, and copies
+ * a value that passes into the cache rows in the same call.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -212,16 +214,119 @@ static PyObject *addresses(PyObject *self, PyObject *args) {
     return out;
 }
 
+
+PyDoc_STRVAR(check_place_doc,
+             "check_place(value, payload_nbytes, checksum, trailer, digest_at, verify, rows,\n"
+             "            block, table, /) -> int\n\n"
+             "Check a fetched value and, only when it passes, copy its pieces into cache block\n"
+             "`block`, all with the GIL released once. It passes when its XXH3-64 (all of\n"
+             "it) is `checksum` and the len(trailer) bytes after its first `payload_nbytes`\n"
+             "are `trailer`, but for the 8 at `digest_at`: with `verify`, they must hold the\n"
+             "payload's XXH3-64 (little-endian); without, they are not compared. `table`\n"
+             "holds int64 triples (row array index, offset in the value, bytes): piece\n"
+             "value[offset:offset+bytes] goes to rows[index][block], whose width it must fill\n"
+             "(2-D byte arrays, each row contiguous). Arguments are checked before anything is\n"
+             "hashed. Returns 0 (checked and copied), 1 (the value is not `checksum`: nothing\n"
+             "copied) or 2 (the trailer differs: nothing copied).");
+
+static PyObject *check_place(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer value, trailer, table;
+    unsigned long long checksum;
+    Py_ssize_t payload, digest_at, block;
+    int verify;
+    PyObject *rows_obj;
+    if (!PyArg_ParseTuple(args, "y*nKy*npOny*:check_place", &value, &payload, &checksum,
+                          &trailer, &digest_at, &verify, &rows_obj, &block, &table))
+        return NULL;
+    PyObject *result = NULL, *rows = NULL;
+    Py_buffer *bufs = NULL;
+    Py_ssize_t nbufs = 0;
+    char **dst = NULL;
+    const int64_t *t = (const int64_t *)table.buf;
+    Py_ssize_t n = table.len / (Py_ssize_t)(3 * sizeof(int64_t));
+    if (table.len % (Py_ssize_t)(3 * sizeof(int64_t)) != 0 || payload < 0 ||
+        payload > value.len - trailer.len || digest_at < 0 || digest_at + 8 > trailer.len) {
+        PyErr_SetString(PyExc_ValueError, "bad table, payload size, trailer or digest offset");
+        goto done;
+    }
+    rows = PySequence_Fast(rows_obj, "rows must be a sequence");
+    if (rows == NULL) goto done;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(rows);
+    bufs = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(Py_buffer));
+    dst = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(char *));
+    if (bufs == NULL || dst == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; nbufs < m; nbufs++) {
+        Py_buffer *b = &bufs[nbufs];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(rows, nbufs), b,
+                               PyBUF_STRIDES | PyBUF_WRITABLE) < 0)
+            goto done;
+        if (b->ndim != 2 || b->itemsize != 1 || b->strides[1] != 1) {
+            nbufs++;
+            PyErr_SetString(PyExc_ValueError, "rows must be 2-D byte arrays, each row contiguous");
+            goto done;
+        }
+        if (block < 0 || block >= b->shape[0]) {
+            nbufs++;
+            PyErr_SetString(PyExc_IndexError, "block out of range");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t which = t[3 * i], at = t[3 * i + 1], len = t[3 * i + 2];
+        if (which < 0 || which >= m || at < 0 || len < 0 || at > value.len - len ||
+            len != bufs[which].shape[1]) {
+            PyErr_SetString(PyExc_ValueError, "a piece does not fit its source or row");
+            goto done;
+        }
+        dst[i] = (char *)bufs[which].buf + block * bufs[which].strides[0];
+    }
+    int code = 0;
+    const unsigned char *v = value.buf, *want = trailer.buf, *got = v + payload;
+    Py_BEGIN_ALLOW_THREADS
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    UPDATE64(&state, v, (size_t)payload);
+    uint64_t digest = XXH3_64bits_digest(&state);
+    UPDATE64(&state, got, (size_t)(value.len - payload));
+    if (XXH3_64bits_digest(&state) != (uint64_t)checksum) code = 1;
+    for (Py_ssize_t b = 0; code == 0 && b < trailer.len; b++) {
+        if (b >= digest_at && b < digest_at + 8) {
+            if (verify && got[b] != (unsigned char)(digest >> (8 * (b - digest_at)))) code = 2;
+        } else if (got[b] != want[b]) {
+            code = 2;
+        }
+    }
+    for (Py_ssize_t i = 0; code == 0 && i < n; i++)
+        memcpy(dst[i], v + t[3 * i + 1], (size_t)t[3 * i + 2]);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(code);
+done:
+    for (Py_ssize_t j = 0; j < nbufs; j++) PyBuffer_Release(&bufs[j]);
+    PyMem_Free(bufs);
+    PyMem_Free(dst);
+    Py_XDECREF(rows);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&trailer);
+    PyBuffer_Release(&value);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"payload_digests", payload_digests, METH_VARARGS, payload_digests_doc},
     {"seal", seal, METH_VARARGS, seal_doc},
     {"addresses", addresses, METH_VARARGS, addresses_doc},
+    {"check_place", check_place, METH_VARARGS, check_place_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvpipe._digests",
-    "XXH3-64 digests of many block values in one call, without the GIL.", -1, methods,
+    "XXH3-64 digests of block values, and their checked copy into a cache, without the GIL.",
+    -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

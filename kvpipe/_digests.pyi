@@ -6,3 +6,15 @@ def seal(
     values: Sequence[Any], payload_nbytes: int, trailers: bytes, digest_at: int, /
 ) -> list[int]: ...
 def addresses(values: Sequence[Any], /) -> list[int]: ...
+def check_place(
+    value: Any,
+    payload_nbytes: int,
+    checksum: int,
+    trailer: bytes,
+    digest_at: int,
+    verify: bool,
+    rows: Sequence[Any],
+    block: int,
+    table: Any,
+    /,
+) -> int: ...

@@ -13,9 +13,12 @@ import xxhash
 
 import kvpipe._blockformat as blockformat
 from kvpipe._blockformat import (
+    PLACED,
     TRAILER_NBYTES,
+    WHOLE_MISMATCH,
     check_block,
     check_blocks,
+    place_if_sound,
     seal_and_digest,
     seal_block,
     seal_blocks,
@@ -202,3 +205,114 @@ def test_a_batch_checks_as_each_value_alone() -> None:
     assert check_blocks(values, PAYLOAD, keys_read, False)[1] is None
     with pytest.raises(ValueError):
         check_blocks(values, PAYLOAD, keys_read[:-1], True)
+
+
+# place_if_sound: one native call checks a value and copies it into the cache rows; without
+# the extension it decides nothing (None) and copies nothing.
+
+#: Two cache tensors of 3 blocks: the payload's first 60 bytes go to tensor 1, the rest to 0.
+TABLE = np.array([(1, 0, 60), (0, 60, 40)], np.int64)
+
+
+def _rows() -> list[np.ndarray]:
+    return [np.full((3, 40), 0xAA, np.uint8), np.full((3, 60), 0xAA, np.uint8)]
+
+
+def _place(
+    value: np.ndarray,
+    rows: list[np.ndarray],
+    *,
+    whole: int | None = None,
+    key: bytes = DIGEST,
+    verify: bool = True,
+    table: np.ndarray = TABLE,
+    block: int = 1,
+) -> int | None:
+    checksum = xxhash.xxh3_64_intdigest(value.tobytes()) if whole is None else whole
+    return place_if_sound(value, PAYLOAD, checksum, key, verify, rows, block, table)
+
+
+def _untouched(rows: list[np.ndarray]) -> bool:
+    return all(bool((r == 0xAA).all()) for r in rows)
+
+
+def test_place_if_sound_copies_a_sound_value(hashing: str) -> None:
+    value, rows = _sealed(), _rows()
+    if hashing == "python":
+        assert _place(value, rows) is None and _untouched(rows)
+        return
+    assert _place(value, rows) == PLACED
+    assert rows[1][1].tobytes() == value[:60].tobytes()
+    assert rows[0][1].tobytes() == value[60:PAYLOAD].tobytes()
+    assert all(bool((r[[0, 2]] == 0xAA).all()) for r in rows)  # other blocks: untouched
+
+
+def test_place_if_sound_refuses_a_value_its_store_did_not_write(hashing: str) -> None:
+    value, rows = _sealed(), _rows()
+    whole = xxhash.xxh3_64_intdigest(value.tobytes()) ^ 1
+    want = None if hashing == "python" else WHOLE_MISMATCH
+    assert _place(value, rows, whole=whole) == want
+    assert _untouched(rows)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_place_if_sound_checks_the_payload_only_when_verifying(hashing: str, verify: bool) -> None:
+    value, rows = _sealed(), _rows()
+    value[5] ^= 1  # changed before its store hashed it: only the trailer's checksum tells
+    verdict = _place(value, rows, verify=verify)
+    if hashing == "python" or verify:
+        assert verdict is None and _untouched(rows)
+        assert check_block(value, PAYLOAD, DIGEST, True) == "checksum mismatch"
+    else:
+        assert verdict == PLACED and rows[1][1].tobytes() == value[:60].tobytes()
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda v: v.__setitem__(PAYLOAD, v[PAYLOAD] ^ 1),  # magic
+        lambda v: v.__setitem__(PAYLOAD + 4, 9),  # version
+        lambda v: v.__setitem__(PAYLOAD + 8, v[PAYLOAD + 8] ^ 1),  # length
+        lambda v: v.__setitem__(-1, 1),  # reserved: the slow way accepts it
+    ],
+)
+def test_place_if_sound_leaves_any_other_trailer_to_the_slow_way(
+    hashing: str, spoil: object
+) -> None:
+    value, rows = _sealed(), _rows()
+    spoil(value)  # type: ignore[operator]
+    assert _place(value, rows) is None and _untouched(rows)
+    other, rows = _sealed(), _rows()
+    assert _place(other, rows, key=OTHER) is None and _untouched(rows)
+    unsummed, rows = _sealed(checksum=False), _rows()  # a writer that recorded no checksum
+    assert _place(unsummed, rows) is None and _untouched(rows)
+    assert check_block(unsummed, PAYLOAD, DIGEST, True) is None
+
+
+def test_place_if_sound_checks_its_arguments_before_copying(hashing: str) -> None:
+    if hashing == "python":  # nothing to check: it decides nothing
+        assert _place(_sealed(), _rows(), block=7) is None
+        return
+    good = (1, 0, 60)
+    wide = np.full((3, 80), 0xAA, np.uint8)[:, ::2]  # rows of 40 bytes, every other one
+    frozen = _rows()
+    for r in frozen:
+        r.flags.writeable = False
+    cases: list[tuple[list[np.ndarray], int, list[tuple[int, int, int]], type[Exception]]] = [
+        (_rows(), 3, [good], IndexError),  # block past the end
+        (_rows(), -1, [good], IndexError),
+        (_rows(), 0, [good, (2, 60, 40)], ValueError),  # no such row array
+        (_rows(), 0, [good, (0, 120, 40)], ValueError),  # piece past the value's end
+        (_rows(), 0, [good, (0, 60, 39)], ValueError),  # piece narrower than the row
+        ([wide, _rows()[1]], 0, [good, (0, 60, 40)], ValueError),  # row not contiguous
+        ([np.full(40, 0xAA, np.uint8), _rows()[1]], 0, [good], ValueError),  # not 2-D
+        (frozen, 0, [good], ValueError),  # not writable (numpy: "read-only")
+    ]
+    for rows, block, table, error in cases:
+        with pytest.raises(error):
+            _place(_sealed(), rows, block=block, table=np.array(table, np.int64))
+        assert _untouched(rows)  # not even the first, sound piece
+    with pytest.raises(ValueError):  # not whole triples
+        _place(_sealed(), _rows(), table=np.zeros(4, np.int64))
+    with pytest.raises(ValueError):  # a value shorter than a payload and a trailer
+        _place(_sealed()[:-1], _rows())

@@ -2,40 +2,35 @@
 store hands over is hashed once, its trailer checked and, when sound, copied into the cache
 rows in the store's own thread, behind a gate the reader closes when the fetch ends.
 
-A value's rows (every layer's key and value: 64 for a 32-layer model) are copied in one call
-to the file store's C extension where it was built, which releases the GIL once for all of
-them: copied one by one through numpy, each copy gives the GIL up and takes it back, and
-beside the store's other threads and the event loop each of those waits its turn (on two
-processors a hot read's copies took twice as long that way). Without the extension, numpy
-copies the rows a group of cache tensors at one stride at a time
-(:class:`~kvpipe._hostcopy.RowGroups`: one copy for a cache in one buffer, one per tensor
-for tensors allocated one by one)."""
+Where kvpipe's C extension was built, all of that — the hash of the whole value and of its
+payload, the trailer's comparison and the copy of every row (every layer's key and value: 64
+for a 32-layer model) — is one call that releases the GIL once
+(:func:`~kvpipe._blockformat.place_if_sound`). Each time a store thread gives the GIL up and
+takes it back, it waits its turn beside the store's other threads and the event loop: through
+python-xxhash and numpy, a value took two such round trips and more (and through numpy row by
+row, one per row: on two processors a hot read's copies took twice as long that way). A value
+the call cannot decide (a trailer without a checksum) is checked in Python, and every value is
+where the extension was not built: numpy then copies its rows a group of cache tensors at one
+stride at a time (:class:`~kvpipe._hostcopy.RowGroups`: one copy for a cache in one buffer,
+one per tensor for tensors allocated one by one)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from .._blockformat import TRAILER_NBYTES, check_trailer
+from .. import _blockformat
+from .._blockformat import PLACED, TRAILER_NBYTES, WHOLE_MISMATCH, check_trailer, place_if_sound
 from .._hostcopy import scatter_values
 from ..backends._base import FetchSink
-from ..backends.file import _native
 from ._base import ActorContext
 from ._channels import SliceJob
 from ._state import ReadState
 
 __all__ = ("RowSink",)
-
-#: Copies pieces of a value into one block's rows in one GIL-free call (see the module
-#: docstring); ``None`` where the extension was not built.
-_scatter_rows: Callable[..., Any] | None = (
-    _native.fileio.scatter_rows if _native.fileio is not None else None
-)
 
 
 class RowSink(FetchSink):
@@ -56,7 +51,7 @@ class RowSink(FetchSink):
         rows = self._groups.rows
         self.offset = int(rows[0].ctypes.data) % 4096 if rows else 0
         self._segments = ctx.segments
-        self._native = _scatter_rows
+        self._native = _blockformat.native is not None
         self._payload = ctx.payload_nbytes
         self._verify = ctx.config.verify_checksums
         self.checks: list[str | None] = [None] * n
@@ -70,12 +65,41 @@ class RowSink(FetchSink):
         self._idle.set()
 
     def fetched(self, index: int, checksum: int, value: memoryview | None = None) -> bool:
-        payload = self._payload
         if value is None:
             data = self._values[index]
         else:  # the store's own buffer: staging will not hold this value
             data = np.frombuffer(value, np.uint8)
             self.elsewhere = True
+        block = int(self._blocks[index])
+        if self._native and self._enter():
+            try:
+                verdict = place_if_sound(
+                    data,
+                    self._payload,
+                    checksum,
+                    self._digests[index],
+                    self._verify,
+                    self._groups.rows,
+                    block,
+                    self._groups.table,
+                )
+            except (ValueError, IndexError, BufferError):  # rows it does not take
+                self._native = False
+                verdict = None
+            finally:
+                self._exit()
+            if verdict == WHOLE_MISMATCH:
+                return False
+            if verdict == PLACED:
+                self.seen[index] = self.placed[index] = True
+                return True
+        return self._fetched_slowly(index, checksum, data, block)
+
+    def _fetched_slowly(
+        self, index: int, checksum: int, data: npt.NDArray[np.uint8], block: int
+    ) -> bool:
+        """:meth:`fetched` through python-xxhash and numpy."""
+        payload = self._payload
         h = xxhash.xxh3_64(data[:payload].data)
         digest = h.intdigest()
         h.update(data[payload:].data)
@@ -91,23 +115,13 @@ class RowSink(FetchSink):
         self.seen[index] = True
         if why is None and self._enter():
             try:
-                self._place(data, int(self._blocks[index]))
+                # One numpy copy per group of cache tensors at one stride (one buffer, as
+                # create_kv_cache allocates: one group), else per tensor.
+                scatter_values(self._segments, [data], [block], self._groups)
                 self.placed[index] = True
             finally:
                 self._exit()
         return True
-
-    def _place(self, data: npt.NDArray[np.uint8], block: int) -> None:
-        """Copy a sound value's segments into cache block ``block``."""
-        if self._native is not None:
-            try:
-                self._native(data, self._groups.rows, block, self._groups.table)
-                return
-            except (ValueError, BufferError):  # buffers it does not take: numpy's way
-                self._native = None
-        # One numpy copy per group of cache tensors at one stride (one buffer, as
-        # create_kv_cache allocates: one group), else per tensor.
-        scatter_values(self._segments, [data], [block], self._groups)
 
     def covers(self, count: int) -> bool:
         """Whether the first ``count`` values were all handed over (``0``: whether none

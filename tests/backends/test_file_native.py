@@ -8,7 +8,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvpipe.backends.file import _native
@@ -131,44 +130,3 @@ def test_write_files_failures_leave_no_temporary_file(root: tuple[Path, int]) ->
     assert got[2] in (-errno.ELOOP, -errno.ENOTDIR)  # a linked directory is never entered
     assert os.listdir(path / "d") == [".busy.tmp"]  # untouched, nothing published
     assert os.listdir(path / "elsewhere") == []
-
-
-def _rows(n: int = 3) -> list[np.ndarray]:
-    return [np.zeros((4, 8), np.uint8) for _ in range(n)]
-
-
-def test_scatter_rows_copies_each_piece_into_its_row_of_the_block() -> None:
-    rows = _rows()
-    src = np.arange(24, dtype=np.uint8)
-    table = np.array([(2, 0, 8), (0, 8, 8), (1, 16, 8)], np.int64)
-    fileio.scatter_rows(src, rows, 1, table)
-    assert rows[2][1].tolist() == list(range(8))
-    assert rows[0][1].tolist() == list(range(8, 16))
-    assert rows[1][1].tolist() == list(range(16, 24))
-    for r in rows:  # the other blocks untouched
-        assert not r[[0, 2, 3]].any()
-
-
-def test_scatter_rows_checks_everything_before_copying_anything() -> None:
-    src = np.arange(24, dtype=np.uint8)
-    good = (0, 0, 8)
-    wide = np.zeros((4, 16), np.uint8)[:, ::2]  # rows of 8 bytes, every other one
-    frozen = np.zeros((4, 8), np.uint8)
-    frozen.flags.writeable = False
-    cases: list[tuple[list[np.ndarray], int, list[tuple[int, int, int]], type[Exception]]] = [
-        (_rows(), 4, [good], IndexError),  # block past the end
-        (_rows(), -1, [good], IndexError),
-        (_rows(), 0, [good, (3, 8, 8)], ValueError),  # no such row array
-        (_rows(), 0, [good, (1, 20, 8)], ValueError),  # piece past the source's end
-        (_rows(), 0, [good, (1, 8, 4)], ValueError),  # piece narrower than the row
-        ([*_rows(1), wide], 0, [good, (1, 8, 8)], ValueError),  # row not contiguous
-        ([*_rows(1), np.zeros(8, np.uint8)], 0, [good, (1, 8, 8)], ValueError),  # not 2-D
-    ]
-    for rows, block, table, error in cases:
-        with pytest.raises(error):
-            fileio.scatter_rows(src, rows, block, np.array(table, np.int64))
-        assert not any(np.any(r) for r in rows)  # not even the first, sound piece
-    with pytest.raises((ValueError, BufferError)):
-        fileio.scatter_rows(src, [frozen], 0, np.array([good], np.int64))
-    with pytest.raises(ValueError):  # not whole triples
-        fileio.scatter_rows(src, _rows(), 0, np.zeros(4, np.int64))

@@ -687,96 +687,11 @@ static PyObject *read_cached_files(PyObject *self, PyObject *args) {
     return read_many(dir_fd, paths_obj, views_obj, 0, 1);
 }
 
-PyDoc_STRVAR(scatter_rows_doc,
-"scatter_rows(src, rows, block, table) -> None\n\n"
-"Copy pieces of buffer src into row `block` of 2-D byte arrays: table is a buffer of int64\n"
-"triples (row array index, offset in src, bytes), and each piece src[offset:offset+bytes]\n"
-"goes to rows[index][block], whose width it must fill. Everything is checked (rows writable,\n"
-"2-D, each row contiguous, the block and pieces in range) before the first byte is copied;\n"
-"the copies run in one go with the GIL released (copying row by row from Python, each copy\n"
-"goes back through the GIL, and beside busy threads each of those waits).");
-
-static PyObject *scatter_rows(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *rows_obj;
-    Py_buffer src, table;
-    Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "y*Ony*", &src, &rows_obj, &block, &table)) {
-        return NULL;
-    }
-    PyObject *result = NULL;
-    PyObject *rows = NULL;
-    Py_buffer *bufs = NULL;
-    Py_ssize_t nbufs = 0;
-    char **dst = NULL;
-    Py_ssize_t n = table.len / (Py_ssize_t)(3 * sizeof(int64_t));
-    const int64_t *t = (const int64_t *)table.buf;
-    if (table.len % (Py_ssize_t)(3 * sizeof(int64_t)) != 0) {
-        PyErr_SetString(PyExc_ValueError, "table must hold int64 triples");
-        goto done;
-    }
-    rows = PySequence_Fast(rows_obj, "rows must be a sequence");
-    if (rows == NULL) {
-        goto done;
-    }
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(rows);
-    bufs = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(Py_buffer));
-    dst = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(char *));
-    if (bufs == NULL || dst == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; nbufs < m; nbufs++) {
-        Py_buffer *b = &bufs[nbufs];
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(rows, nbufs), b,
-                               PyBUF_STRIDES | PyBUF_WRITABLE) < 0) {
-            goto done;
-        }
-        if (b->ndim != 2 || b->itemsize != 1 || b->strides[1] != 1) {
-            nbufs++;
-            PyErr_SetString(PyExc_ValueError, "rows must be 2-D byte arrays, each row contiguous");
-            goto done;
-        }
-        if (block < 0 || block >= b->shape[0]) {
-            nbufs++;
-            PyErr_SetString(PyExc_IndexError, "block out of range");
-            goto done;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t which = t[3 * i], at = t[3 * i + 1], len = t[3 * i + 2];
-        if (which < 0 || which >= m || at < 0 || len < 0 || at > src.len - len ||
-            len != bufs[which].shape[1]) {
-            PyErr_SetString(PyExc_ValueError, "a piece does not fit its source or row");
-            goto done;
-        }
-        dst[i] = (char *)bufs[which].buf + block * bufs[which].strides[0];
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        memcpy(dst[i], (const char *)src.buf + t[3 * i + 1], (size_t)t[3 * i + 2]);
-    }
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
-done:
-    for (Py_ssize_t j = 0; j < nbufs; j++) {
-        PyBuffer_Release(&bufs[j]);
-    }
-    PyMem_Free(bufs);
-    PyMem_Free(dst);
-    Py_XDECREF(rows);
-    PyBuffer_Release(&table);
-    PyBuffer_Release(&src);
-    return result;
-}
-
 static PyMethodDef methods[] = {
     {"write_files", write_files, METH_VARARGS, write_files_doc},
     {"read_files", read_files, METH_VARARGS, read_files_doc},
     {"read_cached_files", read_cached_files, METH_VARARGS, read_cached_files_doc},
     {"regular_files", regular_files, METH_VARARGS, regular_files_doc},
-    {"scatter_rows", scatter_rows, METH_VARARGS, scatter_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 
