@@ -70,7 +70,9 @@ class PipelineClosed(KVPipeError):
 class WrongEventLoop(KVPipeError, RuntimeError):
     """A pipeline was called from another event loop (or thread) than the one it was opened
     on. Its actors run on that loop only: open one pipeline per event loop, or hand the call
-    to the pipeline's loop (``anyio.from_thread.run`` with its portal or token)."""
+    to the pipeline's loop (``anyio.from_thread.run`` with its portal or token). Also raised
+    by the synchronous FastDeploy adapters when called from inside a running event loop,
+    which their blocking call would stall."""
 
 
 class IncompleteRead(KVPipeError):

@@ -16,7 +16,7 @@ from typing import Any, Final
 import anyio
 import xxhash
 
-from .. import BlockStatus, FileStore, StorageBackend, ValueClient
+from .. import BlockStatus, FileStore, StorageBackend, ValueClient, WrongEventLoop
 from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
 
 __all__ = ("KVPipeStorage",)
@@ -24,7 +24,7 @@ __all__ = ("KVPipeStorage",)
 log = logging.getLogger("kvpipe.integrations.fastdeploy")
 
 #: Appended to every value: magic, version, payload length, XXH3-64 of payload and of the
-#: caller's key. Checked before a byte reaches the caller's buffer, on every store.
+#: caller's key; checked before a byte reaches the caller's buffer.
 _TRAILER: Final = struct.Struct("<4sIQQQ")
 _MAGIC: Final = b"KVFD"
 _UNSET: Final[Any] = object()
@@ -96,8 +96,8 @@ class KVPipeStorage:
         close_timeout: Seconds :meth:`close` may take.
 
     Return codes are FastDeploy's: ``set`` 0 / -1, ``get`` bytes copied / -1, ``exists`` a
-    dict. Storage failures return those codes with one WARNING per call; wrong argument types
-    raise ``TypeError``.
+    dict. Storage failures and missed deadlines return those codes with one WARNING per call;
+    wrong argument types raise ``TypeError``. Any number of threads may call at once.
     """
 
     def __init__(
@@ -154,8 +154,6 @@ class KVPipeStorage:
             self._loop.close()
             raise
 
-    # -- lifecycle ---------------------------------------------------------------------------
-
     def close(self) -> None:
         """Close the store and stop the loop thread (idempotent; within ``close_timeout``)."""
         self._loop.close()
@@ -173,9 +171,6 @@ class KVPipeStorage:
 
     def register_buffer(self, buffer_ptr: int, buffer_size: int) -> None:
         """Nothing to register: values are copied through kvpipe's own staging."""
-        return None
-
-    # -- helpers -----------------------------------------------------------------------------
 
     def _run(self, what: str, fn: Any, *args: Any, timeout: float | None = None) -> Any:
         """Run ``fn`` in the loop within ``timeout``; ``None`` (after one WARNING) when the
@@ -188,7 +183,7 @@ class KVPipeStorage:
 
         try:
             return self._loop.call(bounded, wait=limit + HOP_SLACK)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, WrongEventLoop):  # the caller's mistake, not the store's
             raise
         except Exception as exc:
             log.warning("KVPipeStorage %s failed: %r", what, exc)
@@ -197,8 +192,6 @@ class KVPipeStorage:
     def _remember(self, keys: Sequence[str]) -> None:
         with self._own_lock:
             self._own.update(keys)
-
-    # -- KVCacheStorage ----------------------------------------------------------------------
 
     def batch_set(
         self,
@@ -213,10 +206,8 @@ class KVPipeStorage:
             differ. A key already stored is not rewritten (counted in :attr:`deduplicated`).
         """
         n = len(keys)
-        if not _lengths_match("batch_set", n, target_locations, target_sizes):
+        if not _lengths_match("batch_set", n, target_locations, target_sizes) or n == 0:
             return [-1] * n
-        if n == 0:
-            return []
         ours = [_key(self.namespace, k) for k in keys]
         assert target_locations is not None and target_sizes is not None
         values: list[bytearray] = []
@@ -224,8 +215,7 @@ class KVPipeStorage:
             ptr, nbytes = _int(loc, "target_location"), _int(size, "target_size")
             if ptr <= 0 or nbytes <= 0:
                 raise ValueError(f"bad target location/size {loc!r}/{size!r}")
-            # Copied here, once, on the caller's thread: nothing reads the caller's buffer
-            # after this call returned, whatever happens in the loop.
+            # Copied on the caller's thread: nothing reads its buffer after this call returned.
             value = bytearray(nbytes + _TRAILER.size)
             ctypes.memmove((ctypes.c_char * nbytes).from_buffer(value), ptr, nbytes)
             payload = memoryview(value)[:nbytes]
@@ -271,10 +261,8 @@ class KVPipeStorage:
             checks passed: the caller's buffer never receives a corrupt or short value.
         """
         n = len(keys)
-        if not _lengths_match("batch_get", n, target_locations, target_sizes):
+        if not _lengths_match("batch_get", n, target_locations, target_sizes) or n == 0:
             return [-1] * n
-        if n == 0:
-            return []
         ours = [_key(self.namespace, k) for k in keys]
         assert target_locations is not None and target_sizes is not None
         sizes = [_int(s, "target_size") for s in target_sizes]
@@ -365,8 +353,7 @@ class KVPipeStorage:
 
 
 class _Closing:
-    """Opens a store on entry when it has ``open`` (a file store opens lazily) and closes it
-    on exit."""
+    """Enters a store (not a file store: it opens lazily) and closes it on exit."""
 
     def __init__(self, store: StorageBackend) -> None:
         self.store = store

@@ -1,10 +1,8 @@
 """A background event-loop thread for synchronous callers, and the store URL parser.
 
-Synchronous servers (FastDeploy's cache transfer manager calls its storage backend from plain
-worker threads) cannot await kvpipe. :class:`LoopThread` owns one event loop in one thread
-(anyio's ``BlockingPortal``; uvloop when it is installed) and runs coroutines there on behalf
-of any number of caller threads, never running kvpipe on the caller's thread and never
-holding a caller past its deadline plus :data:`HOP_SLACK`.
+:class:`LoopThread` owns one event loop in one thread (anyio's ``BlockingPortal``; uvloop when
+installed) and runs coroutines there for any number of caller threads, never holding a caller
+past its deadline plus :data:`HOP_SLACK`.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from .. import FileStore, MemoryStore, MooncakeStore, StorageBackend
+from .. import FileStore, MemoryStore, MooncakeStore, StorageBackend, WrongEventLoop
 
 __all__ = ("HOP_SLACK", "LoopThread", "default_store_dir", "store_from_url")
 
@@ -34,8 +32,7 @@ log = logging.getLogger("kvpipe.integrations")
 T = TypeVar("T")
 
 #: Seconds a caller may wait past its own deadline for the loop thread to hand the result
-#: back (scheduling on a busy machine). Past it the call is cancelled and the caller
-#: returns the honest "nothing known" answer.
+#: back; past it the call is cancelled and the caller returns "nothing known".
 HOP_SLACK: Final = 1.0
 
 
@@ -59,16 +56,13 @@ class LoopThread:
         self._closers: list[Callable[[], object]] = []
         self._stack = contextlib.ExitStack()
         options: dict[str, Any] = {}
-        try:
+        with contextlib.suppress(ImportError):
             import uvloop  # noqa: F401
 
             options = {"use_uvloop": True}
-        except ImportError:
-            pass
         self.portal = self._stack.enter_context(
             anyio.from_thread.start_blocking_portal("asyncio", options, name=name)
         )
-        self.uvloop = bool(options)
         ref = weakref.ref(self)
 
         def at_exit() -> None:
@@ -79,18 +73,13 @@ class LoopThread:
         self._atexit = at_exit
         atexit.register(at_exit)
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` has started."""
-        return self._closed
-
     def check_caller(self) -> None:
         """Raise if called from inside a running event loop (the call would block it)."""
         try:
             anyio.lowlevel.current_token()
         except anyio.NoEventLoopError:
             return
-        raise RuntimeError(
+        raise WrongEventLoop(
             f"{self.name}: synchronous call made from inside a running event loop; "
             "call it from a plain thread (e.g. loop.run_in_executor / "
             "anyio.to_thread.run_sync), or use kvpipe's async Pipeline directly"
@@ -112,7 +101,8 @@ class LoopThread:
                 :class:`TimeoutError` raised in the caller.
 
         Raises:
-            RuntimeError: Called from inside a running event loop, or after :meth:`close`.
+            WrongEventLoop: Called from inside a running event loop (a ``RuntimeError``).
+            RuntimeError: Called after :meth:`close`.
             TimeoutError: No result within ``wait`` seconds.
             Exception: Whatever ``fn`` raised.
         """
@@ -142,8 +132,7 @@ class LoopThread:
                 except Exception:
                     log.exception("%s: error while closing", self.name)
 
-        # The closers block until their async exits ran in the loop; run them in a helper
-        # thread so that a stuck one cannot hold the caller past close_timeout.
+        # In a helper thread, so that a stuck closer cannot hold the caller past close_timeout.
         helper = threading.Thread(target=close_all, name=f"{self.name}-close", daemon=True)
         helper.start()
         helper.join(self.close_timeout + HOP_SLACK)
@@ -155,12 +144,6 @@ class LoopThread:
             log.exception("%s: stopping the loop failed", self.name)
         with contextlib.suppress(Exception):
             self._stack.close()
-
-    def __enter__(self) -> LoopThread:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def default_store_dir() -> Path:

@@ -1,20 +1,16 @@
 """FastDeploy drop-in: kvpipe as the cache transfer manager's storage backend.
 
-FastDeploy's cache transfer manager calls its backend synchronously from worker threads, in
-one of two shapes (see ``docs/integrations/fastdeploy.md``):
+The manager calls its backend synchronously from worker threads, in one of two shapes (see
+``docs/integrations/fastdeploy.md``): :class:`KVPipeAttentionStore` (``attention_store``, a
+kvpipe pipeline over the per-layer Paddle caches) and :class:`KVPipeStorage` (``file`` /
+``mooncake``, keys and host pointers on a kvpipe store). Each instance owns one event-loop
+thread; calls hop onto it and never hold the caller past their ``timeout`` plus
+:data:`HOP_SLACK`. Storage failures come back as FastDeploy's counts and codes with one
+WARNING; programming errors (wrong types, shapes) raise.
 
-- :class:`KVPipeAttentionStore` — ``attention_store``: ``write`` / ``read`` / ``query`` /
-  ``flush_token_index`` over the per-layer Paddle caches, on a kvpipe pipeline.
-- :class:`KVPipeStorage` — ``file`` / ``mooncake``: keys and host pointers, on a kvpipe store.
-
-Each instance owns one event-loop thread; calls hop onto it and never hold the caller past
-their ``timeout`` plus :data:`HOP_SLACK`. Storage failures come back as FastDeploy's counts
-and codes with one WARNING; programming errors (wrong types, shapes) raise.
-
-Prefill→decode via storage (``FD_PD_TRANSFER_VIA_STORAGE=1``): on the prefill side
-(``splitwise_role="prefill"``) ``write`` includes the partial last block (key suffix
-``:partial:N``); on the decode side ``read`` includes it and requires every block
-(``require_all``): anything less is reported as the honest loaded count, never as success.
+Prefill→decode via storage (``FD_PD_TRANSFER_VIA_STORAGE=1``): the prefill side's ``write``
+includes the partial last block (key suffix ``:partial:N``); the decode side's ``read``
+includes it and requires every block, reporting anything less as the honest loaded count.
 """
 
 from __future__ import annotations
@@ -197,8 +193,6 @@ class KVPipeAttentionStore:
             self._loop.close()
             raise
 
-    # -- lifecycle ---------------------------------------------------------------------------
-
     def close(self) -> None:
         """Close the pipelines and the store, stop the loop thread (idempotent)."""
         self._loop.close()
@@ -257,16 +251,15 @@ class KVPipeAttentionStore:
     def _any_pipe(self) -> Pipeline | None:
         return next(iter(self._pipes.values()), None)
 
-    def _call(self, what: str, task_id: str, fn: Any, timeout: float, fallback: Any) -> Any:
+    def _call(self, what: str, task_id: str, fn: Any, timeout: float) -> int:
+        """``fn``'s count; 0 (after one WARNING) when the store failed or the deadline passed."""
         try:
-            return self._loop.call(fn, wait=timeout + HOP_SLACK)
+            return int(self._loop.call(fn, wait=timeout + HOP_SLACK))
         except (RequestError, TypeError):
             raise
         except (KVPipeError, OSError, TimeoutError) as exc:
             log.warning("kvpipe %s %s: %r", what, task_id, exc)
-            return fallback
-
-    # -- AttentionStore ----------------------------------------------------------------------
+            return 0
 
     def write(
         self,
@@ -300,7 +293,7 @@ class KVPipeAttentionStore:
             # an incomplete write is logged once, by the pipeline (request id = task id)
             return r.skipped + r.written
 
-        return int(self._call("write", task_id, run, timeout, 0))
+        return self._call("write", task_id, run, timeout)
 
     def read(
         self,
@@ -333,9 +326,8 @@ class KVPipeAttentionStore:
             except IncompleteRead as exc:
                 partial = exc.result
                 assert isinstance(partial, ReadResult)
-                # The pipeline logged the shortfall at WARNING already (request id = task
-                # id), except a block simply not stored: a normal miss to the pipeline, a
-                # failed handoff to the decode side. One WARNING per call either way.
+                # The pipeline already warned of any shortfall but a block not stored (a
+                # normal miss to it, a failed handoff here): one WARNING per call either way.
                 level = logging.WARNING if partial.stop_reason == "not_stored" else logging.DEBUG
                 log.log(
                     level,
@@ -348,7 +340,7 @@ class KVPipeAttentionStore:
                 return partial.loaded
             return r.loaded
 
-        return int(self._call("read", task_id, run, timeout, 0))
+        return self._call("read", task_id, run, timeout)
 
     def query(
         self, task_id: str, token_ids: list[int], start_match_block_idx: int, timeout: float = 10.0
@@ -366,13 +358,14 @@ class KVPipeAttentionStore:
             )
             return max(0, n - int(start_match_block_idx))
 
-        return int(self._call("query", task_id, run, timeout, 0))
+        return self._call("query", task_id, run, timeout)
 
     def flush_token_index(
         self, task_id: str, token_ids: list[int], start_block_idx: int, reside_in_gpu: bool
     ) -> None:
         """Record that this pod holds blocks ``start_block_idx ..`` in GPU (``reside_in_gpu``)
-        or CPU memory (``flush_index``); failures are logged, not raised."""
+        or CPU memory (``flush_index``), within ``config.lookup_timeout``; failures are
+        logged, not raised."""
         pipe = self._any_pipe()
         if pipe is None:
             log.debug("kvpipe flush %s: no caches bound yet, nothing recorded", task_id)
@@ -385,4 +378,4 @@ class KVPipeAttentionStore:
                 token_ids, start_block=start_block_idx, residency=residency, timeout=timeout
             )
 
-        self._call("flush_token_index", task_id, run, timeout, 0)
+        self._call("flush_token_index", task_id, run, timeout)

@@ -233,6 +233,24 @@ def fs(tmp_path: Path) -> Iterator[KVPipeStorage]:
         yield s
 
 
+def test_storage_called_inside_a_running_loop_raises(fs: KVPipeStorage) -> None:
+    """A misuse, not a storage failure: raised (as the docs say), not logged and reported
+    as -1 / False / 0 like a store that failed."""
+    _keep, addr = _buf(b"x" * 64)  # the buffer lives as long as the test
+
+    async def inside() -> None:
+        for call in (
+            lambda: fs.batch_set(["k"], [addr], [64]),
+            lambda: fs.batch_get(["k"], [addr], [64]),
+            lambda: fs.exists(["k"]),
+        ):
+            with pytest.raises(kvpipe.WrongEventLoop, match="running event loop"):
+                call()
+
+    anyio.run(inside)
+    assert fs.batch_set(["k"], [addr], [64]) == [0]  # from a plain thread it works
+
+
 def test_storage_round_trip_from_8_threads(fs: KVPipeStorage) -> None:
     rng = np.random.default_rng(1)
     host = rng.integers(0, 256, 8 * 16 * 4096, dtype=np.uint8)  # the manager's host buffer
