@@ -24,9 +24,7 @@ _FALLBACK_ENV: Final = {
 
 def default_copy_threads() -> int:
     """Two copy threads, but no more than the processors this process may run on, less one:
-    the event loop's thread keeps a processor to itself. On 2 processors, 2 copy threads put
-    the loop's lag p99 at 2.4-4.8 ms during full-speed memory-store writes, 1 at 0.7-1.0 ms,
-    at 3-25 % less write throughput (docs/performance.md)."""
+    the event loop's thread keeps a processor to itself (docs/performance.md)."""
     try:
         processors = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -59,9 +57,8 @@ class PipelineConfig:
         io_threads: Worker threads available to backends for blocking I/O.
         worker_nice: How much lower than the event loop's thread kvpipe's worker threads
             (copies, checksums, backend I/O) run: their nice value is raised by this much
-            (Linux; 0 to 19, 0: the same priority). On a machine with few cores this keeps
-            the server's event loop answering while kvpipe copies at full speed
-            (docs/performance.md, event-loop lag).
+            (Linux; 0 to 19, 0: the same priority), so the server's event loop keeps
+            answering on a machine with few cores.
         node_id: This node's name in the residency index (``flush_index``).
         max_restarts: Crashes of one actor tolerated within ``restart_window`` seconds;
             one more closes the pipeline.

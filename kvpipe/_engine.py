@@ -1,10 +1,7 @@
-"""Copy engines: what moves a slice's blocks between the cache and staging.
+"""Copy engines: they execute a copy plan (:mod:`._plan`) between the cache and staging.
 
-The copy *plan* (:mod:`._plan`) says exactly which bytes go where; an engine executes it.
-:class:`HostEngine` does it with numpy on host memory (caches on the CPU). The CUDA engine
-(:mod:`kvpipe.cuda`) does it with kernels and async copies on a stream for device caches.
-Both fill staging in the same block-major layout, so everything after the copy — sealing,
-the store, verification — is the same.
+:class:`HostEngine` uses numpy on CPU caches; the CUDA engine (:mod:`kvpipe.cuda`) uses kernels
+on a stream. Both fill staging in the same block-major layout, so what follows is the same.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from ._workers import Lane, ThreadRunner
 
 __all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine", "OrderMark")
 
-#: Copies up to this many bytes run on the event loop (a thread hop costs ~100 µs).
+#: Copies up to this many bytes run on the event loop (cheaper than a thread hop).
 INLINE_COPY_BYTES = 256 * 1024
 
 
@@ -90,9 +87,7 @@ class CopyEngine(abc.ABC):
         await run_host(then)
 
     def mark(self, stream: int | None) -> OrderMark | None:
-        """Record now where the producer's work stands, for copies to wait on.
-
-        The host engine has no device work to order after: ``None``.
+        """Record now where the producer's work stands, for copies to wait on (host: ``None``).
 
         Raises:
             RequestError: ``stream`` was given for a host cache.

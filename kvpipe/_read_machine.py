@@ -1,7 +1,6 @@
-"""The state machine of one read: events in, decisions out — no event loop, no I/O.
-
-A read's slices are fetched concurrently, but only the leading run of verified blocks counts.
-This is the one place that knows a read's invariants:
+"""The state machine of one read: events in, decisions out — no event loop, no I/O, and
+time only as an input (``now``). Slices are fetched concurrently, but only the leading run of
+verified blocks counts. It alone knows a read's invariants:
 
 - **Leading run.** ``loaded`` is the leading run of fully loaded slices plus the loaded head
   of the first short one; nothing at or past the point where loading stopped
@@ -12,13 +11,6 @@ This is the one place that knows a read's invariants:
   writes into its cache any more.
 - **Settled exactly once.** Every planned slice is resolved once; the result (or the error)
   is set once and never changes.
-
-Events: :meth:`~ReadMachine.plan`, :meth:`~ReadMachine.stop_at`, :meth:`~ReadMachine.resolve`,
-:meth:`~ReadMachine.scatter_begin` / :meth:`~ReadMachine.scatter_end`, :meth:`~ReadMachine.end`
-and :meth:`~ReadMachine.fail`. Decisions: :meth:`~ReadMachine.stopped_before` (fetch or
-scatter this slice at all?), the block from which work in flight must be cancelled (returned
-by :meth:`~ReadMachine.stop_at`; everything once :attr:`~ReadMachine.aborted`), and
-:attr:`~ReadMachine.result`. Time is an input (``now``), never read here.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""What runs behind :class:`kvpipe.Pipeline`: staging and the write path, the device path,
-the actors under their supervisor, the requests in flight, and closing.
+"""What runs behind :class:`kvpipe.Pipeline`: staging, the copy engine, the supervised
+actors, the requests in flight, and closing.
 
-``Pipeline`` validates each call, builds its request state and hands it to
-:meth:`Runtime.run`; ``open_pipeline`` drives the life of a :class:`Runtime`: construction
-(staging sized, write path decided), :meth:`~Runtime.prepare` (device path opened, staging
-registered with the store), :meth:`~Runtime.start` (actors running), :meth:`~Runtime.aclose`
-(in-flight requests end, actors stop, inboxes drained) and :meth:`~Runtime.release` (staging
-unregistered, copy engine closed).
+``open_pipeline`` drives a :class:`Runtime` through construction (staging sized),
+:meth:`~Runtime.prepare`, :meth:`~Runtime.start`, :meth:`~Runtime.aclose` and
+:meth:`~Runtime.release`; ``Pipeline`` hands each validated request to :meth:`~Runtime.run`.
 """
 
 from __future__ import annotations
@@ -58,8 +55,8 @@ __all__ = ("Runtime",)
 
 log = logging.getLogger("kvpipe.pipeline")
 _STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
-#: Staging whose unregistration was abandoned on the close timeout: kept alive for good (the
-#: store's call may still be running on it). Grows only when a store's unregister hangs.
+#: Staging whose unregistration was abandoned at the close deadline: kept alive for good (the
+#: store's call may still be running on it).
 _KEPT_STAGING: list[memoryview] = []
 
 
@@ -97,7 +94,7 @@ class Runtime:
             raise ConfigError(
                 "staging_bytes",
                 f"{self.config.staging_bytes} B cannot hold one block value of "
-                f"{value_nbytes(payload)} B",
+                f"{self._slot_nbytes} B",
             )
         self._pool_slots = pool_slots
         # A device cache's staging is the CUDA engine's pinned memory, allocated at start.
@@ -129,7 +126,6 @@ class Runtime:
         self._outboxes: Outboxes | None = None
         self._ctx: ActorContext | None = None
         self._runner: ThreadRunner | None = None
-        # Kept past close, so statistics() still reports what the pipeline did.
         self.metrics = Metrics()
         self.observers = Observers(self.metrics.counters)
         self._supervisor: Supervisor | None = None
@@ -150,7 +146,18 @@ class Runtime:
         device cache open the CUDA engine, whose pinned memory becomes the staging pool's
         buffer; then register the staging with the store."""
         if self._pool is None:
-            await self._open_device()
+            from .cuda._open import open_device_path
+
+            self.engine, self._pool = await open_device_path(
+                self.cache,
+                slot_nbytes=self._slot_nbytes,
+                capacity=self._pool_slots,
+                budget=self.config.staging_bytes,
+                max_blocks=self.slice_blocks,
+                max_calls=self.config.copy_threads,
+                driver=self._device_driver,
+                probe=self._device,
+            )
         assert self._pool is not None
         buffer = self._pool.buffer.data.cast("B")
         try:
@@ -166,9 +173,8 @@ class Runtime:
         return self.close_deadline
 
     async def _unregister(self) -> None:
-        """Unregister what was registered, by the close deadline (a store whose vendor call
-        hangs must not hang the close, which is shielded); past that the staging is marked as
-        possibly still in use, so it is never freed under the store."""
+        """Unregister what was registered, by the close deadline; past that the staging is
+        marked as possibly still in use, so it is never freed under the store."""
         registered, self._registered = self._registered, []
         with anyio.move_on_at(self._deadline()) as bound:
             for buffer in registered:
@@ -185,26 +191,10 @@ class Runtime:
                 self.store.name,
             )
 
-    async def _open_device(self) -> None:
-        """Open the CUDA engine (see :func:`kvpipe.cuda._open.open_device_path`)."""
-        from .cuda._open import open_device_path
-
-        self.engine, self._pool = await open_device_path(
-            self.cache,
-            slot_nbytes=self._slot_nbytes,
-            capacity=self._pool_slots,
-            budget=self.config.staging_bytes,
-            max_blocks=self.slice_blocks,
-            max_calls=self.config.copy_threads,
-            driver=self._device_driver,
-            probe=self._device,
-        )
-
     async def release(self, staging_in_use: bool) -> None:
         """After the actors and worker threads are done: unregister staging if still
         registered, close the copy engine (both by the close deadline), and let go of
-        everything big, so that the staging is freed now by reference counting, whatever
-        still refers to this runtime."""
+        everything big, so the staging is freed now whatever still refers to this runtime."""
         with anyio.CancelScope(shield=True):
             await self._unregister()
         in_use = staging_in_use or self._unregister_abandoned
@@ -259,8 +249,7 @@ class Runtime:
             ChildSpec("scheduler", lambda: Scheduler(ctx, inbox.scheduler, cfg.queue_depth)),
             ChildSpec("slicer", lambda: Slicer(ctx, inbox.slicer, cfg.queue_depth)),
             ChildSpec("swapper", lambda: Swapper(ctx, inbox.swapper, cfg.copy_threads)),
-            # A host cache's writes come whole (each leases its own staging as it goes):
-            # as many at once as the slicer runs; a device cache's slices each hold staging.
+            # Host cache: whole writes, as many as the slicer runs; device: slices of staging.
             ChildSpec(
                 "writer",
                 lambda: Writer(ctx, inbox.writer, cfg.queue_depth if ctx.host_copies else None),
@@ -297,19 +286,14 @@ class Runtime:
         error = PipelineClosed(f"pipeline closed: {self._closed_reason}")
         for state in list(self._in_flight):
             state.fail(error)
-        self._close_inboxes()
-
-    def _close_inboxes(self) -> None:
-        """No new message: every actor leaves its loop once its inbox is empty."""
-        if self._outboxes is not None:
+        if self._outboxes is not None:  # every actor leaves its loop once its inbox is empty
             self._outboxes.close()
 
     async def aclose(self) -> None:
         """Close by one deadline, ``close_timeout`` from now: stop accepting requests, let
-        in-flight ones finish until then, fail the rest, close the inboxes and let the actors
-        leave their loops (cancelled only if still running at the deadline), then drain and
-        unregister staging. What is still running at the deadline is abandoned and logged,
-        and its memory kept rather than freed under it. Shielded."""
+        in-flight ones finish until then, fail the rest, let the actors leave their loops
+        (cancelled if still running at the deadline), then drain and unregister staging.
+        What still runs at the deadline is abandoned and logged, its memory kept. Shielded."""
         with anyio.CancelScope(shield=True):
             if self._ctx is None:
                 return
@@ -323,7 +307,8 @@ class Runtime:
             error = PipelineClosed("pipeline closed")
             for state in list(self._in_flight):
                 state.fail(error)
-            self._close_inboxes()
+            if self._outboxes is not None:
+                self._outboxes.close()
             supervisor = self._supervisor
             if supervisor is not None:
                 with anyio.move_on_at(deadline) as waited:
@@ -399,12 +384,17 @@ class Runtime:
                     raise PipelineClosed("pipeline closed") from None
                 await state.wait()
             if not state.done:
-                self._expire(state)
+                self.metrics.counters["deadline_guard_expired"] += 1
+                log.warning(
+                    "request %s: no outcome by its deadline; ending it as timed out",
+                    state.request_id,
+                )
+                state.end("total_timeout", "deadline passed")
                 with anyio.CancelScope(shield=True):
                     await state.wait()
         except anyio.get_cancelled_exc_class():
             cancelled = True
-            self._cancel(state)
+            state.end("cancelled", "caller cancelled")
             if isinstance(state, ReadState):
                 with anyio.CancelScope(shield=True):
                     await state.wait()
@@ -432,17 +422,6 @@ class Runtime:
         else:
             outcome = state.outcome()
         self.observers.emit(kind, anyio.current_time() - state.started, outcome)
-
-    def _expire(self, state: RequestState) -> None:
-        self.metrics.counters["deadline_guard_expired"] += 1
-        log.warning(
-            "request %s: no outcome by its deadline; ending it as timed out", state.request_id
-        )
-        state.end("total_timeout", "deadline passed")
-
-    @staticmethod
-    def _cancel(state: RequestState) -> None:
-        state.end("cancelled", "caller cancelled")
 
     # -- introspection -----------------------------------------------------------------------
 

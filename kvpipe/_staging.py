@@ -1,16 +1,9 @@
-"""The bounded staging pool.
+"""The bounded staging pool: one host buffer cut into equal slots (one block value each).
 
-Staging is one host buffer cut into equal slots (one stored block value each). A slice leases
-the slots it needs; the lease is reference-counted and its slots go back to the pool only
-when every holder has let go — including a worker thread whose caller stopped waiting for it
-on a timeout (:meth:`kvpipe._workers.ThreadRunner.run` keeps its own reference until the
-thread returns).
-
-Waiters are served first come, first served, so a large slice is not starved by small ones.
-
-A store that keeps the values it is given (the memory store) gets each put gathered into
-memory of the values' own (:func:`private_lease`), or from a :class:`ValueMemory` that hands
-the memory of values nobody refers to any more to new ones.
+Slices lease slots, first come, first served (a large slice is not starved by small ones).
+Leases are reference-counted: slots go back only when every holder, including a worker thread
+whose caller stopped waiting, has let go. A store that keeps the values it is given gets each
+put gathered into memory of its own (:func:`private_lease`, :class:`ValueMemory`).
 """
 
 from __future__ import annotations
@@ -23,10 +16,9 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Final, TypeVar, final
+from typing import Final, final
 
 import anyio
-import anyio.abc
 import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
@@ -37,12 +29,10 @@ __all__ = ("StagingLease", "StagingPool", "ValueMemory", "private_lease", "strid
 
 log = logging.getLogger("kvpipe.staging")
 
-T = TypeVar("T")
 Rows = npt.NDArray[np.uint8]
 _LINE = 64
 _PAGE = 4096
-#: Slots at least this large start on a page: a file store can then write them with direct
-#: I/O, which needs page-aligned memory (the padding costs under 7 % of a slot at this size).
+#: Slots at least this large start on a page, so a file store can write them with direct I/O.
 PAGE_ALIGNED_SLOT: Final = 64 << 10
 
 
@@ -204,16 +194,10 @@ class StagingPool:
             waiter.slots = self._take(waiter.count)
             waiter.event.set()
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` has let go of the buffer."""
-        return self.buffer.size == 0
-
     def close(self) -> bool:
-        """Let go of the buffer, so it is freed by reference counting as soon as no view of
-        it is left — whatever else still refers to the pool (a traceback, a reference cycle).
-        Kept, and ``False`` returned, while a lease is outstanding (a worker thread abandoned
-        at close may still use it)."""
+        """Let go of the buffer, so it is freed as soon as no view of it is left, whatever
+        still refers to the pool. Kept, and ``False`` returned, while a lease is outstanding
+        (a worker thread abandoned at close may still use it)."""
         if self._leases:
             return False
         self.buffer = np.empty((0, self.stride), np.uint8)
@@ -285,19 +269,13 @@ def private_lease(slot_nbytes: int, count: int, buffer: Rows | None = None) -> S
 
 @final
 class ValueMemory:
-    """Memory for values a store keeps, reused once nothing refers to them any more.
+    """Memory for values a store keeps, reused once nothing refers to them any more (memory
+    already mapped costs no page faults).
 
-    Fresh memory costs a page fault per page (the kernel zeroes each one first) and, on a
-    machine with few cores, holds up other threads' faults and the event loop's own
-    allocations; memory a deleted value held is already mapped. Each lease's slots lie in a
-    buffer of the pool's own; the arrays over it refer to it through a small wrapper object,
-    and when the last of them is gone (the store deleted or replaced every value of the lease
-    and nobody still reads one), reference counting alone returns the buffer here. Buffers
-    come back for leases of the same shape; up to ``limit_bytes`` of them are held, the rest
-    freed.
-
-    Thread-safe: leases are made in worker threads, and a buffer returns in whichever thread
-    drops the last reference to it.
+    The arrays over each lease's buffer refer to it through a small wrapper object; when the
+    last of them is gone, reference counting alone returns the buffer here, for a later lease
+    of the same shape. Up to ``limit_bytes`` of buffers are held, the rest freed. Thread-safe:
+    a buffer returns in whichever thread drops the last reference to it.
 
     Args:
         limit_bytes: Bytes of unused buffers held for reuse at most (0: none, every lease
@@ -334,8 +312,7 @@ class ValueMemory:
                 self.allocated += 1
         if buffer is None:
             buffer = _page_aligned(shape)
-        # Views of the arrays below refer to the wrapper, not to ``buffer``: the wrapper dies
-        # with the last of them, and only then does ``buffer`` come back.
+        # Views refer to the wrapper, not ``buffer``: it dies with the last of them.
         wrapper = (ctypes.c_ubyte * buffer.nbytes).from_buffer(buffer.data)
         weakref.finalize(wrapper, self._returned, shape, buffer).atexit = False
         return private_lease(

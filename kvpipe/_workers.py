@@ -1,13 +1,10 @@
-"""kvpipe's own worker threads, at a lower CPU priority than the event loop's thread, and
-the runner that calls into them holding staging until each call returns (:class:`ThreadRunner`).
+"""kvpipe's own worker threads, at a lower CPU priority than the event loop's thread (so
+copies on a machine with few cores do not delay the server's loop), and the runner that calls
+into them holding staging until each call returns (:class:`ThreadRunner`).
 
-The copies and checksums of a slice keep whole cores busy for milliseconds. On a machine with
-few cores, threads doing that at the same priority as the event loop's thread take the CPU
-from it, and the server embedding kvpipe answers late. kvpipe's blocking work therefore runs
-in threads of its own whose nice value is raised by ``nice`` (Linux: the priority of one
-thread; lowering it again would need privileges, which is why these threads are not the
-event loop library's shared ones). Threads are started on demand and leave after
-``idle_timeout`` seconds without work, or when the pool shuts down.
+They are not the event loop library's shared threads because a raised nice value cannot be
+lowered again without privileges. Threads start on demand and leave after ``idle_timeout``
+seconds without work, or when the pool shuts down.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+from typing import TYPE_CHECKING, Any, TypeVar, final
 
 import anyio
 import anyio.from_thread
@@ -39,8 +36,6 @@ __all__ = ("Lane", "ThreadRunner", "WorkerThreads", "lower_priority")
 
 log = logging.getLogger("kvpipe.workers")
 
-#: How long an idle worker thread waits for work before it leaves.
-IDLE_TIMEOUT: Final = 10.0
 _warned = False
 
 
@@ -68,8 +63,7 @@ class Lane:
 
     Calls past the bound wait in the lane, in order, not on the event loop: a thread that
     finishes a call of the lane takes the next one itself, with no round trip through the
-    event loop between the two (on a busy machine that round trip left copy threads idle for
-    a fifth of the time).
+    event loop between the two.
 
     Args:
         limit: Calls of the lane running at once (at least 1).
@@ -107,7 +101,7 @@ class WorkerThreads:
         idle_timeout: Seconds an idle thread waits for work before it leaves.
     """
 
-    def __init__(self, nice: int = 0, idle_timeout: float = IDLE_TIMEOUT) -> None:
+    def __init__(self, nice: int = 0, idle_timeout: float = 10.0) -> None:
         self.nice = nice
         self._idle_timeout = idle_timeout
         self._lock = threading.Lock()
@@ -281,8 +275,7 @@ class ThreadRunner:
         call = _Call()
         token = anyio.lowlevel.current_token()
         done = anyio.Event()
-        # The thread takes the call out of this box, so nothing of the arguments (staging
-        # views) outlives the call in a worker thread's frame.
+        # The thread takes the call out of this box: no argument (staging view) outlives it.
         box: list[Any] = [fn, args]
 
         def report(ok: bool, value: Any) -> None:  # on the event loop's thread
@@ -300,8 +293,7 @@ class ThreadRunner:
             f, a = box
             box.clear()
             try:
-                # As in the event loop library's own worker threads, anyio.from_thread works
-                # here without a token (backends' blocking functions may call back).
+                # anyio.from_thread works here without a token, as in anyio's own threads.
                 with (
                     claim_worker_thread(token.backend_class, token.native_token)
                     if claim_worker_thread is not None
@@ -348,9 +340,8 @@ class ThreadRunner:
 
 
 def _call_soon(token: anyio.lowlevel.EventLoopToken, fn: Callable[..., None], *args: Any) -> None:
-    """Have the event loop of ``token`` call ``fn(*args)``, without waiting for it (the
-    backend's ``run_sync_soon``; where a backend lacks it, waiting through
-    ``anyio.from_thread``)."""
+    """Have the event loop of ``token`` call ``fn(*args)``, without waiting for it where the
+    backend has ``run_sync_soon``."""
     soon = getattr(token.backend_class, "run_sync_soon", None)
     if soon is not None:
         soon(fn, args, token.native_token)

@@ -1,6 +1,5 @@
-"""The state machine of one write: events in, decisions out — no event loop, no I/O.
-
-This is the one place that knows a write's invariants:
+"""The state machine of one write: events in, decisions out — no event loop, no I/O, and
+time only as an input (``now``). It alone knows a write's invariants:
 
 - **Contiguous prefix.** Slices are stored strictly in order (:meth:`WriteMachine.is_turn`);
   ``written`` counts the leading ``OK`` blocks of the slices, in order, and the first slice
@@ -10,11 +9,6 @@ This is the one place that knows a write's invariants:
 - **Settled exactly once.** The first ending wins (:attr:`~WriteMachine.ended`); every later
   event is ignored, so the result (or the error) never changes once it exists.
 - **Deadlines never extended**: :func:`slice_deadline`.
-
-Events: :meth:`~WriteMachine.planned` (the dedup probe is done), :meth:`~WriteMachine.slice_done`
-(a slice's store call ended, whatever the outcome), :meth:`~WriteMachine.end` (total deadline,
-caller cancelled, actor crashed) and :meth:`~WriteMachine.fail` (the pipeline is closing).
-Time is an input (``now``), never read here.
 """
 
 from __future__ import annotations
@@ -26,9 +20,7 @@ from ._results import SliceOutcome, StopReason, WriteResult
 
 __all__ = ("Ending", "WriteMachine", "slice_deadline")
 
-#: Why a request ends from outside its own slices: its total deadline passed, its caller was
-#: cancelled, or an actor holding it crashed. (The pipeline closing is :meth:`fail`, with the
-#: error the caller sees.)
+#: Why a request ends from outside its own slices (the pipeline closing is :meth:`fail`).
 Ending = Literal["total_timeout", "cancelled", "actor_crashed"]
 
 

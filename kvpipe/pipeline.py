@@ -1,11 +1,8 @@
 """The public pipeline: ``open_pipeline`` and the calls an inference server makes.
 
 Every call validates its arguments first (``RequestError`` before anything is queued), then
-hands a request to the scheduler actor and waits for its outcome. No call blocks the event
-loop; every call returns by its deadline (plus ``deadline_slack`` at worst).
-
-What runs behind the calls (staging, the device path, the actors and their supervisor, the
-requests in flight, closing) is :class:`kvpipe._runtime.Runtime`.
+hands a request to :class:`kvpipe._runtime.Runtime` and waits for its outcome. No call blocks
+the event loop; every call returns by its deadline (plus ``deadline_slack`` at worst).
 """
 
 from __future__ import annotations
@@ -39,7 +36,12 @@ from .actors._state import CallState, ReadState, WriteState
 from .backends import StorageBackend
 
 if TYPE_CHECKING:
+    from ._keys import Tokens
+    from ._validate import IntArray
     from .cuda._driver import Driver
+
+    #: A write's or read's state arguments after its request id (see ``Pipeline._checked``).
+    _Checked = tuple[float, float, Tokens, IntArray, int, int, bool]
 
 __all__ = ("Pipeline", "open_pipeline")
 
@@ -152,26 +154,8 @@ class Pipeline:
             slice is sent, the slice in flight is cancelled, and what was already stored stays
             stored (a contiguous prefix).
         """
-        req = check_request(
-            token_ids,
-            block_ids,
-            start_block,
-            include_partial,
-            self.layout.block_size,
-            self.cache.num_blocks,
-        )
-        total = check_timeout(timeout, self.config.total_timeout)
-        now = anyio.current_time()
-        state = WriteState(
-            request_id or _new_id("write"),
-            now + total,
-            now,
-            req.tokens,
-            req.block_ids,
-            req.start_block,
-            req.end_block,
-            include_partial,
-        )
+        checked = self._checked(token_ids, block_ids, start_block, include_partial, timeout)
+        state = WriteState(request_id or _new_id("write"), *checked)
         await self._runtime.run_marked(state, stream)
         assert state.result is not None
         return state.result
@@ -221,27 +205,8 @@ class Pipeline:
             the caller is cancelled; the call returns only after any copy into the cache has
             finished, so nothing writes into ``block_ids`` after it returns.
         """
-        req = check_request(
-            token_ids,
-            block_ids,
-            start_block,
-            include_partial,
-            self.layout.block_size,
-            self.cache.num_blocks,
-        )
-        total = check_timeout(timeout, self.config.total_timeout)
-        now = anyio.current_time()
-        state = ReadState(
-            request_id or _new_id("read"),
-            now + total,
-            now,
-            req.tokens,
-            req.block_ids,
-            req.start_block,
-            req.end_block,
-            include_partial,
-            require_all=require_all,
-        )
+        checked = self._checked(token_ids, block_ids, start_block, include_partial, timeout)
+        state = ReadState(request_id or _new_id("read"), *checked, require_all=require_all)
         await self._runtime.run_marked(state, stream)
         result = state.result
         assert result is not None
@@ -253,6 +218,27 @@ class Pipeline:
                 result.failed_blocks,
             )
         return result
+
+    def _checked(
+        self,
+        token_ids: Any,
+        block_ids: Any,
+        start_block: int,
+        include_partial: bool,
+        timeout: float | None,
+    ) -> _Checked:
+        """A write's or read's state arguments after the request id, validated."""
+        r = check_request(
+            token_ids,
+            block_ids,
+            start_block,
+            include_partial,
+            self.layout.block_size,
+            self.cache.num_blocks,
+        )
+        total = check_timeout(timeout, self.config.total_timeout)
+        now = anyio.current_time()
+        return now + total, now, r.tokens, r.block_ids, r.start_block, r.end_block, include_partial
 
     async def lookup(
         self, token_ids: Any, *, include_partial: bool = False, timeout: float | None = None
@@ -293,11 +279,8 @@ class Pipeline:
         if not isinstance(residency, Residency):
             raise RequestError(f"residency must be a kvpipe.Residency, got {residency!r}")
         tokens = check_tokens(token_ids)
-        n = (
-            -(-len(tokens) // self.layout.block_size)
-            if include_partial
-            else (len(tokens) // self.layout.block_size)
-        )
+        size = self.layout.block_size
+        n = -(-len(tokens) // size) if include_partial else len(tokens) // size
         if (
             isinstance(start_block, bool)
             or not isinstance(start_block, int)
@@ -348,7 +331,6 @@ class Pipeline:
         Observers run in the event loop's thread, inside the pipeline's work: they must be
         quick and must not block. One that raises is counted
         (``statistics().counters["observer_errors"]``), never propagated.
-        :class:`kvpipe.PipelineMetrics` attaches one to feed its histograms.
         """
         self._runtime.observers.add(observer)
 
@@ -394,10 +376,9 @@ async def open_pipeline(
         world_size: Tensor-parallel world size.
         hooks: Fault-injection seam for tests (see :class:`PipelineHooks`).
         device_driver: Test seam for device caches: the CUDA driver interface the engine
-            calls (default: the real driver through cuda-python). The tests pass a test
-            double that runs the kernels' reference implementations on host memory.
+            calls (default: the real driver through cuda-python).
         observer: Receives slice and call timings from the start (see
-            :meth:`Pipeline.add_observer`, which attaches one later).
+            :meth:`Pipeline.add_observer`).
 
     Raises:
         ConfigError: A bad argument, or staging too small for one block.
@@ -436,8 +417,7 @@ async def open_pipeline(
                 if runtime.close_deadline is not None:
                     runner.close_by(runtime.close_deadline)
     except BaseExceptionGroup as group:
-        # The actors' task group wraps whatever left the block; the caller sees it as it was
-        # raised (a group only when several things failed at once).
+        # Unwrap the task group's group: a group only when several things failed at once.
         if len(group.exceptions) != 1:
             raise
         error = group.exceptions[0]

@@ -1,11 +1,8 @@
-"""What every actor shares: its context, the message between stages, and the actor loop.
+"""What every actor shares: its context, the backend-call helpers, and the actor loop.
 
-An actor's loop only receives, calls and sends. Each message is handled in its own task (up
-to the actor's concurrency) so one slow store call does not hold up other requests; the
-requests an actor is handling are tracked so that, if it crashes, the supervisor fails
-exactly those.
-
-Timings and counters go through :mod:`._observe`.
+Each message is handled in its own task (up to the actor's concurrency), so one slow store
+call does not hold up other requests; the requests an actor holds are tracked so that, if it
+crashes, the supervisor fails exactly those.
 """
 
 from __future__ import annotations
@@ -64,19 +61,13 @@ class PipelineHooks:
 
 
 #: A put of at most this many bytes is gathered into staging, and the store copies what it
-#: keeps (see :func:`keeps_own_memory`).
+#: keeps: leasing memory of its own costs more than that copy.
 SMALL_PUT_BYTES = 32 << 10
 
 
 def keeps_own_memory(count: int, payload_nbytes: int) -> bool:
     """Whether a put of ``count`` blocks to a store that keeps its values is gathered into
-    memory of the store's own (:meth:`StorageBackend.value_memory`) rather than staging.
-
-    Leasing that memory and handing it back costs more than the store's copy of a small put
-    from staging. Measured per slice (memory store, 32-layer blocks): 1 KiB x 1 block 62 ->
-    48 µs, 1 KiB x 16 148 -> 140, 8 KiB x 4 82 -> 79, 32 KiB x 1 65 -> 60; but 32 KiB x 4
-    90 -> 112 µs: the copy wins up to about 32 KiB a put.
-    """
+    memory of the store's own (:meth:`StorageBackend.value_memory`) rather than staging."""
     return count * payload_nbytes > SMALL_PUT_BYTES
 
 
@@ -100,8 +91,8 @@ class ActorContext:
     hooks: PipelineHooks
     outboxes: Outboxes
     engine: CopyEngine
-    #: The store keeps values in memory and the copies run on the host: puts are gathered
-    #: into memory of their own for the store to keep, gets may be lent (one copy fewer).
+    #: The store keeps values and copies run on the host: puts may be gathered into memory
+    #: the store keeps, gets may be lent (one copy fewer).
     keep_values: bool = False
     metrics: Metrics = field(default_factory=Metrics)
     observers: Observers | None = None
@@ -112,26 +103,22 @@ class ActorContext:
 
     @property
     def host_copies(self) -> bool:
-        """Copies run on the host (a CPU cache): the writer gathers its own slices and the
-        reader scatters its own, with no hop to the swapper."""
+        """Copies run on the host (a CPU cache): the writer and reader copy their own slices."""
         return self.engine.name == "host"
 
     async def gather_and_seal(self, job: SliceJob) -> None:
         """Gather a write slice's blocks (all layers and roles) into its staging — memory of
         its own when the store keeps values — and seal each with its trailer.
 
-        A small gather on the host runs at once, without a checkpoint: the slice's put is
-        the next one. Not shielded: a gather cut off by cancellation (a crash nearby, or a
-        close past its deadline) leaves its thread running with its own hold on the staging,
-        and the job is dropped, so no half-gathered slot is ever put.
+        Not shielded: a gather cut off by cancellation leaves its thread running with its own
+        hold on the staging, and the job is dropped, so no half-gathered slot is ever put.
         """
         state, spec = job.state, job.spec
         blocks = state.block_ids[spec.first_block : spec.end_block]
         digests = self.digests_of(state, spec)
         payload, checksum = self.payload_nbytes, self.config.verify_checksums
         if self.keep_values and keeps_own_memory(spec.count, payload):
-            # Memory the store keeps (its value_memory), taken in the worker thread with the
-            # gather: a large new allocation maps memory, which on the event loop's thread
+            # Allocated in the worker thread: a large allocation on the event loop's thread
             # would wait behind the page faults of copies running in other threads.
             plan = copy_plan(self.segments, blocks, list(range(spec.count)))
             slot_nbytes, rows = self.pool.slot_nbytes, self.cache.row_groups(self.segments)
@@ -145,10 +132,8 @@ class ActorContext:
 
             job.data = await self.run_copy(plan.nbytes, gather_into_new, hold=job.lease)
         elif self.engine.name == "host" and spec.count * payload <= INLINE_COPY_BYTES:
-            # Small enough for the event loop's thread: gathered and sealed in one go, with
-            # no checkpoint of its own — the put that follows is one (a store's put yields
-            # before it returns: StorageBackend), and a gather this small is cheaper than a
-            # trip through the event loop.
+            # Small: gathered and sealed on the event loop without a checkpoint (the put that
+            # follows yields).
             staging = job.lease
             plan = copy_plan(self.segments, blocks, staging.slots)
             gather(plan, self.cache.row_groups(self.segments), staging.pool.buffer)
@@ -179,21 +164,16 @@ class ActorContext:
     async def run_copy(
         self, nbytes: int, fn: Callable[..., T], *args: Any, hold: StagingLease
     ) -> T:
-        """Run host work on staging (sealing, verification): inline when small, else in a
-        copy worker thread."""
+        """Run host work on staging: inline when small, else in a copy worker thread."""
         if nbytes <= INLINE_COPY_BYTES:
             await anyio.lowlevel.checkpoint()
             return fn(*args)
         return await self.runner.run(fn, *args, hold=hold, lane=self.copy_limiter)
 
-    def keys_of(self, state: WriteState | ReadState, spec: SliceSpec) -> tuple[str, ...]:
-        """The keys of a slice's blocks."""
-        assert state.keys is not None
-        return state.keys.keys[spec.first_block : spec.end_block]
-
     def digests_of(self, state: WriteState | ReadState, spec: SliceSpec) -> list[bytes]:
         """Digests of a slice's keys (for block trailers)."""
-        return [key_digest(k) for k in self.keys_of(state, spec)]
+        assert state.keys is not None
+        return [key_digest(k) for k in state.keys.keys[spec.first_block : spec.end_block]]
 
     def key_batch(self, request_id: str, keys: Sequence[str], first: int, tokens: Any) -> KeyBatch:
         """A key-only batch of consecutive blocks."""
@@ -298,12 +278,8 @@ class Actor(abc.ABC, Generic[M]):
         return [s for s, n in self._held.items() if n > 0]
 
     async def run(self) -> None:
-        """Receive and handle messages until the inbox is closed and drained.
-
-        Messages are handled by worker tasks that live as long as the actor: one to start
-        with, another whenever all of them are busy (up to the actor's concurrency), so a
-        message costs no new task once the actor has warmed up.
-        """
+        """Receive and handle messages until the inbox is closed and drained, in worker tasks
+        that live as long as the actor (another whenever all are busy, up to concurrency)."""
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -339,9 +315,8 @@ class Actor(abc.ABC, Generic[M]):
             self.discard(msg)
             raise
         await self.handle(msg)
-        # Only a normal return lets go of the request: if the handler raised, or was
-        # cancelled because a sibling raised, the actor is crashing while holding it, and
-        # the supervisor must fail it.
+        # Only a normal return lets go of the request: otherwise the actor is crashing while
+        # holding it, and the supervisor must fail it.
         self._held[state] -= 1
         if self._held[state] <= 0:
             del self._held[state]
@@ -363,8 +338,7 @@ class Actor(abc.ABC, Generic[M]):
     ) -> bool | None:
         """Send ``msg``, waiting while ``outbox`` is full until ``deadline`` at most: ``True``
         when sent, ``None`` when the deadline passed first, ``False`` when the pipeline is
-        closing. Either way but ``True``, the sender still owns what ``msg`` carries. (No
-        cancel scope unless the inbox is full.)"""
+        closing. Unless ``True``, the sender still owns what ``msg`` carries."""
         sent = self.try_send(outbox, msg)
         if sent is not None:
             return sent
@@ -374,12 +348,8 @@ class Actor(abc.ABC, Generic[M]):
 
     @staticmethod
     async def send(outbox: MemoryObjectSendStream[T], msg: T) -> bool:
-        """Send ``msg`` (waits while ``outbox`` is full).
-
-        Returns ``False`` when the pipeline is closing (the inbox no longer takes messages):
-        the sender still owns what ``msg`` carries and lets go of it. Sent at once, without
-        yielding, when the inbox has room (the receiver runs at the sender's next await).
-        """
+        """Send ``msg``, waiting while ``outbox`` is full (without yielding when it has room).
+        ``False`` when the pipeline is closing: the sender still owns what ``msg`` carries."""
         try:
             try:
                 outbox.send_nowait(msg)

@@ -1,11 +1,7 @@
 """The pipeline's channels: one bounded inbox per actor, typed by what travels on it.
 
-Requests (:class:`~kvpipe.actors._state.RequestState`) go to the scheduler; a device cache's
-planned writes and reads to the slicer; slice jobs (:class:`SliceJob`, defined here) to the
-swapper, the writer and the reader; a host cache's planned writes and reads to the
-writer and the reader whole. An inbox outlives a crashed actor, so its restart resumes on the
-same queue; closing the send ends (:meth:`Outboxes.close`) lets every actor leave its loop
-once its inbox is empty.
+An inbox outlives a crashed actor, so its restart resumes on the same queue; closing the send
+ends (:meth:`Outboxes.close`) lets every actor leave its loop once its inbox is empty.
 """
 
 from __future__ import annotations
@@ -33,21 +29,18 @@ Rows = npt.NDArray[np.uint8]
 class SliceJob:
     """One slice of a request travelling between stages, with the staging it owns.
 
-    Whoever holds a job owns its leases: it passes the job on or releases them
-    (:meth:`release`).
+    Whoever holds a job owns its leases: it passes the job on or releases them.
 
     Attributes:
         state: The request.
         spec: Which blocks.
         lease: Staging slots, one per block, in order: what bounds the pipeline's memory.
         valid: Read path: leading blocks verified and to be scattered.
-        data: Write path, for a store that keeps its values: memory of this job's own that
-            the blocks are gathered into (the store keeps it); the staging slots of
-            ``lease`` are then only counted, never touched.
+        data: Write path, for a store that keeps its values: memory of the job's own that
+            the blocks are gathered into; ``lease``'s slots are then only counted.
         lent: Read path: values the store lent instead of copying them into staging, by
             block index within the slice.
-        checksums: Write path: each sealed value's XXH3-64, computed while sealing, for the
-            put batch (a store that keeps one per value need not hash the bytes again).
+        checksums: Write path: each sealed value's XXH3-64, for the put batch.
     """
 
     state: WriteState | ReadState

@@ -1,18 +1,10 @@
-"""The reader's :class:`~kvpipe.backends._base.FetchSink` for a host cache: each value a
-store hands over is hashed once, its trailer checked and, when sound, copied into the cache
-rows in the store's own thread, behind a gate the reader closes when the fetch ends.
+"""The reader's :class:`~kvpipe.backends._base.FetchSink` for a host cache.
 
-Where kvpipe's C extension was built, all of that — the hash of the whole value and of its
-payload, the trailer's comparison and the copy of every row (every layer's key and value: 64
-for a 32-layer model) — is one call that releases the GIL once
-(:func:`~kvpipe._blockformat.place_if_sound`). Each time a store thread gives the GIL up and
-takes it back, it waits its turn beside the store's other threads and the event loop: through
-python-xxhash and numpy, a value took two such round trips and more (and through numpy row by
-row, one per row: on two processors a hot read's copies took twice as long that way). A value
-the call cannot decide (a trailer without a checksum) is checked in Python, and every value is
-where the extension was not built: numpy then copies its rows a group of cache tensors at one
-stride at a time (:class:`~kvpipe._hostcopy.RowGroups`: one copy for a cache in one buffer,
-one per tensor for tensors allocated one by one)."""
+Where kvpipe's C extension was built, a value's hashes, trailer check and row copies are one
+call that releases the GIL once (:func:`~kvpipe._blockformat.place_if_sound`); a value it
+cannot decide (a trailer without a checksum), and every value where it was not built, is
+checked in Python and copied with numpy.
+"""
 
 from __future__ import annotations
 
@@ -35,8 +27,7 @@ __all__ = ("RowSink",)
 
 class RowSink(FetchSink):
     """A host-cache read slice's :class:`FetchSink`: each value the store hands over is
-    hashed once (the store's checksum of the whole value and the trailer's of the payload,
-    in one pass), its trailer checked, and — when sound — copied into the cache rows, in the
+    hashed once, its trailer checked and, when sound, copied into the cache rows, in the
     store's thread. Nothing is copied after :meth:`close` (the read's claim on the cache ends
     only once :meth:`wait_idle` has seen every copy out)."""
 
@@ -115,8 +106,6 @@ class RowSink(FetchSink):
         self.seen[index] = True
         if why is None and self._enter():
             try:
-                # One numpy copy per group of cache tensors at one stride (one buffer, as
-                # create_kv_cache allocates: one group), else per tensor.
                 scatter_values(self._segments, [data], [block], self._groups)
                 self.placed[index] = True
             finally:

@@ -1,18 +1,13 @@
 """Requests as the actors of one event loop see them: a pure state machine
-(:mod:`kvpipe._write_machine`, :mod:`kvpipe._read_machine`) plus what needs the event loop —
-the event the caller waits on, and the cancel scopes of the work in flight.
+(:mod:`kvpipe._write_machine`, :mod:`kvpipe._read_machine`) plus the event the caller waits on
+and the cancel scopes of the work in flight.
 
-Every request ends through one of two calls, whatever ended it: :meth:`RequestState.end`
-(``total_timeout``, ``cancelled``, ``actor_crashed``) or :meth:`RequestState.fail` (the
-pipeline closing, or — for ``lookup`` / ``locate`` / ``flush_index`` — the error the call
-raises). The first ending wins. When a request ends, its event is set and every cancel scope
-of its work in flight is cancelled; a read is settled only once no scatter into the caller's
-cache is running.
-
-A write or read that stopped short is logged here, once, whatever stopped it: at WARNING with
-its id, where it stopped, the blocks stored or loaded and the reason (at INFO when the caller
-cancelled it; at DEBUG for a read that simply found no more blocks stored, or whose failed
-block the reader has logged).
+Every request ends through :meth:`RequestState.end` (``total_timeout``, ``cancelled``,
+``actor_crashed``) or :meth:`RequestState.fail` (the pipeline closing, or the error a
+``lookup`` / ``locate`` / ``flush_index`` raises); the first ending wins. Ending sets the
+event and cancels every scope of the request's work in flight; a read is settled only once no
+scatter into the caller's cache is running. A write or read that stopped short is logged
+here, once, whatever stopped it.
 """
 
 from __future__ import annotations
@@ -83,8 +78,8 @@ class RequestState(abc.ABC):
         return Bound(self, deadline, tag if tag is not None else object(), first_block)
 
     def watch(self, scope: anyio.CancelScope, tag: object, first_block: int = 0) -> None:
-        """Have the request's end cancel ``scope`` until :meth:`unwatch` (what :meth:`bound`
-        does, without a context manager of its own: for a scope entered once per slice)."""
+        """Have the request's end cancel ``scope`` until :meth:`unwatch` (:meth:`bound`
+        without a context manager)."""
         self._scopes[tag] = (first_block, scope)
         if self._over:
             scope.cancel()
@@ -133,7 +128,7 @@ class RequestState(abc.ABC):
 @final
 class Bound:
     """The context manager of :meth:`RequestState.bound`: a cancel scope registered with its
-    request while it is entered (a class, not a generator: it is entered once per slice)."""
+    request while it is entered."""
 
     __slots__ = ("_key", "_state", "scope")
 
@@ -282,8 +277,8 @@ class WriteState(SlicedState):
     def slice_done(
         self, outcome: SliceOutcome, detail: str | None = None, now: float | None = None
     ) -> None:
-        """Record a slice's outcome (at ``now``, the event loop's clock; default: the
-        current time); the first incomplete slice ends the write."""
+        """Record a slice's outcome (at ``now``, default the current time); the first
+        incomplete slice ends the write."""
         self.machine.slice_done(outcome, detail, anyio.current_time() if now is None else now)
         turn = self._turns.pop(self.machine.turn, None)
         if turn is not None:
@@ -422,8 +417,8 @@ class ReadState(SlicedState):
                 )
 
 
-#: Log levels of a read that stopped short, by reason (others: WARNING). Finding no more
-#: blocks stored is normal; a failed block was logged by the reader already.
+#: Log levels of a read that stopped short, by reason (others: WARNING); the reader has
+#: logged a failed block already.
 _READ_STOP_LEVELS: dict[str, int] = {
     "not_stored": logging.DEBUG,
     "failed_block": logging.DEBUG,

@@ -1,18 +1,12 @@
 """The backend reader: fetches a slice into staging and verifies every block.
 
-A host cache's read comes to it whole, from the scheduler, and it runs the request's slices
-itself: lease the slice's staging, fetch, verify and put the sound blocks in the cache — no
-hop between actors per slice. Small slices from a store that keeps its values in memory run
-one after the other; others run in tasks of their own, as many at once as staging allows. A
-device cache's slices come to it one by one, leased by the slicer.
-
-Each slice runs in its own cancel scope (``min(now + slice_timeout, request deadline)``).
-Fetched blocks are checked (trailer, key, checksum) in a worker thread; only the leading run
-of sound blocks goes on to the swapper to be scattered. A block that failed verification is
-fetched once more — corruption in transit must not cost a good stored block — and deleted
-from the store only when it fails again, so later lookups stop before it. Slices of one read
-are fetched
-concurrently; once one stops short, later slices are cancelled and dropped.
+A host cache's read comes to it whole and it runs the request's slices itself (small slices
+from a store that keeps its values inline, others in tasks of their own, as staging allows);
+a device cache's slices come one by one, leased by the slicer. Each slice runs in its own
+cancel scope (``min(now + slice_timeout, request deadline)``); only the leading run of sound
+blocks is placed in the cache. A block that failed verification is fetched once more, and
+deleted from the store only when it fails again (corruption in transit must not cost a good
+stored block). Once a slice stops short, later slices are cancelled and dropped.
 """
 
 from __future__ import annotations
@@ -31,14 +25,7 @@ from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
 from .._staging import StagingLease
 from ..backends._base import BlockStatus, GetBatch
-from ._base import (
-    Actor,
-    SliceJob,
-    as_backend_error,
-    backend_call,
-    check_statuses,
-    leading_ok,
-)
+from ._base import Actor, SliceJob, as_backend_error, backend_call, check_statuses, leading_ok
 from ._rowsink import RowSink
 from ._state import ReadState, RequestState, describe_error
 
@@ -64,9 +51,7 @@ class Reader(Actor[ReadState | SliceJob]):
 
     async def _run_request(self, state: ReadState) -> None:
         """A host cache's read: each slice leased in order, then fetched, verified and put in
-        the cache — inline when it is small and the store keeps its values in memory (its
-        fetch does not leave the event loop), else in a task of its own. A slice past where
-        loading stopped is resolved without being fetched."""
+        the cache, inline or in a task of its own."""
         slices = state.slices
         if slices and self._in_task(slices[0]):
             async with anyio.create_task_group() as tg:
@@ -79,7 +64,8 @@ class Reader(Actor[ReadState | SliceJob]):
         return not ctx.keep_values or spec.count * ctx.payload_nbytes > INLINE_COPY_BYTES
 
     async def _run_slices(self, state: ReadState, tg: anyio.abc.TaskGroup | None) -> None:
-        """The loop of :meth:`_run_request`; slices that run in tasks start in ``tg``."""
+        """The loop of :meth:`_run_request`; slices that run in tasks start in ``tg``. A slice
+        past where loading stopped is resolved without being fetched."""
         for spec in state.slices:
             if state.stopped_before(spec.first_block):
                 state.resolve(spec.index, 0)
@@ -110,8 +96,8 @@ class Reader(Actor[ReadState | SliceJob]):
         return None
 
     async def _slice(self, msg: SliceJob) -> None:
-        """Fetch, verify and place one slice; the handler owns its staging (passes it on to
-        the swapper or lets go of it)."""
+        """Fetch, verify and place one slice; passes its staging on to the swapper or lets go
+        of it."""
         owned = True
         corrupt: list[str] = []
         try:
@@ -142,9 +128,8 @@ class Reader(Actor[ReadState | SliceJob]):
             return []
         deadline = min(anyio.current_time() + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, GetBatch)
-        # Host caches: the claim on the cache is taken before the fetch and held until what
-        # was fetched is in place — a store that takes the batch's sink (the file store)
-        # places each value in its own thread while the fetch runs.
+        # Host caches: the claim on the cache is held from before the fetch (a store that
+        # takes the batch's sink places values while it runs) until all is in place.
         claimed = ctx.engine.name == "host" and state.scatter_begin()
         if ctx.engine.name == "host" and not claimed:  # the read has ended
             state.resolve(spec.index, 0)
@@ -161,8 +146,7 @@ class Reader(Actor[ReadState | SliceJob]):
         confirmed: set[int] = set()
         bad = leading_run(c is None for c in checks)
         if bad < fetched:
-            # A block fetched fine failed verification. Fetch it (and the rest) once more:
-            # corruption in transit is not a reason to delete a good stored block.
+            # A block fetched fine failed verification: fetch it (and the rest) once more.
             again = await self._refetch(job, bad, fetched, deadline)
             if again is not None:
                 ok_again = leading_ok(again)
@@ -181,13 +165,12 @@ class Reader(Actor[ReadState | SliceJob]):
         if valid < spec.count:
             failed = [first + i for i, s in enumerate(statuses) if s is not BlockStatus.OK]
             failed += [first + i for i, c in enumerate(checks) if c is not None]
-            bad = valid
-            why = checks[bad] if bad < fetched else statuses[bad].value
-            detail = f"block {first + bad}: {why}"
+            why = checks[valid] if valid < fetched else statuses[valid].value
+            detail = f"block {first + valid}: {why}"
             log.warning(
                 "read %s: block %d failed (%s); loading stops there",
                 state.request_id,
-                first + bad,
+                first + valid,
                 why,
             )
             state.stop_at(first + valid, "failed_block", sorted(set(failed)), detail)
@@ -197,18 +180,13 @@ class Reader(Actor[ReadState | SliceJob]):
         ctx.observe("read_slice", elapsed, outcome)
         if log.isEnabledFor(logging.DEBUG):
             self._debug(state, job, outcome, valid, elapsed, None)
-        if scattered >= valid:
-            # Every sound block is in the cache already (or none is sound): nothing for the
-            # swapper.
+        if scattered >= valid:  # every sound block is in the cache already: nothing to scatter
             job.valid = 0
             state.resolve(spec.index, valid)  # a no-op when already resolved
             return corrupt
-        if elsewhere and scattered:
-            # Some values were placed from the store's buffers, not staging, and the swapper
-            # scatters the leading sound run from staging: put them there.
+        if elsewhere and scattered:  # placed from the store's buffers: the swapper needs staging
             await self._stage_back(job, scattered)
-        # The swapper scatters the leading sound run (again, for the blocks already placed).
-        job.valid = valid
+        job.valid = valid  # the swapper scatters the leading sound run (again, for some)
         return corrupt
 
     async def _stage_back(self, job: SliceJob, count: int) -> None:
@@ -225,7 +203,7 @@ class Reader(Actor[ReadState | SliceJob]):
     async def _get_and_place(
         self, job: SliceJob, batch: GetBatch, deadline: float, claimed: bool
     ) -> tuple[list[BlockStatus], list[str | None], int, float, bool] | None:
-        """Fetch a slice and check its leading fetched blocks — with ``claimed`` (the caller
+        """Fetch a slice and check its leading fetched blocks; with ``claimed`` (the caller
         holds the claim on a host cache) also put the leading sound ones in the cache.
         Returns ``(statuses, checks of the leading fetched blocks, blocks now in the cache,
         seconds, whether staging lacks some fetched values)``, or ``None`` when the slice is
@@ -330,20 +308,16 @@ class Reader(Actor[ReadState | SliceJob]):
 
     async def _verify_and_scatter(self, job: SliceJob, fetched: int) -> list[str | None]:
         """Check the ``fetched`` leading blocks and copy the leading sound ones into the
-        cache, in one call: inline when small, else in a worker thread, shielded (the scatter
-        is claimed by the caller).
-        Returns each block's check, ``None`` for a sound one."""
+        cache, in one call (inline when small, else in a worker thread, shielded); returns
+        each block's check, ``None`` for a sound one."""
         ctx, spec, state = self.ctx, job.spec, job.state
         first = spec.first_block
         sources = job.sources(0, fetched)
         digests = ctx.digests_of(state, spec)[:fetched]
         blocks = state.block_ids[first : first + fetched]
         slots = job.lease.slots[:fetched]
-        payload, check_sums, segments = (
-            ctx.payload_nbytes,
-            ctx.config.verify_checksums,
-            ctx.segments,
-        )
+        payload, check_sums = ctx.payload_nbytes, ctx.config.verify_checksums
+        segments = ctx.segments
         staging, rows, lent = job.lease.pool.buffer, ctx.cache.row_groups(segments), bool(job.lent)
 
         def work() -> list[str | None]:
@@ -364,10 +338,8 @@ class Reader(Actor[ReadState | SliceJob]):
         return checks
 
     async def _place_unseen(self, job: SliceJob, sink: RowSink, fetched: int) -> None:
-        """Check the leading ``fetched`` blocks the store did not hand to ``sink`` (they are
-        in staging, or lent) and copy the sound ones into the cache, in one worker-thread
-        call, shielded (the scatter is claimed by the caller); their verdicts go into
-        ``sink``."""
+        """Check the leading ``fetched`` blocks the store did not hand to ``sink`` and copy the
+        sound ones into the cache, in one shielded call; their verdicts go into ``sink``."""
         ctx, spec, state = self.ctx, job.spec, job.state
         unseen = [i for i in range(fetched) if not sink.seen[i]]
         if not unseen:
@@ -377,8 +349,7 @@ class Reader(Actor[ReadState | SliceJob]):
         digests = ctx.digests_of(state, spec)
         blocks = [int(state.block_ids[first + i]) for i in unseen]
         payload, check_sums = ctx.payload_nbytes, ctx.config.verify_checksums
-        segments = ctx.segments
-        rows = ctx.cache.row_groups(segments)
+        segments, rows = ctx.segments, ctx.cache.row_groups(ctx.segments)
 
         def work() -> list[str | None]:
             checks = check_blocks(sources, payload, [digests[i] for i in unseen], check_sums)

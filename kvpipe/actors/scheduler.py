@@ -1,10 +1,9 @@
 """The scheduler: admission, keys, deduplication, and the small index calls.
 
-For a write it computes the keys, skips the leading blocks already stored, cuts the rest into
-slices and hands the request on: a host cache's to the writer, which runs its slices itself; a
-device cache's to the slicer. For a read it counts the leading stored blocks (stop at the
-first miss) and hands those on: a host cache's to the reader, a device cache's to the slicer.
-``lookup``, ``locate`` and ``flush_index`` are answered here.
+A write's keys are computed, its leading stored blocks skipped and the rest cut into slices;
+a read's leading stored blocks are counted (to the first miss) and sliced. Either goes on to
+the writer or reader (host cache) or the slicer (device cache). ``lookup``, ``locate`` and
+``flush_index`` are answered here.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ log = logging.getLogger("kvpipe.scheduler")
 
 #: Sequences longer than this have their keys hashed in a worker thread.
 _THREAD_KEYS_TOKENS = 32768
-#: Keys per ``exists`` call at least (more when slices are larger): a call costs a worker
-#: thread's round trip, and asking about a few dozen keys past a miss costs next to nothing.
+#: Keys per ``exists`` call at least (more when slices are larger): asking about a few keys
+#: past a miss costs less than another call.
 PROBE_CHUNK_MIN = 64
 
 
@@ -127,11 +126,7 @@ class Scheduler(Actor[RequestState]):
             )
             if state.done:
                 return
-            outboxes = ctx.outboxes
-            if ctx.host_copies:
-                await self.send(outboxes.writer, state)
-            else:
-                await self.send(outboxes.slicer, state)
+            await self.send(ctx.outboxes.writer if ctx.host_copies else ctx.outboxes.slicer, state)
         if scope.cancelled_caught:  # the deadline, or the request ended (then a no-op)
             state.end("total_timeout", "deadline passed before the first slice was sent")
 
@@ -165,11 +160,8 @@ class Scheduler(Actor[RequestState]):
                 )
             )
             if state.slices:
-                outboxes = ctx.outboxes
-                if ctx.host_copies:
-                    await self.send(outboxes.reader, state)
-                else:
-                    await self.send(outboxes.slicer, state)
+                outbox = ctx.outboxes.reader if ctx.host_copies else ctx.outboxes.slicer
+                await self.send(outbox, state)
         if scope.cancelled_caught:
             state.end("total_timeout", "deadline passed before the first slice was fetched")
 
@@ -188,8 +180,8 @@ class Scheduler(Actor[RequestState]):
                 else:
                     state.succeed(await self._locate(state))
             except (BackendError, OperationTimeout) as exc:
-                # The frames below this one have returned: their locals (batches, staging)
-                # need not live as long as the error the caller gets.
+                # The frames below have returned: their locals (batches, staging) need not
+                # live as long as the error the caller gets.
                 traceback.clear_frames(exc.__traceback__)
                 state.fail(exc)
         if scope.cancelled_caught:

@@ -1,10 +1,8 @@
 """The slicer: leases staging for each slice of a device cache's request, in order, and sends
-it on.
+it on: write slices to the swapper, read slices to the reader.
 
-Write slices go to the swapper (to be gathered), read slices to the reader (to be fetched).
 Staging is leased here, before any copy, so no copy waits for memory and the read and write
-paths cannot deadlock on the pool. A request that has stopped gets no further slices. (A host
-cache's requests do not come here: the writer and the reader run their slices themselves.)
+paths cannot deadlock on the pool. A request that has stopped gets no further slices.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ class Slicer(Actor[WriteState | ReadState]):
             elif msg.stopped_before(spec.first_block):
                 msg.resolve(spec.index, 0)
                 continue
-            sent = await self._lease_and_send(msg, spec, outbox)
-            if not sent:
+            if not await self._lease_and_send(msg, spec, outbox):
                 detail = "deadline passed waiting for staging or a full queue"
                 if isinstance(msg, WriteState):
                     msg.end("total_timeout", detail)  # no-op when it had already ended
@@ -55,18 +52,16 @@ class Slicer(Actor[WriteState | ReadState]):
         self, msg: WriteState | ReadState, spec: SliceSpec, outbox: MemoryObjectSendStream[SliceJob]
     ) -> bool:
         """Lease the slice's staging and send it on; ``False`` when that could not be done by
-        the deadline (or the request ended, or the pipeline is closing). Without waiting
-        when staging is free and the next inbox has room; else in a cancel scope that ends
-        at the deadline, when the request ends, or (reads) when loading stops before this
-        slice: a cancelled request does not keep waiting for staging."""
+        the deadline (or the request ended, or the pipeline is closing). Any wait is in a
+        cancel scope that also ends when the request ends or (reads) loading stops before
+        this slice."""
         lease = self.ctx.pool.try_acquire(spec.count)
         if lease is not None:
             sent = self.try_send(outbox, SliceJob(msg, spec, lease))
             if sent is not None:
                 if not sent:
                     lease.release()
-                # Let the receiver start on it before the next slice is sent: slices reach
-                # the store in the order they were planned, whatever the scheduler's order.
+                # Let the receiver start on it first: slices reach the store in planned order.
                 await anyio.lowlevel.checkpoint()
                 return sent
         sent = False

@@ -1,18 +1,14 @@
 """One-for-one supervision of the pipeline's actors.
 
-Each actor runs under its own loop here. When one crashes (an exception escapes it), the
-requests it was handling are failed (never left hanging), and the actor is restarted on the
-same inbox. More than ``max_restarts`` crashes of one actor within ``window`` seconds
-(measured on the event loop's clock, so a mock clock works) escalate: that actor is not
-restarted, and ``on_escalate`` closes the pipeline.
+When an actor crashes, the requests it was handling are failed and it is restarted on the same
+inbox. More than ``max_restarts`` crashes of one actor within ``window`` seconds (on the event
+loop's clock) escalate: that actor is not restarted, and ``on_escalate`` closes the pipeline.
 
-Stopping is not cancelling: the pipeline closes the inboxes, every actor leaves its loop once
-its inbox is empty and its handlers have returned, and :meth:`Supervisor.run` returns
-normally. (An actor task that ends cancelled leaves its ``CancelledError`` holding its frames
-in a reference cycle, and with them the pipeline's staging until the cyclic GC runs.)
-:meth:`Supervisor.cancel` is the fallback for actors still running at the close deadline.
-When it returns the supervisor lets go of its actors and its callback, and a crashed actor's
-traceback has its frames cleared, so nothing of a closed pipeline stays alive in a cycle.
+Stopping is not cancelling: once the inboxes are closed, every actor leaves its loop when its
+inbox is empty and :meth:`Supervisor.run` returns normally (an actor task ending cancelled
+would hold its frames, and staging, in a reference cycle); :meth:`Supervisor.cancel` is the
+fallback at the close deadline. When :meth:`Supervisor.run` returns, the supervisor lets go
+of its actors and callback.
 """
 
 from __future__ import annotations
@@ -147,7 +143,7 @@ class Supervisor:
                 child.name, now, tuple(s.request_id for s in held), repr(cause), not escalate
             )
         )
-        # The traceback as text: a log record holding the exception would keep its frames.
+        # As text: a log record holding the exception would keep its frames.
         trace = "".join(traceback.format_exception(cause)).rstrip()
         if escalate:
             log.error(
@@ -160,10 +156,10 @@ class Supervisor:
                 ids,
                 trace,
             )
+            self._on_escalate(child.name, cause)  # fails every request: the pipeline closed
         else:
             self._metrics.restarts[child.name] += 1
-            # Logged before the requests are failed, so the line shows how far each got;
-            # each write or read it stops then logs its own WARNING (reason actor_crashed).
+            # Logged before the requests are failed, so the line shows how far each got.
             log.warning(
                 "actor %s crashed (%r); restarting (%d of %d allowed within %.0f s); failed "
                 "%d request(s): %s\n%s",
@@ -176,9 +172,6 @@ class Supervisor:
                 ids,
                 trace,
             )
-        if escalate:
-            self._on_escalate(child.name, cause)  # fails every request: the pipeline closed
-        else:
             for state in held:
                 state.crashed(child.name, cause)
         _forget_frames(exc)

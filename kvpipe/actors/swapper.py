@@ -1,19 +1,12 @@
-"""The swapper: copies between a device cache and staging (a host cache's, in part).
+"""The swapper: copies between a device cache and staging.
 
-Write path: gather a slice's blocks (all layers and roles) into its staging slots and seal
-each with its trailer, then pass it to the writer.
-Read path: scatter the verified leading blocks of a fetched slice into the caller's cache
-blocks.
+Write path: gather a slice's blocks (all layers and roles) into its staging slots, seal each
+with its trailer, and pass it to the writer. Read path: scatter the verified leading blocks of
+a fetched slice into the caller's cache blocks. A host cache's slices pass it by, but for the
+sound blocks before a failed one, which the reader leaves it to scatter.
 
-A host cache's slices pass it by: the writer gathers its own and the reader scatters its own,
-in the worker-thread call that seals or verifies them (one actor hop fewer per slice). The
-swapper then only scatters what the reader leaves it: the sound blocks before a failed one.
-
-The copies themselves are the copy engine's (numpy on the host, kernels on a CUDA stream for
-device caches, ordered after the producer's mark ``state.after``); sealing runs on the host
-either way. A copy is never
-abandoned half-way: the copy call is shielded from cancellation (it takes milliseconds), so
-when a read ends nothing is still writing into the caller's cache.
+Copies are the copy engine's, ordered after the producer's mark ``state.after``. A scatter is
+shielded from cancellation, so when a read ends nothing is still writing into its cache.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The backend writer: sends each gathered slice to the store, strictly in order.
 
-A host cache's write comes to it whole, from the scheduler, and it runs the request's slices
-itself, one after the other: lease the slice's staging, gather and seal it, put it — no hop
-between actors per slice. A gather large enough to run in a copy thread is started up to
-``copy_threads`` slices ahead of the put waiting for it, so copies overlap the store's calls.
-A device cache's slices come to it one by one, gathered by the swapper (possibly out of
-order), and each waits for its turn.
+A host cache's write comes to it whole, and it leases, gathers, seals and puts the request's
+slices itself, large gathers up to ``copy_threads`` slices ahead of the put. A device cache's
+slices come one by one from the swapper (possibly out of order), and each waits its turn.
 
-Each slice's put runs in its own cancel scope with deadline ``min(now + slice_timeout,
-request deadline)``. Only the leading run of blocks the backend reports stored counts. The
-first slice that stores fewer blocks than it carries, times out or fails ends the request: no
-later slice of it is sent. Blocks the backend reported stored after a failed one are never
-counted. They are left in place: keys are content-chained, so such a block holds exactly the
-right bytes for its key and simply cannot be reached until its predecessors are stored, while
-deleting it could remove a block that a concurrent writer of the same prefix has just stored
-and counted.
+Each put runs in its own cancel scope (``min(now + slice_timeout, request deadline)``). Only
+the leading run of blocks the backend reports stored counts, and the first slice that stores
+fewer than it carries, times out or fails ends the request. Blocks reported stored past a
+failed one are left in place: keys are content-chained, so such a block holds the right bytes
+for its key, while deleting it could remove one a concurrent writer has just stored.
 """
 
 from __future__ import annotations
@@ -63,12 +57,8 @@ class Writer(Actor[WriteState | SliceJob]):
 
     async def _run_request(self, state: WriteState) -> None:
         """A host cache's write: each slice leased, gathered and sealed, then put, in order.
-
-        Staging is never waited for while this request holds some: the slices already
-        leased are put (and let go) first. Gathers of ``INLINE_COPY_BYTES`` or less run on
-        the event loop and each slice is put as soon as it is gathered; larger ones run in
-        their own tasks, up to ``copy_threads`` ahead of the put.
-        """
+        Staging is never waited for while this request holds some: those slices are put
+        first. Small gathers run on the event loop; larger ones in their own tasks."""
         ahead: deque[_Ahead] = deque()
         try:
             slices = state.slices
@@ -154,8 +144,7 @@ class Writer(Actor[WriteState | SliceJob]):
             if waited.cancelled_caught:
                 return
         if state.done:
-            # The deadline passed while an earlier slice was still in flight: that slice's
-            # own scope ends at the same deadline and reports the outcome. Just drop this one.
+            # The deadline passed while an earlier slice was in flight; that slice reports it.
             return
         started = anyio.current_time()
         if started >= state.deadline:
@@ -202,8 +191,6 @@ class Writer(Actor[WriteState | SliceJob]):
         m.counters["blocks_written"] += written
         m.counters["bytes_written"] += written * ctx.payload_nbytes
         if log.isEnabledFor(logging.DEBUG):
-            # One line per slice, at DEBUG only: a write that stops short is reported once,
-            # at WARNING, when it ends (WriteState), whatever stopped it.
             log.debug(
                 "write %s slice %d (blocks %d-%d): %s, %d of %d written in %.4f s%s",
                 state.request_id,
