@@ -1,12 +1,9 @@
 """The storage backend contract: one abstract class every backend implements.
 
 A backend stores opaque block values under string keys, answers which keys exist, and keeps
-the residency index of ``flush_index``. It reports **per-block** results; the pipeline, not
-the backend, decides what counts (the leading run of successes). See ``docs/backends.md``.
-
-Every batch carries, besides its keys, the request id, the sequence index of its first block
-and the token prefix up to the end of its last block, so that a token-indexed store (in the
-style of FastDeploy's AttentionStore SDK) can be wrapped as well as a key-value one.
+the residency index of ``flush_index``. It reports **per-block** results; the pipeline
+decides what counts (the leading run of successes). Batches also carry the request id, first
+block index and token prefix, for token-indexed stores. See ``docs/backends.md``.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ _KEY_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,511}")
 
 
 def validate_key(key: str) -> str:
-    """Check that a key is 1–512 characters of ``[A-Za-z0-9._@:-]`` (kvpipe's own keys are).
-
-    Backends that map keys to paths or vendor names call this on every key they receive.
+    """Check that a key is 1–512 characters of ``[A-Za-z0-9._@:-]``; backends call it on
+    every key they receive.
 
     Raises:
         ValueError: The key has another character, is empty, or is too long.
@@ -69,9 +65,8 @@ class KeyBatch:
         first_block: Sequence index of ``keys[0]``.
         token_prefix: Token ids from the start of the sequence to the end of the last block
             of the batch (read-only int64).
-        parent_key: Key of block ``first_block - 1`` (the parent of ``keys[0]``), ``None``
-            for block 0 or when the caller does not know it. ``keys[i - 1]`` is the parent of
-            ``keys[i]``. Prefix-aware stores use it to evict prefix tails first.
+        parent_key: Key of block ``first_block - 1`` (``None`` for block 0 or when unknown);
+            ``keys[i - 1]`` is the parent of ``keys[i]``.
     """
 
     __slots__ = ("first_block", "keys", "parent_key", "request_id", "scope", "token_prefix")
@@ -142,14 +137,13 @@ class _StagedBatch(KeyBatch):
         return [self._lease.pool.slot(s).data for s in self._slots()]
 
     def staging_views(self) -> list[memoryview]:
-        """Read-only views of this batch's staging slots, one per key (for tests and tools)."""
+        """Read-only views of this batch's staging slots, one per key."""
         return [m.toreadonly() for m in self._views()]
 
     def hold(self) -> Callable[[], None]:
         """Keep this batch's staging leased past the call, for work that completes in the
-        background (a callback, a task the backend owns). Call the returned function — once —
-        when that work no longer touches the buffers. Only the event loop's thread may call
-        either."""
+        background; call the returned function when that work no longer touches the buffers
+        (further calls do nothing). Event loop thread only, for both."""
         self._lease.retain()
         released = False
 
@@ -164,25 +158,22 @@ class _StagedBatch(KeyBatch):
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn(*args)`` (I/O on this batch's buffers) in a worker thread.
 
-        Cancellation: a cancelled caller stops waiting at once; the thread runs on and this
-        batch's staging memory stays leased until it returns, so ``fn`` may keep using the
-        buffers. Exceptions from ``fn`` propagate.
+        Cancellation: the caller stops waiting at once; the thread runs on with the staging
+        leased until ``fn`` returns. Exceptions from ``fn`` propagate.
         """
         return await self._runner.run(fn, *args, hold=self._lease, lane=self._limiter)
 
 
 class PutBatch(_StagedBatch):
-    """Blocks to store: one value per key, contiguous in staging (:attr:`values`).
+    """Blocks to store: one value per key in staging (:attr:`values`).
 
     Attributes:
         may_keep: The values' memory belongs to this batch alone and is never written again
-            (kvpipe gathered them into memory of their own, because the backend sets
-            :attr:`StorageBackend.keeps_values`): the backend may keep :attr:`values`
-            themselves instead of copying them. Otherwise the values are views of staging
-            that is reused after the call, and must be copied.
-        checksums: The XXH3-64 of each whole value, where kvpipe computed it while sealing
-            the value (in the same pass as the trailer's checksum); a store that keeps such
-            a checksum may take it rather than hash the value again. ``None``: not given.
+            (the backend sets :attr:`StorageBackend.keeps_values`): the backend may keep
+            :attr:`values` without copying. Otherwise they are views of reused staging and
+            must be copied.
+        checksums: The XXH3-64 of each whole value where kvpipe computed it while sealing,
+            for a store that keeps one; ``None``: not given.
     """
 
     __slots__ = ("checksums", "may_keep")
@@ -193,13 +184,9 @@ class PutBatch(_StagedBatch):
         self.checksums: list[int] | None = None
 
     def sub_batch(self, start: int, stop: int) -> PutBatch:
-        """The blocks ``[start, stop)`` of this batch as a batch of their own, over the same
-        staging (no copy): its keys, values, first block, parent key and token prefix are
-        those of that run of blocks, and it has this batch's :attr:`may_keep` (and its
-        :attr:`checksums` of those blocks).
-
-        For a caller that stores only some runs of a batch (a wrapper, a fault injector).
-        Calling the returned batch's :meth:`hold` keeps the whole lease.
+        """The blocks ``[start, stop)`` as a batch of their own over the same staging (no
+        copy), with their keys, first block, parent key, token prefix, :attr:`may_keep` and
+        :attr:`checksums`. Its :meth:`hold` keeps the whole lease.
 
         Raises:
             ValueError: ``[start, stop)`` is empty or not within the batch.
@@ -231,10 +218,8 @@ class PutBatch(_StagedBatch):
 
 
 def _prefix_through(batch: KeyBatch, stop: int) -> Tokens:
-    """``batch.token_prefix`` cut at the end of block ``stop - 1`` of the batch.
-
-    The block size is what the prefix implies: it covers ``first_block + len(batch)`` blocks,
-    the last one partial when its key ends in ``:partial:N``; only the last can be partial.
+    """``batch.token_prefix`` cut at the end of block ``stop - 1`` of the batch (block size
+    inferred from the prefix; only the last key, ``...:partial:N``, may be partial).
 
     Raises:
         ValueError: The prefix's length does not fit the keys (not a kvpipe batch).
@@ -255,33 +240,26 @@ def _prefix_through(batch: KeyBatch, stop: int) -> Tokens:
 
 
 class FetchSink(abc.ABC):
-    """What kvpipe offers a store that checks each value against a checksum of its own (a
-    :class:`GetBatch`'s :attr:`~GetBatch.sink`): finish the value in the store's worker
-    thread, right after it was read.
-
-    Instead of hashing a value itself, such a store calls :meth:`fetched` with the XXH3-64 it
-    recorded for the whole value: kvpipe hashes the bytes once, for the store's check and its
-    own trailer's, and copies a sound value into the cache in the same call (no second pass
-    over the bytes, no hop to another thread). The value may lie in a small buffer the store
-    reuses (one per thread): its bytes are then still in the processor's cache when kvpipe
-    hashes and copies them, and never pass through staging. A store that ignores the sink
-    loses nothing: kvpipe checks and copies every value it was not told about afterwards.
+    """Offered to a store that checks each value against a checksum of its own
+    (:attr:`GetBatch.sink`): it calls :meth:`fetched` with the XXH3-64 it recorded, and
+    kvpipe hashes the bytes once for both checks and copies a sound value into the cache in
+    that call, in the store's thread. A store that ignores the sink loses nothing: kvpipe
+    checks and copies every value it was not told about afterwards.
     """
 
-    #: Where a buffer holding a value best starts, past a 4096-byte boundary (the offset of
-    #: the memory the value is copied into: copies between buffers at the same offset from a
-    #: page run fastest). For a store choosing its own buffers to pass as ``value``.
+    #: Offset past a 4096-byte boundary at which a store's own ``value`` buffer copies
+    #: fastest into the cache (that of the destination).
     offset: int = 0
 
     @abc.abstractmethod
     def fetched(self, index: int, checksum: int, value: memoryview | None = None) -> bool:
         """Value ``index`` is in ``buffers[index]`` — or in ``value``, a buffer of the
-        store's own, only until this returns (``buffers[index]`` is then left as it was):
-        check that its ``value_nbytes`` bytes hash (XXH3-64) to ``checksum`` and, when they
-        do, verify and place it.
+        store's own, valid until this returns (``buffers[index]`` is then left as it was):
+        check that its ``value_nbytes`` bytes hash (XXH3-64) to ``checksum`` and, if so,
+        verify and place it.
 
-        Thread-safe; blocks (it hashes and copies megabytes): call it from the store's worker
-        thread, before the call that fetches the batch returns.
+        Thread-safe and blocking: call it from the store's worker thread, before the call
+        that fetches the batch returns.
 
         Returns:
             Whether the bytes hash to ``checksum``. ``False``: the value is not what the
@@ -294,11 +272,10 @@ class GetBatch(_StagedBatch):
     where :attr:`may_lend` allows, :meth:`lend` it.
 
     Attributes:
-        may_lend: kvpipe takes a stored value by :meth:`lend` instead of a copy into
-            :attr:`buffers` (it verifies and copies from it where it lies).
-        sink: Where a store that keeps a checksum of each value may hand it over to be
-            checked and placed in its own thread (:class:`FetchSink`); ``None`` (as built):
-            not offered. kvpipe sets it on the batches it builds for a host cache.
+        may_lend: kvpipe accepts a stored value by :meth:`lend` instead of a copy into
+            :attr:`buffers`.
+        sink: A :class:`FetchSink` to hand checksummed values to; ``None``: not offered
+            (kvpipe sets it for a host cache).
     """
 
     __slots__ = ("_lent", "may_lend", "sink")
@@ -315,10 +292,9 @@ class GetBatch(_StagedBatch):
         return self._views()
 
     def lend(self, index: int, value: Any) -> None:
-        """Answer key ``index`` with ``value`` itself (a buffer of ``value_nbytes`` bytes)
-        rather than a copy into ``buffers[index]``; report it ``OK``. The value must not
-        change for as long as kvpipe may read it (an immutable in-memory value: a new put of
-        the key replaces it, never writes into it).
+        """Answer key ``index`` with ``value`` itself (``value_nbytes`` bytes) rather than a
+        copy into ``buffers[index]``; report it ``OK``. The value must never change (a new
+        put of the key replaces it, never writes into it).
 
         Raises:
             RuntimeError: :attr:`may_lend` is false.
@@ -344,23 +320,19 @@ class StorageBackend(abc.ABC):
     timeouts) and treats a cancelled call as not done. Blocking work belongs in worker
     threads (:meth:`PutBatch.run_sync`), never on the event loop.
 
-    :meth:`put_blocks` and :meth:`get_blocks` are checkpoints, as trio asks of every async
-    API: a call that returns has let the event loop run at least once (awaited something
-    that yields, or ``anyio.lowlevel.checkpoint()``). A write of small slices yields to the
-    event loop only in its puts.
+    :meth:`put_blocks` and :meth:`get_blocks` are checkpoints: a call that returns has let
+    the event loop run at least once (e.g. ``anyio.lowlevel.checkpoint()``).
 
-    Exceptions: an exception from any method fails the whole call; kvpipe wraps it in
+    An exception from any method fails the whole call; kvpipe wraps it in
     :class:`kvpipe.BackendError` (chained) and counts no block of the batch as done.
     """
 
     #: A short name for logs and statistics.
     name: str = "backend"
-    #: The backend keeps the values it is given in memory (an in-process store): kvpipe then
-    #: gathers each put into memory of its own (:attr:`PutBatch.may_keep`, from
-    #: :meth:`value_memory`) so the backend can keep the values without copying them.
+    #: The backend keeps put values in memory: kvpipe gathers each put into memory of its own
+    #: (:meth:`value_memory`, :attr:`PutBatch.may_keep`) so it need not copy them.
     keeps_values: bool = False
-    #: The backend hands fetched values to :attr:`GetBatch.sink` (:class:`FetchSink`): kvpipe
-    #: then offers one with each get (for other backends it builds none).
+    #: The backend uses :attr:`GetBatch.sink`: kvpipe offers one with each get.
     uses_sink: bool = False
 
     @abc.abstractmethod
@@ -389,38 +361,34 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
-        """Whether each key is stored (one bool per key).
-
-        kvpipe counts only the leading run of ``True``; a backend may stop checking after
-        the first missing key and answer ``False`` for the rest.
-        """
+        """Whether each key is stored (one bool per key). kvpipe counts only the leading run
+        of ``True``: a backend may answer ``False`` for every key after the first missing one.
+        A cancelled call counts as not done."""
 
     @abc.abstractmethod
     async def delete(self, keys: Sequence[str]) -> None:
-        """Remove these keys (missing keys are ignored)."""
+        """Remove these keys (missing keys are ignored); a cancelled call may remove some."""
 
     @abc.abstractmethod
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
         """Record, per entry, where ``entry.node_id`` holds ``entry.key`` (replacing that
-        node's previous record for the key). Other nodes sharing the store must see it."""
+        node's previous record for the key). Other nodes sharing the store must see it. A
+        cancelled call may record some."""
 
     @abc.abstractmethod
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
-        """Every node's record for each key (an empty sequence when there is none)."""
+        """Every node's record for each key (empty when none); a cancelled call counts as not
+        done."""
 
     def value_memory(self, slot_nbytes: int, count: int) -> StagingLease:
         """Memory for ``count`` values of up to ``slot_nbytes`` bytes that a put is gathered
-        into and the backend then keeps (asked only when :attr:`keeps_values`). Called from
-        worker threads: it must be thread-safe. Default: new memory of the values' own."""
+        into and the backend keeps (only when :attr:`keeps_values`). Must be thread-safe.
+        Default: new memory."""
         return private_lease(slot_nbytes, count)
 
     async def register_staging(self, buffer: memoryview) -> None:  # noqa: B027
-        """Called when a pipeline opens with the buffer values will be moved from or into:
-        its whole staging buffer.
-
-        Backends with registered-memory transports (Mooncake) register it here. Default:
-        nothing.
-        """
+        """Called when a pipeline opens, with its whole staging buffer, for registered-memory
+        transports (Mooncake). Default: nothing."""
 
     async def unregister_staging(self, buffer: memoryview) -> None:  # noqa: B027
         """Called when the pipeline closes, once per registered buffer. Default: nothing."""
@@ -432,8 +400,7 @@ class StorageBackend(abc.ABC):
     @property
     def closed(self) -> bool:
         """Whether the backend was closed (:meth:`aclose`) and refuses calls; a pipeline
-        refuses a closed store at open. Default: ``False`` (a backend with nothing to close
-        never refuses calls)."""
+        refuses a closed store at open. Default: ``False``."""
         return False
 
     async def aclose(self) -> None:  # noqa: B027

@@ -1,9 +1,8 @@
 """Counting a backend's worker-thread calls, so it never closes under one still running.
 
-A call whose caller gave up on a timeout keeps running in its thread; closing a database
-connection or a vendor client under it can corrupt memory or crash the process. Backends wrap
-each blocking function with :meth:`InFlight.track` and, at close, wait with
-:meth:`InFlight.drain` before releasing anything.
+A call abandoned on a timeout keeps running in its thread, and closing a client under it can
+crash the process: backends wrap each blocking function with :meth:`InFlight.track` and wait
+with :meth:`InFlight.drain` before releasing anything.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The residency index of :class:`kvpipe.MooncakeStore`, kept in Mooncake itself.
 
-One small JSON record per (block key, node) under ``kvpipe-res@<key>@<node>``, so nodes never
-overwrite each other's records, and a registry of node ids under ``kvpipe-res-nodes`` that
-``get_residency`` reads to know which records to ask for. Mooncake has no compare-and-set, so
-the registry is read, changed and written back: every flush checks it and puts its node back
-if a concurrent registration overwrote it or a restarted master lost it.
-
-This module calls the vendor client it is handed; it does not import the vendor package.
+One JSON record per (block key, node) under ``kvpipe-res@<key>@<node>``, and a registry of
+node ids under ``kvpipe-res-nodes`` that reads consult; see ``docs/backends.md``. Uses the
+vendor client it is handed, never imports the vendor package.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ __all__ = ("NODES_KEY", "RES_PREFIX", "ResidencyIndex")
 
 RES_PREFIX: Final = "kvpipe-res@"
 NODES_KEY: Final = "kvpipe-res-nodes"
-#: Tries to get a node into the registry before giving up (each one read back).
 _REGISTER_TRIES: Final = 5
 
 
@@ -84,9 +79,8 @@ class ResidencyIndex:
         return out
 
     async def _register(self, client: Any, node: str) -> None:
-        """Make sure ``node`` is in the registry (checked on every flush: a restarted master
-        has lost it, and two nodes registering at once can overwrite each other — the loser
-        finds itself missing here and adds itself again)."""
+        """Make sure ``node`` is in the registry, checked on every flush: there is no
+        compare-and-set, so a concurrent registration or a restarted master may drop it."""
         for attempt in range(_REGISTER_TRIES):
             nodes = await self._nodes(client)
             if node in nodes:

@@ -1,10 +1,8 @@
 """Whole values under caller-named keys on any store, outside a pipeline.
 
-The pipeline names its keys itself (chained token hashes). Adapters for servers that name
-their own keys and own their own buffers (FastDeploy's ``KVCacheStorage``: keys and host
-pointers) need the store's batch calls without a pipeline: :class:`ValueClient` builds the
-batches over its own staging, so every store — file, memory, Mooncake — is used exactly as
-the pipeline uses it (atomic publication, the store's own checks, bounded worker threads).
+For adapters of servers that name their own keys (FastDeploy's ``KVCacheStorage``):
+:class:`ValueClient` builds batches over its own staging, so every store is used exactly as
+a pipeline uses it.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ B = TypeVar("B", PutBatch, GetBatch)
 
 __all__ = ("ValueClient",)
 
-#: The "layout fingerprint" of values stored by a ValueClient (they have no cache layout).
+#: The scope fingerprint of a ValueClient's values (they have no cache layout).
 VALUES_FINGERPRINT: Final = hashlib.blake2b(b"kvpipe.values", digest_size=8).hexdigest()
 _NO_TOKENS = as_tokens(np.zeros(0, dtype=np.int64))
 
@@ -32,9 +30,8 @@ _NO_TOKENS = as_tokens(np.zeros(0, dtype=np.int64))
 class ValueClient:
     """Put, get, probe and delete whole values on ``store`` under caller-named keys.
 
-    Keys must pass :func:`validate_key`. Values of one call may have different sizes; each
-    size gets its own staging pool of ``slots`` slots (allocated on first use, registered
-    with the store, unregistered at exit).
+    Keys must pass :func:`validate_key`. Each value size gets its own staging pool of
+    ``slots`` slots (allocated on first use, registered with the store, unregistered at exit).
 
     Args:
         store: An open (or self-opening) store; the client does not close it.
@@ -93,8 +90,7 @@ class ValueClient:
         return KeyBatch(self.scope, "values", [validate_key(k) for k in keys], 0, _NO_TOKENS)
 
     def _runs(self, sizes: Sequence[int]) -> list[tuple[int, list[int]]]:
-        """``(size, positions)``: every position, grouped by its value's size, at most
-        ``slots`` to a group (one staged batch each)."""
+        """``(size, positions)`` groups of at most ``slots`` positions of one value size."""
         by_size: dict[int, list[int]] = {}
         for i, n in enumerate(sizes):
             by_size.setdefault(n, []).append(i)
@@ -102,7 +98,6 @@ class ValueClient:
         return [(n, at[j : j + step]) for n, at in by_size.items() for j in range(0, len(at), step)]
 
     def _staged(self, kind: type[B], keys: list[str], lease: StagingLease, size: int) -> B:
-        """A batch of whole values (no token prefix: the keys are the caller's)."""
         return kind(
             self.scope,
             "values",
@@ -159,6 +154,8 @@ class ValueClient:
         Raises:
             ValueError: A bad key or size, or keys and sizes of different lengths.
             Exception: Whatever the store raised for the whole batch.
+
+        Cancellation: as the store's ``get_blocks``.
         """
         if len(keys) != len(nbytes) or any(int(n) < 1 for n in nbytes):
             raise ValueError("one positive size per key")
@@ -179,8 +176,8 @@ class ValueClient:
         return out
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored (each key answered on its own: a store's ``exists``
-        may stop at the first miss, so the keys after one are probed again)."""
+        """Whether each key is stored (keys after a miss are probed again: a store's
+        ``exists`` may stop at the first one). Cancellation: as the store's."""
         out: list[bool] = []
         rest = list(keys)
         while rest:
@@ -193,5 +190,5 @@ class ValueClient:
         return out
 
     async def delete(self, keys: Sequence[str]) -> None:
-        """Remove the keys (missing ones are ignored)."""
+        """Remove the keys (missing ones are ignored). Cancellation: as the store's."""
         await self.store.delete([validate_key(k) for k in keys])

@@ -1,10 +1,8 @@
 """The in-process memory store: a dictionary of immutable values, optionally bounded.
 
-Values put by a pipeline are kept in the memory they were gathered into (no copy); that
-memory comes from the store's :class:`~kvpipe._staging.ValueMemory`, which reuses the memory of
-values deleted or replaced once nothing refers to them. Values the store must copy (from
-staging it may not keep, such as the CUDA path's pinned staging) are copied into that memory
-too when large; small ones into fresh arrays.
+Values a pipeline gathered for it are kept as they are, in memory from the store's
+:class:`~kvpipe._staging.ValueMemory` (which reuses deleted values' memory); other values are
+copied, into that memory when large.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ Bytes = npt.NDArray[np.uint8]
 
 
 def _copies(values: Sequence[memoryview]) -> list[Bytes]:
-    """One read-only array copy per value (small values: the allocator's memory is mapped)."""
+    """One read-only array copy per value."""
     out = []
     for value in values:
         a = np.frombuffer(value, np.uint8).copy()
@@ -39,9 +37,8 @@ def _copies(values: Sequence[memoryview]) -> list[Bytes]:
 def _copies_into(
     memory: ValueMemory, values: Sequence[memoryview], slot_nbytes: int
 ) -> tuple[StagingLease, list[Bytes]]:
-    """A read-only copy of each value, in memory of the store's own (a deleted value's when
-    one of the same shape is free, which saves the page faults of fresh memory); and the
-    lease of that memory, to be released on the event loop's thread."""
+    """A read-only copy of each value in the store's reusable memory, and that memory's
+    lease (to be released on the event loop's thread)."""
     lease = memory.lease(slot_nbytes, len(values))
     rows = lease.pool.buffer
     out = []
@@ -64,10 +61,8 @@ class MemoryStore(StorageBackend):
     Args:
         capacity_bytes: When set, a put that would exceed it reports ``NO_SPACE`` for the
             blocks that do not fit (nothing is evicted).
-        recycle_bytes: Memory of deleted or replaced values held for new puts to reuse, at
-            most (0: none; default 1 GiB, as much as a pipeline's default staging). It saves
-            new puts the page faults of fresh memory; it is freed when the store is closed
-            or dropped.
+        recycle_bytes: At most this much memory of deleted or replaced values is held for
+            new puts to reuse (0: none); freed when the store is closed or dropped.
     """
 
     name = "memory"
@@ -80,8 +75,7 @@ class MemoryStore(StorageBackend):
             raise ConfigError("recycle_bytes", f"must be >= 0, got {recycle_bytes!r}")
         self._capacity = capacity_bytes
         self._memory = ValueMemory(recycle_bytes)
-        # Values are read-only numpy copies: numpy copies release the GIL (``bytes(view)``
-        # does not), so large copies in a worker thread do not stall the event loop.
+        # Read-only numpy arrays: numpy copies release the GIL (``bytes(view)`` does not).
         self._data: dict[str, Bytes] = {}
         self._residency: dict[str, dict[str, ResidencyEntry]] = {}
         self._bytes = 0
@@ -93,17 +87,15 @@ class MemoryStore(StorageBackend):
         return self._bytes
 
     def value_memory(self, slot_nbytes: int, count: int) -> StagingLease:
-        """Memory for values a put will keep: a deleted value's, when one of the same size
-        is free (thread-safe)."""
+        """Memory for values a put will keep, reused where possible (thread-safe)."""
         return self._memory.lease(slot_nbytes, count)
 
     def keys(self) -> list[str]:
-        """Every stored key (for tests and tools)."""
+        """Every stored key."""
         return list(self._data)
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
-        """Copy every value from staging and store it (see
-        :class:`StorageBackend`).
+        """Store every value, kept or copied (see :class:`StorageBackend`).
 
         Cancellation: nothing of a cancelled call is stored.
         """
@@ -137,7 +129,10 @@ class MemoryStore(StorageBackend):
         return statuses
 
     async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
-        """Copy stored values into the batch's buffers (see :class:`StorageBackend`)."""
+        """Lend or copy stored values into the batch's buffers (see :class:`StorageBackend`).
+
+        Cancellation: buffers may be partly written (a copy in a worker thread runs on).
+        """
         found = [self._data.get(key) for key in batch.keys]
         statuses: list[BlockStatus] = []
         if batch.may_lend:  # values are immutable: lent, not copied
@@ -175,12 +170,12 @@ class MemoryStore(StorageBackend):
         return statuses
 
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
-        """Whether each key is stored."""
+        """Whether each key is stored; a cancelled call answers nothing."""
         await anyio.lowlevel.checkpoint()
         return [validate_key(key) in self._data for key in batch.keys]
 
     async def delete(self, keys: Sequence[str]) -> None:
-        """Remove keys (missing ones are ignored)."""
+        """Remove keys (missing ones are ignored); a cancelled call removes none."""
         await anyio.lowlevel.checkpoint()
         for key in keys:
             value = self._data.pop(validate_key(key), None)
@@ -188,20 +183,20 @@ class MemoryStore(StorageBackend):
                 self._bytes -= len(value)
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
-        """Record where each entry's node holds its block."""
+        """Record where each entry's node holds its block; a cancelled call records none."""
         await anyio.lowlevel.checkpoint()
         for e in entries:
             validate_key(e.key)
             self._residency.setdefault(e.key, {})[e.node_id] = e
 
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
-        """Every node's record for each key."""
+        """Every node's record for each key; a cancelled call answers nothing."""
         await anyio.lowlevel.checkpoint()
         return [tuple(self._residency.get(validate_key(key), {}).values()) for key in keys]
 
     async def aclose(self) -> None:
-        """Free the memory held for reuse, and hold none from now on. The values stay, and
-        the store still answers calls (it has nothing else to close)."""
+        """Free the memory held for reuse and hold none from now on; the values stay, and the
+        store still answers calls. Not a checkpoint (nothing to cancel)."""
         self._memory.clear(hold_more=False)
 
     def statistics(self) -> Mapping[str, float]:

@@ -1,23 +1,11 @@
-"""Mooncake Store: the distributed KV store used across this field, as a kvpipe backend.
+"""Mooncake Store as a kvpipe backend.
 
-Zero-copy: the pipeline's staging memory is registered once (``register_buffer``) and every
-slice moves with ``batch_upsert_from`` / ``batch_get_into`` straight from / into it.
-Vendor calls block (the bindings release the GIL), so they run in worker threads; a slice
-timeout stops the wait, and the staging stays leased until the call returns.
-
-Per-key result codes are translated, never trusted blindly: ``0`` is a stored block,
-``-200`` is ``NO_SPACE``, a get must return exactly the value's size, ``-704`` is
-``MISSING``, any other negative code is ``FAILED``. ``batch_is_exist`` can say "yes" for a key
-whose segment has gone (its client died): a key that then fails to read is not trusted again
-until it is stored anew. ``health_check`` is never used (it reports healthy with the master
-dead). A restarted master has lost every key: lookups fall to 0, there are no stale hits.
-
-The residency index is kept in Mooncake too, as small records under ``kvpipe-res@``: one per
-(block key, node), plus a registry of node ids, so nodes never overwrite each other's records
-(:mod:`._mooncake_index`).
-
-The vendor import happens only here; without the package, :class:`MooncakeStore` raises
-:class:`kvpipe.Unsupported` saying what to install.
+Zero-copy: the staging memory is registered once and every slice moves with
+``batch_upsert_from`` / ``batch_get_into`` straight from / into it, in worker threads. Per-key
+result codes are translated, never trusted blindly, and a key that fails to read is not
+trusted by ``exists`` again until stored anew (see ``docs/backends.md``). The vendor import
+happens only here; without the package, :class:`MooncakeStore` raises
+:class:`kvpipe.Unsupported`.
 """
 
 from __future__ import annotations
@@ -71,8 +59,8 @@ class MooncakeStore(StorageBackend):
         device_name: RDMA device (``""`` for TCP).
         global_segment_size: Bytes this client contributes to the store.
         local_buffer_size: Bytes of the client's local transfer buffer.
-        setup_timeout: Seconds ``open`` may take (the vendor ``setup`` can block ~90 s
-            when no master answers; the master is probed first).
+        setup_timeout: Seconds ``open`` may take (the master is probed first), and each of
+            ``aclose``'s two waits.
         client: An already set-up ``MooncakeDistributedStore`` to use instead (not closed by
             :meth:`aclose`).
 
@@ -104,8 +92,11 @@ class MooncakeStore(StorageBackend):
         self.setup_timeout = setup_timeout
         self._client = client
         self._own_client = client is None
-        if client is None:
-            self._check_installed()  # fail at construction, not at first use
+        if client is None:  # fail at construction, not at first use
+            try:
+                import mooncake.store  # noqa: F401
+            except ImportError:
+                _load_client()
         self._registered: Counter[tuple[int, int]] = Counter()
         self._distrust: OrderedDict[str, None] = OrderedDict()
         self._limiter = anyio.CapacityLimiter(4)
@@ -114,20 +105,13 @@ class MooncakeStore(StorageBackend):
         self._inflight = InFlight(lambda: BackendError(self.name, "call", "the store is closing"))
         self._index = ResidencyIndex(self.name, self._call)
 
-    @staticmethod
-    def _check_installed() -> None:
-        try:
-            import mooncake.store  # noqa: F401
-        except ImportError:
-            _load_client()
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
     async def open(self) -> None:
         """Connect (idempotent): probe the master, then ``setup`` the client.
 
         Raises:
             BackendError: The master does not answer, or ``setup`` fails or times out.
+
+        Cancellation: nothing is kept; a ``setup`` still running is abandoned.
         """
         async with self._open_lock:
             if self._client is not None:
@@ -175,14 +159,12 @@ class MooncakeStore(StorageBackend):
         return self._inflight.closing
 
     async def aclose(self) -> None:
-        """Unregister staging and close the client (if this store created it) — once every
-        vendor call still running (calls whose caller gave up on a timeout) has returned, at
-        most ``setup_timeout`` seconds. Closing the vendor client under a running call crashes
-        the process, so past that the client is left open (and logged), never closed.
+        """Unregister staging and close the client (if this store created it), once every
+        vendor call still running has returned (closing under one crashes the process).
 
-        Unregistering and closing get ``setup_timeout`` seconds more together (the vendor's
-        ``close`` takes ~2 s, and may wait on a master that is gone): past that they are left
-        to finish in their worker thread, logged, and ``aclose`` returns.
+        Timeouts: each wait, for running calls and for unregistering and closing, is bounded
+        by ``setup_timeout``; past it the client is left open, or its close left to finish in
+        a worker thread, logged.
 
         Cancellation: shielded.
         """
@@ -230,9 +212,8 @@ class MooncakeStore(StorageBackend):
             raise BackendError(self.name, getattr(fn, "__name__", "call"), repr(exc)) from exc
 
     async def register_staging(self, buffer: memoryview) -> None:
-        """Register memory values move from or into (staging; a host cache written in
-        place) with the transfer engine. Counted: a buffer registered by several pipelines
-        is registered with the vendor once and unregistered after the last."""
+        """Register memory values move from or into with the transfer engine, counted: once
+        with the vendor however many pipelines register it. Abandoned on cancellation."""
         client = await self._ready()
         region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
         if self._registered[region] == 0:
@@ -242,7 +223,7 @@ class MooncakeStore(StorageBackend):
         self._registered[region] += 1
 
     async def unregister_staging(self, buffer: memoryview) -> None:
-        """Undo one :meth:`register_staging` of ``buffer``."""
+        """Undo one :meth:`register_staging` of ``buffer``. Abandoned on cancellation."""
         region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
         if self._registered[region] <= 0:
             return
@@ -251,8 +232,6 @@ class MooncakeStore(StorageBackend):
             del self._registered[region]
             if self._client is not None:
                 await self._call(self._client.unregister_buffer, region[0])
-
-    # -- blocks ------------------------------------------------------------------------------
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
         """Zero-copy put: ``batch_upsert_from`` the batch's staging buffers (a put of a stored
@@ -276,14 +255,15 @@ class MooncakeStore(StorageBackend):
 
     async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
         """``batch_get_into`` the batch's staging buffers; a key that exists but cannot be
-        read is not trusted by :meth:`exists` again until it is stored anew."""
+        read is not trusted by :meth:`exists` again until it is stored anew.
+
+        Cancellation: the wait stops and the keys are distrusted; the vendor call runs on.
+        """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
         try:
             codes = await self._vendor(batch, client.batch_get_into, keys)
-        except anyio.get_cancelled_exc_class():
-            # The read gave up on these (a slice timeout: a segment owner hanging or gone):
-            # do not count them in lookups again until they are stored anew.
+        except anyio.get_cancelled_exc_class():  # a segment owner hanging or gone
             for key in keys:
                 self._distrust_key(key)
             raise
@@ -322,7 +302,8 @@ class MooncakeStore(StorageBackend):
             self._distrust.popitem(last=False)
 
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
-        """``batch_is_exist``, minus keys that failed to read since they were stored.
+        """``batch_is_exist``, minus keys that failed to read since they were stored; the call
+        is abandoned on cancellation.
 
         Raises:
             BackendError: The call failed or answered with an error code.
@@ -335,7 +316,8 @@ class MooncakeStore(StorageBackend):
         return [c == 1 and k not in self._distrust for k, c in zip(keys, codes, strict=True)]
 
     async def delete(self, keys: Sequence[str]) -> None:
-        """Remove keys (forced: a recent reader's lease does not keep a bad block alive)."""
+        """Remove keys (forced: a recent reader's lease does not keep a bad block alive); the
+        call is abandoned on cancellation and may still remove them."""
         client = await self._ready()
         keys = [validate_key(k) for k in keys]
         codes = await self._call(client.batch_remove, keys, True)
@@ -343,11 +325,9 @@ class MooncakeStore(StorageBackend):
         if failed:
             raise BackendError(self.name, "batch_remove", f"codes {sorted(set(failed))}")
 
-    # -- residency ---------------------------------------------------------------------------
-
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
-        """One small record per (key, node); the node joins the registry of node ids (see
-        :mod:`._mooncake_index`).
+        """One record per (key, node); the node joins the registry of node ids. Vendor calls
+        are abandoned on cancellation.
 
         Raises:
             BackendError: A vendor call failed.
@@ -356,6 +336,7 @@ class MooncakeStore(StorageBackend):
 
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
         """Every node's record for each key (reads the node registry, then the records).
+        Vendor calls are abandoned on cancellation.
 
         Raises:
             BackendError: A vendor call failed.

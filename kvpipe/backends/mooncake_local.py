@@ -1,11 +1,8 @@
 """Run a real Mooncake Store on this machine, on 127.0.0.1 only (tests, demo, ``mooncake-up``).
 
-Starts ``mooncake_http_metadata_server`` and ``mooncake_master`` (from the
-``mooncake-transfer-engine`` wheels) on free loopback ports, waits until both accept
-connections, and stops them by PID. The master's built-in metadata server is not used: it
-binds every interface whatever host it is given.
-
-This module starts processes; it does not import the vendor client (``mooncake.py`` does).
+Starts ``mooncake_http_metadata_server`` and ``mooncake_master`` on free loopback ports and
+stops them by PID. The master's built-in metadata server is not used: it binds every
+interface whatever host it is given.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import final
 
 from .._errors import Unsupported
@@ -31,8 +27,6 @@ _INSTALL_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (CPU hosts; GPU hosts: "
     "mooncake-transfer-engine), and apt-get install libibverbs1"
 )
-
-
 #: Times :meth:`LocalMooncake.start` starts a master that exits before listening.
 _MASTER_STARTS = 3
 
@@ -53,8 +47,7 @@ def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        return int(s.getsockname()[1])
 
 
 def _wait_port(port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
@@ -106,8 +99,7 @@ class LocalMooncake:
         return f"http://127.0.0.1:{self.metadata_port}/metadata"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        try:
+        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as log:
             return subprocess.Popen(
                 [find_binary(name), *args],
                 stdin=subprocess.DEVNULL,
@@ -115,8 +107,6 @@ class LocalMooncake:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        finally:
-            log.close()
 
     def start(self) -> LocalMooncake:
         """Start both processes and wait until they listen.
@@ -135,10 +125,7 @@ class LocalMooncake:
                 try:
                     self.start_master()
                     break
-                except RuntimeError:
-                    # It exited before listening: seen once in a test suite's run, not
-                    # reproduced in 25 starts alone; a port picked free and taken before the
-                    # master bound it is the likely cause. Fresh ports, a few times.
+                except RuntimeError:  # likely a port taken after it was picked: fresh ones
                     if attempt == _MASTER_STARTS - 1:
                         raise
                     self.rpc_port, self.metrics_port = free_port(), free_port()
@@ -184,10 +171,5 @@ class LocalMooncake:
     def __enter__(self) -> LocalMooncake:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()

@@ -1,27 +1,21 @@
 """The file store's catalog: an SQLite database (WAL) under the root, shared by processes.
 
-It holds the residency index of ``flush_index`` and a record of every block (size, parent,
-times) for capacity and eviction. Block *data* lives only in the block files; a file is
-trusted only after its own header and checksum check out.
+It holds the residency index and a record of every block (size, parent, times) for capacity
+and eviction; block data lives only in the block files. A put reserves its bytes in one
+``BEGIN IMMEDIATE`` transaction, evicting prefix tails (blocks no stored block names as
+parent), least recently used first, never the blocks being written or their parent; a block
+that cannot be admitted is refused, and so is every block after it in the batch.
 
-Capacity: before writing, a put reserves its blocks' bytes in one ``BEGIN IMMEDIATE``
-transaction (serialised across processes). When the reservation would exceed the capacity,
-tails of prefixes — blocks no other stored block names as parent — are evicted first, least
-recently used first, never the blocks being written or their parent. A block that cannot be
-admitted is refused, and so is every block after it in the batch (it could never be reached).
+A write transaction on a full disk is rolled back and raises :class:`CatalogFull`. A catalog
+that cannot be opened for writing (SQLite must create its ``-shm`` and ``-wal`` files) is
+opened read-only: lookups work, every write raises :class:`CatalogFull`.
 
-Disk full: the store keeps room for the catalog (see :mod:`._space`), but another process can
-still take it. A write transaction that finds the disk full is rolled back and raises
-:class:`CatalogFull`. A catalog that cannot even be opened for writing (SQLite must create its
-``-shm`` and ``-wal`` files, which needs space) is opened read-only instead: lookups and
-statistics work, every write raises :class:`CatalogFull` until the store is reopened with room.
-
-All methods block; the store calls them from worker threads. Connections are pooled, one per
-thread at a time.
+All methods block; connections are pooled, one per thread at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -30,7 +24,6 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final, final
 from urllib.parse import quote
@@ -166,18 +159,17 @@ class Catalog:
         if self.read_only:
             uri = f"file:{quote(self.path)}?{self.read_only}"
             db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA busy_timeout=30000")
         else:
             db = sqlite3.connect(
                 self.path, timeout=30.0, isolation_level=None, check_same_thread=False
             )
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA busy_timeout=30000")
+        db.execute("PRAGMA busy_timeout=30000")
         self._all.append(db)
         return db
 
-    @contextmanager
+    @contextlib.contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
         try:
             db = self._pool.get_nowait()
@@ -188,11 +180,9 @@ class Catalog:
         finally:
             self._pool.put(db)
 
-    @contextmanager
+    @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        # One writer at a time within this process: SQLite's own busy handler would make
-        # contending threads sleep in growing steps (1, 2, 5 ... 100 ms); other processes
-        # still meet the busy handler.
+        # One writer at a time in this process (SQLite's busy handler sleeps in growing steps).
         if self.read_only:
             raise CatalogFull(errno.ENOSPC, f"catalog opened read-only ({self.read_only})")
         with self._write_lock, self._conn() as db:
@@ -212,11 +202,7 @@ class Catalog:
 
     def close(self) -> None:
         """Close every connection."""
-        while True:
-            try:
-                self._pool.get_nowait()
-            except queue.Empty:
-                break
+        self._pool = queue.SimpleQueue()
         for db in self._all:
             db.close()
         self._all.clear()
@@ -235,9 +221,9 @@ class Catalog:
         """Reserve room for a batch of consecutive blocks (``parent`` precedes ``keys[0]``).
 
         Args:
-            room: Bytes the batch may take on disk (see :func:`._space.room`). Every file is
-                written before it replaces an older one, so each block counts ``nbytes``
-                against it; blocks past it are refused (no eviction).
+            room: Bytes the batch may take on disk (:func:`._space.room`). Each block counts
+                ``nbytes`` against it (a file is written before it replaces an older one);
+                blocks past it are refused, without eviction.
 
         Raises:
             CatalogFull: The disk is full: nothing was reserved.
@@ -331,16 +317,10 @@ class Catalog:
         return released
 
     def touch(self, keys: Sequence[str]) -> None:
-        """Record a read of these blocks (for least-recently-used eviction); skipped when the
-        disk is full (a read must not fail for its bookkeeping)."""
+        """Record a read of these blocks (for LRU eviction); skipped when the disk is full."""
         now = time.time()
-        try:
-            with self._write() as db:
-                db.executemany(
-                    "UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys]
-                )
-        except CatalogFull:
-            pass
+        with contextlib.suppress(CatalogFull), self._write() as db:
+            db.executemany("UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys])
 
     def records(self) -> dict[str, tuple[bool, float, str | None]]:
         """Every block record: key → (ready, created, owner of an unsettled reservation)."""

@@ -1,15 +1,10 @@
 """Direct I/O for block files: page-aligned scratch, the chunks of a direct write, the probe.
 
-With ``O_DIRECT`` a write goes from the caller's memory to the device without a copy into the
-page cache — on a small host that copy, and the page allocations behind it, cost as much CPU
-as the rest of the pipeline. The kernel then needs every buffer address, length and file
-offset to be a multiple of the device's logical block size; 4096 (a page) satisfies every
-device. The store's header is one page; a value whose memory starts on a page boundary (a
-staging slot: see :func:`kvpipe._staging.stride_for`) goes out as its whole pages, and its
-last partial page is copied into a page of zeros — so the file is padded to a page multiple
-(format version 2, :mod:`._format`). Anything else is written through the page cache.
-
-All of this blocks; the store calls it from its worker threads.
+``O_DIRECT`` needs every buffer address, length and file offset to be a multiple of the
+device's logical block size; a page (4096) satisfies every device. The header is one page; a
+value that starts on a page (a staging slot) goes out as its whole pages, its last partial
+page copied into a page of zeros, so the file is padded to whole pages (format version 2).
+Anything else is written through the page cache. Blocking; run in worker threads.
 """
 
 from __future__ import annotations
@@ -74,9 +69,8 @@ class Scratch(threading.local):
         ]
 
     def bounce(self, nbytes: int, offset: int = 0) -> memoryview:
-        """A buffer of ``nbytes`` that starts ``offset`` bytes past a page boundary (this
-        thread's one per offset, the same until a larger one is asked for; valid until
-        then)."""
+        """This thread's buffer of ``nbytes`` starting ``offset`` bytes past a page boundary
+        (one per offset; valid until a larger one is asked for)."""
         have = self._bounce.get(offset)
         if have is None or len(have) < nbytes:
             mem = mmap.mmap(-1, -(-(nbytes + offset) // PAGE) * PAGE)
@@ -115,10 +109,8 @@ def direct_chunks(header: bytes, value: memoryview, pages: Pages) -> list[memory
 
 def read_views(into: memoryview, pages: Pages, direct: bool) -> list[memoryview]:
     """Where one ``preadv`` of a block file goes: the header page, the payload into ``into``,
-    and up to a page more (the padding of a version-2 file; more than that and the count
-    read shows the file too long). With ``direct`` (``into`` accepted by :func:`is_aligned`),
-    the last partial page of the payload lands in the tail page: :func:`finish_read` moves
-    it."""
+    and up to a page of padding (a longer file shows in the count read). With ``direct``,
+    the payload's last partial page lands in the tail page, for :func:`finish_read`."""
     if not direct:
         return [pages.header, into, pages.pad]
     whole = len(into) // PAGE * PAGE
@@ -132,13 +124,10 @@ def finish_read(into: memoryview, pages: Pages, direct: bool) -> None:
         into[whole:] = pages.tail[: len(into) - whole]
 
 
-def probe_direct(dir_fd: int, scratch: Scratch, existing: str = "catalog.sqlite3") -> bool:
+def probe_direct(dir_fd: int, scratch: Scratch) -> bool:
     """Whether the file system under ``dir_fd`` takes page-aligned ``O_DIRECT`` writes (tmpfs
-    before Linux 6.6, for one, refuses to open with it). Leaves nothing behind.
-
-    On a full disk (``ENOSPC``, ``EDQUOT``) nothing can be written: the probe reads the first
-    page of ``existing`` (under ``dir_fd``) with ``O_DIRECT`` instead, and says ``False``
-    when there is no such file. A direct write refused later still turns direct I/O off.
+    before Linux 6.6 does not). Leaves nothing behind. On a full disk it reads the first page
+    of the catalog with ``O_DIRECT`` instead (``False`` when there is none).
 
     Raises:
         OSError: Anything but the file system refusing direct I/O or lacking room
@@ -158,14 +147,13 @@ def probe_direct(dir_fd: int, scratch: Scratch, existing: str = "catalog.sqlite3
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # nothing can be written
-            return _probe_read(dir_fd, existing, scratch)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return _probe_read(dir_fd, "catalog.sqlite3", scratch)
         raise
 
 
 def _probe_read(dir_fd: int, name: str, scratch: Scratch) -> bool:
-    """Whether ``name`` under ``dir_fd`` reads with ``O_DIRECT`` into a page (a full disk's
-    probe); ``False`` when it is missing or is refused."""
+    """Whether ``name`` under ``dir_fd`` reads with ``O_DIRECT`` (missing: ``False``)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)

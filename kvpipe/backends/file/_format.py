@@ -10,13 +10,11 @@ One file per block::
     padding  version 2 only: zero bytes up to the next multiple of 4096 (files written with
              direct I/O, whose lengths must be whole pages); not covered by the checksum
 
-Nothing in a file is ever executed or unpickled: a reader checks the header's own checksum,
-magic, version, lengths and key before it reads a payload byte, and the payload's checksum
-after. The fixed 4 KiB header keeps payloads page-aligned.
+Nothing in a file is ever executed or unpickled: a reader checks the header (its checksum,
+magic, version, lengths, key) before trusting the payload, and the payload's checksum after.
 
-Paths are derived from a hash of the key, never from the key's characters, so no key can name
-a path outside the store: ``blocks/<namespace>/<h[0:2]>/<h>.kvb`` with ``h`` the
-BLAKE2b-128 of the key in hex, and ``namespace`` the key's validated namespace part.
+Paths come from a hash of the key, never its characters, so no key can name a path outside
+the store: ``blocks/<namespace>/<h[0:2]>/<h>.kvb``, ``h`` the BLAKE2b-128 of the key in hex.
 """
 
 from __future__ import annotations
@@ -160,9 +158,7 @@ def key_namespace(key: str) -> str:
 def block_location(key: str) -> tuple[tuple[str, ...], str]:
     """``(directory parts under the root, file name)`` of a key's block file."""
     h = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
-    # One level of 256 shards: they all exist after the first few hundred writes, so a write
-    # almost never has to create a directory; a million blocks make 4096 entries per shard
-    # (ext4 indexes directories, so lookups stay fast).
+    # One level of 256 shards: soon all exist, so a write almost never creates a directory.
     return ("blocks", key_namespace(key), h[0:2]), h + BLOCK_SUFFIX
 
 

@@ -1,19 +1,18 @@
 """Confined, atomic file operations under one root directory (blocking; run in threads).
 
-Every path is walked one component at a time from an open descriptor of the root with
-``O_NOFOLLOW``, so a symbolic link planted anywhere inside the root cannot lead outside it:
-opening through it fails (``ELOOP`` / ``ENOTDIR``). Components are checked against a strict
-pattern, so ``..``, separators and NUL never reach a system call. Files are created ``0600``
-and directories ``0700``.
+Paths are resolved beneath an open descriptor of the root with no symbolic links
+(``openat2``, else one ``O_NOFOLLOW`` component at a time), so no link inside the root leads
+outside it; components must match a strict pattern (no ``..``, separators or NUL). Files are
+created ``0600``, directories ``0700``.
 
 A block is published atomically: written to a temporary file in its final directory,
-flushed (``fdatasync``) per the durability setting, renamed over the final name, and with
-``durability="full"`` the directory is synced too. A reader never sees a partial file under a
-final name.
+``fdatasync``-ed per the durability, renamed over the final name, and with ``"full"`` the
+directory synced. A reader never sees a partial file under a final name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -22,7 +21,6 @@ import secrets
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final, Literal, final
 
@@ -105,10 +103,9 @@ class TempFile:
 
 def still_block(fd: int, st: os.stat_result) -> bool:
     """Whether the block file opened at ``fd`` (``st``: its ``fstat`` right after the open)
-    may be read: a shared lock keeps a writer reusing the file (a deleted block's, see
-    :mod:`._spares`) out while it is read, and its change time, the same after the lock,
-    says it was not deleted and reused between the open and the lock (a rename changes it).
-    ``False``: read it as missing. Where the file system has no locks, ``True``."""
+    may be read: a shared lock keeps a writer reusing it (:mod:`._spares`) out, and an
+    unchanged change time says it was not renamed between the open and the lock. ``False``:
+    read it as missing. ``True`` where the file system has no locks."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -152,7 +149,7 @@ class Root:
         os.close(fd)
         return True
 
-    @contextmanager
+    @contextlib.contextmanager
     def directory(self, parts: Sequence[str], create: bool) -> Iterator[int]:
         """An open descriptor of ``root/parts...`` (created ``0700`` when ``create``).
 
@@ -186,10 +183,8 @@ class Root:
                 except FileNotFoundError:
                     if not create:
                         raise
-                    try:
+                    with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o700, dir_fd=fd)
-                    except FileExistsError:
-                        pass
                     nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
@@ -215,8 +210,8 @@ class Root:
         Args:
             abandoned: Whether the put was abandoned; when it was by the rename, the temporary
                 file is removed and nothing is published.
-            direct: Write with ``O_DIRECT`` (no page cache): every chunk's address and length
-                must then be a multiple of the device's block size (4096 is always enough).
+            direct: Write with ``O_DIRECT``: every chunk's address and length must then be a
+                multiple of the device's block size (4096 is always enough).
 
         Returns:
             ``True`` when published, ``False`` when abandoned.
@@ -251,10 +246,8 @@ class Root:
                     return False
                 os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except BaseException:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=dfd)
-                except FileNotFoundError:
-                    pass
                 raise
             if durability == "full":
                 os.fsync(dfd)
@@ -264,19 +257,16 @@ class Root:
         self, parts: Sequence[str], name: str, views: Sequence[memoryview], direct: bool = False
     ) -> int | None:
         """Read a block file from its start into ``views`` (until they are full or the file
-        ends): four system calls (open, fstat, read, close) in the usual case, as each one
-        costs a worker thread a round trip through the GIL.
+        ends), in as few system calls as possible.
 
         Args:
-            direct: Read what the page cache does not hold with ``O_DIRECT`` (what it holds
-                is copied from it): every view's address and length must then be a multiple
-                of the device's block size.
+            direct: Read what the page cache does not hold with ``O_DIRECT``: every view's
+                address and length must then be a multiple of the device's block size.
 
         Returns:
             The bytes read, or ``None`` when the file does not exist (or no longer is this
-            block: see :func:`still_block`). The caller checks the
-            header and the count (a valid file fills less than ``views`` can hold, so a
-            longer file shows) before trusting what was read.
+            block: :func:`still_block`). The caller checks the header and the count (a valid
+            file fills less than ``views`` can hold) before trusting what was read.
 
         Raises:
             UnsafePath: The file or a directory on its way is a symbolic link.

@@ -1,11 +1,9 @@
 """Reading block files (blocking; the store runs this in its worker threads).
 
-Two ways, one verdict. Where the native reader (:mod:`._fileio`, a C extension built at
-install) is there, a batch of files is read in one call that holds no GIL between its system
-calls — beside a busy event loop, a worker thread that goes back through the GIL after every
-``open``, ``read`` and ``close`` waits at each, and for small blocks that sets the pace.
-Otherwise each file is read through :meth:`Root.read_into`. Either way every file's header,
-size and checksum are checked, and a file that fails is quarantined and reported ``CORRUPT``.
+Where the native reader (:mod:`._fileio`) is built, a batch of files is read in one call
+that releases the GIL throughout; otherwise each file goes through :meth:`Root.read_into`.
+Either way every file's header, size and checksum are checked, and a file that fails is
+quarantined and reported ``CORRUPT``.
 """
 
 from __future__ import annotations
@@ -100,8 +98,8 @@ def read_batch(
     fingerprint: str,
     scratch: Scratch,
 ) -> list[BlockStatus]:
-    """Read and check a batch of block files in one native call (see the module docstring);
-    a file the native reader could not handle its way is read again by :func:`read_one`."""
+    """Read and check a batch of block files in one native call; a file the native reader
+    could not handle is read again by :func:`read_one`."""
     fileio = _native.fileio
     assert fileio is not None
     pages = scratch.pages(len(keys))
@@ -204,9 +202,8 @@ def check_file(
     """Why a block file read as ``raw`` (its header) and ``buf`` (its payload), ``got`` bytes
     in all, cannot be trusted; ``None`` when it can.
 
-    ``payload_ok``: whether the payload hashes to the checksum it is given (the header's),
-    where the reader of the payload hashes it anyway (:class:`~.._base.FetchSink`); by
-    default the payload is hashed here. Called last, once everything else checked out."""
+    ``payload_ok``: checks the payload against the header's checksum, last, where its reader
+    hashes it anyway (a :class:`~.._base.FetchSink`); by default it is hashed here."""
     if got < len(raw):
         return f"file of {got} B, shorter than a header"
     try:

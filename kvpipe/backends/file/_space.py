@@ -1,17 +1,11 @@
-"""A file store on a disk that fills: what room a put may take, and settling its records
-when the catalog cannot grow (blocking; the store runs this in its worker threads).
+"""A file store on a disk that fills: the room a put may take, and settling its records when
+the catalog cannot grow (blocking; the store runs this in its worker threads).
 
-The store stops short of the disk's last bytes: a put may use what ``statvfs`` says an
-ordinary user may still allocate, less :data:`CATALOG_HEADROOM` kept for the catalog (SQLite's
-write-ahead log grows to about 4 MiB between checkpoints). Blocks past that are refused
-``NO_SPACE`` before anything is written, so the catalog can always record what was written
-and the store can be opened again on the full disk.
-
-Another process can still take the last bytes. Then a block file that fails with ``ENOSPC``
-is ``NO_SPACE`` (:mod:`._writes`), a reservation the catalog cannot record refuses the whole
-batch, and settling a batch the catalog cannot record frees space by removing the batch's
-newly published files from its tail until the catalog takes the rest — never a published
-file without its record, nor a record without its file.
+A put may use what ``statvfs`` says an ordinary user may still allocate, less
+:data:`CATALOG_HEADROOM` for the catalog, so the catalog can always record what was written.
+If another process takes the last bytes, settling frees space by removing the batch's newly
+published files from its tail until the catalog takes the rest: never a published file
+without its record, nor a record without its file.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ __all__ = ("CATALOG_HEADROOM", "room", "settle")
 
 log = logging.getLogger("kvpipe.file_store")
 
-#: Free bytes a put leaves on the store's file system for the catalog.
+#: Free bytes a put leaves for the catalog (SQLite's WAL grows to about 4 MiB).
 CATALOG_HEADROOM: Final = 4 << 20
 
 

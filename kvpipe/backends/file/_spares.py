@@ -1,18 +1,11 @@
 """Deleted block files kept for later puts (blocking; the store calls it in its threads).
 
-A new block file costs the file system an inode and fresh data blocks (on ext4, allocating
-the inode was half the processor time of an unsynced put here), and with ``fdatasync`` the
-metadata of the allocation too. So a block deleted (or evicted) is moved aside under a
-temporary name of this process, in its own directory, instead of being removed, and a
-later put of the same file size writes over it, cuts it to length and renames it into
-place: the same atomic publication, without the allocation.
-
-Readers stay safe: the native writer takes the spare only under an exclusive ``flock``
-(skipping it while a reader holds its shared one), and a reader checks after taking its
-lock that the file was not renamed since it opened it (its change time), reading it as
-missing otherwise (:func:`._fs.still_block`). What is held is bounded by ``limit_bytes`` and
-removed when the store closes; spares left by a process that died are temporary files of a
-dead writer, removed by the next open's sweep.
+A deleted (or evicted) block file is moved aside under a temporary name of this process in
+its directory, so a later put writes over it and renames it into place instead of allocating
+a new file (an inode and fresh blocks). Readers stay safe: the native writer takes a spare
+only under an exclusive ``flock``, and a reader reads a file renamed since it opened it as
+missing (:func:`._fs.still_block`). What is held is bounded by ``limit_bytes`` and removed at
+close; a dead process's spares are removed by the next open's sweep.
 """
 
 from __future__ import annotations

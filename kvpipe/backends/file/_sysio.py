@@ -55,9 +55,8 @@ class _OpenHow(ctypes.Structure):
     _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
 
 
-# openat2(2) (Linux >= 5.6) resolves a whole relative path in one call and refuses, in the
-# kernel, any symbolic link (RESOLVE_NO_SYMLINKS) or escape from the directory
-# (RESOLVE_BENEATH). Where it is missing, paths are walked one component at a time.
+# openat2(2) (Linux >= 5.6) resolves a relative path in one call, refusing in the kernel any
+# symbolic link or escape from the directory.
 _SYS_OPENAT2: Final = {"x86_64": 437, "aarch64": 437}.get(platform.machine())
 _RESOLVE: Final = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
 _libc: ctypes.CDLL | None = None
@@ -156,8 +155,8 @@ class _CacheStatRange(ctypes.Structure):
     _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
 
 
-# cachestat(2) (Linux >= 6.5) counts a file's pages in the page cache without reading any in
-# (a read with RWF_NOWAIT that misses starts a read-ahead).
+# cachestat(2) (Linux >= 6.5) counts a file's cached pages without reading any in (a
+# RWF_NOWAIT read that misses starts a read-ahead).
 _SYS_CACHESTAT: Final = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
 _have_cachestat = _SYS_CACHESTAT is not None and sys.platform == "linux"
 
@@ -188,9 +187,8 @@ def all_cached(fd: int, size: int) -> bool:
 
 def read_cached(fd: int, views: list[memoryview], size: int) -> tuple[int, bool]:
     """``preadv`` with ``RWF_NOWAIT`` from offset 0 into ``views``: only what the page cache
-    holds, up to ``size`` bytes (the file's size) or until ``views`` are full. The bytes read,
-    and whether that is all there is to read (rather than the cache running out, or no
-    ``RWF_NOWAIT`` here)."""
+    holds, up to ``size`` bytes (the file's) or until ``views`` are full. The bytes read, and
+    whether that is all there is (not the cache running out, or no ``RWF_NOWAIT`` here)."""
     if not _RWF_NOWAIT:
         return 0, False
     views = [v for v in views if len(v)]

@@ -1,11 +1,9 @@
 """Writing block files (blocking; the store runs this in its worker threads).
 
-As with reads (:mod:`._reads`), two ways to the same files: where the native extension
-(:mod:`._fileio`) is there, a worker thread publishes its share of a batch in one call that
-holds no GIL between system calls (temporary file, write, ``fdatasync``, rename); otherwise,
-or for a file the native call could not publish its way (its shard directory does not exist
-yet, direct I/O refused), each file goes through :meth:`Root.write_atomic`. The header and
-its checksum are made in Python either way.
+Where the native extension (:mod:`._fileio`) is built, a thread publishes its share of a
+batch in one call that releases the GIL throughout; otherwise, or for a file the native call
+could not publish (no shard directory yet, direct I/O refused), each file goes through
+:meth:`Root.write_atomic`. Headers are made in Python either way.
 """
 
 from __future__ import annotations
@@ -124,9 +122,9 @@ def write_batch(
     checksums: Sequence[int | None],
     spares: Sequence[bytes | None],
 ) -> list[BlockStatus]:
-    """Publish a batch of block files in one native call (see the module docstring);
-    ``checksums``: each value's XXH3-64 where the caller computed it already; ``spares``:
-    deleted block files to write over (:mod:`._spares`), each used or removed."""
+    """Publish a batch of block files in one native call. ``checksums``: each value's XXH3-64
+    where known; ``spares``: deleted block files to write over (:mod:`._spares`), each used
+    or removed."""
     fileio = _native.fileio
     assert fileio is not None
     pages = scratch.pages(len(keys))

@@ -1,12 +1,9 @@
 """The file store: kvpipe's embedded default backend.
 
-One file per block under a root directory (see :mod:`._format`), published atomically
-(:mod:`._fs`), verified on every read, confined to the root, with the residency index and the
-block catalog in SQLite (:mod:`._catalog`). Several processes may share one root.
-
-All blocking work runs in worker threads. Writes of a batch are spread over ``threads``
-threads; a cancelled put stops before publishing any block it had not yet renamed into place,
-and the batch's staging stays leased until its threads return.
+One file per block under a root directory (:mod:`._format`), published atomically
+(:mod:`._fs`), verified on every read, confined to the root, with the residency index and
+block catalog in SQLite (:mod:`._catalog`). Several processes may share one root. All
+blocking work runs in worker threads.
 """
 
 from __future__ import annotations
@@ -40,22 +37,10 @@ from .._base import (
 from .._inflight import InFlight
 from ._catalog import Catalog, CatalogFull
 from ._direct import Scratch, is_aligned, probe_direct
-from ._format import (
-    PAGE,
-    block_location,
-    file_nbytes,
-    key_namespace,
-)
+from ._format import PAGE, block_location, file_nbytes, key_namespace
 from ._fs import Durability, Root, owner_token, store_root
 from ._inspect import recover
-from ._reads import (
-    ReadHooks,
-    native_available,
-    read_batch,
-    read_cached,
-    read_one,
-    regular_files,
-)
+from ._reads import ReadHooks, native_available, read_batch, read_cached, read_one, regular_files
 from ._space import room, settle
 from ._spares import Spares
 from ._writes import Abandon, WriteHooks, write_batch, write_one
@@ -84,17 +69,13 @@ class FileStore(StorageBackend):
             (temporary files of dead writers on this host are removed at once).
         scan_on_open: Walk the tree at open: remove stale temporary files, adopt block
             files the catalog does not know, forget records whose file is gone.
-        direct_io: Write block files with ``O_DIRECT``, past the page cache (values of at
-            least 64 KiB that start on a page, as staging slots do), and read with it what
-            the page cache does not hold (a block file it holds is copied from it).
-            ``None`` (default): where the file system allows it, writes only when
-            ``durability`` is not ``"none"`` (unsynced writes go to the page cache), reads
-            in every durability. ``True``: both; opening fails where the file system does
-            not allow it. ``False``: never.
-        spare_bytes: Deleted (and evicted) block files are kept, up to this many bytes, for
-            later puts to write over instead of allocating new files (see
-            :mod:`._spares`); they are removed at :meth:`aclose` and when the disk is full.
-            0: removed at once (as where the C extension was not built).
+        direct_io: Use ``O_DIRECT`` for writes of page-aligned values of at least 64 KiB and
+            for reads of what the page cache does not hold. ``None`` (default): where the
+            file system allows it, reads always, writes unless ``durability`` is ``"none"``.
+            ``True``: both; opening fails where it is not allowed. ``False``: never.
+        spare_bytes: Deleted (and evicted) block files kept, up to this many bytes, for later
+            puts to write over (:mod:`._spares`); removed at :meth:`aclose` and when the
+            disk is full. 0: removed at once (as without the C extension).
 
     Raises:
         TypeError: ``root`` is not a ``str`` or ``os.PathLike[str]``.
@@ -142,7 +123,7 @@ class FileStore(StorageBackend):
         self.direct_io = direct_io
         self._direct = False  # direct writes: decided at open
         self._direct_reads = False  # direct reads (of what the page cache lacks): likewise
-        self._native = False  # batch reads and probes in native code: decided at open
+        self._native = False  # native batch reads, writes and probes: likewise
         self._scratch = Scratch()
         self.spare_bytes = spare_bytes
         self._spares = Spares(0)  # made at open: only the native writer reuses files
@@ -178,8 +159,6 @@ class FileStore(StorageBackend):
     def _open_sync(self) -> None:
         root = Root(self.path)
         try:
-            # Reads go past the page cache only for what it does not hold (see _reads), in
-            # every durability; unsynced writes (durability "none") go through it.
             allowed = self.direct_io is not False and probe_direct(root.fd, self._scratch)
             if self.direct_io and not allowed:
                 raise OSError(errno.EINVAL, "the file system does not allow direct I/O")
@@ -215,9 +194,9 @@ class FileStore(StorageBackend):
         return self._inflight.closing
 
     async def aclose(self, timeout: float = 30.0) -> None:
-        """Close the catalog and the root descriptor, once the worker threads still running
-        (calls whose callers gave up) have finished — at most ``timeout`` seconds; past that
-        the store is left open (logged), never closed under a running thread.
+        """Close the catalog and the root once the worker threads still running (of calls
+        whose callers gave up) have finished; after ``timeout`` seconds the store is left
+        open (logged), never closed under a running thread.
 
         Cancellation: shielded.
         """
@@ -264,16 +243,12 @@ class FileStore(StorageBackend):
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
         """Publish every value as a block file (see :class:`StorageBackend`).
 
-        The whole batch — reserve room, write the files (spread over ``threads`` threads),
-        record them — runs in one worker-thread call, so its bookkeeping completes even when
-        the caller stops waiting.
+        Reserving, writing (over ``threads`` threads) and recording run in one worker-thread
+        call, so the bookkeeping completes even when the caller stops waiting. The header's
+        checksum is ``batch.checksums[i]`` where given, else computed here.
 
-        A value's checksum in its file's header is ``batch.checksums[i]`` where kvpipe gave
-        it (computed while sealing the value), else computed here.
-
-        Cancellation: blocks not yet renamed into place when the call is cancelled are not
-        published (their reservations are released); the staging stays leased until the
-        worker threads return.
+        Cancellation: blocks not yet renamed into place are not published (their
+        reservations are released); the staging stays leased until the threads return.
         """
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
@@ -367,9 +342,8 @@ class FileStore(StorageBackend):
         direct: bool,
         checksums: list[int] | None,
     ) -> list[BlockStatus]:
-        """Publish the admitted blocks: ``threads`` shares on the executor, each in one native
-        call, or file by file through os calls. ``checksums``: each value's XXH3-64, where the
-        caller gave them (the header's, not computed again)."""
+        """Publish the admitted blocks in ``threads`` shares, each in one native call or file
+        by file. ``checksums``: each value's XXH3-64, where the caller gave them."""
         scratch = self._scratch
         sums: list[int | None] = [None] * len(keys)
         if checksums is not None and len(checksums) == len(keys):
@@ -393,8 +367,7 @@ class FileStore(StorageBackend):
         return self._in_shares(share, admitted)
 
     def _in_shares(self, fn: Callable[[list[T]], list[U]], items: list[T]) -> list[U]:
-        """``fn`` over ``threads`` consecutive shares of ``items`` on the executor, the
-        results in order."""
+        """``fn`` over ``threads`` consecutive shares of ``items``, the results in order."""
         pool = self._executor
         if pool is None:
             raise RuntimeError("file store is closed")
@@ -403,8 +376,8 @@ class FileStore(StorageBackend):
         return [r for part in pool.map(fn, shares) for r in part]
 
     def _refuse_direct(self, root: Root, exc: OSError) -> None:
-        """The probe passed but a direct read or write was refused (a stricter device
-        alignment, a file system mounted over part of the root...): stop trying."""
+        """A direct read or write was refused after the probe passed (a stricter alignment,
+        a file system mounted inside the root...): stop trying."""
         if self._direct or self._direct_reads:
             self._direct = self._direct_reads = False
             log.warning(
@@ -416,14 +389,10 @@ class FileStore(StorageBackend):
     async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
         """Read and verify block files into the batch's buffers.
 
-        A file that fails any check (header, key, layout, size, checksum) — or anything that
-        is not a regular file at a block's name — is reported ``CORRUPT`` and moved to
-        ``quarantine/`` (or removed) so later lookups stop before it.
-
-        With ``batch.sink`` (a pipeline's host cache), each file is read into a buffer of the
-        reading thread's and handed to the sink, which computes the payload checksum (with
-        its own trailer's, in one pass) and copies a sound value into the cache; the batch's
-        buffers are then left as they were.
+        A file that fails any check (header, key, layout, size, checksum), or anything but a
+        regular file at a block's name, is ``CORRUPT`` and moved to ``quarantine/`` (or
+        removed). With ``batch.sink``, a file the page cache holds may be handed to the sink
+        instead (which checks and places it), leaving its buffer as it was.
 
         Cancellation: the worker threads run on and the batch's staging stays leased until
         they return (a sink copies nothing once the read that offered it has ended).
@@ -489,13 +458,9 @@ class FileStore(StorageBackend):
         sink: FetchSink,
         part: list[int],
     ) -> list[BlockStatus]:
-        """Read the block files ``part``. A file the page cache holds whole is read on its
-        own into a buffer this thread reuses, at the sink's offset from a page, and handed to
-        ``sink``, which computes the payload checksum (with its own, in one pass) and places
-        the value, in this thread: its bytes are still in the processor's cache then, and
-        copy fastest. The others are read together into their buffers and checked here, as
-        without a sink (``O_DIRECT`` for what is not cached): kvpipe checks and places them
-        afterwards, in its own threads, while these go on reading from the device."""
+        """Read the block files ``part``: each one the page cache holds whole into this
+        thread's bounce buffer, handed to ``sink`` here (its bytes still in the processor's
+        cache); the rest into their buffers as without a sink."""
         scratch = self._scratch
         got: list[BlockStatus | None] = [None] * len(part)
         if self._native:
@@ -516,8 +481,7 @@ class FileStore(StorageBackend):
         fingerprint: str,
         part: list[int],
     ) -> list[BlockStatus]:
-        """Read and check the block files ``part`` into their buffers: in one native call, or
-        file by file through os calls."""
+        """Read and check the block files ``part`` into their buffers."""
         if not self._native:
             return [
                 read_one(hooks, root, keys[i], buffers[i], fingerprint, self._scratch) for i in part
@@ -526,7 +490,9 @@ class FileStore(StorageBackend):
         return read_batch(hooks, root, [keys[i] for i in part], bufs, fingerprint, self._scratch)
 
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
-        """Whether each block file exists, stopping at the first missing one."""
+        """Whether each block file exists, stopping at the first missing one.
+
+        Cancellation: stops waiting at once; the probe's thread runs on (changes nothing)."""
         root, _ = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
 
@@ -544,7 +510,9 @@ class FileStore(StorageBackend):
         return await self._thread(probe)
 
     async def delete(self, keys: Sequence[str]) -> None:
-        """Remove block files and their records."""
+        """Remove block files and their records.
+
+        Cancellation: stops waiting at once; the removal's thread runs on to the end."""
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in keys]
 
@@ -556,14 +524,18 @@ class FileStore(StorageBackend):
         await self._thread(remove)
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
-        """Record residency in the catalog (visible to every process sharing the root)."""
+        """Record residency in the catalog (visible to every process sharing the root).
+
+        Cancellation: stops waiting at once; the write's thread runs on to the end."""
         _, catalog = await self._ready()
         for e in entries:
             validate_key(e.key)
         await self._thread(catalog.put_residency, list(entries))
 
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
-        """Every node's record for each key."""
+        """Every node's record for each key.
+
+        Cancellation: stops waiting at once; the lookup's thread runs on."""
         _, catalog = await self._ready()
         return await self._thread(catalog.get_residency, [validate_key(k) for k in keys])
 
