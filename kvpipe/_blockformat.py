@@ -6,10 +6,9 @@
     trailer   magic "KVPB" | version u16 | flags u16 | payload length u64
               | BLAKE2b-128 of the key (16 B) | XXH3-64 of the payload u64 | reserved (8 B)
 
-The trailer makes every block self-verifying end to end, whatever the backend: a read checks
-that the value is as long as expected, belongs to the key it was fetched under (a store that
-returns the wrong object is caught) and, with checksums on, that no byte changed. A block that
-fails any check is never scattered into the cache.
+Every block is self-verifying whatever the backend: a read checks the value's length, that it
+belongs to the key it was fetched under and, with checksums on, that no byte changed. A block
+that fails any check is never scattered into the cache.
 """
 
 from __future__ import annotations
@@ -62,10 +61,8 @@ def seal_block(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: b
 
 
 def seal_and_digest(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: bool) -> int:
-    """:func:`seal_block`, and return the XXH3-64 of the whole sealed value (payload and
-    trailer) — computed in the same pass over the payload as the trailer's checksum, for a
-    store that keeps a checksum of each value (:attr:`kvpipe.backends.PutBatch.checksums`).
-    """
+    """:func:`seal_block`, and return the XXH3-64 of the whole sealed value, from the same
+    pass over the payload (:attr:`kvpipe.backends.PutBatch.checksums`)."""
     digests = seal_blocks([value], payload_nbytes, [key_digest], checksum, whole=True)
     assert digests is not None
     return digests[0]
@@ -79,11 +76,8 @@ def seal_blocks(
     *,
     whole: bool | None = None,
 ) -> list[int] | None:
-    """Write the trailer of each value (payloads already in place). With ``whole`` (by
-    default: with ``checksum``), also return each whole sealed value's XXH3-64, from the
-    same pass over its payload as the trailer's checksum; else ``None``.
-
-    With the native extension, every value is hashed with the GIL released once.
+    """Write the trailer of each value (payloads already in place). With ``whole`` (default:
+    ``checksum``), also return each whole sealed value's XXH3-64, else ``None``.
 
     Raises:
         ValueError: The key digests do not match the values one for one.
@@ -126,8 +120,7 @@ def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bo
 def check_blocks(
     values: Sequence[Bytes], payload_nbytes: int, key_digests: Sequence[bytes], verify: bool
 ) -> list[str | None]:
-    """:func:`check_block` of each value. With the native extension, the payloads whose
-    trailers are sound are hashed with the GIL released once.
+    """:func:`check_block` of each value.
 
     Raises:
         ValueError: The key digests do not match the values one for one.
@@ -199,12 +192,11 @@ def place_if_sound(
     table: Any,
 ) -> int | None:
     """Check a fetched value and copy it into cache block ``block`` only if it passes, in one
-    call to the native extension that releases the GIL once (the hash, the checks and the
-    copy of every piece): for a store that hands its values to a host cache's sink.
+    GIL-free call to the native extension.
 
-    It passes when the XXH3-64 of all of it is ``checksum`` (what its store recorded) and its
-    trailer is the one :func:`seal_blocks` writes with a checksum for ``key_digest`` — with
-    ``verify``, the payload's own XXH3-64 included.
+    It passes when its whole XXH3-64 is ``checksum`` and its trailer is the one
+    :func:`seal_blocks` writes with a checksum for ``key_digest`` (with ``verify``, the
+    payload's XXH3-64 included).
 
     Args:
         value: The value's bytes.
@@ -218,11 +210,9 @@ def place_if_sound(
             (:attr:`~kvpipe._hostcopy.RowGroups.table`).
 
     Returns:
-        :data:`PLACED` (checked and copied); :data:`WHOLE_MISMATCH` (the value is not what
-        its store wrote: nothing copied); ``None``: nothing copied, and the caller decides
-        the slow way — the extension was not built, or the trailer is not as expected (from
-        another key, or from a writer that recorded no checksum: :func:`check_trailer` says
-        which).
+        :data:`PLACED` (checked and copied); :data:`WHOLE_MISMATCH` (not what its store
+        wrote: nothing copied); ``None``: nothing copied, the caller checks the slow way
+        (no extension, or an unexpected trailer: :func:`check_trailer` says why).
 
     Raises:
         ValueError, IndexError, BufferError: ``rows`` or ``table`` are not what the

@@ -1,14 +1,9 @@
 """KV caches: the caller's tensors, seen by kvpipe as rows of bytes per block.
 
-A :class:`KVCache` wraps one tensor per ``(role, layer)`` in the layout's contract order. It
-keeps the caller's tensors alive and, for the host path, a ``uint8`` view of each one shaped
-``[num_blocks, role_block_nbytes]`` that aliases the tensor's memory (no copy).
-
-Accepted tensors: numpy arrays, Paddle CPU tensors, and any CPU tensor numpy can import
-through DLPack or that exposes ``data_ptr()`` (PyTorch). Device tensors — Paddle GPU tensors,
-PyTorch CUDA tensors, any DLPack tensor on a CUDA device — make a *device cache*: kvpipe keeps
-their base addresses (:attr:`KVCache.pointers`) and moves their blocks with the CUDA engine
-(:mod:`kvpipe.cuda`); it never reads them from the host.
+A :class:`KVCache` keeps one tensor per ``(role, layer)`` in contract order and, for a host
+cache, a ``uint8`` view ``[num_blocks, role_block_nbytes]`` aliasing each (no copy). CUDA
+tensors (Paddle, PyTorch, DLPack) make a *device cache*: only their base addresses are kept
+and the CUDA engine (:mod:`kvpipe.cuda`) moves their blocks.
 """
 
 from __future__ import annotations
@@ -380,14 +375,10 @@ def create_kv_cache(
 def _zeros_on_pages(
     specs: Sequence[tuple[tuple[int, ...], np.dtype[Any]]],
 ) -> list[npt.NDArray[Any]]:
-    """Zeroed arrays of the given ``(shape, dtype)``, each starting a page, in one buffer at
-    equal steps wherever their sizes are equal.
+    """Zeroed arrays of the given ``(shape, dtype)`` in one buffer, each starting on a page.
 
-    On a page: numpy's own arrays start 16 bytes past one, and a copy into memory that is
-    not 64-byte aligned runs ~20 % slower here (32 KiB segments, the copies between a cache
-    and staging): staging slots start on a page. In one buffer: tensors at one stride are
-    copied as one 3-D view per run of blocks (``_hostcopy.RowGroups``) rather than one copy
-    per tensor.
+    Page-aligned like staging slots, so copies between them are aligned; in one buffer at
+    equal steps, so ``_hostcopy.RowGroups`` copies them as one 3-D view per run of blocks.
     """
     sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs]
     steps = [-(-n // _PAGE) * _PAGE for n in sizes]

@@ -1,10 +1,8 @@
 """Device tensors as kvpipe sees them: a device, a base address, a shape, a dtype.
 
-Recognised without importing any framework: Paddle GPU tensors (``place.is_gpu_place()``,
-``data_ptr()``), PyTorch CUDA tensors (``device.type == "cuda"``, ``data_ptr()``) and any
-tensor that speaks DLPack with a CUDA device (``__dlpack_device__``; the address is read
-from the DLPack capsule, which is then released unconsumed). Also here: the framework's
-current stream, which kvpipe records its ordering event on when the caller passes none.
+Recognised without importing any framework: Paddle GPU and PyTorch CUDA tensors (through
+``data_ptr()``) and any DLPack tensor on a CUDA device (the address is read from its capsule,
+released unconsumed). Also the framework's current stream, for ordering when none is passed.
 """
 
 from __future__ import annotations
@@ -197,8 +195,7 @@ def _from_dlpack(t: Any, index: int) -> DeviceTensor:
 
 
 def current_stream(framework: str, ordinal: int) -> int:
-    """The framework's current CUDA stream on device ``ordinal`` (where the model's work is
-    queued), as a ``CUstream`` handle.
+    """The framework's current CUDA stream on device ``ordinal``, as a ``CUstream`` handle.
 
     Raises:
         RequestError: The framework has no notion of a current stream kvpipe knows; pass

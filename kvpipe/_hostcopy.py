@@ -1,13 +1,10 @@
 """The host executor of copy plans: numpy copies between cache rows and staging slots.
 
-These functions block (they copy megabytes); the swapper and reader run them in worker
-threads. numpy releases the GIL while it copies, so the event loop keeps running.
-
-Each numpy copy releases the GIL and takes it back: with one copy per segment (64 for a
-32-layer key/value block) a copy thread waits for the GIL dozens of times per slice, each time
-until the event loop's thread lets go of it. :class:`RowGroups` finds the cache tensors that
-lie at one stride from each other (one buffer, as :func:`~kvpipe.create_kv_cache` allocates)
-and copies each run of blocks as one 3-D view per group of them: one GIL release per run.
+These functions block; the swapper and reader run them in worker threads. Each numpy copy
+releases the GIL and takes it back, so :class:`RowGroups` finds the cache tensors that lie at
+one stride from each other (one buffer, as :func:`~kvpipe.create_kv_cache` allocates) and
+copies each run of blocks as one 3-D view per group: one GIL round trip per run, not per
+segment.
 """
 
 from __future__ import annotations
@@ -55,8 +52,7 @@ class RowGroup:
     rows: npt.NDArray[np.uint8]
 
     def of(self, values: Rows) -> Rows:
-        """The group's bytes of a ``(blocks, value bytes)`` array of values (staging slots),
-        as a ``(count, blocks, nbytes)`` view."""
+        """The group's bytes of ``(blocks, value bytes)`` values, as ``(count, blocks, nbytes)``."""
         cols = values[:, self.offset : self.offset + self.count * self.nbytes]
         view = _as_strided(
             cols, (len(values), self.count, self.nbytes), (values.strides[0], self.nbytes, 1)
@@ -89,9 +85,8 @@ class RowGroups:
 def _group(segments: tuple[CopySegment, ...], rows: Sequence[Rows]) -> tuple[RowGroup, ...]:
     out: list[RowGroup] = []
     addrs = [int(rows[s.tensor].ctypes.data) for s in segments]
-    # Only tensors of one buffer go in one view: over separate allocations, a view's extent
-    # can take in other arrays (staging), and numpy then copies its source to a temporary
-    # "like" it, which overlaps again, until the stack runs out (seen: a segfault in gather).
+    # Only tensors of one buffer go in one view: a view spanning separate allocations can
+    # overlap other arrays (staging), and numpy's overlap handling then recurses to a segfault.
     roots = [_root(rows[s.tensor]) for s in segments]
     i, n = 0, len(segments)
     while i < n:
@@ -164,9 +159,8 @@ def seal_slots(
     digests: Sequence[bytes],
     checksum: bool,
 ) -> list[int] | None:
-    """Write the trailer of every slot (its payload already gathered). With ``checksum``,
-    also return each whole value's XXH3-64, from the same pass over the payload (for a store
-    that keeps one per value: ``PutBatch.checksums``); else ``None``."""
+    """Write the trailer of every slot (payload already gathered); with ``checksum``, also
+    return each whole value's XXH3-64 (``PutBatch.checksums``), else ``None``."""
     return seal_blocks([staging[slot] for slot in slots], payload_nbytes, digests, checksum)
 
 
@@ -183,12 +177,9 @@ def scatter_values(
     cache_blocks: Sequence[int] | npt.NDArray[np.int64],
     rows: Sequence[Rows] | RowGroups,
 ) -> None:
-    """Copy each value's segments into its cache block (``values[i]`` → ``cache_blocks[i]``):
-    the scatter for values that are not in staging (lent by an in-memory store).
-
-    Values that lie at equal steps in one buffer (blocks a store kept from one put) are
-    copied as one 2-D view per group of segments, as staging is; the others block by block.
-    """
+    """Copy ``values[i]`` into cache block ``cache_blocks[i]``: the scatter for values that
+    are not in staging (lent by an in-memory store). Values at equal steps in one buffer are
+    copied as one view per group, as staging is; the others block by block."""
     groups = _groups(segments, rows)
     blocks = np.asarray(cache_blocks, dtype=np.int64)
     for lo, hi, view in _value_runs(values):
@@ -203,14 +194,9 @@ def scatter_values(
 
 
 def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
-    """Split ``values`` into runs ``[lo, hi)`` that lie at one stride, each with a 2-D view
-    of it (``None`` for a run of one, but for a value that is not contiguous: a contiguous
-    copy of it).
-
-    Each row of a view is exactly one value's memory, found by its address (the values of
-    one put that a store kept in one buffer): the view reads nothing else, and is good for
-    as long as the values are.
-    """
+    """Split ``values`` into runs ``[lo, hi)`` at one stride, each with a 2-D view whose rows
+    are exactly its values' memory (``None`` for a run of one; a contiguous copy for a value
+    that is not contiguous)."""
     out: list[tuple[int, int, Rows | None]] = []
     addrs = _addresses(values)
     n = len(values)

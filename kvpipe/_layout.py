@@ -4,9 +4,8 @@ The ordering contract: a cache is a list of tensors, **layer-major**, and within
 roles come in the fixed order ``key, value, key_scale, value_scale, indexer`` (roles a layout
 does not have are left out). Attention kernels index that list as ``caches[2*layer]`` or
 ``caches[4*layer + 2]``, so the order is part of the contract, not an accident of dict order.
-
-A stored block value packs one block of every tensor in that same order, followed by a small
-trailer (see :mod:`kvpipe._blockformat`).
+A stored block value packs one block of every tensor in that same order, then a trailer
+(:mod:`kvpipe._blockformat`).
 """
 
 from __future__ import annotations

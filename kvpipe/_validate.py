@@ -50,8 +50,7 @@ def check_tokens(token_ids: Any) -> Tokens:
         raise RequestError(f"token_ids must be integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise RequestError("token_ids has values above the int64 range")
-    # A private read-only copy: the request never sees later changes to the caller's array,
-    # and nothing kvpipe hands to a backend can change the caller's tokens.
+    # A private read-only copy: neither the caller nor a backend can change the other's.
     tokens = np.array(as_tokens(arr), copy=True)
     if arr.dtype.kind == "i" and int(tokens.min()) < 0:
         raise RequestError(f"token_ids has a negative id at index {int(np.argmin(tokens))}")
@@ -115,8 +114,7 @@ def check_request(
     if not 0 <= start <= end:
         raise RequestError(f"start_block {start} is outside [0, {end}]")
     if len(ids[start:end]):
-        # Range-checked in the ids' own dtype: a uint64 id above the int64 range would wrap
-        # to a negative number in int64 and be reported as one.
+        # Checked in the ids' own dtype: a huge uint64 would wrap negative in int64.
         lo, hi = int(ids[start:end].min()), int(ids[start:end].max())
         if lo < 0 or hi >= num_cache_blocks:
             bad = lo if lo < 0 else hi

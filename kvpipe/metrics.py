@@ -1,14 +1,9 @@
 """Prometheus metrics for pipelines: :class:`PipelineMetrics` (``pip install 'kvpipe[metrics]'``).
 
-Counters and gauges are read from :meth:`Pipeline.statistics` when the registry is scraped,
-so nothing is counted twice and a pipeline pays nothing for them between scrapes. Latency
-histograms are fed by an observer attached to each pipeline
-(:meth:`Pipeline.add_observer`): one ``observe`` per slice's backend call and per call of the
-pipeline. This module is the only one in kvpipe that imports ``prometheus_client``; the
-actors know nothing of it.
-
-Every series carries the labels ``pipeline`` (``namespace/rank`` unless given) and
-``backend`` (the store's name); see ``docs/embedding.md`` ("Metrics") for the list.
+Counters and gauges are read from :meth:`Pipeline.statistics` at scrape time; latency
+histograms are fed by an observer on each pipeline (:meth:`Pipeline.add_observer`). Every
+series carries the labels ``pipeline`` (``namespace/rank`` unless given) and ``backend``;
+see ``docs/embedding.md`` ("Metrics").
 """
 
 from __future__ import annotations
@@ -150,8 +145,6 @@ class PipelineMetrics:
         for label, pipe in items:
             self.add(pipe, label=label)
 
-    # -- which pipelines ---------------------------------------------------------------------
-
     def add(self, pipe: Pipeline, *, label: str | None = None) -> None:
         """Export ``pipe`` too, under ``pipeline=label`` (default ``namespace/rank``).
 
@@ -207,8 +200,6 @@ class PipelineMetrics:
             child.observe(seconds)
 
         return observe
-
-    # -- scraping ----------------------------------------------------------------------------
 
     def exposition(self) -> tuple[bytes, str]:
         """The metrics page of :attr:`registry`: the body and its ``Content-Type``."""

@@ -1,18 +1,10 @@
 """The device path: the only package that imports ``cuda-python`` (lazily, never at import).
 
-* :func:`probe_device` — is a CUDA device usable here? Degrades cleanly where there is no
-  driver (the host path is used and ``statistics()`` says why).
-* :func:`open_cuda_engine` / :class:`CudaEngine` — copies between a device cache and pinned
-  staging with the NVRTC-compiled kernels of ``ext/`` (see ``docs/cuda.md``).
-* :class:`Driver` / :class:`CudaDriver` — the few driver calls it makes, errors translated
-  to :class:`kvpipe.DeviceError`; tests substitute a test double.
-
-Submodules: ``_driver`` (driver interface), ``_nvrtc`` (compile + disk cache), ``_kernels``
-(pure: names, packing, launch shapes, reference implementations), ``_pinned`` (pinned
-buffers), ``_resources`` (ledger, events, scratch), ``_engine``, ``_open``, ``_hostcache``
-(``create_host_cache``). Device tensors and current streams are recognised in the core
-(``kvpipe._device_tensors``: no driver calls). The engine names below load on first use,
-so ``import kvpipe`` stays light.
+:func:`probe_device` says whether a CUDA device is usable (the host path is used otherwise);
+:func:`open_cuda_engine` / :class:`CudaEngine` copy between a device cache and pinned staging
+with the NVRTC-compiled kernels of ``ext/`` (``docs/cuda.md``); :class:`Driver` /
+:class:`CudaDriver` are the driver calls it makes. The engine names load on first use, so
+``import kvpipe`` stays light.
 """
 
 from __future__ import annotations
@@ -76,10 +68,7 @@ class DeviceProbe:
 
 @functools.cache
 def probe_device() -> DeviceProbe:
-    """Probe the CUDA driver once per process. Never raises.
-
-    The ``cuda-python`` import is lazy: it happens here, not when kvpipe is imported.
-    """
+    """Probe the CUDA driver once per process (importing ``cuda-python``). Never raises."""
     try:
         from cuda.bindings import driver
     except ImportError as exc:

@@ -1,15 +1,11 @@
 """The few CUDA driver calls the device path makes, behind one small interface.
 
-:class:`Driver` is what the engine, the pinned allocator and the host cache call; handles and
-addresses are plain ints. :class:`CudaDriver` implements it over ``cuda.bindings.driver``
-(imported lazily, here and nowhere else but :mod:`kvpipe.cuda`) and translates every vendor
-error at this boundary: a failed call raises :class:`kvpipe.DeviceError` naming the call and
-the ``CUresult``; a missing driver raises :class:`kvpipe.Unsupported`. Tests substitute a
-test double (``tests/cuda/fake_driver.py``) through the same interface.
-
-Every method is non-blocking except :meth:`Driver.open`, :meth:`Driver.module_load` and the
-allocation calls, which the engine makes at open and close only (or lazily, once per scratch
-buffer).
+:class:`Driver` takes and returns plain ints for handles and addresses; tests substitute a
+double (``tests/cuda/fake_driver.py``). :class:`CudaDriver` implements it over
+``cuda.bindings.driver`` and translates every vendor error here: a failed call raises
+:class:`kvpipe.DeviceError` naming the call and the ``CUresult``, a missing driver
+:class:`kvpipe.Unsupported`. Only :meth:`Driver.open`, :meth:`Driver.module_load` and the
+allocation calls block; the engine makes them at open, close, or once per scratch buffer.
 """
 
 from __future__ import annotations
@@ -46,8 +42,7 @@ class DeviceInfo:
 
 
 class Driver(abc.ABC):
-    """The driver calls of the device path. Handles (streams, events, modules, functions)
-    and addresses are ints; ``stream=0`` is the legacy default stream.
+    """The driver calls of the device path; ``stream=0`` is the legacy default stream.
 
     Every method raises :class:`kvpipe.DeviceError` when the driver reports an error.
     """
@@ -102,8 +97,7 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def host_alloc(self, nbytes: int) -> int:
-        """``nbytes`` of pinned host memory, portable and mapped into the device's address
-        space (``cuMemHostAlloc(PORTABLE | DEVICEMAP)``); exactly ``nbytes`` are requested."""
+        """Exactly ``nbytes`` of pinned host memory (``cuMemHostAlloc(PORTABLE | DEVICEMAP)``)."""
 
     @abc.abstractmethod
     def host_device_pointer(self, host_ptr: int) -> int:
@@ -168,8 +162,7 @@ class CudaDriver(Driver):
         self._dev: Any = None
 
     def _call(self, name: str, *args: Any) -> Any:
-        """Call ``cu<name>`` and translate its ``CUresult``; returns the outputs (one value
-        unwrapped, several as a tuple, none as ``None``)."""
+        """Call ``cu<name>``, raise on a failed ``CUresult``; its outputs (one unwrapped)."""
         result = getattr(self._cu, name)(*args)
         values = result if isinstance(result, tuple) else (result,)
         err = values[0]
@@ -281,8 +274,7 @@ class CudaDriver(Driver):
     def launch(
         self, function: int, grid: Dim3, block: Dim3, stream: int, params: Sequence[bytes]
     ) -> None:
-        # kernelParams: a void** array whose entries point at each parameter's bytes; the
-        # driver copies them at launch, so the buffers only need to outlive this call.
+        # kernelParams: void* per parameter's bytes, copied by the driver at launch.
         buffers = [ctypes.create_string_buffer(p, len(p)) for p in params]
         pointers = (ctypes.c_void_p * len(buffers))(*(ctypes.addressof(b) for b in buffers))
         self._call(

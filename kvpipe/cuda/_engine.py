@@ -1,22 +1,12 @@
 """The CUDA copy engine: device cache ↔ pinned staging with the kernels of ``ext/``.
 
-One call (a slice's gather or scatter) runs like this, on the engine's stream for its
-direction (device → host and host → device have a stream each, so they overlap):
-
-1. wait for a scratch set (the only point where a cancelled call takes nothing);
-2. ``cuStreamWaitEvent`` on the producer's mark, so no byte is read or written before the
-   work the caller had queued when it called ``write`` / ``read`` has completed;
-3. upload the (cache block, slot) pairs from pinned memory;
-4. the copy path (:func:`._kernels.choose_path`): the gather kernel writing mapped pinned
-   staging directly, or kernel + DMA through device scratch, chunk by chunk (one DMA per run
-   of consecutive slots — a single DMA per chunk when the slots are consecutive);
-5. record the scratch set's event and poll ``cuEventQuery`` until it completes.
-
-Steps 2-5 are shielded: once work is queued the call returns only after it has finished (the
-device is writing the caller's cache or kvpipe's staging). Completion is polled, not awaited
-in a worker thread: a query costs about a microsecond, no thread sits in the driver where it
-cannot be interrupted, and asyncio and trio behave alike. The poll yields for
-``SPIN_SECONDS``, then sleeps with exponential back-off up to ``poll_max`` (docs/cuda.md).
+A call (a slice's gather or scatter) runs on its direction's stream (the two overlap): wait
+for a scratch set (the only point where a cancelled call takes nothing); wait on the
+producer's mark; upload the (cache block, slot) pairs; run the copy path
+(:func:`._kernels.choose_path`); record the scratch set's event and poll it. Everything after
+the scratch wait is shielded: once work is queued the call returns only when it finished.
+Completion is polled (``SPIN_SECONDS`` of yields, then back-off up to ``poll_max``), not
+awaited in a thread that could not be interrupted (``docs/cuda.md``).
 """
 
 from __future__ import annotations
@@ -133,8 +123,6 @@ class CudaEngine(CopyEngine):
         #: Past this (event-loop clock) no wait of this engine goes on: see close_by.
         self._abandon_at: float | None = None
 
-    # -- the copy-engine contract ------------------------------------------------------------
-
     def mark(self, stream: int | None) -> ProducerMark:
         """Record an event on ``stream`` (default: the framework's current stream) now; copies
         given the mark start only after the work queued there before this call.
@@ -181,9 +169,8 @@ class CudaEngine(CopyEngine):
         await self._copy("scatter", plan, lease, after)
 
     def close_by(self, deadline: float) -> None:
-        """Every wait of this engine — copies in flight, the producer's stream, the drain at
-        close — ends by ``deadline``: a wait still pending then raises :class:`DeviceError`,
-        and its staging slots and scratch are retired (never reused or freed)."""
+        """Every wait of this engine ends by ``deadline``: one still pending then raises
+        :class:`DeviceError`; its staging slots and scratch are retired (never reused or freed)."""
         if self._abandon_at is None or deadline < self._abandon_at:
             self._abandon_at = deadline
 
@@ -197,8 +184,7 @@ class CudaEngine(CopyEngine):
                 from now): copies still waiting then are abandoned (see :meth:`close_by`).
 
         Cancellation: shielded, and bounded by ``deadline``. Memory the device may still use
-        (calls not finished by then, streams that do not drain) is leaked rather than freed,
-        and logged.
+        then is leaked rather than freed, and logged.
         """
         if self._closed:
             return
@@ -254,8 +240,6 @@ class CudaEngine(CopyEngine):
     def chunk_blocks(self) -> int:
         """Blocks one scratch data buffer holds (staged paths work in chunks of this)."""
         return self._chunk_blocks
-
-    # -- one call ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
@@ -356,8 +340,8 @@ class CudaEngine(CopyEngine):
         return path
 
     def _dma(self, run: SlotRun, data: int) -> tuple[int, int, int]:
-        """(scratch address, staging address, bytes) of one run: whole slots, except that the
-        last one stops at the end of its payload (the trailer is the host's)."""
+        """(scratch address, staging address, bytes) of one run: whole slots, the last one
+        only to the end of its payload (the trailer is the host's)."""
         nbytes = (run.length - 1) * self._stride + self._payload
         host = self.staging.host_ptr + run.slot_start * self._stride
         return data + run.index * self._stride, host, nbytes
@@ -372,7 +356,7 @@ class CudaEngine(CopyEngine):
         )
 
     async def _wait(self, event: int) -> None:
-        """Until ``event`` has completed: poll, yielding, then backing off (module docstring)."""
+        """Poll until ``event`` has completed: yielding, then backing off."""
         start = time.monotonic()
         delay = POLL_MIN
         while not self._driver.event_query(event):
@@ -385,8 +369,8 @@ class CudaEngine(CopyEngine):
                 delay = min(delay * 2, self.options.poll_max)
 
     async def _recover(self, stream: int, scratch: Scratch, lease: StagingLease) -> None:
-        """After a failure part of the call's work may be queued: wait for the stream before
-        reusing anything; if even that fails, retire the scratch and the lease's slots."""
+        """Wait for the stream after a failure before reusing anything; if even that fails,
+        retire the scratch and the lease's slots."""
         try:
             self._driver.event_record(scratch.done, stream)
             with anyio.fail_after(self.options.drain_timeout):

@@ -1,10 +1,7 @@
 """Host caches in pinned memory, the same size as the device caches (:func:`create_host_cache`).
 
 One pinned allocation per role holds that role's tensors of every layer, each exactly
-``num_blocks * role.block_nbytes`` bytes — the device tensor's size, scales included at the
-layout's 2 bytes per bf16 element (FastDeploy sized host scale buffers at 4 bytes per
-element). The cache's :meth:`~kvpipe.KVCache.free` frees the pinned memory and releases the
-driver context.
+``num_blocks * role.block_nbytes`` bytes (scales at 2 bytes per bf16 element).
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ def create_host_cache(
     layout: CacheLayout, num_blocks: int, *, device_driver: Driver | None = None
 ) -> KVCache:
     """Allocate a zeroed host cache in pinned memory: per role, exactly the bytes of the
-    device cache of the same layout (scales included, 2 bytes per bf16 element).
-
-    Pinned memory needs the CUDA driver; call :meth:`KVCache.free` to release it.
+    device cache of the same layout. :meth:`KVCache.free` frees the pinned memory and
+    releases the driver context.
 
     Args:
         layout: The layout to allocate.

@@ -1,9 +1,7 @@
 """The copy kernels of ``ext/kvpipe_copy.cu``, seen from Python: pure functions only.
 
-Kernel names, parameter packing, the pointer table and pair table bytes, launch shapes, the
-choice of copy path, and a numpy **reference implementation** of each kernel that the test
-double of the driver runs on launch. Nothing here touches a device; every function is
-deterministic and tested directly.
+Kernel names, parameter packing, table bytes, launch shapes, the choice of copy path, and a
+numpy reference implementation of each kernel that the driver's test double runs on launch.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ __all__ = (
     "PAIR_NBYTES",
     "SCATTER",
     "SEGMENT_NBYTES",
-    "SOURCE",
     "THREADS",
     "CopyArgs",
     "CopyPath",
@@ -49,8 +46,6 @@ __all__ = (
 GATHER: Final = "kvpipe_gather_blocks"
 SCATTER: Final = "kvpipe_scatter_blocks"
 KERNELS: Final = (GATHER, SCATTER)
-#: Source file (under ``ext/``) of the kernels.
-SOURCE: Final = "kvpipe_copy.cu"
 
 #: Threads per CTA (matches ``__launch_bounds__(256)``).
 THREADS: Final = 256
@@ -96,8 +91,7 @@ class CopyArgs:
 
 
 def pack_args(args: CopyArgs) -> tuple[bytes, ...]:
-    """Each kernel parameter as the bytes the launch copies (``kernelParams[i]`` points at
-    ``result[i]``)."""
+    """Each kernel parameter's bytes (``kernelParams[i]`` points at ``result[i]``)."""
     return tuple(struct.pack(code, getattr(args, name)) for name, code in _PARAMS)
 
 
@@ -145,8 +139,7 @@ def plan_pairs(plan: CopyPlan) -> IntArray:
 
 
 def dense_pairs(pairs: IntArray, chunk_blocks: int) -> IntArray:
-    """Pairs whose slot is the index inside a chunk of ``chunk_blocks`` (for a kernel that
-    writes into or reads from a device scratch buffer one chunk at a time)."""
+    """Pairs whose slot is the index inside a chunk of ``chunk_blocks`` (device scratch)."""
     out = pairs.copy()
     out[:, 1] = np.arange(len(pairs), dtype=np.int64) % chunk_blocks
     return out
@@ -226,14 +219,9 @@ def choose_path(
 ) -> CopyPath:
     """The path for one call.
 
-    ``auto``: when the staging slots are consecutive, the kernel reads or writes mapped pinned
-    staging directly (one launch, no data DMA); otherwise it goes through device scratch
-    (gather into scratch then DMA per run of slots; DMA into scratch then scatter). On an
-    H200 over PCIe 5 (docs/performance.md) the two paths moved 128 MiB calls at the same
-    speed within the noise (34.5-39.2 GB/s), the mapped one with 4 driver calls per 64 MiB
-    slice instead of 11, and pipeline reads with mapped scatters were faster in 5 of 6
-    alternating runs (by 2-14 %; 0.4 % slower in the sixth). ``mapped`` / ``staged`` force
-    a path (benchmarks); without mapped staging the staged path is used.
+    ``auto``: mapped pinned staging directly when the staging slots are consecutive (as fast,
+    with fewer driver calls: ``docs/cuda.md``), else through device scratch. ``mapped`` /
+    ``staged`` force a path; without mapped staging the staged path is used.
     """
     use_mapped = mapped and (mode == "mapped" or (mode == "auto" and consecutive))
     if direction == "gather":
@@ -263,8 +251,7 @@ def reference_launch(
     """Run one launch of ``kernel`` the way the CUDA code does, CTA by CTA, on ``memory``.
 
     Every access goes through ``memory``, so a double that bounds-checks them checks the
-    kernel's pointer arithmetic. (Threads within a CTA only split the bytes of its chunk
-    among themselves; any CTA size covers the chunk, so the reference copies it whole.)
+    kernel's pointer arithmetic. A CTA's chunk is copied whole (its threads only split it).
 
     Raises:
         ValueError: Unknown kernel or an empty CTA.

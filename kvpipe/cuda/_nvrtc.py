@@ -1,13 +1,9 @@
 """Run-time compilation of the kernels in ``ext/`` with NVRTC, cached on disk.
 
-Kernels are compiled with ``-std=c++17 -Werror=all-warnings`` (every warning is an error; a
-successful compile whose log still mentions a warning is refused too; an NVRTC without the
-option, such as 13.0, compiles without it and only the log check applies) for the device's
-architecture, to CUBIN when NVRTC knows the architecture and to PTX for the newest one it
-knows otherwise (the driver finishes the job). Results are cached under
-``$KVPIPE_KERNEL_CACHE`` or ``$XDG_CACHE_HOME/kvpipe/kernels`` (``~/.cache/kvpipe/kernels``),
-keyed by the source's hash, the architecture, the NVRTC version and the options; files are
-written atomically, so concurrent processes at worst compile twice.
+Warnings are errors (a log that mentions one fails the compile too). Images go to CUBIN for
+an architecture NVRTC knows, else to PTX that the driver finishes. The cache
+(:func:`kernel_cache_dir`) is keyed by the source's hash, the architecture, the NVRTC version
+and the options; files are written atomically, so concurrent processes at worst compile twice.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ __all__ = (
     "target_arch",
 )
 
-#: Warnings as errors. NVRTC 13.0 rejects it as unrecognized (13.5 takes it); without it a
-#: log that mentions a warning still fails the compile.
+#: Warnings as errors; dropped for an NVRTC that does not know it (13.0), the log check stays.
 WERROR: Final = "-Werror=all-warnings"
 #: Options every compile uses (the architecture is added per target).
 OPTIONS: Final = ("-std=c++17", WERROR)
@@ -165,8 +160,7 @@ def compile_source(source: bytes, filename: str, arch: str, kind: Kind = "cubin"
 
 
 def _lacks_werror(nvrtc: Any, err: Any, log: str) -> bool:
-    """Whether NVRTC refused the compile for not knowing :data:`WERROR` (NVRTC 13.0 logs
-    ``unrecognized option -Werror=all-warnings found``)."""
+    """Whether NVRTC refused the compile for not knowing :data:`WERROR`."""
     return err == nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_OPTION and f"option {WERROR}" in log
 
 
@@ -231,16 +225,8 @@ def load_kernels(
     text = src_path.read_bytes()
     version = nvrtc_version()
     arch, kind = target_arch(capability, supported_archs())
-    digest = hashlib.sha256()
-    for part in (
-        text,
-        arch.encode(),
-        kind.encode(),
-        repr(version).encode(),
-        *map(str.encode, OPTIONS),
-    ):
-        digest.update(part)
-        digest.update(b"\0")
+    parts = (text, arch.encode(), kind.encode(), repr(version).encode(), *map(str.encode, OPTIONS))
+    digest = hashlib.sha256(b"".join(part + b"\0" for part in parts))
     directory = cache_dir if cache_dir is not None else kernel_cache_dir()
     path = directory / f"{src_path.stem}-{arch}-{digest.hexdigest()[:32]}.{kind}"
     try:

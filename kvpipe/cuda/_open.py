@@ -37,10 +37,9 @@ def open_cuda_engine(
     driver: Driver | None = None,
     options: CudaOptions | None = None,
 ) -> CudaEngine:
-    """Open the device path for a device cache: retain the device's primary context, load
-    the kernels (compiled by NVRTC, or from the disk cache), create two streams, allocate
-    pinned staging of exactly ``capacity * stride`` bytes (``<= budget``) and upload the
-    pointer table. Blocking (compiles, pins memory): call it from a worker thread.
+    """Open the device path for a device cache: context, kernels, two streams, pinned staging
+    of exactly ``capacity * stride`` bytes (``<= budget``) and the pointer table. Blocking
+    (compiles, pins memory): call it from a worker thread.
 
     Args:
         cache: A device cache (``cache.device == "cuda:N"``).
@@ -141,8 +140,7 @@ async def open_device_path(
     driver: Driver | None,
     probe: DeviceProbe,
 ) -> tuple[CudaEngine, StagingPool]:
-    """The pipeline's device path: :func:`open_cuda_engine` in a worker thread, and a staging
-    pool over the engine's pinned memory.
+    """:func:`open_cuda_engine` in a worker thread, and a staging pool over its pinned memory.
 
     Cancellation: the open is shielded (a half-opened engine is never lost); a cancellation
     is delivered afterwards, and the caller closes the engine.

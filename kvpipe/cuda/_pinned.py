@@ -1,11 +1,9 @@
 """Pinned host memory under an exact byte budget.
 
 A :class:`PinnedBuffer` is one ``cuMemHostAlloc(PORTABLE | DEVICEMAP)`` of exactly the bytes
-asked for — no power-of-two or page rounding by kvpipe — seen by numpy without a copy, and by
-kernels through its mapped device address. It records what was requested and what was
-allocated (equal by construction; both are reported so a test or an operator can check),
-and is freed exactly once. The engine's staging (the pipeline's :class:`StagingPool` buffer,
-registered with backends that want it) and :func:`kvpipe.create_host_cache` use it.
+asked for (no rounding), seen by numpy without a copy and by kernels through its mapped device
+address, and freed exactly once. The engine's staging and :func:`kvpipe.create_host_cache` use
+it.
 """
 
 from __future__ import annotations

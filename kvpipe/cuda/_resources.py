@@ -1,15 +1,10 @@
 """What the CUDA engine owns, and an exact account of it.
 
-* :class:`CudaOptions` — the engine's tuning (paths, scratch size, polling).
-* :class:`Ledger` — every device and pinned allocation the engine makes goes through it, so
-  what is live (and what was freed) is known to the byte.
-* :class:`EventPool` — reusable events; :class:`ProducerMark` — an event recorded on the
-  producer's stream, reference-counted (see :class:`kvpipe._engine.OrderMark`).
-* :class:`ScratchPool` — per-call device scratch: a pair table (device + a pinned host copy
-  to upload from) and, for the staged paths, a data buffer. A call holds one scratch from
-  before it queues work until that work has completed, so concurrent calls never share one
-  (FastDeploy's swap kernel kept global device buffers shared by every call and never freed).
-  The pool is the engine's, bounded by ``limit``, and freed at close.
+:class:`CudaOptions` (tuning); :class:`Ledger` (every device and pinned allocation, known to
+the byte); :class:`EventPool` and :class:`ProducerMark` (an event on the producer's stream,
+reference-counted: :class:`kvpipe._engine.OrderMark`); :class:`ScratchPool` (per-call device
+scratch: a call holds one set from before it queues work until that work has completed, so
+concurrent calls never share one).
 """
 
 from __future__ import annotations
