@@ -283,10 +283,14 @@ class Runtime:
     def _escalate(self, actor: str, exc: BaseException) -> None:
         self._open = False
         self._closed_reason = f"actor {actor!r} crashed repeatedly: {exc!r}"
-        error = PipelineClosed(f"pipeline closed: {self._closed_reason}")
+        self._stop_all(PipelineClosed(f"pipeline closed: {self._closed_reason}"))
+
+    def _stop_all(self, error: PipelineClosed) -> None:
+        """Fail every request in flight, then close the inboxes: every actor leaves its loop
+        once its inbox is empty."""
         for state in list(self._in_flight):
             state.fail(error)
-        if self._outboxes is not None:  # every actor leaves its loop once its inbox is empty
+        if self._outboxes is not None:
             self._outboxes.close()
 
     async def aclose(self) -> None:
@@ -304,11 +308,7 @@ class Runtime:
                 self.engine.close_by(deadline)
             with anyio.move_on_at(deadline):
                 await self._idle.wait()
-            error = PipelineClosed("pipeline closed")
-            for state in list(self._in_flight):
-                state.fail(error)
-            if self._outboxes is not None:
-                self._outboxes.close()
+            self._stop_all(PipelineClosed("pipeline closed"))
             supervisor = self._supervisor
             if supervisor is not None:
                 with anyio.move_on_at(deadline) as waited:
