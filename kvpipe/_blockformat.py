@@ -26,6 +26,7 @@ __all__ = (
     "check_block",
     "check_blocks",
     "check_trailer",
+    "gather_seal_blocks",
     "place_if_sound",
     "seal_and_digest",
     "seal_block",
@@ -103,6 +104,50 @@ def seal_blocks(
             h.update(trailer)
             out.append(h.intdigest())
     return out if whole else None
+
+
+def gather_seal_blocks(
+    rows: Sequence[Any],
+    blocks: npt.NDArray[np.int64],
+    table: Any,
+    values: Sequence[Bytes],
+    payload_nbytes: int,
+    key_digests: Sequence[bytes],
+) -> list[int] | None:
+    """Copy cache block ``blocks[i]`` into ``values[i]`` and seal it with a checksum, each of
+    its pieces hashed right after its copy while still in the processor's cache, in one
+    GIL-free call to the native extension (one memory pass fewer than a gather, then
+    :func:`seal_blocks`).
+
+    Args:
+        rows: The cache's byte rows, 2-D arrays with contiguous rows.
+        blocks: Each value's cache block (``int64``, contiguous).
+        table: ``int64`` triples (row array, offset in the value, bytes) covering the payload
+            (:attr:`kvpipe._hostcopy.RowGroups.table`).
+        values: Where the blocks go (writable, contiguous, at least
+            :func:`value_nbytes` each).
+        payload_nbytes: The payload size.
+        key_digests: Each value's key digest.
+
+    Returns:
+        Each whole sealed value's XXH3-64, as :func:`seal_blocks` with ``checksum`` returns
+        it; ``None`` where the extension is not built (nothing is copied then).
+
+    Raises:
+        ValueError: The key digests or blocks do not match the values one for one, or the
+            table does not fit the rows and payload (before anything is copied).
+    """
+    if native is None:
+        return None
+    if len(key_digests) != len(values):
+        raise ValueError(f"{len(key_digests)} key digests for {len(values)} values")
+    trailers = b"".join(
+        _TRAILER.pack(MAGIC, VERSION, FLAG_CHECKSUM, payload_nbytes, k, 0) for k in key_digests
+    )  # the extension writes each payload's digest at _DIGEST_AT
+    digests: list[int] = native.gather_seal(
+        rows, blocks, table, values, payload_nbytes, trailers, _DIGEST_AT
+    )
+    return digests
 
 
 def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bool) -> str | None:

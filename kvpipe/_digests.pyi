@@ -18,3 +18,13 @@ def check_place(
     table: Any,
     /,
 ) -> int: ...
+def gather_seal(
+    rows: Sequence[Any],
+    blocks: Any,
+    table: Any,
+    values: Sequence[Any],
+    payload_nbytes: int,
+    trailers: bytes,
+    digest_at: int,
+    /,
+) -> list[int]: ...

@@ -7,7 +7,6 @@ on a stream. Both fill staging in the same block-major layout, so what follows i
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable
 from typing import final
 
 import anyio
@@ -70,22 +69,6 @@ class CopyEngine(abc.ABC):
     ) -> None:
         """Staging slots → cache blocks, per ``plan``, after ``after``."""
 
-    async def gather_then(
-        self,
-        plan: CopyPlan,
-        lease: StagingLease,
-        after: OrderMark | None,
-        then: Callable[[], None],
-        run_host: Callable[[Callable[[], None]], Awaitable[None]],
-    ) -> None:
-        """Gather, then run ``then`` — host work on the gathered slots (sealing).
-
-        By default ``then`` runs through ``run_host`` once the copy is done; an engine that
-        copies on the host does both in one worker-thread call (one hop instead of two).
-        """
-        await self.gather(plan, lease, after)
-        await run_host(then)
-
     def mark(self, stream: int | None) -> OrderMark | None:
         """Record now where the producer's work stands, for copies to wait on (host: ``None``).
 
@@ -147,22 +130,6 @@ class HostEngine(CopyEngine):
     ) -> None:
         """See :meth:`CopyEngine.scatter`."""
         await self._run(plan, scatter, plan, lease.pool.buffer, self._rows(plan), hold=lease)
-
-    async def gather_then(
-        self,
-        plan: CopyPlan,
-        lease: StagingLease,
-        after: OrderMark | None,
-        then: Callable[[], None],
-        run_host: Callable[[Callable[[], None]], Awaitable[None]],
-    ) -> None:
-        """See :meth:`CopyEngine.gather_then`: copy and ``then`` in one worker call."""
-
-        def both() -> None:
-            gather(plan, self._rows(plan), lease.pool.buffer)
-            then()
-
-        await self._run(plan, both, hold=lease)
 
     async def _run(self, plan: CopyPlan, fn: object, *args: object, hold: StagingLease) -> None:
         if plan.nbytes <= INLINE_COPY_BYTES:

@@ -16,7 +16,7 @@ from typing import final
 import numpy as np
 import numpy.typing as npt
 
-from ._blockformat import check_blocks, seal_blocks
+from ._blockformat import check_blocks, gather_seal_blocks, seal_blocks
 from ._blockformat import native as _native
 from ._plan import CopyPlan, CopySegment
 
@@ -24,6 +24,7 @@ __all__ = (
     "RowGroup",
     "RowGroups",
     "gather",
+    "gather_sealed",
     "scatter",
     "scatter_values",
     "seal_slots",
@@ -162,6 +163,29 @@ def seal_slots(
     """Write the trailer of every slot (payload already gathered); with ``checksum``, also
     return each whole value's XXH3-64 (``PutBatch.checksums``), else ``None``."""
     return seal_blocks([staging[slot] for slot in slots], payload_nbytes, digests, checksum)
+
+
+def gather_sealed(
+    plan: CopyPlan,
+    rows: RowGroups,
+    staging: Rows,
+    slots: Sequence[int],
+    blocks: npt.NDArray[np.int64],
+    payload_nbytes: int,
+    digests: Sequence[bytes],
+    checksum: bool,
+) -> list[int] | None:
+    """:func:`gather` cache blocks ``blocks`` into ``slots`` (``plan`` maps the one to the
+    other), then :func:`seal_slots` them; with ``checksum`` and the native extension, both in
+    one pass (each piece hashed right after its copy: :func:`gather_seal_blocks`)."""
+    if checksum:
+        values = [staging[slot] for slot in slots]
+        ids = np.ascontiguousarray(blocks, dtype=np.int64)
+        sums = gather_seal_blocks(rows.rows, ids, rows.table, values, payload_nbytes, digests)
+        if sums is not None:
+            return sums
+    gather(plan, rows, staging)
+    return seal_slots(staging, slots, payload_nbytes, digests, checksum)
 
 
 def verify_slots(

@@ -18,6 +18,7 @@ from kvpipe._blockformat import (
     WHOLE_MISMATCH,
     check_block,
     check_blocks,
+    gather_seal_blocks,
     place_if_sound,
     seal_and_digest,
     seal_block,
@@ -316,3 +317,101 @@ def test_place_if_sound_checks_its_arguments_before_copying(hashing: str) -> Non
         _place(_sealed(), _rows(), table=np.zeros(4, np.int64))
     with pytest.raises(ValueError):  # a value shorter than a payload and a trailer
         _place(_sealed()[:-1], _rows())
+
+
+# gather_seal_blocks: one native call copies each block's pieces out of the cache rows into
+# its value and seals it, as a gather then seal_blocks would; without the extension it copies
+# nothing and returns None (the caller gathers and seals apart).
+
+
+def _gather_rows() -> list[np.ndarray]:
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, 256, (3, 40), np.uint8), rng.integers(0, 256, (3, 60), np.uint8)]
+
+
+def _gather_seal(
+    rows: list[np.ndarray], blocks: list[int], table: np.ndarray = TABLE, extra: int = 0
+) -> tuple[list[int] | None, list[np.ndarray]]:
+    values = [np.full(value_nbytes(PAYLOAD) + extra, 0x55, np.uint8) for _ in blocks]
+    ids = np.array(blocks, np.int64)
+    digests = [key_digest(f"ns@0123456789abcdef@0-1@{b:02x}") for b in blocks]
+    return gather_seal_blocks(rows, ids, table, values, PAYLOAD, digests), values
+
+
+def _expected(rows: list[np.ndarray], block: int, table: np.ndarray) -> tuple[int, np.ndarray]:
+    """What a gather then seal_blocks of ``block`` gives: the digest and the value."""
+    value = np.full(value_nbytes(PAYLOAD), 0x55, np.uint8)
+    for which, at, n in table.tolist():
+        value[at : at + n] = rows[which][block]
+    digest = key_digest(f"ns@0123456789abcdef@0-1@{block:02x}")
+    sums = seal_blocks([value], PAYLOAD, [digest], True)
+    assert sums is not None
+    return sums[0], value
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        TABLE,  # back to back from 0: each piece hashed right after its copy
+        np.array([(0, 60, 40), (1, 0, 60)], np.int64),  # out of order: hashed afterwards
+        np.array([(1, 0, 60)], np.int64),  # bytes 60-99 not covered: hashed as they are
+        np.array([(0, 0, 40), (0, 60, 40)], np.int64),  # a gap inside, ending at the payload's end
+    ],
+)
+def test_gather_seal_blocks_matches_a_gather_then_seal(hashing: str, table: np.ndarray) -> None:
+    rows = _gather_rows()
+    sums, values = _gather_seal(rows, [2, 0, 2], table, extra=3)
+    if hashing == "python":
+        assert sums is None and all(bool((v == 0x55).all()) for v in values)
+        return
+    assert sums is not None and len(sums) == 3
+    for block, got, value in zip([2, 0, 2], sums, values, strict=True):
+        want, expected = _expected(rows, block, table)
+        assert got == want
+        assert value[: value_nbytes(PAYLOAD)].tobytes() == expected.tobytes()
+        assert bool((value[value_nbytes(PAYLOAD) :] == 0x55).all())  # past the trailer
+        own = key_digest(f"ns@0123456789abcdef@0-1@{block:02x}")
+        assert check_block(value[: value_nbytes(PAYLOAD)], PAYLOAD, own, True) is None
+
+
+def test_gather_seal_blocks_checks_its_arguments_before_copying(hashing: str) -> None:
+    if hashing == "python":
+        assert _gather_seal(_gather_rows(), [7])[0] is None  # decides nothing
+        return
+    good = (1, 0, 60)
+    wide = np.zeros((3, 80), np.uint8)[:, ::2]  # rows of 40 bytes, every other one
+    cases: list[tuple[list[np.ndarray], list[int], list[tuple[int, int, int]], type[Exception]]] = [
+        (_gather_rows(), [0, 3], [good], IndexError),  # block past the end
+        (_gather_rows(), [-1], [good], IndexError),
+        (_gather_rows(), [0], [good, (2, 60, 40)], ValueError),  # no such row array
+        (_gather_rows(), [0], [good, (0, 70, 40)], ValueError),  # piece past the payload
+        (_gather_rows(), [0], [good, (0, 60, 39)], ValueError),  # narrower than the row
+        ([wide, _gather_rows()[1]], [0], [good, (0, 60, 40)], ValueError),  # not contiguous
+        ([np.zeros(40, np.uint8), _gather_rows()[1]], [0], [good], ValueError),  # not 2-D
+    ]
+    for rows, blocks, table, error in cases:
+        values = [np.full(value_nbytes(PAYLOAD), 0x55, np.uint8) for _ in blocks]
+        with pytest.raises(error):
+            gather_seal_blocks(
+                rows,
+                np.array(blocks, np.int64),
+                np.array(table, np.int64),
+                values,
+                PAYLOAD,
+                [DIGEST] * len(blocks),
+            )
+        assert all(bool((v == 0x55).all()) for v in values)  # not even the first value
+    rows, ids, digests = _gather_rows(), np.array([0, 1], np.int64), [DIGEST, OTHER]
+    value = np.zeros(value_nbytes(PAYLOAD), np.uint8)
+    with pytest.raises(ValueError):  # one block id per value
+        gather_seal_blocks(rows, ids, TABLE, [value], PAYLOAD, digests[:1])
+    with pytest.raises(ValueError):  # one key digest per value
+        gather_seal_blocks(rows, ids, TABLE, [value, value.copy()], PAYLOAD, digests[:1])
+    with pytest.raises(ValueError):  # a value too short for a payload and a trailer
+        gather_seal_blocks(rows, ids[:1], TABLE, [value[:-1]], PAYLOAD, digests[:1])
+    with pytest.raises(ValueError):  # not whole triples
+        gather_seal_blocks(rows, ids[:1], np.zeros(4, np.int64), [value], PAYLOAD, digests[:1])
+    frozen = value.copy()
+    frozen.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):  # a value that cannot be written
+        gather_seal_blocks(rows, ids[:1], TABLE, [frozen], PAYLOAD, digests[:1])

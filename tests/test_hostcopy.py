@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpipe
+import kvpipe._blockformat as blockformat
 from kvpipe import CacheLayout, create_kv_cache
 from kvpipe._blockformat import TRAILER_NBYTES, value_nbytes
 from kvpipe._hostcopy import (
     gather,
+    gather_sealed,
     scatter,
     seal_slots,
     verify_slots,
@@ -190,6 +192,49 @@ def _sealed_staging(
     gather(plan, list(cache.byte_rows), staging)
     seal_slots(staging, slots, layout.block_nbytes, digests, checksum)
     return staging, digests
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize("native", [True, False])
+@settings(max_examples=10, deadline=None)
+@given(pairs=_pairs())
+def test_gather_sealed_matches_a_gather_then_seal(
+    name: str, checksum: bool, native: bool, pairs: tuple[list[int], list[int]]
+) -> None:
+    """One pass where the extension is built, a gather and a seal without it: the same
+    slots, bytes and digests either way, for every layout."""
+    if native and blockformat.native is None:
+        pytest.skip("the native extension kvpipe._digests was not built (no C compiler)")
+    layout = HOST_LAYOUTS[name]()
+    cache = create_kv_cache(layout, CACHE_BLOCKS)
+    fill_random(cache, 3)
+    blocks, slots = pairs
+    digests = [key_digest(f"ns@0123456789abcdef@0-1@{b:032x}") for b in blocks]
+    segments = layout_segments(layout)
+    plan = copy_plan(segments, blocks, slots)
+    want = np.full((SLOTS, _stride(layout)), 0x5A, dtype=np.uint8)
+    _ref_gather(layout, list(cache.byte_rows), want, blocks, slots)
+    want_sums = seal_slots(want, slots, layout.block_nbytes, digests, checksum)
+    got = np.full_like(want, 0x5A)
+    saved = blockformat.native
+    try:
+        if not native:
+            blockformat.native = None
+        sums = gather_sealed(
+            plan,
+            cache.row_groups(segments),
+            got,
+            slots,
+            np.array(blocks, np.int64),
+            layout.block_nbytes,
+            digests,
+            checksum,
+        )
+    finally:
+        blockformat.native = saved
+    assert sums == want_sums
+    assert np.array_equal(got, want)
 
 
 SEAL_SLOTS = [4, 0, 9, 10]

@@ -22,7 +22,7 @@ from .._cache import KVCache
 from .._config import PipelineConfig
 from .._engine import INLINE_COPY_BYTES, CopyEngine
 from .._errors import BackendError
-from .._hostcopy import gather, seal_slots
+from .._hostcopy import gather_sealed, seal_slots
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
 from .._plan import CopySegment, SliceSpec, copy_plan
@@ -108,7 +108,9 @@ class ActorContext:
 
     async def gather_and_seal(self, job: SliceJob) -> None:
         """Gather a write slice's blocks (all layers and roles) into its staging — memory of
-        its own when the store keeps values — and seal each with its trailer.
+        its own when the store keeps values — and seal each with its trailer. On the host,
+        one worker-thread call does both (in one pass over the bytes where it can:
+        :func:`~kvpipe._hostcopy.gather_sealed`).
 
         Not shielded: a gather cut off by cancellation leaves its thread running with its own
         hold on the staging, and the job is dropped, so no half-gathered slot is ever put.
@@ -126,33 +128,43 @@ class ActorContext:
 
             def gather_into_new() -> StagingLease:
                 data = new_values(slot_nbytes, spec.count)
-                gather(plan, rows, data.pool.buffer)
-                seal_slots(data.pool.buffer, data.slots, payload, digests, checksum)
+                buffer, slots = data.pool.buffer, data.slots
+                gather_sealed(plan, rows, buffer, slots, blocks, payload, digests, checksum)
                 return data
 
             job.data = await self.run_copy(plan.nbytes, gather_into_new, hold=job.lease)
-        elif self.engine.name == "host" and spec.count * payload <= INLINE_COPY_BYTES:
-            # Small: gathered and sealed on the event loop without a checkpoint (the put that
-            # follows yields).
+        elif self.host_copies:
             staging = job.lease
             plan = copy_plan(self.segments, blocks, staging.slots)
-            gather(plan, self.cache.row_groups(self.segments), staging.pool.buffer)
-            job.checksums = seal_slots(
-                staging.pool.buffer, staging.slots, payload, digests, checksum
+            args = (
+                plan,
+                self.cache.row_groups(self.segments),
+                staging.pool.buffer,
+                staging.slots,
+                blocks,
+                payload,
+                digests,
+                checksum,
             )
-        else:
+            if plan.nbytes <= INLINE_COPY_BYTES:
+                # Small: on the event loop without a checkpoint (the put that follows yields).
+                job.checksums = gather_sealed(*args)
+            else:
+                job.checksums = await self.run_copy(plan.nbytes, gather_sealed, *args, hold=staging)
+        else:  # a device cache: the engine gathers, then the seal runs on the host
             staging = job.staging
             plan = copy_plan(self.segments, blocks, staging.slots)
-
-            def seal() -> None:
-                job.checksums = seal_slots(
-                    staging.pool.buffer, staging.slots, payload, digests, checksum
-                )
-
-            async def on_host(fn: Callable[[], None]) -> None:
-                await self.run_copy(plan.nbytes if checksum else 0, fn, hold=staging)
-
-            await self.engine.gather_then(plan, staging, state.after, seal, on_host)
+            await self.engine.gather(plan, staging, state.after)
+            job.checksums = await self.run_copy(
+                plan.nbytes if checksum else 0,
+                seal_slots,
+                staging.pool.buffer,
+                staging.slots,
+                payload,
+                digests,
+                checksum,
+                hold=staging,
+            )
         self.metrics.counters["bytes_gathered"] += plan.nbytes
 
     def observe(self, kind: ObservationKind, seconds: float, outcome: str) -> None:
