@@ -114,28 +114,18 @@ def gather_seal_blocks(
     payload_nbytes: int,
     key_digests: Sequence[bytes],
 ) -> list[int] | None:
-    """Copy cache block ``blocks[i]`` into ``values[i]`` and seal it with a checksum, each of
-    its pieces hashed right after its copy while still in the processor's cache, in one
-    GIL-free call to the native extension (one memory pass fewer than a gather, then
-    :func:`seal_blocks`).
-
-    Args:
-        rows: The cache's byte rows, 2-D arrays with contiguous rows.
-        blocks: Each value's cache block (``int64``, contiguous).
-        table: ``int64`` triples (row array, offset in the value, bytes) covering the payload
-            (:attr:`kvpipe._hostcopy.RowGroups.table`).
-        values: Where the blocks go (writable, contiguous, at least
-            :func:`value_nbytes` each).
-        payload_nbytes: The payload size.
-        key_digests: Each value's key digest.
+    """Copy cache block ``blocks[i]`` (its pieces: ``table``'s ``int64`` triples of row array,
+    offset in the value and bytes, :attr:`kvpipe._hostcopy.RowGroups.table`) from the cache
+    ``rows`` into ``values[i]`` and seal it with a checksum, each piece hashed right after its
+    copy while still in the processor's cache, in one GIL-free native call.
 
     Returns:
-        Each whole sealed value's XXH3-64, as :func:`seal_blocks` with ``checksum`` returns
-        it; ``None`` where the extension is not built (nothing is copied then).
+        Each whole sealed value's XXH3-64 (as :func:`seal_blocks` returns it), or ``None``
+        where the extension is not built (nothing is copied then).
 
     Raises:
-        ValueError: The key digests or blocks do not match the values one for one, or the
-            table does not fit the rows and payload (before anything is copied).
+        ValueError: Key digests or blocks not one per value, or a table that does not fit the
+            rows and payload (checked before anything is copied).
     """
     if native is None:
         return None

@@ -70,6 +70,7 @@ class FileBenchConfig:
         request_blocks: Blocks per pipeline request; requests run concurrently.
         store_threads: The file store's ``threads``.
         slice_mib: Slices carry at least this many MiB (and at least 8 blocks).
+        cached_writes: The file store's ``cached_writes``.
     """
 
     sizes: tuple[str, ...] = ("256KiB", "2MiB", "8MiB")
@@ -80,6 +81,7 @@ class FileBenchConfig:
     request_blocks: int = 32
     store_threads: int = FileStore.DEFAULT_THREADS
     slice_mib: int = 8
+    cached_writes: bool = False
 
 
 @final
@@ -139,6 +141,7 @@ async def _bench_size(
                 "durability": durability,
                 "direct_writes": int(statistics.get("direct_writes", 0)),
                 "store_threads": cfg.store_threads,
+                "cached_writes": cfg.cached_writes,
                 "slice_block_num": config.slice_block_num,
                 "request_blocks": cfg.request_blocks,
                 "write": _summary(data.write, WRITERS),
@@ -162,7 +165,12 @@ async def _bench_durability(
     store's statistics."""
     n, round_no = data.n, [0]
     store_root = os.path.join(workdir, "store")
-    store = FileStore(store_root, durability=durability, threads=cfg.store_threads)  # type: ignore[arg-type]
+    store = FileStore(
+        store_root,
+        durability=durability,  # type: ignore[arg-type]
+        threads=cfg.store_threads,
+        cached_writes=cfg.cached_writes,
+    )
     blocks = os.path.join(store_root, "blocks")
 
     async def in_thread(fn: Callable[..., Any], *args: Any) -> float:

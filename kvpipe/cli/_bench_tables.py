@@ -52,8 +52,9 @@ def file_markdown(records: list[dict[str, Any]]) -> list[str]:
         )
         lines += [
             f"Pipeline: requests of {records[0]['request_blocks']} blocks, all in flight at "
-            f"once; slices of {slices} blocks; file store threads={records[0]['store_threads']}; "
-            "checksums on. Ratios are medians of per-round ratios (contenders run interleaved).",
+            f"once; slices of {slices} blocks; file store threads={records[0]['store_threads']}"
+            f"{', cached_writes=True' if records[0].get('cached_writes') else ''}; checksums "
+            "on. Ratios are medians of per-round ratios (contenders run interleaved).",
             "",
         ]
     return lines

@@ -197,6 +197,7 @@ async def _run_scenario(
             directory=args.dir,
             **({"store_threads": args.store_threads} if args.store_threads else {}),
             **({"slice_mib": args.slice_mib} if args.slice_mib else {}),
+            cached_writes=args.cached_writes,
         )
         return await run_filestore_bench(fcfg, tick)
     mcfg = MooncakeBenchConfig(
@@ -338,6 +339,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--dir", default=".", help="file, integration: directory on the disk to measure")
     add("--store-threads", type=int, default=None, help="file: the file store's threads")
+    add(
+        "--cached-writes",
+        action="store_true",
+        help="file: the file store writes through the page cache (FileStore(cached_writes=True))",
+    )
     add(
         "--placement",
         action="append",

@@ -20,7 +20,7 @@ from kvpipe._blockformat import value_nbytes
 from kvpipe._staging import StagingPool
 from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus
-from kvpipe.backends.file import _direct, _fileio, _native
+from kvpipe.backends.file import _direct, _fileio, _native, _sysio
 from kvpipe.backends.file._format import HEADER_NBYTES, PAGE, file_nbytes, unpack_header
 from kvpipe.backends.file._fs import DirectIORefused, Root
 from kvpipe.backends.file._inspect import inspect_store
@@ -124,6 +124,45 @@ async def test_when_direct_io_is_used(
         assert store.statistics().get("direct_writes", 0) == (4 if expected else 0)
     assert version_of(block_file(tmp_path, keys[0])) == (2 if expected else 1)
     assert block_file(tmp_path, keys[0]).stat().st_size == file_nbytes(LARGE, padded=expected)
+
+
+def _cached(path: Path) -> bool | None:
+    """Whether the page cache holds all of ``path`` (``None``: the kernel cannot say)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _sysio.cached_pages(fd) is None:
+            return None
+        return _sysio.all_cached(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("durability", ["data", "full"])
+@pytest.mark.parametrize("cached_writes", [False, True])
+async def test_cached_writes_go_through_the_page_cache_and_stay_there(
+    tmp_path: Path, durability: Any, cached_writes: bool
+) -> None:
+    """cached_writes: large values are written through the page cache (still synced per
+    durability), unpadded, and are still in it afterwards; direct writes leave nothing there."""
+    store = kvpipe.FileStore(tmp_path, durability=durability, cached_writes=cached_writes)
+    async with store, batches() as b:
+        keys, _ = b.keys(4, seed=3)
+        vals = values(4, b.pool.slot_nbytes, 3)
+        assert await b.put(store, keys, vals) == [BlockStatus.OK] * 4
+        assert store.statistics().get("direct_writes", 0) == (0 if cached_writes else 4)
+        cached = [_cached(block_file(tmp_path, k)) for k in keys]
+        statuses, got = await b.get(store, keys)
+        assert statuses == [BlockStatus.OK] * 4 and got == vals
+    assert version_of(block_file(tmp_path, keys[0])) == (1 if cached_writes else 2)
+    size = file_nbytes(LARGE, padded=not cached_writes)
+    assert block_file(tmp_path, keys[0]).stat().st_size == size
+    if cached[0] is not None:  # the kernel tells (cachestat, Linux >= 6.5)
+        assert cached == [cached_writes] * 4
+
+
+def test_cached_writes_and_direct_io_true_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(kvpipe.ConfigError, match="cached_writes"):
+        kvpipe.FileStore(tmp_path, cached_writes=True, direct_io=True)
 
 
 async def test_small_values_go_through_the_page_cache(tmp_path: Path) -> None:

@@ -57,6 +57,16 @@ def test_file_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "pipeline over the file store vs plain file I/O" in capsys.readouterr().out
 
 
+def test_file_bench_with_cached_writes(tmp_path: Path) -> None:
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    args = ["bench", "--sizes", "256KiB", "--mib", "4", "--rounds", "1", "--durability", "data"]
+    args += ["--cached-writes", "--dir", str(tmp_path), "--json", str(out), "--markdown", str(md)]
+    assert main(args) == 0
+    (rec,) = json.loads(out.read_text())["file"]
+    assert rec["cached_writes"] is True and rec["direct_writes"] == 0  # through the cache
+    assert "file store threads=4, cached_writes=True;" in md.read_text()
+
+
 def test_mooncake_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     rc = main(

@@ -76,6 +76,12 @@ class FileStore(StorageBackend):
         spare_bytes: Deleted (and evicted) block files kept, up to this many bytes, for later
             puts to write over (:mod:`._spares`); removed at :meth:`aclose` and when the
             disk is full. 0: removed at once (as without the C extension).
+        cached_writes: Write block files through the page cache where ``direct_io`` would
+            write them directly (``"data"`` and ``"full"`` still ``fdatasync`` each file
+            before publishing it), so that blocks written recently are read back from
+            memory; reads of what the page cache lacks stay direct. Costs a copy into the
+            page cache per write: processor time, where the disk outruns the copies
+            (docs/performance.md, issue 16 ninth look). Not with ``direct_io=True``.
 
     Raises:
         TypeError: ``root`` is not a ``str`` or ``os.PathLike[str]``.
@@ -101,6 +107,7 @@ class FileStore(StorageBackend):
         scan_on_open: bool = True,
         direct_io: bool | None = None,
         spare_bytes: int = 1 << 30,
+        cached_writes: bool = False,
     ) -> None:
         self.path = store_root(root)
         if durability not in _DURABILITIES:
@@ -111,6 +118,8 @@ class FileStore(StorageBackend):
             raise ConfigError("threads", f"must be >= 1, got {threads!r}")
         if spare_bytes < 0:
             raise ConfigError("spare_bytes", f"must be >= 0, got {spare_bytes!r}")
+        if cached_writes and direct_io:
+            raise ConfigError("cached_writes", "direct_io=True writes directly; not both")
         if isinstance(stale_temp_after, bool) or not (
             isinstance(stale_temp_after, int | float) and 0 < stale_temp_after < math.inf
         ):
@@ -121,6 +130,7 @@ class FileStore(StorageBackend):
         self.stale_temp_after = stale_temp_after
         self.scan_on_open = scan_on_open
         self.direct_io = direct_io
+        self.cached_writes = cached_writes
         self._direct = False  # direct writes: decided at open
         self._direct_reads = False  # direct reads (of what the page cache lacks): likewise
         self._native = False  # native batch reads, writes and probes: likewise
@@ -163,7 +173,9 @@ class FileStore(StorageBackend):
             if self.direct_io and not allowed:
                 raise OSError(errno.EINVAL, "the file system does not allow direct I/O")
             self._direct_reads = allowed
-            self._direct = allowed and (self.direct_io or self.durability != "none")
+            self._direct = (
+                allowed and not self.cached_writes and (self.direct_io or self.durability != "none")
+            )
             self._native = native_available() and root.confined_opens()
             self._spares = Spares(self.spare_bytes if self._native else 0)
             catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"), owner_token())
