@@ -217,6 +217,66 @@ static PyObject *addresses(PyObject *self, PyObject *args) {
 }
 
 
+/* The cache rows a copy reads or writes: 2-D byte arrays, each row contiguous. */
+typedef struct {
+    PyObject *seq;
+    Py_buffer *bufs;
+    Py_ssize_t taken; /* buffers held, released by release_rows */
+} Rows;
+
+static void release_rows(Rows *r) {
+    for (Py_ssize_t j = 0; j < r->taken; j++) PyBuffer_Release(&r->bufs[j]);
+    PyMem_Free(r->bufs);
+    Py_XDECREF(r->seq);
+}
+
+/* Take the buffers of `rows_obj` (writable ones with `writable`), each a 2-D byte array with
+ * contiguous rows holding every one of the `nblocks` `blocks`; then check every piece of
+ * `table` (int64 triples: row array, offset, bytes) lies within `limit` bytes of a value and
+ * is as wide as its row, and give piece i's row array start and row stride in base[i] and
+ * stride[i]. Returns 0, or -1 with an exception set (release_rows either way). */
+static int take_rows(Rows *r, PyObject *rows_obj, int writable, const int64_t *blocks,
+                     Py_ssize_t nblocks, const Py_buffer *table, Py_ssize_t limit, char **base,
+                     Py_ssize_t *stride) {
+    r->seq = PySequence_Fast(rows_obj, "rows must be a sequence");
+    if (r->seq == NULL) return -1;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(r->seq);
+    r->bufs = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(Py_buffer));
+    if (r->bufs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    while (r->taken < m) {
+        Py_buffer *b = &r->bufs[r->taken];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(r->seq, r->taken), b,
+                               PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0)) < 0)
+            return -1;
+        r->taken++;
+        if (b->ndim != 2 || b->itemsize != 1 || b->strides[1] != 1) {
+            PyErr_SetString(PyExc_ValueError, "rows must be 2-D byte arrays, each row contiguous");
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < nblocks; i++) {
+            if (blocks[i] < 0 || blocks[i] >= b->shape[0]) {
+                PyErr_SetString(PyExc_IndexError, "block out of range");
+                return -1;
+            }
+        }
+    }
+    const int64_t *t = (const int64_t *)table->buf;
+    for (Py_ssize_t i = 0; i < table->len / (Py_ssize_t)(3 * sizeof(int64_t)); i++) {
+        int64_t which = t[3 * i], at = t[3 * i + 1], len = t[3 * i + 2];
+        if (which < 0 || which >= m || at < 0 || len < 0 || at > limit - len ||
+            len != r->bufs[which].shape[1]) {
+            PyErr_SetString(PyExc_ValueError, "a piece does not fit its value or row");
+            return -1;
+        }
+        base[i] = (char *)r->bufs[which].buf;
+        stride[i] = r->bufs[which].strides[0];
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(check_place_doc,
              "check_place(value, payload_nbytes, checksum, trailer, digest_at, verify, rows,\n"
              "            block, table, /) -> int\n\n"
@@ -241,51 +301,23 @@ static PyObject *check_place(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nKy*npOny*:check_place", &value, &payload, &checksum,
                           &trailer, &digest_at, &verify, &rows_obj, &block, &table))
         return NULL;
-    PyObject *result = NULL, *rows = NULL;
-    Py_buffer *bufs = NULL;
-    Py_ssize_t nbufs = 0;
-    char **dst = NULL;
-    const int64_t *t = (const int64_t *)table.buf;
+    PyObject *result = NULL;
+    Rows rows = {NULL, NULL, 0};
+    const int64_t *t = (const int64_t *)table.buf, at_block = block;
     Py_ssize_t n = table.len / (Py_ssize_t)(3 * sizeof(int64_t));
+    char **dst = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(char *));
+    Py_ssize_t *stride = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(Py_ssize_t));
+    if (dst == NULL || stride == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     if (table.len % (Py_ssize_t)(3 * sizeof(int64_t)) != 0 || payload < 0 ||
         payload > value.len - trailer.len || digest_at < 0 || digest_at + 8 > trailer.len) {
         PyErr_SetString(PyExc_ValueError, "bad table, payload size, trailer or digest offset");
         goto done;
     }
-    rows = PySequence_Fast(rows_obj, "rows must be a sequence");
-    if (rows == NULL) goto done;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(rows);
-    bufs = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(Py_buffer));
-    dst = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(char *));
-    if (bufs == NULL || dst == NULL) {
-        PyErr_NoMemory();
+    if (take_rows(&rows, rows_obj, 1, &at_block, 1, &table, value.len, dst, stride) < 0)
         goto done;
-    }
-    for (; nbufs < m; nbufs++) {
-        Py_buffer *b = &bufs[nbufs];
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(rows, nbufs), b,
-                               PyBUF_STRIDES | PyBUF_WRITABLE) < 0)
-            goto done;
-        if (b->ndim != 2 || b->itemsize != 1 || b->strides[1] != 1) {
-            nbufs++;
-            PyErr_SetString(PyExc_ValueError, "rows must be 2-D byte arrays, each row contiguous");
-            goto done;
-        }
-        if (block < 0 || block >= b->shape[0]) {
-            nbufs++;
-            PyErr_SetString(PyExc_IndexError, "block out of range");
-            goto done;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t which = t[3 * i], at = t[3 * i + 1], len = t[3 * i + 2];
-        if (which < 0 || which >= m || at < 0 || len < 0 || at > value.len - len ||
-            len != bufs[which].shape[1]) {
-            PyErr_SetString(PyExc_ValueError, "a piece does not fit its source or row");
-            goto done;
-        }
-        dst[i] = (char *)bufs[which].buf + block * bufs[which].strides[0];
-    }
     int code = 0;
     const unsigned char *v = value.buf, *want = trailer.buf, *got = v + payload;
     Py_BEGIN_ALLOW_THREADS
@@ -303,14 +335,13 @@ static PyObject *check_place(PyObject *self, PyObject *args) {
         }
     }
     for (Py_ssize_t i = 0; code == 0 && i < n; i++)
-        memcpy(dst[i], v + t[3 * i + 1], (size_t)t[3 * i + 2]);
+        memcpy(dst[i] + block * stride[i], v + t[3 * i + 1], (size_t)t[3 * i + 2]);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLong(code);
 done:
-    for (Py_ssize_t j = 0; j < nbufs; j++) PyBuffer_Release(&bufs[j]);
-    PyMem_Free(bufs);
+    release_rows(&rows);
     PyMem_Free(dst);
-    Py_XDECREF(rows);
+    PyMem_Free(stride);
     PyBuffer_Release(&table);
     PyBuffer_Release(&trailer);
     PyBuffer_Release(&value);
@@ -338,62 +369,43 @@ static PyObject *gather_seal(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Oy*y*Ony*n:gather_seal", &rows_obj, &blocks, &table,
                           &values_obj, &payload, &trailers, &digest_at))
         return NULL;
-    PyObject *result = NULL, *rows = NULL, *seq = NULL;
-    Py_buffer *bufs = NULL, *views = NULL;
-    Py_ssize_t nbufs = 0, n = 0;
-    const char **src = NULL;
-    uint64_t *digests = NULL;
+    PyObject *result = NULL, *seq = NULL;
+    Rows rows = {NULL, NULL, 0};
+    Py_buffer *views = NULL;
+    Py_ssize_t n = 0;
     const int64_t *t = (const int64_t *)table.buf, *ids = (const int64_t *)blocks.buf;
     Py_ssize_t pieces = table.len / (Py_ssize_t)(3 * sizeof(int64_t));
+    char **src = PyMem_Calloc((size_t)(pieces > 0 ? pieces : 1), sizeof(char *));
+    Py_ssize_t *stride = PyMem_Calloc((size_t)(pieces > 0 ? pieces : 1), sizeof(Py_ssize_t));
+    uint64_t *digests = NULL;
+    if (src == NULL || stride == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     seq = PySequence_Fast(values_obj, "values must be a sequence");
     if (seq == NULL) goto done;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     Py_ssize_t tlen = count ? trailers.len / count : 0;
     if (table.len % (Py_ssize_t)(3 * sizeof(int64_t)) != 0 ||
         blocks.len != count * (Py_ssize_t)sizeof(int64_t) || payload < 0 ||
-        (count && trailers.len != tlen * count) || digest_at < 0 || (count && digest_at + 8 > tlen)) {
-        PyErr_SetString(PyExc_ValueError, "bad table, blocks, payload size, trailers or digest offset");
+        (count && trailers.len != tlen * count) || digest_at < 0 ||
+        (count && digest_at + 8 > tlen)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "bad table, blocks, payload size, trailers or digest offset");
         goto done;
     }
-    rows = PySequence_Fast(rows_obj, "rows must be a sequence");
-    if (rows == NULL) goto done;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(rows);
-    bufs = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(Py_buffer));
-    src = PyMem_Calloc((size_t)(pieces > 0 ? pieces : 1), sizeof(char *));
+    if (take_rows(&rows, rows_obj, 0, ids, count, &table, payload, src, stride) < 0) goto done;
     digests = PyMem_Malloc(count ? (size_t)count * sizeof(uint64_t) : 1);
-    if (bufs == NULL || src == NULL || digests == NULL) {
+    if (digests == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (; nbufs < m; nbufs++) {
-        Py_buffer *b = &bufs[nbufs];
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(rows, nbufs), b, PyBUF_STRIDES) < 0)
-            goto done;
-        if (b->ndim != 2 || b->itemsize != 1 || b->strides[1] != 1) {
-            nbufs++;
-            PyErr_SetString(PyExc_ValueError, "rows must be 2-D byte arrays, each row contiguous");
-            goto done;
-        }
-        for (Py_ssize_t i = 0; i < count; i++) {
-            if (ids[i] < 0 || ids[i] >= b->shape[0]) {
-                nbufs++;
-                PyErr_SetString(PyExc_IndexError, "block out of range");
-                goto done;
-            }
-        }
-    }
+    /* one pass (each piece hashed after its copy) where the pieces lie back to back */
     int fused = 1;
     int64_t end = 0;
     for (Py_ssize_t i = 0; i < pieces; i++) {
-        int64_t which = t[3 * i], at = t[3 * i + 1], len = t[3 * i + 2];
-        if (which < 0 || which >= m || at < 0 || len < 0 || at > payload - len ||
-            len != bufs[which].shape[1]) {
-            PyErr_SetString(PyExc_ValueError, "a piece does not fit its row or the payload");
-            goto done;
-        }
-        src[i] = (const char *)bufs[which].buf;
-        if (at != end) fused = 0;
-        end = at + len;
+        if (t[3 * i + 1] != end) fused = 0;
+        end = t[3 * i + 1] + t[3 * i + 2];
     }
     if (end != payload) fused = 0;
     views = get_buffers(seq, &n, payload + tlen, 1);
@@ -405,8 +417,8 @@ static PyObject *gather_seal(PyObject *self, PyObject *args) {
         unsigned char *trailer = value + payload;
         XXH3_64bits_reset(&state);
         for (Py_ssize_t i = 0; i < pieces; i++) {
-            int64_t which = t[3 * i], at = t[3 * i + 1], len = t[3 * i + 2];
-            memcpy(value + at, src[i] + ids[v] * bufs[which].strides[0], (size_t)len);
+            int64_t at = t[3 * i + 1], len = t[3 * i + 2];
+            memcpy(value + at, src[i] + ids[v] * stride[i], (size_t)len);
             if (fused) UPDATE64(&state, value + at, (size_t)len);
         }
         if (!fused) UPDATE64(&state, value, (size_t)payload);
@@ -420,11 +432,10 @@ static PyObject *gather_seal(PyObject *self, PyObject *args) {
     release_buffers(views, n);
     result = to_list(digests, n);
 done:
-    for (Py_ssize_t j = 0; j < nbufs; j++) PyBuffer_Release(&bufs[j]);
-    PyMem_Free(bufs);
-    PyMem_Free((void *)src);
+    release_rows(&rows);
+    PyMem_Free(src);
+    PyMem_Free(stride);
     PyMem_Free(digests);
-    Py_XDECREF(rows);
     Py_XDECREF(seq);
     PyBuffer_Release(&trailers);
     PyBuffer_Release(&table);

@@ -5,7 +5,9 @@ was built) and through python-xxhash, one value at a time."""
 
 from __future__ import annotations
 
+import shutil
 import struct
+import sysconfig
 
 import numpy as np
 import pytest
@@ -33,6 +35,11 @@ NATIVE = blockformat.native
 @pytest.fixture(autouse=True, params=["native", "python"])
 def hashing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "native":
+        if NATIVE is None and sysconfig.get_config_var("CC"):
+            # setup.py builds it with -Werror and optional=True: a warning drops it silently
+            assert shutil.which(str(sysconfig.get_config_var("CC")).split()[0]) is None, (
+                "a C compiler is here but kvpipe._digests was not built (see setup.py)"
+            )
         if NATIVE is None:
             pytest.skip("the native extension kvpipe._digests was not built (no C compiler)")
     else:
