@@ -116,6 +116,19 @@ static PyObject *payload_digests(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* Finish sealing `value`, whose first `payload` bytes `state` has hashed: copy `trailer`
+ * (`tlen` bytes) right after the payload with the payload's digest at byte `digest_at`
+ * (little-endian), and return the XXH3-64 of the whole sealed value. */
+static uint64_t seal_after(XXH3_state_t *state, unsigned char *value, Py_ssize_t payload,
+                           const unsigned char *trailer, Py_ssize_t tlen, Py_ssize_t digest_at) {
+    uint64_t d = XXH3_64bits_digest(state);
+    unsigned char *end = value + payload;
+    memcpy(end, trailer, (size_t)tlen);
+    for (int b = 0; b < 8; b++) end[digest_at + b] = (unsigned char)(d >> (8 * b));
+    UPDATE64(state, end, (size_t)tlen);
+    return XXH3_64bits_digest(state);
+}
+
 PyDoc_STRVAR(seal_doc,
              "seal(values, payload_nbytes, trailers, digest_at, /) -> list[int]\n\n"
              "For each value (writable, C-contiguous): hash its payload (the first\n"
@@ -164,14 +177,10 @@ static PyObject *seal(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned char *value = views[i].buf;
-        unsigned char *trailer = value + payload;
         XXH3_64bits_reset(state);
         UPDATE64(state, value, (size_t)payload);
-        uint64_t d = XXH3_64bits_digest(state);
-        memcpy(trailer, (const unsigned char *)trailers.buf + i * tlen, (size_t)tlen);
-        for (int b = 0; b < 8; b++) trailer[digest_at + b] = (unsigned char)(d >> (8 * b));
-        UPDATE64(state, trailer, (size_t)tlen);
-        digests[i] = XXH3_64bits_digest(state);
+        digests[i] = seal_after(state, value, payload,
+                                (const unsigned char *)trailers.buf + i * tlen, tlen, digest_at);
     }
     Py_END_ALLOW_THREADS
     XXH3_freeState(state);
@@ -414,7 +423,6 @@ static PyObject *gather_seal(PyObject *self, PyObject *args) {
     XXH3_state_t state;
     for (Py_ssize_t v = 0; v < n; v++) {
         unsigned char *value = views[v].buf;
-        unsigned char *trailer = value + payload;
         XXH3_64bits_reset(&state);
         for (Py_ssize_t i = 0; i < pieces; i++) {
             int64_t at = t[3 * i + 1], len = t[3 * i + 2];
@@ -422,11 +430,8 @@ static PyObject *gather_seal(PyObject *self, PyObject *args) {
             if (fused) UPDATE64(&state, value + at, (size_t)len);
         }
         if (!fused) UPDATE64(&state, value, (size_t)payload);
-        uint64_t d = XXH3_64bits_digest(&state);
-        memcpy(trailer, (const unsigned char *)trailers.buf + v * tlen, (size_t)tlen);
-        for (int b = 0; b < 8; b++) trailer[digest_at + b] = (unsigned char)(d >> (8 * b));
-        UPDATE64(&state, trailer, (size_t)tlen);
-        digests[v] = XXH3_64bits_digest(&state);
+        digests[v] = seal_after(&state, value, payload,
+                                (const unsigned char *)trailers.buf + v * tlen, tlen, digest_at);
     }
     Py_END_ALLOW_THREADS
     release_buffers(views, n);

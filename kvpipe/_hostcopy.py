@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from ._blockformat import check_blocks, gather_seal_blocks, seal_blocks
 from ._blockformat import native as _native
-from ._plan import CopyPlan, CopySegment
+from ._plan import CopyPlan, CopySegment, copy_plan
 
 __all__ = (
     "RowGroup",
@@ -166,7 +166,6 @@ def seal_slots(
 
 
 def gather_sealed(
-    plan: CopyPlan,
     rows: RowGroups,
     staging: Rows,
     slots: Sequence[int],
@@ -175,16 +174,16 @@ def gather_sealed(
     digests: Sequence[bytes],
     checksum: bool,
 ) -> list[int] | None:
-    """:func:`gather` cache blocks ``blocks`` into ``slots`` (``plan`` maps the one to the
-    other), then :func:`seal_slots` them; with ``checksum`` and the native extension, both in
-    one pass (each piece hashed right after its copy: :func:`gather_seal_blocks`)."""
+    """Copy cache blocks ``blocks`` into staging ``slots`` and :func:`seal_slots` them: with
+    ``checksum`` and the native extension in one pass (each piece hashed right after its
+    copy: :func:`gather_seal_blocks`), else a :func:`gather`, then the seal."""
     if checksum:
         values = [staging[slot] for slot in slots]
         ids = np.ascontiguousarray(blocks, dtype=np.int64)
         sums = gather_seal_blocks(rows.rows, ids, rows.table, values, payload_nbytes, digests)
         if sums is not None:
             return sums
-    gather(plan, rows, staging)
+    gather(copy_plan(rows.segments, blocks, slots), rows, staging)
     return seal_slots(staging, slots, payload_nbytes, digests, checksum)
 
 

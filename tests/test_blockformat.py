@@ -5,9 +5,7 @@ was built) and through python-xxhash, one value at a time."""
 
 from __future__ import annotations
 
-import shutil
 import struct
-import sysconfig
 
 import numpy as np
 import pytest
@@ -28,6 +26,7 @@ from kvpipe._blockformat import (
     value_nbytes,
 )
 from kvpipe._keys import key_digest
+from tests.helpers import needs_native_digests
 
 NATIVE = blockformat.native
 
@@ -35,13 +34,7 @@ NATIVE = blockformat.native
 @pytest.fixture(autouse=True, params=["native", "python"])
 def hashing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "native":
-        if NATIVE is None and sysconfig.get_config_var("CC"):
-            # setup.py builds it with -Werror and optional=True: a warning drops it silently
-            assert shutil.which(str(sysconfig.get_config_var("CC")).split()[0]) is None, (
-                "a C compiler is here but kvpipe._digests was not built (see setup.py)"
-            )
-        if NATIVE is None:
-            pytest.skip("the native extension kvpipe._digests was not built (no C compiler)")
+        needs_native_digests()
     else:
         monkeypatch.setattr(blockformat, "native", None)
     return str(request.param)

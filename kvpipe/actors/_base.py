@@ -119,44 +119,13 @@ class ActorContext:
         blocks = state.block_ids[spec.first_block : spec.end_block]
         digests = self.digests_of(state, spec)
         payload, checksum = self.payload_nbytes, self.config.verify_checksums
-        if self.keep_values and keeps_own_memory(spec.count, payload):
-            # Allocated in the worker thread: a large allocation on the event loop's thread
-            # would wait behind the page faults of copies running in other threads.
-            plan = copy_plan(self.segments, blocks, list(range(spec.count)))
-            slot_nbytes, rows = self.pool.slot_nbytes, self.cache.row_groups(self.segments)
-            new_values = self.backend.value_memory
-
-            def gather_into_new() -> StagingLease:
-                data = new_values(slot_nbytes, spec.count)
-                buffer, slots = data.pool.buffer, data.slots
-                gather_sealed(plan, rows, buffer, slots, blocks, payload, digests, checksum)
-                return data
-
-            job.data = await self.run_copy(plan.nbytes, gather_into_new, hold=job.lease)
-        elif self.host_copies:
-            staging = job.lease
-            plan = copy_plan(self.segments, blocks, staging.slots)
-            args = (
-                plan,
-                self.cache.row_groups(self.segments),
-                staging.pool.buffer,
-                staging.slots,
-                blocks,
-                payload,
-                digests,
-                checksum,
-            )
-            if plan.nbytes <= INLINE_COPY_BYTES:
-                # Small: on the event loop without a checkpoint (the put that follows yields).
-                job.checksums = gather_sealed(*args)
-            else:
-                job.checksums = await self.run_copy(plan.nbytes, gather_sealed, *args, hold=staging)
-        else:  # a device cache: the engine gathers, then the seal runs on the host
+        nbytes = spec.count * payload
+        if not self.host_copies:  # a device cache: the engine gathers, the host seals
             staging = job.staging
             plan = copy_plan(self.segments, blocks, staging.slots)
             await self.engine.gather(plan, staging, state.after)
             job.checksums = await self.run_copy(
-                plan.nbytes if checksum else 0,
+                nbytes if checksum else 0,
                 seal_slots,
                 staging.pool.buffer,
                 staging.slots,
@@ -165,7 +134,28 @@ class ActorContext:
                 checksum,
                 hold=staging,
             )
-        self.metrics.counters["bytes_gathered"] += plan.nbytes
+        elif self.keep_values and keeps_own_memory(spec.count, payload):
+            # Allocated in the worker thread: a large allocation on the event loop's thread
+            # would wait behind the page faults of copies running in other threads.
+            rows, slot_nbytes = self.cache.row_groups(self.segments), self.pool.slot_nbytes
+            new_values = self.backend.value_memory
+
+            def gather_into_new() -> StagingLease:
+                data = new_values(slot_nbytes, spec.count)
+                buffer, slots = data.pool.buffer, data.slots
+                gather_sealed(rows, buffer, slots, blocks, payload, digests, checksum)
+                return data
+
+            job.data = await self.run_copy(nbytes, gather_into_new, hold=job.lease)
+        else:
+            staging, rows = job.lease, self.cache.row_groups(self.segments)
+            args = (rows, staging.pool.buffer, staging.slots, blocks, payload, digests, checksum)
+            if nbytes <= INLINE_COPY_BYTES:
+                # Small: on the event loop without a checkpoint (the put that follows yields).
+                job.checksums = gather_sealed(*args)
+            else:
+                job.checksums = await self.run_copy(nbytes, gather_sealed, *args, hold=staging)
+        self.metrics.counters["bytes_gathered"] += nbytes
 
     def observe(self, kind: ObservationKind, seconds: float, outcome: str) -> None:
         """Report a timing to the pipeline's observers (nothing to do when there are none)."""

@@ -28,6 +28,7 @@ from tests.backends.test_file_hostile import (
     _source_cache,
     block_file,
 )
+from tests.helpers import needs_native_digests
 
 pytestmark = pytest.mark.usefixtures("file_io")
 
@@ -254,8 +255,8 @@ async def test_cached_values_land_in_every_row_whichever_way_they_are_checked_an
 
     if placing == "python":
         monkeypatch.setattr(_blockformat, "native", None)
-    elif _blockformat.native is None:
-        pytest.skip("the native extension kvpipe._digests was not built (no C compiler)")
+    else:
+        needs_native_digests()
     monkeypatch.setattr(_rowsink, "place_if_sound", counted)
     root = tmp_path / "store"
     src = _source_cache()
