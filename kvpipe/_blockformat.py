@@ -214,10 +214,12 @@ def check_trailer(
 PLACED: Final = 0
 WHOLE_MISMATCH: Final = 1
 _TRAILER_DIFFERS: Final = 2
+#: A mapped value could not be read (its file shrank, or a page of it failed).
+UNREADABLE: Final = 3
 
 
 def place_if_sound(
-    value: Bytes,
+    value: Bytes | memoryview,
     payload_nbytes: int,
     checksum: int,
     key_digest: bytes,
@@ -225,6 +227,7 @@ def place_if_sound(
     rows: Sequence[Any],
     block: int,
     table: Any,
+    mapped: bool = False,
 ) -> int | None:
     """Check a fetched value and copy it into cache block ``block`` only if it passes, in one
     GIL-free call to the native extension.
@@ -243,11 +246,14 @@ def place_if_sound(
         block: The cache block to copy into.
         table: int64 triples (row array index, offset in the value, bytes)
             (:attr:`~kvpipe._hostcopy.RowGroups.table`).
+        mapped: ``value`` maps a file: a read of it that faults (the file shrank, or a
+            page of it could not be read) is caught, and the block may then hold part of it.
 
     Returns:
         :data:`PLACED` (checked and copied); :data:`WHOLE_MISMATCH` (not what its store
-        wrote: nothing copied); ``None``: nothing copied, the caller checks the slow way
-        (no extension, or an unexpected trailer: :func:`check_trailer` says why).
+        wrote: nothing copied); :data:`UNREADABLE` (``mapped`` only); ``None``: nothing
+        copied, the caller checks the slow way (no extension, or an unexpected trailer:
+        :func:`check_trailer` says why).
 
     Raises:
         ValueError, IndexError, BufferError: ``rows`` or ``table`` are not what the
@@ -257,7 +263,7 @@ def place_if_sound(
         return None
     trailer = _TRAILER.pack(MAGIC, VERSION, FLAG_CHECKSUM, payload_nbytes, key_digest, 0)
     code: int = native.check_place(
-        value, payload_nbytes, checksum, trailer, _DIGEST_AT, verify, rows, block, table
+        value, payload_nbytes, checksum, trailer, _DIGEST_AT, verify, rows, block, table, mapped
     )
     return None if code == _TRAILER_DIFFERS else code
 

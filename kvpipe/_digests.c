@@ -18,6 +18,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -286,9 +288,94 @@ static int take_rows(Rows *r, PyObject *rows_obj, int writable, const int64_t *b
     return 0;
 }
 
+/* A value that maps a file (check_place with `mapped`) faults with SIGBUS where the file has
+ * shrunk since it was mapped, or a page of it cannot be read: the thread reading it jumps back
+ * to check_place instead of the process dying. Any other SIGBUS goes to the handler there was
+ * before (or the default action) when the faulting instruction runs again. */
+static _Thread_local sigjmp_buf *bus_jump;
+static struct sigaction bus_before;
+static volatile sig_atomic_t bus_guarded;
+
+static void on_bus(int sig, siginfo_t *info, void *context) {
+    (void)sig, (void)info, (void)context;
+    sigjmp_buf *jump = bus_jump;
+    if (jump != NULL) {
+        bus_jump = NULL;
+        siglongjmp(*jump, 1);
+    }
+    sigaction(SIGBUS, &bus_before, NULL);
+    bus_guarded = 0; /* the next check_place with `mapped` puts it back */
+}
+
+static int guard_bus(void) {
+    if (!bus_guarded) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = on_bus;
+        sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+        sigemptyset(&sa.sa_mask);
+        if (sigaction(SIGBUS, &sa, &bus_before) != 0) return -1;
+        bus_guarded = 1;
+    }
+    return 0;
+}
+
+/* Whether the trailer `got` (len bytes) matches `want` but for the 8 bytes at digest_at,
+ * which with `verify` must hold `digest` (little-endian): 0, or 2 where it does not. */
+static int trailer_differs(const unsigned char *got, const unsigned char *want, Py_ssize_t len,
+                           Py_ssize_t digest_at, int verify, uint64_t digest) {
+    for (Py_ssize_t b = 0; b < len; b++) {
+        if (b >= digest_at && b < digest_at + 8) {
+            if (verify && got[b] != (unsigned char)(digest >> (8 * (b - digest_at)))) return 2;
+        } else if (got[b] != want[b]) {
+            return 2;
+        }
+    }
+    return 0;
+}
+
+/* What check_place checks and copies. */
+typedef struct {
+    const unsigned char *v; /* the value, len bytes: payload, then trailer */
+    Py_ssize_t len, payload, digest_at, block, n;
+    uint64_t checksum;
+    const Py_buffer *trailer;
+    int verify;
+    char **dst;
+    const Py_ssize_t *stride;
+    const int64_t *t; /* n pieces */
+} Place;
+
+/* check_place's work: the value checked, then copied only if it passes (0, 1 or 2). */
+static int place(const Place *p) {
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    UPDATE64(&state, p->v, (size_t)p->payload);
+    uint64_t digest = XXH3_64bits_digest(&state);
+    UPDATE64(&state, p->v + p->payload, (size_t)(p->len - p->payload));
+    if (XXH3_64bits_digest(&state) != p->checksum) return 1;
+    if (trailer_differs(p->v + p->payload, p->trailer->buf, p->trailer->len, p->digest_at,
+                        p->verify, digest))
+        return 2;
+    for (Py_ssize_t i = 0; i < p->n; i++)
+        memcpy(p->dst[i] + p->block * p->stride[i], p->v + p->t[3 * i + 1],
+               (size_t)p->t[3 * i + 2]);
+    return 0;
+}
+
+/* place() under the SIGBUS guard: 3 where reading the value faulted. */
+static int place_guarded(const Place *p) {
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0) != 0) return 3; /* on_bus jumped here and cleared bus_jump */
+    bus_jump = &jump;
+    int code = place(p);
+    bus_jump = NULL;
+    return code;
+}
+
 PyDoc_STRVAR(check_place_doc,
              "check_place(value, payload_nbytes, checksum, trailer, digest_at, verify, rows,\n"
-             "            block, table, /) -> int\n\n"
+             "            block, table, mapped=False, /) -> int\n\n"
              "Check a fetched value and, only when it passes, copy its pieces into cache block\n"
              "`block`, all with the GIL released once. It passes when its XXH3-64 (all of\n"
              "it) is `checksum` and the len(trailer) bytes after its first `payload_nbytes`\n"
@@ -298,17 +385,20 @@ PyDoc_STRVAR(check_place_doc,
              "value[offset:offset+bytes] goes to rows[index][block], whose width it must fill\n"
              "(2-D byte arrays, each row contiguous). Arguments are checked before anything is\n"
              "hashed. Returns 0 (checked and copied), 1 (the value is not `checksum`: nothing\n"
-             "copied) or 2 (the trailer differs: nothing copied).");
+             "copied) or 2 (the trailer differs: nothing copied).\n\n"
+             "With `mapped` (the value maps a file): a read of it that faults (SIGBUS: the\n"
+             "file shrank, or a page of it could not be read) returns 3; the block may then\n"
+             "hold part of the value.");
 
 static PyObject *check_place(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer value, trailer, table;
     unsigned long long checksum;
     Py_ssize_t payload, digest_at, block;
-    int verify;
+    int verify, mapped = 0;
     PyObject *rows_obj;
-    if (!PyArg_ParseTuple(args, "y*nKy*npOny*:check_place", &value, &payload, &checksum,
-                          &trailer, &digest_at, &verify, &rows_obj, &block, &table))
+    if (!PyArg_ParseTuple(args, "y*nKy*npOny*|p:check_place", &value, &payload, &checksum,
+                          &trailer, &digest_at, &verify, &rows_obj, &block, &table, &mapped))
         return NULL;
     PyObject *result = NULL;
     Rows rows = {NULL, NULL, 0};
@@ -327,24 +417,15 @@ static PyObject *check_place(PyObject *self, PyObject *args) {
     }
     if (take_rows(&rows, rows_obj, 1, &at_block, 1, &table, value.len, dst, stride) < 0)
         goto done;
-    int code = 0;
-    const unsigned char *v = value.buf, *want = trailer.buf, *got = v + payload;
-    Py_BEGIN_ALLOW_THREADS
-    XXH3_state_t state;
-    XXH3_64bits_reset(&state);
-    UPDATE64(&state, v, (size_t)payload);
-    uint64_t digest = XXH3_64bits_digest(&state);
-    UPDATE64(&state, got, (size_t)(value.len - payload));
-    if (XXH3_64bits_digest(&state) != (uint64_t)checksum) code = 1;
-    for (Py_ssize_t b = 0; code == 0 && b < trailer.len; b++) {
-        if (b >= digest_at && b < digest_at + 8) {
-            if (verify && got[b] != (unsigned char)(digest >> (8 * (b - digest_at)))) code = 2;
-        } else if (got[b] != want[b]) {
-            code = 2;
-        }
+    if (mapped && guard_bus() != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
     }
-    for (Py_ssize_t i = 0; code == 0 && i < n; i++)
-        memcpy(dst[i] + block * stride[i], v + t[3 * i + 1], (size_t)t[3 * i + 2]);
+    Place p = {value.buf, value.len, payload, digest_at, block, n, (uint64_t)checksum,
+               &trailer, verify, dst, stride, t};
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = mapped ? place_guarded(&p) : place(&p);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLong(code);
 done:

@@ -16,6 +16,7 @@ def check_place(
     rows: Sequence[Any],
     block: int,
     table: Any,
+    mapped: bool = False,
     /,
 ) -> int: ...
 def gather_seal(

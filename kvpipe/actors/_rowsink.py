@@ -15,7 +15,14 @@ import numpy.typing as npt
 import xxhash
 
 from .. import _blockformat
-from .._blockformat import PLACED, TRAILER_NBYTES, WHOLE_MISMATCH, check_trailer, place_if_sound
+from .._blockformat import (
+    PLACED,
+    TRAILER_NBYTES,
+    UNREADABLE,
+    WHOLE_MISMATCH,
+    check_trailer,
+    place_if_sound,
+)
 from .._hostcopy import scatter_values
 from ..backends._base import FetchSink
 from ._base import ActorContext
@@ -28,8 +35,8 @@ __all__ = ("RowSink",)
 class RowSink(FetchSink):
     """A host-cache read slice's :class:`FetchSink`: each value the store hands over is
     hashed once, its trailer checked and, when sound, copied into the cache rows, in the
-    store's thread. Nothing is copied after :meth:`close` (the read's claim on the cache ends
-    only once :meth:`wait_idle` has seen every copy out)."""
+    store's thread. Nothing is copied after :meth:`close` (the read's claim on the cache
+    ends only once :meth:`wait_idle` has seen every copy out)."""
 
     def __init__(self, ctx: ActorContext, job: SliceJob) -> None:
         spec, state = job.spec, job.state
@@ -42,7 +49,7 @@ class RowSink(FetchSink):
         rows = self._groups.rows
         self.offset = int(rows[0].ctypes.data) % 4096 if rows else 0
         self._segments = ctx.segments
-        self._native = _blockformat.native is not None
+        self._native = self.maps = _blockformat.native is not None
         self._payload = ctx.payload_nbytes
         self._verify = ctx.config.verify_checksums
         self.checks: list[str | None] = [None] * n
@@ -55,11 +62,14 @@ class RowSink(FetchSink):
         self._idle = threading.Event()
         self._idle.set()
 
-    def fetched(self, index: int, checksum: int, value: memoryview | None = None) -> bool:
+    def fetched(
+        self, index: int, checksum: int, value: memoryview | None = None, *, mapped: bool = False
+    ) -> bool:
+        data: npt.NDArray[np.uint8] | memoryview
         if value is None:
             data = self._values[index]
         else:  # the store's own buffer: staging will not hold this value
-            data = np.frombuffer(value, np.uint8)
+            data = value
             self.elsewhere = True
         block = int(self._blocks[index])
         if self._native and self._enter():
@@ -73,23 +83,26 @@ class RowSink(FetchSink):
                     self._groups.rows,
                     block,
                     self._groups.table,
+                    mapped,
                 )
             except (ValueError, IndexError, BufferError):  # rows it does not take
-                self._native = False
+                self._native = self.maps = False
                 verdict = None
             finally:
                 self._exit()
-            if verdict == WHOLE_MISMATCH:
+            if verdict in (WHOLE_MISMATCH, UNREADABLE):
                 return False
             if verdict == PLACED:
                 self.seen[index] = self.placed[index] = True
                 return True
-        return self._fetched_slowly(index, checksum, data, block)
+        return self._fetched_slowly(index, checksum, np.frombuffer(data, np.uint8), block)
 
     def _fetched_slowly(
         self, index: int, checksum: int, data: npt.NDArray[np.uint8], block: int
     ) -> bool:
-        """:meth:`fetched` through python-xxhash and numpy."""
+        """:meth:`fetched` through python-xxhash and numpy (for a mapped value, unguarded:
+        only where the extension cannot take the cache, or the value's trailer is not
+        one it expects)."""
         payload = self._payload
         h = xxhash.xxh3_64(data[:payload].data)
         digest = h.intdigest()

@@ -250,13 +250,21 @@ class FetchSink(abc.ABC):
     #: Offset past a 4096-byte boundary at which a store's own ``value`` buffer copies
     #: fastest into the cache (that of the destination).
     offset: int = 0
+    #: Whether :meth:`fetched` takes a ``value`` that maps a file (``mapped=True``).
+    maps: bool = False
 
     @abc.abstractmethod
-    def fetched(self, index: int, checksum: int, value: memoryview | None = None) -> bool:
+    def fetched(
+        self, index: int, checksum: int, value: memoryview | None = None, *, mapped: bool = False
+    ) -> bool:
         """Value ``index`` is in ``buffers[index]`` — or in ``value``, a buffer of the
         store's own, valid until this returns (``buffers[index]`` is then left as it was):
         check that its ``value_nbytes`` bytes hash (XXH3-64) to ``checksum`` and, if so,
         verify and place it.
+
+        ``mapped`` (only where :attr:`maps`): ``value`` maps a file, whose pages may fault
+        (``SIGBUS``) where it shrank since it was mapped; the sink catches that and returns
+        ``False``.
 
         Thread-safe and blocking: call it from the store's worker thread, before the call
         that fetches the batch returns.

@@ -160,13 +160,14 @@ struct kv_cachestat {
 };
 
 /* Whether the page cache may hold all of the file open at fd, `size` bytes: cachestat
- * (Linux >= 6.5) counts its cached pages without reading any in. Where the call is missing,
- * 1 (the caller then finds out by reading with RWF_NOWAIT, which starts a read-ahead of what
- * it does not find: avoided here, as the rest is read directly anyway). */
-static int all_cached(int fd, long size) {
+ * (Linux >= 6.5) counts its cached pages without reading any in. Where the call is missing
+ * or fails, !strict (not strict: the caller then finds out by reading with RWF_NOWAIT, which
+ * starts a read-ahead of what it does not find: avoided here, as the rest is read directly
+ * anyway). */
+static int all_cached(int fd, long size, int strict) {
     static volatile int missing = 0;
     if (missing) {
-        return 1;
+        return !strict;
     }
     struct kv_cachestat_range range = {0, 0};
     struct kv_cachestat cs;
@@ -174,7 +175,7 @@ static int all_cached(int fd, long size) {
         if (errno == ENOSYS || errno == EPERM) {
             missing = 1;
         }
-        return 1;
+        return !strict;
     }
     long page = sysconf(_SC_PAGESIZE); /* cachestat counts the kernel's pages */
     long pages = (size + page - 1) / page;
@@ -205,7 +206,7 @@ static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, i
         struct iovec whole[MAX_VIEWS];
         memcpy(whole, iov, (size_t)cnt * sizeof *iov);
         int complete = 0;
-        got = all_cached(fd, (long)st.st_size) ? read_cached(fd, iov, cnt, (long)st.st_size,
+        got = all_cached(fd, (long)st.st_size, 0) ? read_cached(fd, iov, cnt, (long)st.st_size,
                                                              &complete)
                                                : 0;
         if (got >= 0 && !complete) {
@@ -226,35 +227,50 @@ static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, i
     return got;
 }
 
-/* One file, only if the page cache holds all of it (read_cached_files): bytes read
- * (>= 0), NOT_CACHED (the views may hold part of it), NOT_REGULAR, or -errno. Never waits for
- * the device to read file data. */
-static long read_one_cached(int dir_fd, const char *path, struct iovec *iov, int cnt) {
+/* Open block file `path` if it is a regular file that the page cache holds whole, with a
+ * shared lock on it (still_block): the descriptor, its size in *size; or NOT_CACHED,
+ * NOT_REGULAR or -errno, nothing left open. `strict`: where cachestat is missing, NOT_CACHED
+ * (else the caller finds out by reading). */
+static long open_cached_fd(int dir_fd, const char *path, long *size, int strict) {
     int fd = open_confined(dir_fd, path, O_RDONLY | O_NONBLOCK);
     if (fd < 0) {
         return -errno;
     }
     struct stat st;
-    long got;
-    int complete = 0;
+    long got = 0;
     if (fstat(fd, &st) != 0) {
         got = -errno;
     } else if (!S_ISREG(st.st_mode)) {
         got = NOT_REGULAR;
     } else if ((got = still_block(fd, &st)) != 0) {
-        /* -ENOENT or -errno */
-    } else if (!all_cached(fd, (long)st.st_size)) {
-        got = NOT_CACHED;
-    } else {
-        got = read_cached(fd, iov, cnt, (long)st.st_size, &complete);
-        if (got >= 0 && !complete) {
-            got = NOT_CACHED;
-        }
-    }
-    if (got < 0 && got != NOT_REGULAR && got != NOT_CACHED) {
         got = not_regular_or(fd, got);
+    } else if (!all_cached(fd, (long)st.st_size, strict)) {
+        got = NOT_CACHED;
     }
-    close(fd);
+    if (got != 0) {
+        close(fd);
+        return got;
+    }
+    *size = (long)st.st_size;
+    return fd;
+}
+
+/* One file, only if the page cache holds all of it (read_cached_files): bytes read
+ * (>= 0), NOT_CACHED (the views may hold part of it), NOT_REGULAR, or -errno. Never waits for
+ * the device to read file data. */
+static long read_one_cached(int dir_fd, const char *path, struct iovec *iov, int cnt) {
+    long size = 0, fd = open_cached_fd(dir_fd, path, &size, 0);
+    if (fd < 0) {
+        return fd;
+    }
+    int complete = 0;
+    long got = read_cached((int)fd, iov, cnt, size, &complete);
+    if (got >= 0 && !complete) {
+        got = NOT_CACHED;
+    } else if (got < 0) {
+        got = not_regular_or((int)fd, got);
+    }
+    close((int)fd);
     return got;
 }
 
@@ -687,7 +703,32 @@ static PyObject *read_cached_files(PyObject *self, PyObject *args) {
     return read_many(dir_fd, paths_obj, views_obj, 0, 1);
 }
 
+PyDoc_STRVAR(open_cached_doc,
+             "open_cached(dir_fd, path, /) -> tuple[int, int]\n\n"
+             "Open block file `path` (bytes, beneath dir_fd, confined as read_files does)\n"
+             "read-only, with a shared lock on it, if it is a regular file that the page cache\n"
+             "holds whole (cachestat says so; where that call is missing, never): (descriptor,\n"
+             "size). Else (NOT_CACHED, 0), (NOT_REGULAR, 0) or (-errno, 0), nothing left open.\n"
+             "The lock goes with the last descriptor of the open file (a mapping's included).");
+
+static PyObject *open_cached(PyObject *self, PyObject *args) {
+    (void)self;
+    int dir_fd;
+    PyObject *path_obj;
+    const char *path;
+    if (!PyArg_ParseTuple(args, "iO:open_cached", &dir_fd, &path_obj) ||
+        take_path(path_obj, &path) < 0) {
+        return NULL;
+    }
+    long size = 0, got;
+    Py_BEGIN_ALLOW_THREADS
+    got = open_cached_fd(dir_fd, path, &size, 1);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("ll", got, size);
+}
+
 static PyMethodDef methods[] = {
+    {"open_cached", open_cached, METH_VARARGS, open_cached_doc},
     {"write_files", write_files, METH_VARARGS, write_files_doc},
     {"read_files", read_files, METH_VARARGS, read_files_doc},
     {"read_cached_files", read_cached_files, METH_VARARGS, read_cached_files_doc},

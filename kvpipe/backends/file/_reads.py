@@ -9,6 +9,8 @@ quarantined and reported ``CORRUPT``.
 from __future__ import annotations
 
 import errno
+import mmap
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import final
@@ -18,7 +20,7 @@ import xxhash
 from .._base import BlockStatus
 from . import _native
 from ._direct import Pages, Scratch, finish_read, is_aligned, read_views
-from ._format import HeaderError, block_location, unpack_header
+from ._format import HEADER_NBYTES, HeaderError, block_location, unpack_header
 from ._fs import DirectIORefused, NotARegularFile, Root
 
 __all__ = (
@@ -28,6 +30,7 @@ __all__ = (
     "native_available",
     "read_batch",
     "read_cached",
+    "read_mapped",
     "read_one",
     "regular_files",
 )
@@ -154,6 +157,47 @@ def read_cached(
     if got == -errno.ENOENT:
         return BlockStatus.MISSING
     return None
+
+
+def read_mapped(
+    hooks: ReadHooks,
+    root: Root,
+    key: str,
+    nbytes: int,
+    fingerprint: str,
+    place: Callable[[memoryview, int], bool],
+) -> BlockStatus | None:
+    """Check one block file that the page cache holds whole by mapping it: its header here,
+    its ``nbytes`` of value by ``place(value, checksum)`` (a :class:`~.._base.FetchSink`'s
+    ``fetched`` with ``mapped=True``: one copy, from the page cache into the cache rows).
+    The file stays locked against a writer reusing it until it is unmapped. ``None``: the
+    page cache does not hold it whole, or it cannot be mapped at its size: read it instead."""
+    fileio = _native.fileio
+    assert fileio is not None
+    fd, size = fileio.open_cached(root.fd, _native.block_paths([key])[0])
+    if fd < 0:
+        if fd == fileio.NOT_REGULAR:
+            return _quarantine(hooks, root, key, "not a regular file")
+        return BlockStatus.MISSING if fd == -errno.ENOENT else None
+    try:
+        if size < HEADER_NBYTES + nbytes:
+            return None  # torn or foreign: the read says why
+        mem = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # the mapping holds its own descriptor, and with it the lock
+    whole = memoryview(mem)
+    value = whole[HEADER_NBYTES : HEADER_NBYTES + nbytes]
+    try:
+        why = check_file(
+            key, bytes(whole[:HEADER_NBYTES]), size, value, fingerprint, lambda c: place(value, c)
+        )
+    finally:
+        value.release()
+        whole.release()
+        mem.close()
+    return BlockStatus.OK if why is None else _quarantine(hooks, root, key, why)
 
 
 def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:

@@ -40,7 +40,15 @@ from ._direct import Scratch, is_aligned, probe_direct
 from ._format import PAGE, block_location, file_nbytes, key_namespace
 from ._fs import Durability, Root, owner_token, store_root
 from ._inspect import recover
-from ._reads import ReadHooks, native_available, read_batch, read_cached, read_one, regular_files
+from ._reads import (
+    ReadHooks,
+    native_available,
+    read_batch,
+    read_cached,
+    read_mapped,
+    read_one,
+    regular_files,
+)
 from ._space import room, settle
 from ._spares import Spares
 from ._writes import Abandon, WriteHooks, write_batch, write_one
@@ -51,6 +59,10 @@ log = logging.getLogger("kvpipe.file_store")
 T = TypeVar("T")
 U = TypeVar("U")
 _DURABILITIES = ("none", "data", "full")
+#: Values at least this large the page cache holds whole are read by mapping their files:
+#: hot reads through the pipeline ran ahead of reading them into a bounce buffer at 2 and
+#: 8 MiB, even at 1 MiB and behind at 256 and 512 KiB (docs/performance.md).
+MAPPED_FROM_NBYTES = 2 << 20
 
 
 @final
@@ -470,14 +482,20 @@ class FileStore(StorageBackend):
         sink: FetchSink,
         part: list[int],
     ) -> list[BlockStatus]:
-        """Read the block files ``part``: each one the page cache holds whole into this
-        thread's bounce buffer, handed to ``sink`` here (its bytes still in the processor's
+        """Read the block files ``part``: each one the page cache holds whole handed to
+        ``sink`` here, mapped where the sink takes a mapping and the value is large
+        (:data:`MAPPED_FROM_NBYTES`: one copy, out of the page cache into the cache rows),
+        else read into this thread's bounce buffer (its bytes still in the processor's
         cache); the rest into their buffers as without a sink."""
         scratch = self._scratch
         got: list[BlockStatus | None] = [None] * len(part)
-        if self._native:
-            for j, i in enumerate(part):
-                bounce = scratch.bounce(len(buffers[i]), sink.offset % PAGE)
+        for j, i in enumerate(part if self._native else ()):
+            nbytes = len(buffers[i])
+            if sink.maps and nbytes >= MAPPED_FROM_NBYTES:
+                place = functools.partial(_place_mapped, sink, i)
+                got[j] = read_mapped(hooks, root, keys[i], nbytes, fingerprint, place)
+            else:
+                bounce = scratch.bounce(nbytes, sink.offset % PAGE)
                 ok = functools.partial(sink.fetched, i, value=bounce)
                 got[j] = read_cached(hooks, root, keys[i], bounce, fingerprint, scratch, ok)
         rest = [i for i, status in zip(part, got, strict=True) if status is None]
@@ -563,3 +581,8 @@ def _some(errors: Sequence[str], shown: int = 3) -> str:
     """The first ``shown`` errors of a batch, and how many more there were."""
     more = f"; and {len(errors) - shown} more" if len(errors) > shown else ""
     return "; ".join(errors[:shown]) + more
+
+
+def _place_mapped(sink: FetchSink, index: int, value: memoryview, checksum: int) -> bool:
+    """Hand ``sink`` value ``index`` as a mapping of its file."""
+    return sink.fetched(index, checksum, value, mapped=True)

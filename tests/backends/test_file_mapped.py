@@ -1,0 +1,226 @@
+"""Block files the page cache holds whole, read by mapping them: checked and copied into the
+cache rows in one pass out of the page cache (``read_mapped``, the sink's ``mapped=True``),
+with the file locked against reuse while mapped and a file that shrinks under its mapping
+refused (``SIGBUS`` caught), not fatal."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe.actors import _rowsink
+from kvpipe.backends.file import FileStore, _native
+from kvpipe.backends.file import store as file_store
+from kvpipe.backends.file._fs import Root
+from kvpipe.backends.file._sysio import cached_pages
+from kvpipe.benchmarks._file_baselines import warm_cached
+from tests.backends import test_file_sink
+from tests.backends.test_file_hostile import (
+    LAYOUT,
+    NBLOCKS,
+    SENTINEL,
+    TOKENS,
+    _pipeline_keys,
+    _source_cache,
+    block_file,
+)
+from tests.helpers import needs_native_digests
+
+
+@pytest.fixture
+def fileio(tmp_path: Path) -> Any:
+    """The file store's extension, where the page cache says what it holds (cachestat)."""
+    needs_native_digests()
+    assert _native.fileio is not None, "the C extension was not built (see setup.py)"
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x")
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        if cached_pages(fd) is None:
+            pytest.skip("no cachestat here: block files are read, not mapped")
+    finally:
+        os.close(fd)
+    return _native.fileio
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Root]:
+    (tmp_path / "d").mkdir()
+    r = Root(tmp_path)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def _cached_file(root: Root, data: bytes) -> str:
+    path = os.path.join(root.path, "d", "f")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def test_open_cached_locks_a_cached_file_until_its_last_descriptor_closes(
+    root: Root, fileio: Any
+) -> None:
+    path = _cached_file(root, bytes(3 * mmap.PAGESIZE + 5))
+    fd, size = fileio.open_cached(root.fd, b"d/f")
+    assert fd >= 0 and size == 3 * mmap.PAGESIZE + 5
+    mem = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    os.close(fd)  # the mapping keeps its own descriptor, and the lock with it
+    other = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        mem.close()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(other)
+
+
+def test_open_cached_refuses_what_it_cannot_map_whole(root: Root, fileio: Any) -> None:
+    path = _cached_file(root, bytes(16 * mmap.PAGESIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        evicted = cached_pages(fd) == 0
+    finally:
+        os.close(fd)
+    if evicted:  # a file system whose page cache lets go (tmpfs keeps it)
+        assert fileio.open_cached(root.fd, b"d/f") == (fileio.NOT_CACHED, 0)
+    os.mkdir(os.path.join(root.path, "d", "g"))
+    assert fileio.open_cached(root.fd, b"d/g") == (fileio.NOT_REGULAR, 0)
+    assert fileio.open_cached(root.fd, b"d/missing") == (-errno.ENOENT, 0)
+    os.symlink(path, os.path.join(root.path, "d", "link"))
+    assert fileio.open_cached(root.fd, b"d/link")[0] == -errno.ELOOP
+
+
+# The guard is process-wide state and a failure kills the process: run it in a child.
+_SHRINK = """
+import mmap, os, sys, tempfile
+import numpy as np
+from kvpipe import _blockformat
+from kvpipe._blockformat import TRAILER_NBYTES
+payload = 64 * 4096
+rows = [np.full((4, payload // 2), 7, np.uint8), np.full((4, payload // 2), 7, np.uint8)]
+table = np.array([[0, 0, payload // 2], [1, payload // 2, payload // 2]], np.int64)
+with tempfile.TemporaryFile() as f:
+    f.write(bytes(payload + TRAILER_NBYTES))
+    f.flush()
+    mem = mmap.mmap(f.fileno(), payload + TRAILER_NBYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+    os.ftruncate(f.fileno(), 0)
+    with memoryview(mem) as value:
+        for _ in range(2):  # and the guard is still there the second time
+            code = _blockformat.place_if_sound(
+                value, payload, 0, bytes(16), True, rows, 1, table, mapped=True
+            )
+            print(code, int(rows[0][1].max()), int(rows[1][1].max()))
+    mem.close()
+"""
+
+
+def test_a_mapped_value_whose_file_shrank_is_unreadable_not_fatal() -> None:
+    needs_native_digests()
+    child = subprocess.run(
+        [sys.executable, "-c", _SHRINK], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["3", "7", "7"] * 2  # unreadable; the block untouched
+
+
+def _blank_cache() -> kvpipe.KVCache:
+    cache = kvpipe.create_kv_cache(LAYOUT, 32)
+    for rows in cache.byte_rows:
+        rows[:] = SENTINEL
+    return cache
+
+
+async def _write_then_read_warm(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shrink: int | None = None,
+    mapped_from: int = 0,
+) -> tuple[kvpipe.ReadResult, kvpipe.KVCache, kvpipe.KVCache, list[bool], Path]:
+    """Write NBLOCKS blocks (``durability="none"``), have the page cache hold their files,
+    then read them back with values of ``mapped_from`` bytes and more mapped (these are
+    small), noting how each value was handed to the sink; with ``shrink``, that block's file
+    is cut short just before its value is placed."""
+    monkeypatch.setattr(file_store, "MAPPED_FROM_NBYTES", mapped_from)
+    root = tmp_path / "store"
+    src = _source_cache()
+    config = kvpipe.PipelineConfig(slice_block_num=3)
+    mapped: list[bool] = []
+    original = _rowsink.RowSink.fetched
+    keys = _pipeline_keys("e2e")
+
+    def spy(sink: Any, index: int, checksum: int, value: Any = None, **kw: Any) -> bool:
+        mapped.append(bool(kw.get("mapped")))
+        if shrink is not None and kw.get("mapped") and sink._blocks[index] == 31 - shrink:
+            os.truncate(block_file(root, keys[shrink]), 100)
+        return original(sink, index, checksum, value, **kw)
+
+    monkeypatch.setattr(_rowsink.RowSink, "fetched", spy)
+    async with FileStore(root, durability="none", threads=1) as store:
+        async with kvpipe.open_pipeline(src, store, config=config, namespace="e2e") as pipe:
+            assert (await pipe.write(TOKENS, np.arange(NBLOCKS))).complete
+        warm_cached(str(root / "blocks"))
+        dst = _blank_cache()
+        dst_ids = np.arange(31, 31 - NBLOCKS, -1)
+        async with kvpipe.open_pipeline(dst, store, config=config, namespace="e2e") as pipe:
+            result = await pipe.read(TOKENS, dst_ids)
+    return result, src, dst, mapped, root
+
+
+async def test_a_warm_read_maps_every_block_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fileio: Any
+) -> None:
+    result, src, dst, mapped, _ = await _write_then_read_warm(tmp_path, monkeypatch)
+    assert result.complete and result.loaded == NBLOCKS
+    assert mapped == [True] * NBLOCKS
+    dst_ids = np.arange(31, 31 - NBLOCKS, -1)
+    for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a[:NBLOCKS], c[dst_ids])
+
+
+async def test_a_block_file_cut_short_while_mapped_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fileio: Any
+) -> None:
+    k = 4
+    result, src, dst, mapped, root = await _write_then_read_warm(tmp_path, monkeypatch, k)
+    assert mapped[k]
+    assert result.loaded == k and result.stop_reason == "failed_block"
+    dst_ids = np.arange(31, 31 - NBLOCKS, -1)
+    for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a[:k], c[dst_ids[:k]])
+        assert np.all(c[dst_ids[k]] == SENTINEL)  # faulted while hashed: nothing copied
+    assert not block_file(root, _pipeline_keys("e2e")[k]).exists()  # quarantined
+
+
+async def test_small_values_are_read_not_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fileio: Any
+) -> None:
+    default = file_store.MAPPED_FROM_NBYTES
+    assert LAYOUT.block_nbytes < default
+    result, *_, mapped, _ = await _write_then_read_warm(tmp_path, monkeypatch, None, default)
+    assert result.complete and mapped == [False] * NBLOCKS
+
+
+async def test_a_mapped_value_of_another_key_is_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fileio: Any
+) -> None:
+    monkeypatch.setattr(file_store, "MAPPED_FROM_NBYTES", 0)
+    await test_file_sink.test_a_value_of_another_key_is_not_loaded_and_is_deleted(
+        tmp_path, "none", True
+    )
