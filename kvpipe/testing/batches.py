@@ -13,6 +13,7 @@ from .._keys import Scope, Tokens, as_tokens, block_keys
 from .._staging import StagingLease, StagingPool
 from .._workers import ThreadRunner
 from ..backends import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
+from ..backends._base import FetchSink
 
 B = TypeVar("B", PutBatch, GetBatch)
 
@@ -124,9 +125,10 @@ class Batches:
         return statuses
 
     async def get(
-        self, backend: StorageBackend, keys: Sequence[str]
+        self, backend: StorageBackend, keys: Sequence[str], sink: FetchSink | None = None
     ) -> tuple[list[BlockStatus], list[bytes]]:
-        """Get ``keys``; returns the statuses and each buffer's bytes."""
+        """Get ``keys`` (offering ``sink`` to a store that uses one: the same sink for every
+        batch, indexed within each); returns the statuses and each buffer's bytes."""
         statuses: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
         values: list[bytes] = [b""] * len(keys)
         for positions, first, tokens, parent in self._runs(keys):
@@ -137,6 +139,7 @@ class Batches:
                 batch = self._staged(
                     GetBatch, [keys[p] for p in positions], first, tokens, parent, lease
                 )
+                batch.sink = sink
                 got = list(await backend.get_blocks(batch))
                 assert len(got) == len(positions), "one status per key"
                 for i, (pos, status) in enumerate(zip(positions, got, strict=True)):

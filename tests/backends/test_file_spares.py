@@ -13,12 +13,16 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+import anyio.from_thread
+import anyio.lowlevel
 import pytest
+import xxhash
 
 import kvpipe
 from kvpipe._staging import StagingPool
 from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus
+from kvpipe.backends._base import FetchSink
 from kvpipe.backends.file import _native
 from kvpipe.backends.file import store as store_module
 from kvpipe.backends.file._format import is_temp_name
@@ -247,4 +251,100 @@ async def test_reads_racing_deletes_and_reuse_are_right_or_missing(tmp_path: Pat
             async with anyio.create_task_group() as tg:
                 await tg.start(read)
                 tg.start_soon(replace)
+        assert store.statistics().get("corrupt", 0) == 0
+
+
+class _CopySink(FetchSink):
+    """Takes mapped values: keeps a copy of each that hashes to its checksum."""
+
+    maps = True
+
+    def __init__(self) -> None:
+        self.got: dict[int, bytes] = {}
+
+    def fetched(
+        self, index: int, checksum: int, value: memoryview | None = None, *, mapped: bool = False
+    ) -> bool:
+        assert value is not None and mapped
+        data = bytes(value)
+        if xxhash.xxh3_64_intdigest(data) != checksum:
+            return False
+        self.got[index] = data
+        return True
+
+
+@native
+async def test_mapped_reads_racing_deletes_and_reuse_are_right_or_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block file mapped for a read stays locked: a put reusing deleted files never
+    writes over one while it is mapped (nothing read is wrong, nothing is called corrupt)."""
+    monkeypatch.setattr(store_module, "MAPPED_FROM_NBYTES", 0)
+    root = with_shards(tmp_path)
+    handed = 0
+    async with kvpipe.FileStore(root, durability="none", threads=2) as store, batches() as b:
+        for r in range(12):
+            keys = await put(store, b, 6, seed=r)
+            want = values(6, b.pool.slot_nbytes, r)
+
+            async def read(
+                *,
+                task_status: anyio.abc.TaskStatus[None],
+                keys: tuple[str, ...] = keys,
+                want: list[bytes] = want,
+            ) -> None:
+                nonlocal handed
+                task_status.started()
+                for _ in range(3):
+                    sink = _CopySink()
+                    statuses, _ = await b.get(store, keys, sink)
+                    for i, (status, expected) in enumerate(zip(statuses, want, strict=True)):
+                        assert status in (BlockStatus.OK, BlockStatus.MISSING)
+                        assert status is not BlockStatus.OK or sink.got[i] == expected
+                    handed += len(sink.got)
+
+            async def replace(keys: tuple[str, ...] = keys, r: int = r) -> None:
+                await store.delete(keys)
+                await put(store, b, 6, seed=1000 + r)  # written over the deleted files
+
+            async with anyio.create_task_group() as tg:
+                await tg.start(read)
+                tg.start_soon(replace)
+        assert store.statistics().get("corrupt", 0) == 0
+    assert handed > 0  # some reads were mapped
+
+
+@native
+async def test_a_mapped_block_file_is_not_written_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block is deleted and a put that would reuse its file runs while the file is
+    mapped for a read: the put writes elsewhere, and the read gets the bytes it mapped."""
+    monkeypatch.setattr(store_module, "MAPPED_FROM_NBYTES", 0)
+    with_shards(tmp_path)
+    async with kvpipe.FileStore(tmp_path, durability="none", threads=2) as store, batches() as b:
+        keys = await put(store, b, 1, seed=1)
+        want = values(1, b.pool.slot_nbytes, 1)[0]
+
+        async def replace() -> None:
+            await store.delete(keys)
+            await put(store, b, 1, seed=2)  # would write over the deleted file
+
+        class Racing(_CopySink):
+            def fetched(
+                self,
+                index: int,
+                checksum: int,
+                value: memoryview | None = None,
+                *,
+                mapped: bool = False,
+            ) -> bool:
+                anyio.from_thread.run(replace, token=token)
+                return super().fetched(index, checksum, value, mapped=mapped)
+
+        token = anyio.lowlevel.current_token()
+        sink = Racing()
+        with anyio.fail_after(30):  # a guard against a hang, not a timing
+            statuses, _ = await b.get(store, keys, sink)
+        assert statuses == [BlockStatus.OK] and sink.got[0] == want
         assert store.statistics().get("corrupt", 0) == 0
