@@ -140,13 +140,6 @@ def test_a_mapped_value_whose_file_shrank_is_unreadable_not_fatal() -> None:
     assert child.stdout.split() == ["3", "7", "7"] * 2  # unreadable; the block untouched
 
 
-def _blank_cache() -> kvpipe.KVCache:
-    cache = kvpipe.create_kv_cache(LAYOUT, 32)
-    for rows in cache.byte_rows:
-        rows[:] = SENTINEL
-    return cache
-
-
 async def _write_then_read_warm(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -176,7 +169,7 @@ async def _write_then_read_warm(
         async with kvpipe.open_pipeline(src, store, config=config, namespace="e2e") as pipe:
             assert (await pipe.write(TOKENS, np.arange(NBLOCKS))).complete
         warm_cached(str(root / "blocks"))
-        dst = _blank_cache()
+        dst = test_file_sink._blank_cache()
         dst_ids = np.arange(31, 31 - NBLOCKS, -1)
         async with kvpipe.open_pipeline(dst, store, config=config, namespace="e2e") as pipe:
             result = await pipe.read(TOKENS, dst_ids)
