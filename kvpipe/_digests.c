@@ -294,7 +294,6 @@ static int take_rows(Rows *r, PyObject *rows_obj, int writable, const int64_t *b
  * before (or the default action) when the faulting instruction runs again. */
 static _Thread_local sigjmp_buf *bus_jump;
 static struct sigaction bus_before;
-static volatile sig_atomic_t bus_guarded;
 
 static void on_bus(int sig, siginfo_t *info, void *context) {
     (void)sig, (void)info, (void)context;
@@ -303,21 +302,22 @@ static void on_bus(int sig, siginfo_t *info, void *context) {
         bus_jump = NULL;
         siglongjmp(*jump, 1);
     }
-    sigaction(SIGBUS, &bus_before, NULL);
-    bus_guarded = 0; /* the next check_place with `mapped` puts it back */
+    sigaction(SIGBUS, &bus_before, NULL); /* the next guard_bus puts on_bus back */
 }
 
+/* Make on_bus the SIGBUS handler, unless it is (a handler installed since, faulthandler's
+ * say, becomes the one it hands other faults to). 0, or -1 with errno set. */
 static int guard_bus(void) {
-    if (!bus_guarded) {
-        struct sigaction sa;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_sigaction = on_bus;
-        sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
-        sigemptyset(&sa.sa_mask);
-        if (sigaction(SIGBUS, &sa, &bus_before) != 0) return -1;
-        bus_guarded = 1;
-    }
-    return 0;
+    struct sigaction now;
+    if (sigaction(SIGBUS, NULL, &now) != 0) return -1;
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_bus) return 0;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_bus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    bus_before = now;
+    return sigaction(SIGBUS, &sa, NULL);
 }
 
 /* Whether the trailer `got` (len bytes) matches `want` but for the 8 bytes at digest_at,
