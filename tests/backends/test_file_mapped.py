@@ -219,3 +219,16 @@ async def test_a_mapped_value_of_another_key_is_not_loaded(
     await test_file_sink.test_a_value_of_another_key_is_not_loaded_and_is_deleted(
         tmp_path, "none", True
     )
+
+
+async def test_a_value_that_cannot_be_mapped_is_read_from_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fileio: Any
+) -> None:
+    """Where a file cannot be mapped (here: a kernel that cannot say what is cached), the
+    store reads it from the page cache into its buffer and still hands it to the sink."""
+    monkeypatch.setattr(fileio, "open_cached", lambda *_: (fileio.NOT_CACHED, 0))
+    result, src, dst, mapped, _ = await _write_then_read_warm(tmp_path, monkeypatch)
+    assert result.complete and mapped == [False] * NBLOCKS
+    dst_ids = np.arange(31, 31 - NBLOCKS, -1)
+    for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a[:NBLOCKS], c[dst_ids])

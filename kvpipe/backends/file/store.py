@@ -494,10 +494,11 @@ class FileStore(StorageBackend):
             if sink.maps and nbytes >= MAPPED_FROM_NBYTES:
                 place = functools.partial(_place_mapped, sink, i)
                 got[j] = read_mapped(hooks, root, keys[i], nbytes, fingerprint, place)
-            else:
-                bounce = scratch.bounce(nbytes, sink.offset % PAGE)
-                ok = functools.partial(sink.fetched, i, value=bounce)
-                got[j] = read_cached(hooks, root, keys[i], bounce, fingerprint, scratch, ok)
+                if got[j] is not None:
+                    continue  # else not mapped (no cachestat here, say): read it
+            bounce = scratch.bounce(nbytes, sink.offset % PAGE)
+            ok = functools.partial(sink.fetched, i, value=bounce)
+            got[j] = read_cached(hooks, root, keys[i], bounce, fingerprint, scratch, ok)
         rest = [i for i, status in zip(part, got, strict=True) if status is None]
         more = iter(self._read(hooks, root, keys, buffers, fingerprint, rest))
         return [status if status is not None else next(more) for status in got]
