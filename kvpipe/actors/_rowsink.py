@@ -49,7 +49,7 @@ class RowSink(FetchSink):
         rows = self._groups.rows
         self.offset = int(rows[0].ctypes.data) % 4096 if rows else 0
         self._segments = ctx.segments
-        self._native = self.maps = _blockformat.native is not None
+        self._native = _blockformat.native is not None
         self._payload = ctx.payload_nbytes
         self._verify = ctx.config.verify_checksums
         self.checks: list[str | None] = [None] * n
@@ -61,6 +61,11 @@ class RowSink(FetchSink):
         self._closed = False
         self._idle = threading.Event()
         self._idle.set()
+
+    @property
+    def maps(self) -> bool:
+        """Mapped values go through the extension, whose read of them is guarded."""
+        return self._native
 
     def fetched(
         self, index: int, checksum: int, value: memoryview | None = None, *, mapped: bool = False
@@ -86,7 +91,7 @@ class RowSink(FetchSink):
                     mapped,
                 )
             except (ValueError, IndexError, BufferError):  # rows it does not take
-                self._native = self.maps = False
+                self._native = False
                 verdict = None
             finally:
                 self._exit()

@@ -250,8 +250,11 @@ class FetchSink(abc.ABC):
     #: Offset past a 4096-byte boundary at which a store's own ``value`` buffer copies
     #: fastest into the cache (that of the destination).
     offset: int = 0
-    #: Whether :meth:`fetched` takes a ``value`` that maps a file (``mapped=True``).
-    maps: bool = False
+
+    @property
+    def maps(self) -> bool:
+        """Whether :meth:`fetched` takes a ``value`` that maps a file (``mapped=True``)."""
+        return False
 
     @abc.abstractmethod
     def fetched(
