@@ -290,19 +290,25 @@ static int take_rows(Rows *r, PyObject *rows_obj, int writable, const int64_t *b
 
 /* A value that maps a file (check_place with `mapped`) faults with SIGBUS where the file has
  * shrunk since it was mapped, or a page of it cannot be read: the thread reading it jumps back
- * to check_place instead of the process dying. Any other SIGBUS goes to the handler there was
- * before (or the default action) when the faulting instruction runs again. */
-static _Thread_local sigjmp_buf *bus_jump;
+ * to check_place instead of the process dying. Any other SIGBUS (a fault outside the value,
+ * or a signal sent) goes to the handler there was before, or the default action: a fault when
+ * its instruction runs again, a sent signal raised again. */
+static _Thread_local sigjmp_buf *volatile bus_jump;
+static _Thread_local const char *volatile bus_from, *volatile bus_to; /* the mapped value */
 static struct sigaction bus_before;
 
 static void on_bus(int sig, siginfo_t *info, void *context) {
-    (void)sig, (void)info, (void)context;
+    (void)sig, (void)context;
     sigjmp_buf *jump = bus_jump;
-    if (jump != NULL) {
+    const char *at = (const char *)info->si_addr;
+    if (jump != NULL && info->si_code > 0 && at >= bus_from && at < bus_to) {
         bus_jump = NULL;
         siglongjmp(*jump, 1);
     }
     sigaction(SIGBUS, &bus_before, NULL); /* the next guard_bus puts on_bus back */
+    if (info->si_code <= 0) {
+        raise(SIGBUS); /* sent, not a fault that happens again when the instruction reruns */
+    }
 }
 
 /* Make on_bus the SIGBUS handler, unless it is (a handler installed since, faulthandler's
@@ -314,7 +320,7 @@ static int guard_bus(void) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_bus;
-    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK; /* NODEFER: sigsetjmp(, 0) suffices */
     sigemptyset(&sa.sa_mask);
     bus_before = now;
     return sigaction(SIGBUS, &sa, NULL);
@@ -367,6 +373,8 @@ static int place(const Place *p) {
 static int place_guarded(const Place *p) {
     sigjmp_buf jump;
     if (sigsetjmp(jump, 0) != 0) return 3; /* on_bus jumped here and cleared bus_jump */
+    bus_from = (const char *)p->v;
+    bus_to = (const char *)p->v + p->len;
     bus_jump = &jump;
     int code = place(p);
     bus_jump = NULL;

@@ -69,7 +69,7 @@ class RowSink(FetchSink):
 
     def fetched(
         self, index: int, checksum: int, value: memoryview | None = None, *, mapped: bool = False
-    ) -> bool:
+    ) -> bool | None:
         data: npt.NDArray[np.uint8] | memoryview
         if value is None:
             data = self._values[index]
@@ -100,14 +100,15 @@ class RowSink(FetchSink):
             if verdict == PLACED:
                 self.seen[index] = self.placed[index] = True
                 return True
+        if mapped:
+            return None  # its pages may fault, and only the extension's read is guarded
         return self._fetched_slowly(index, checksum, np.frombuffer(data, np.uint8), block)
 
     def _fetched_slowly(
         self, index: int, checksum: int, data: npt.NDArray[np.uint8], block: int
     ) -> bool:
-        """:meth:`fetched` through python-xxhash and numpy (for a mapped value, unguarded:
-        only where the extension cannot take the cache, or the value's trailer is not
-        one it expects)."""
+        """:meth:`fetched` through python-xxhash and numpy (never a mapped value): where the
+        extension cannot take the cache, or the value's trailer is not one it expects."""
         payload = self._payload
         h = xxhash.xxh3_64(data[:payload].data)
         digest = h.intdigest()

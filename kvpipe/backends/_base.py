@@ -259,22 +259,23 @@ class FetchSink(abc.ABC):
     @abc.abstractmethod
     def fetched(
         self, index: int, checksum: int, value: memoryview | None = None, *, mapped: bool = False
-    ) -> bool:
+    ) -> bool | None:
         """Value ``index`` is in ``buffers[index]`` — or in ``value``, a buffer of the
         store's own, valid until this returns (``buffers[index]`` is then left as it was):
         check that its ``value_nbytes`` bytes hash (XXH3-64) to ``checksum`` and, if so,
         verify and place it.
 
         ``mapped`` (only where :attr:`maps`): ``value`` maps a file, whose pages may fault
-        (``SIGBUS``) where it shrank since it was mapped; the sink catches that and returns
-        ``False``.
+        (``SIGBUS``) where it shrank since it was mapped; the sink reads it only in a call
+        that catches that (and then returns ``False``), and where it cannot settle the value
+        in that call it returns ``None``: hand it over again, read into a buffer.
 
         Thread-safe and blocking: call it from the store's worker thread, before the call
         that fetches the batch returns.
 
         Returns:
             Whether the bytes hash to ``checksum``. ``False``: the value is not what the
-            store wrote; report it ``CORRUPT``.
+            store wrote; report it ``CORRUPT``. ``None``: only with ``mapped``, see above.
         """
 
 

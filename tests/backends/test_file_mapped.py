@@ -9,8 +9,10 @@ import errno
 import fcntl
 import mmap
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ import pytest
 
 import kvpipe
 from kvpipe.actors import _rowsink
-from kvpipe.backends.file import FileStore, _native
+from kvpipe.backends.file import FileStore, _native, _reads
 from kvpipe.backends.file import store as file_store
 from kvpipe.backends.file._fs import Root
 from kvpipe.backends.file._sysio import cached_pages
@@ -132,6 +134,37 @@ with tempfile.TemporaryFile() as f:
 """
 
 
+_SENT = """
+import mmap, os, signal, tempfile
+import numpy as np
+from kvpipe import _blockformat
+from kvpipe._blockformat import TRAILER_NBYTES
+payload = 4096
+rows = [np.zeros((2, payload), np.uint8)]
+table = np.array([[0, 0, payload]], np.int64)
+with tempfile.TemporaryFile() as f:
+    f.write(bytes(payload + TRAILER_NBYTES))
+    f.flush()
+    mem = mmap.mmap(f.fileno(), payload + TRAILER_NBYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+    with memoryview(mem) as value:  # installs the guard
+        _blockformat.place_if_sound(value, payload, 0, bytes(16), True, rows, 1, table, mapped=True)
+    mem.close()
+os.kill(os.getpid(), signal.SIGBUS)
+print("survived")
+"""
+
+
+def test_a_sigbus_sent_to_the_process_is_not_swallowed_by_the_guard() -> None:
+    """The guard takes only a fault in the value it is reading; a ``SIGBUS`` sent to the
+    process goes on to the default action (the process ends by it)."""
+    needs_native_digests()
+    child = subprocess.run(
+        [sys.executable, "-c", _SENT], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == -signal.SIGBUS, (child.returncode, child.stdout, child.stderr)
+    assert "survived" not in child.stdout
+
+
 def test_a_mapped_value_whose_file_shrank_is_unreadable_not_fatal() -> None:
     needs_native_digests()
     child = subprocess.run(
@@ -215,10 +248,55 @@ async def test_small_values_are_read_not_mapped(
 async def test_a_mapped_value_of_another_key_is_not_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fileio: Any
 ) -> None:
+    """Its trailer is not one the extension expects, so the sink declines the mapping (only
+    the extension's read of it is guarded) and the store hands it over again, read: the
+    sink's Python path never reads a mapped value."""
     monkeypatch.setattr(file_store, "MAPPED_FROM_NBYTES", 0)
+    in_mapped = threading.local()
+    calls: list[tuple[bool, Any]] = []
+    fetched, slowly = _rowsink.RowSink.fetched, _rowsink.RowSink._fetched_slowly
+
+    def spy(sink: Any, *args: Any, **kw: Any) -> Any:
+        in_mapped.now = bool(kw.get("mapped"))
+        try:
+            got = fetched(sink, *args, **kw)
+        finally:
+            in_mapped.now = False
+        calls.append((bool(kw.get("mapped")), got))
+        return got
+
+    def slow(sink: Any, *args: Any) -> bool:
+        assert not getattr(in_mapped, "now", False), "a mapped value read from Python"
+        return slowly(sink, *args)
+
+    monkeypatch.setattr(_rowsink.RowSink, "fetched", spy)
+    monkeypatch.setattr(_rowsink.RowSink, "_fetched_slowly", slow)
     await test_file_sink.test_a_value_of_another_key_is_not_loaded_and_is_deleted(
         tmp_path, "none", True
     )
+    assert (True, None) in calls  # declined, then read
+    assert all(got is not None for was_mapped, got in calls if not was_mapped)
+
+
+async def test_a_file_that_shrank_before_it_was_mapped_is_read_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fileio: Any
+) -> None:
+    """``mmap`` refuses a length past the file's end (``ValueError``): the file is read
+    instead, and the read says what it found."""
+
+    class _Refusing:
+        MAP_SHARED, PROT_READ = mmap.MAP_SHARED, mmap.PROT_READ
+
+        @staticmethod
+        def mmap(*_: Any) -> Any:
+            raise ValueError("mmap length is greater than file size")
+
+    monkeypatch.setattr(_reads, "mmap", _Refusing)
+    result, src, dst, mapped, _ = await _write_then_read_warm(tmp_path, monkeypatch)
+    assert result.complete and mapped == [False] * NBLOCKS
+    dst_ids = np.arange(31, 31 - NBLOCKS, -1)
+    for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a[:NBLOCKS], c[dst_ids])
 
 
 async def test_a_value_that_cannot_be_mapped_is_read_from_the_page_cache(

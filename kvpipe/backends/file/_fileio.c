@@ -53,10 +53,15 @@ static int open_confined(int dir_fd, const char *path, int flags) {
  * shared lock keeps a writer reusing the file (a deleted block's, see write_one) out while it
  * is read, and its change time, the same after the lock, says it was not deleted and reused
  * between the open and the lock (a rename changes it). 0, or -ENOENT: the file is no longer
- * the block it was opened as (read as missing). Where the file system has no locks, 0. */
-static long still_block(int fd, const struct stat *st) {
+ * the block it was opened as (read as missing). Where the file system has no locks, 0 — or,
+ * with `must_lock` (a mapping, whose value is checked before it is copied: only the lock
+ * keeps it from changing in between), NOT_CACHED: read it instead, and check the copy. */
+static long still_block(int fd, const struct stat *st, int must_lock) {
     if (flock(fd, LOCK_SH | LOCK_NB) != 0) {
-        return errno == EWOULDBLOCK ? -ENOENT : 0;
+        if (errno == EWOULDBLOCK) {
+            return -ENOENT;
+        }
+        return must_lock ? NOT_CACHED : 0;
     }
     struct stat now;
     if (fstat(fd, &now) != 0) {
@@ -172,8 +177,8 @@ static int all_cached(int fd, long size, int strict) {
     struct kv_cachestat_range range = {0, 0};
     struct kv_cachestat cs;
     if (syscall(SYS_cachestat, fd, &range, &cs, 0) != 0) {
-        if (errno == ENOSYS || errno == EPERM) {
-            missing = 1;
+        if (errno == ENOSYS) {
+            missing = 1; /* not EPERM: newer kernels refuse it per file (one not writable) */
         }
         return !strict;
     }
@@ -198,7 +203,7 @@ static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, i
         got = -errno;
     } else if (!S_ISREG(st.st_mode)) {
         got = NOT_REGULAR;
-    } else if ((got = still_block(fd, &st)) != 0) {
+    } else if ((got = still_block(fd, &st, 0)) != 0) {
         /* -ENOENT or -errno */
     } else if (!direct) {
         got = transfer(fd, iov, cnt, 0, 0);
@@ -242,7 +247,7 @@ static long open_cached_fd(int dir_fd, const char *path, long *size, int strict)
         got = -errno;
     } else if (!S_ISREG(st.st_mode)) {
         got = NOT_REGULAR;
-    } else if ((got = still_block(fd, &st)) != 0) {
+    } else if ((got = still_block(fd, &st, strict)) != 0) {
         got = not_regular_or(fd, got);
     } else if (!all_cached(fd, (long)st.st_size, strict)) {
         got = NOT_CACHED;
@@ -489,7 +494,8 @@ static int open_parent(int dir_fd, const char *path, const char **name) {
  * store's temporary names) for a new block, moved to `tmp` in dfd: opened for writing and
  * locked exclusively, so that no reader is reading it (a reader holds a shared lock: see
  * still_block) and none starts until it is published again. The descriptor, or -1 when it
- * cannot be had (gone, being read: then it is let go of, a reader keeps what it opened). */
+ * cannot be had (gone, being read, or on a file system without locks, where no reader could
+ * be seen: then it is let go of, a reader keeps what it opened). */
 static int claim_spare(int dir_fd, const char *spare, int dfd, const char *tmp, int direct) {
     const char *name;
     int sdfd = open_parent(dir_fd, spare, &name);
@@ -497,7 +503,7 @@ static int claim_spare(int dir_fd, const char *spare, int dfd, const char *tmp, 
         return -1;
     }
     int fd = openat(sdfd, name, O_WRONLY | O_NOFOLLOW | O_CLOEXEC | (direct ? O_DIRECT : 0));
-    if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) { /* read, or no locks here: not reused */
         close(fd);
         fd = -1;
     }
@@ -707,8 +713,9 @@ PyDoc_STRVAR(open_cached_doc,
              "open_cached(dir_fd, path, /) -> tuple[int, int]\n\n"
              "Open block file `path` (bytes, beneath dir_fd, confined as read_files does)\n"
              "read-only, with a shared lock on it, if it is a regular file that the page cache\n"
-             "holds whole (cachestat says so; where that call is missing, never): (descriptor,\n"
-             "size). Else (NOT_CACHED, 0), (NOT_REGULAR, 0) or (-errno, 0), nothing left open.\n"
+             "holds whole (cachestat says so; where that call is missing, never) and it can be\n"
+             "locked: (descriptor, size). Else (NOT_CACHED, 0), (NOT_REGULAR, 0) or (-errno,\n"
+             "0), nothing left open.\n"
              "The lock goes with the last descriptor of the open file (a mapping's included).");
 
 static PyObject *open_cached(PyObject *self, PyObject *args) {
@@ -724,7 +731,11 @@ static PyObject *open_cached(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     got = open_cached_fd(dir_fd, path, &size, 1);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("ll", got, size);
+    PyObject *r = Py_BuildValue("ll", got, size);
+    if (r == NULL && got >= 0) {
+        close((int)got);
+    }
+    return r;
 }
 
 static PyMethodDef methods[] = {

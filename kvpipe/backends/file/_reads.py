@@ -165,13 +165,15 @@ def read_mapped(
     key: str,
     nbytes: int,
     fingerprint: str,
-    place: Callable[[memoryview, int], bool],
+    place: Callable[[memoryview, int], bool | None],
 ) -> BlockStatus | None:
     """Check one block file that the page cache holds whole by mapping it: its header here,
     its ``nbytes`` of value by ``place(value, checksum)`` (a :class:`~.._base.FetchSink`'s
     ``fetched`` with ``mapped=True``: one copy, from the page cache into the cache rows).
-    The file stays locked against a writer reusing it until it is unmapped. ``None``: the
-    page cache does not hold it whole, or it cannot be mapped at its size: read it instead."""
+    The file stays locked against a writer reusing it until it is unmapped; nothing here
+    reads the mapping (a page of it may fault), only the sink's guarded call. ``None``: the
+    page cache does not hold it whole, it cannot be locked or mapped at its size, or the sink
+    declined the mapping: read it instead."""
     fileio = _native.fileio
     assert fileio is not None
     fd, size = fileio.open_cached(root.fd, _native.block_paths([key])[0])
@@ -182,21 +184,30 @@ def read_mapped(
     try:
         if size < HEADER_NBYTES + nbytes:
             return None  # torn or foreign: the read says why
+        raw = os.pread(fd, HEADER_NBYTES, 0)
         mem = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: it shrank since open_cached looked
         return None
     finally:
         os.close(fd)  # the mapping holds its own descriptor, and with it the lock
     whole = memoryview(mem)
     value = whole[HEADER_NBYTES : HEADER_NBYTES + nbytes]
+    declined = False
+
+    def placed(checksum: int) -> bool:
+        nonlocal declined
+        verdict = place(value, checksum)
+        declined = verdict is None
+        return verdict is not False
+
     try:
-        why = check_file(
-            key, bytes(whole[:HEADER_NBYTES]), size, value, fingerprint, lambda c: place(value, c)
-        )
+        why = check_file(key, raw, size, value, fingerprint, placed)
     finally:
         value.release()
         whole.release()
         mem.close()
+    if declined:
+        return None
     return BlockStatus.OK if why is None else _quarantine(hooks, root, key, why)
 
 

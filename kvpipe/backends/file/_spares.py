@@ -3,9 +3,10 @@
 A deleted (or evicted) block file is moved aside under a temporary name of this process in
 its directory, so a later put writes over it and renames it into place instead of allocating
 a new file (an inode and fresh blocks). Readers stay safe: the native writer takes a spare
-only under an exclusive ``flock``, and a reader reads a file renamed since it opened it as
-missing (:func:`._fs.still_block`). What is held is bounded by ``limit_bytes`` and removed at
-close; a dead process's spares are removed by the next open's sweep.
+only under an exclusive ``flock`` (none where the file system has no locks), and a reader
+reads a file renamed since it opened it as missing (:func:`._fs.still_block`). What is
+held is bounded by ``limit_bytes`` and removed at close; a dead process's spares are removed
+by the next open's sweep.
 """
 
 from __future__ import annotations

@@ -497,7 +497,7 @@ class FileStore(StorageBackend):
                 if got[j] is not None:
                     continue  # else not mapped (no cachestat here, say): read it
             bounce = scratch.bounce(nbytes, sink.offset % PAGE)
-            ok = functools.partial(sink.fetched, i, value=bounce)
+            ok = functools.partial(_place_read, sink, i, bounce)
             got[j] = read_cached(hooks, root, keys[i], bounce, fingerprint, scratch, ok)
         rest = [i for i, status in zip(part, got, strict=True) if status is None]
         more = iter(self._read(hooks, root, keys, buffers, fingerprint, rest))
@@ -584,6 +584,11 @@ def _some(errors: Sequence[str], shown: int = 3) -> str:
     return "; ".join(errors[:shown]) + more
 
 
-def _place_mapped(sink: FetchSink, index: int, value: memoryview, checksum: int) -> bool:
-    """Hand ``sink`` value ``index`` as a mapping of its file."""
+def _place_read(sink: FetchSink, index: int, value: memoryview, checksum: int) -> bool:
+    """Hand ``sink`` value ``index``, read into ``value``."""
+    return sink.fetched(index, checksum, value) is True
+
+
+def _place_mapped(sink: FetchSink, index: int, value: memoryview, checksum: int) -> bool | None:
+    """Hand ``sink`` value ``index`` as a mapping of its file (``None``: declined)."""
     return sink.fetched(index, checksum, value, mapped=True)
