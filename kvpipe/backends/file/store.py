@@ -18,6 +18,7 @@ import sqlite3
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar, final
 
@@ -391,13 +392,16 @@ class FileStore(StorageBackend):
         return self._in_shares(share, admitted)
 
     def _in_shares(self, fn: Callable[[list[T]], list[U]], items: list[T]) -> list[U]:
-        """``fn`` over ``threads`` consecutive shares of ``items``, the results in order."""
+        """``fn`` over ``threads`` consecutive shares of ``items``, the results in order.
+        Returns (or raises the first share's error) only once every share has returned:
+        they read into and write from the batch's staging."""
         pool = self._executor
         if pool is None:
             raise RuntimeError("file store is closed")
         step = max(1, -(-len(items) // self.threads))
-        shares = [items[lo : lo + step] for lo in range(0, len(items), step)]
-        return [r for part in pool.map(fn, shares) for r in part]
+        shares = [pool.submit(fn, items[lo : lo + step]) for lo in range(0, len(items), step)]
+        futures.wait(shares)
+        return [r for share in shares for r in share.result()]
 
     def _refuse_direct(self, root: Root, exc: OSError) -> None:
         """A direct read or write was refused after the probe passed (a stricter alignment,
