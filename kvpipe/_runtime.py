@@ -192,9 +192,20 @@ class Runtime:
             )
 
     async def release(self, staging_in_use: bool) -> None:
-        """After the actors and worker threads are done: unregister staging if still
-        registered, close the copy engine (both by the close deadline), and let go of
-        everything big, so the staging is freed now whatever still refers to this runtime."""
+        """After the actors and worker threads are done: unregister staging, close the copy
+        engine (both by the close deadline), and let go of everything big, so the staging
+        is freed now whatever still refers to this runtime. ``staging_in_use``: a worker
+        thread abandoned at the close deadline may still read or write it (a store's vendor
+        call): it then stays registered with the store and allocated."""
+        if staging_in_use and self._registered:
+            self._unregister_abandoned = True
+            _KEPT_STAGING.extend(self._registered)
+            self._registered = []
+            log.error(
+                "staging stays registered with %s and allocated: a call abandoned at close "
+                "may still use it",
+                self.store.name,
+            )
         with anyio.CancelScope(shield=True):
             await self._unregister()
         in_use = staging_in_use or self._unregister_abandoned
@@ -296,8 +307,9 @@ class Runtime:
     async def aclose(self) -> None:
         """Close by one deadline, ``close_timeout`` from now: stop accepting requests, let
         in-flight ones finish until then, fail the rest, let the actors leave their loops
-        (cancelled if still running at the deadline), then drain and unregister staging.
-        What still runs at the deadline is abandoned and logged, its memory kept. Shielded."""
+        (cancelled if still running at the deadline), then drain their inboxes. What still
+        runs at the deadline is abandoned and logged, its memory kept (staging is unregistered
+        and freed by :meth:`release`, once the worker threads are done). Shielded."""
         with anyio.CancelScope(shield=True):
             if self._ctx is None:
                 return
@@ -319,7 +331,6 @@ class Runtime:
             for recv in self._inboxes.by_name().values() if self._inboxes else ():
                 self._drain(recv)
                 recv.close()
-            await self._unregister()
             self._ctx = None
 
     @staticmethod

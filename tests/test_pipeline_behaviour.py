@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvpipe
-from kvpipe.backends import BlockStatus, PutBatch
+from kvpipe.backends import BlockStatus, GetBatch, PutBatch
 from tests.fakes import ScriptedStore
 from tests.helpers import fill_random
 
@@ -268,3 +268,52 @@ async def test_close_is_bounded_when_the_store_never_unregisters(
     assert pipe.closed
     assert any("unregistering staging" in r.getMessage() for r in caplog.records)
     assert len(_runtime._KEPT_STAGING) == kept + 1
+
+
+class AbandonedGetStore(kvpipe.MemoryStore):
+    """A store whose reads block in a worker thread until told to go on (a vendor call
+    stuck writing into staging), noting whether any still ran when staging was unregistered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go_on = threading.Event()
+        self.running = threading.Event()
+        self.unregistered: list[bool] = []
+
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        def stuck() -> None:
+            self.running.set()
+            self.go_on.wait(30)
+            self.running.clear()
+
+        await batch.run_sync(stuck)
+        return [BlockStatus.FAILED] * len(batch.keys)
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        self.unregistered.append(self.running.is_set())
+
+
+async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store's thread call that outlived its request and the close deadline may still
+    write into staging: the staging is neither unregistered from the store under it nor
+    freed, and that is logged."""
+    from kvpipe import _runtime
+
+    store = AbandonedGetStore()
+    config = kvpipe.PipelineConfig(close_timeout=0.2, slice_timeout=0.1, staging_bytes=1 << 20)
+    kept = len(_runtime._KEPT_STAGING)
+    try:
+        with caplog.at_level("ERROR", logger="kvpipe"), anyio.fail_after(10):
+            async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+                tokens = np.arange(2 * BLOCK)
+                assert (await pipe.write(tokens, [0, 1])).written == 2
+                assert (await pipe.read(tokens, [2, 3])).loaded == 0
+                assert store.running.is_set()
+        assert store.running.is_set()  # still running after close
+        assert True not in store.unregistered
+        assert len(_runtime._KEPT_STAGING) == kept + 1
+        assert any("still" in r.getMessage() for r in caplog.records)
+    finally:
+        store.go_on.set()
