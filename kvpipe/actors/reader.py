@@ -228,9 +228,10 @@ class Reader(Actor[ReadState | SliceJob]):
         finally:
             # A store thread may still be placing a value (the fetch was cancelled): no
             # value goes into the cache from now on, and the claim lasts until it is out.
+            # Waited for in kvpipe's own threads: the event loop library's may all be busy.
             if sink is not None and not sink.close():
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(sink.wait_idle)
+                    await ctx.runner.run(sink.wait_idle)
         elapsed = anyio.current_time() - started
         if statuses is not None:
             job.lent = batch.lent() or None

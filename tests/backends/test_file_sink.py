@@ -278,3 +278,48 @@ async def test_cached_values_land_in_every_row_whichever_way_they_are_checked_an
     assert len(calls) == {"native": NBLOCKS, "python": 0, "refused": -(-NBLOCKS // 8)}[placing]
     untouched = np.setdiff1d(np.arange(32), dst_ids)
     assert all(np.all(c[untouched] == SENTINEL) for c in dst.byte_rows)
+
+
+# Only the native reads hand values to the sink: with os calls, kvpipe places them itself.
+@pytest.mark.parametrize("file_io", ["native"], indirect=True)
+async def test_a_cancelled_read_waits_for_its_copy_without_the_hosts_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file_io: str
+) -> None:
+    """Waiting for a store thread's copy into the cache to end takes none of the event loop
+    library's shared worker threads: a server that has them all busy (blocking endpoints,
+    say) does not hold up a cancelled read."""
+    held = _Held(monkeypatch, "_exit")  # held just after its first copy, before leaving
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    borrowers: list[object] = []
+    config = kvpipe.PipelineConfig(slice_block_num=8)
+    dst = _blank_cache()
+    dst_ids = np.arange(31, 31 - NBLOCKS, -1)
+    async with FileStore(tmp_path / "store", durability="none", threads=1) as store:
+        src = _source_cache()
+        async with kvpipe.open_pipeline(src, store, config=config, namespace="e2e") as pipe:
+            assert (await pipe.write(TOKENS, np.arange(NBLOCKS))).complete
+        async with kvpipe.open_pipeline(dst, store, config=config, namespace="e2e") as pipe:
+            returned = anyio.Event()
+            read_scope = anyio.CancelScope()
+
+            async def read() -> None:
+                with read_scope:
+                    await pipe.read(TOKENS, dst_ids)
+                returned.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                try:
+                    assert await anyio.to_thread.run_sync(held.entered.wait, 30)
+                    while limiter.available_tokens:  # the host's threads all busy from now
+                        borrowers.append(object())
+                        await limiter.acquire_on_behalf_of(borrowers[-1])
+                    read_scope.cancel()
+                    await anyio.wait_all_tasks_blocked()
+                    held.go()
+                    with anyio.fail_after(5):  # a guard against a hang, not a timing
+                        await returned.wait()
+                finally:
+                    held.go()
+                    while borrowers:
+                        limiter.release_on_behalf_of(borrowers.pop())
