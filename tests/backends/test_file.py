@@ -6,6 +6,7 @@ import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 import kvpipe
@@ -55,3 +56,89 @@ async def test_a_batch_ends_only_once_every_store_thread_has_let_go_of_its_stagi
         with pytest.raises(MemoryError):
             await b.get(store, keys)
         assert finished.is_set(), "the batch returned while a share was still reading"
+
+
+async def test_close_takes_none_of_the_event_loop_librarys_shared_threads(tmp_path: Path) -> None:
+    """A server may have every shared worker thread busy (blocking endpoints): closing the
+    store still ends."""
+    store = kvpipe.FileStore(tmp_path / "store")
+    await store.open()
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    borrowers: list[object] = []
+    closed = anyio.Event()
+
+    async def close() -> None:
+        await store.aclose()
+        closed.set()
+
+    async with anyio.create_task_group() as tg:
+        try:
+            while limiter.available_tokens:
+                borrowers.append(object())
+                await limiter.acquire_on_behalf_of(borrowers[-1])
+            tg.start_soon(close)
+            with anyio.move_on_after(5):  # a guard against a hang, not a timing
+                await closed.wait()
+            ended = closed.is_set()
+        finally:
+            while borrowers:
+                limiter.release_on_behalf_of(borrowers.pop())
+    assert ended, "closing waited for one of the host's threads"
+
+
+async def test_close_does_not_wait_past_its_timeout_for_an_open_under_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An open stuck in its thread (a hung disk at the recovery scan, say): closing gives up
+    after its timeout, leaves the store as it is and says so."""
+    store = kvpipe.FileStore(tmp_path / "store")
+    go_on = threading.Event()
+    opening = store._open_sync
+
+    def stuck() -> None:
+        go_on.wait(30)
+        opening()
+
+    monkeypatch.setattr(store, "_open_sync", stuck)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.open)
+        await anyio.wait_all_tasks_blocked()
+        try:
+            with anyio.fail_after(10), caplog.at_level("ERROR", logger="kvpipe"):
+                await store.aclose(timeout=0.1)
+        finally:
+            go_on.set()
+    assert any("still opening" in r.getMessage() for r in caplog.records)
+    await store.aclose()
+
+
+async def test_calls_are_refused_not_given_threads_when_the_file_system_stops_answering(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each probe a caller gives up on runs on in its thread; once as many as the store's
+    threads are stuck so, more calls fail at once instead of each leaving a thread behind."""
+    from kvpipe.backends.file import store as file_store
+
+    go_on, entered = threading.Event(), threading.Semaphore(0)
+
+    def hung(*_: object) -> list[bool]:
+        entered.release()
+        go_on.wait(30)
+        return [False]
+
+    monkeypatch.setattr(file_store, "regular_files", hung)
+    monkeypatch.setattr(file_store.Root, "exists", lambda *a: hung(*a)[0])
+    b = Batches(StagingPool(4096 + 64, 1), ThreadRunner())
+    keys, _ = b.keys(1)
+    async with kvpipe.FileStore(tmp_path / "store", threads=1) as store:
+        try:
+            for _ in range(2):  # one stuck in the store's thread, one more past it
+                with anyio.CancelScope() as scope:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(store.exists, b.key_batch(keys))
+                        await anyio.to_thread.run_sync(entered.acquire)  # in the probe
+                        scope.cancel()
+            with anyio.fail_after(5), pytest.raises(kvpipe.BackendError, match="not answering"):
+                await store.exists(b.key_batch(keys))
+        finally:
+            go_on.set()

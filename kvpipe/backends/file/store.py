@@ -155,6 +155,7 @@ class FileStore(StorageBackend):
         self._executor: ThreadPoolExecutor | None = None
         self._open_lock = anyio.Lock()
         self._limiter = anyio.CapacityLimiter(threads)
+        self._calls = 0  # of _thread, running in their threads (those given up on included)
         self._counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards _counters against worker threads
         self._inflight = InFlight(lambda: OSError(errno.ESHUTDOWN, "the file store is closing"))
@@ -220,16 +221,26 @@ class FileStore(StorageBackend):
 
     async def aclose(self, timeout: float = 30.0) -> None:
         """Close the catalog and the root once the worker threads still running (of calls
-        whose callers gave up) have finished; after ``timeout`` seconds the store is left
-        open (logged), never closed under a running thread.
+        whose callers gave up) have finished; after ``timeout`` seconds (of that wait, or of
+        waiting for an open still under way) the store is left open (logged), never closed
+        under a running thread. The closing itself runs in a worker thread, none of the
+        event loop library's shared ones (a server may have them all busy).
 
         Cancellation: shielded.
         """
         with anyio.CancelScope(shield=True):
-            async with self._open_lock:
+            with anyio.move_on_after(timeout) as waited:
+                await self._open_lock.acquire()
+            if waited.cancelled_caught:
+                log.error(
+                    "file store %s: still opening after %.0f s; not closed", self.path, timeout
+                )
+                return
+            try:
                 if self._root is None or self._catalog is None:
                     return
-                idle = await anyio.to_thread.run_sync(self._inflight.drain, timeout)
+                own = anyio.CapacityLimiter(1)
+                idle = await anyio.to_thread.run_sync(self._inflight.drain, timeout, limiter=own)
                 if not idle:
                     log.error(
                         "file store %s: %d worker call(s) still running after %.0f s; "
@@ -239,13 +250,20 @@ class FileStore(StorageBackend):
                         timeout,
                     )
                     return
-                if self._executor is not None:
-                    self._executor.shutdown(wait=True)
-                    self._executor = None
-                await anyio.to_thread.run_sync(self._spares.drain, self._root)
-                self._catalog.close()
-                self._root.close()
-                self._root = self._catalog = None
+                await anyio.to_thread.run_sync(self._close_sync, limiter=own)
+            finally:
+                self._open_lock.release()
+
+    def _close_sync(self) -> None:
+        """Shut the idle threads down, remove the spare files, close the catalog and root."""
+        assert self._root is not None and self._catalog is not None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._spares.drain(self._root)
+        self._catalog.close()
+        self._root.close()
+        self._root = self._catalog = None
 
     async def _ready(self) -> tuple[Root, Catalog]:
         if self._root is None:
@@ -257,10 +275,35 @@ class FileStore(StorageBackend):
         with self._lock:
             self._counters.update(deltas)
 
-    async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
-        fn = self._inflight.track(fn)
+    async def _thread(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread, ``threads`` at once; a caller that gives up lets
+        its thread run on (and frees its place). Past ``threads`` such threads still running
+        (a file system that stopped answering), further calls are refused, not given more.
+
+        Raises:
+            BackendError: Too many earlier calls still stuck in their threads.
+        """
+        with self._lock:
+            stuck = self._calls - self.threads
+        if stuck >= self.threads:
+            raise BackendError(
+                self.name,
+                op,
+                f"{self.path}: {self._calls} earlier calls still running in the file system "
+                "(not answering?); refused",
+            )
+
+        def counted(*a: Any) -> T:
+            with self._lock:
+                self._calls += 1
+            try:
+                return fn(*a)
+            finally:
+                with self._lock:
+                    self._calls -= 1
+
         return await anyio.to_thread.run_sync(
-            fn, *args, limiter=self._limiter, abandon_on_cancel=True
+            self._inflight.track(counted), *args, limiter=self._limiter, abandon_on_cancel=True
         )
 
     # -- blocks ------------------------------------------------------------------------------
@@ -542,7 +585,7 @@ class FileStore(StorageBackend):
                     out.append(root.exists(*block_location(key)))
             return out
 
-        return await self._thread(probe)
+        return await self._thread("exists", probe)
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove block files and their records.
@@ -556,7 +599,7 @@ class FileStore(StorageBackend):
                 self._spares.retire(root, *block_location(key))
             catalog.remove(keys)
 
-        await self._thread(remove)
+        await self._thread("delete", remove)
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
         """Record residency in the catalog (visible to every process sharing the root).
@@ -565,14 +608,15 @@ class FileStore(StorageBackend):
         _, catalog = await self._ready()
         for e in entries:
             validate_key(e.key)
-        await self._thread(catalog.put_residency, list(entries))
+        await self._thread("put_residency", catalog.put_residency, list(entries))
 
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
         """Every node's record for each key.
 
         Cancellation: stops waiting at once; the lookup's thread runs on."""
         _, catalog = await self._ready()
-        return await self._thread(catalog.get_residency, [validate_key(k) for k in keys])
+        keys = [validate_key(k) for k in keys]
+        return await self._thread("get_residency", catalog.get_residency, keys)
 
     def statistics(self) -> Mapping[str, float]:
         """Counters of this process's use of the store (evictions, corrupt blocks, ...)."""
