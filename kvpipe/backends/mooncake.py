@@ -166,6 +166,9 @@ class MooncakeStore(StorageBackend):
         by ``setup_timeout``; past it the client is left open, or its close left to finish in
         a worker thread, logged.
 
+        Its worker threads are none of the event loop library's shared ones (a server may
+        have them all busy).
+
         Cancellation: shielded.
         """
         with anyio.CancelScope(shield=True):
@@ -173,7 +176,10 @@ class MooncakeStore(StorageBackend):
                 client = self._client
                 if client is None:
                     return
-                idle = await anyio.to_thread.run_sync(self._inflight.drain, self.setup_timeout)
+                own = anyio.CapacityLimiter(1)
+                idle = await anyio.to_thread.run_sync(
+                    self._inflight.drain, self.setup_timeout, limiter=own
+                )
                 if not idle:
                     log.error(
                         "mooncake: %d vendor call(s) still running after %.0f s; the "
@@ -187,10 +193,12 @@ class MooncakeStore(StorageBackend):
                 with anyio.move_on_after(self.setup_timeout) as bound:
                     for ptr, _ in registered:
                         await anyio.to_thread.run_sync(
-                            client.unregister_buffer, ptr, abandon_on_cancel=True
+                            client.unregister_buffer, ptr, abandon_on_cancel=True, limiter=own
                         )
                     if self._own_client:
-                        await anyio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+                        await anyio.to_thread.run_sync(
+                            client.close, abandon_on_cancel=True, limiter=own
+                        )
                 if bound.cancelled_caught:
                     log.error(
                         "mooncake: unregistering staging and closing the client took more "

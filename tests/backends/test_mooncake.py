@@ -145,3 +145,45 @@ async def test_close_is_bounded_when_the_vendor_close_hangs(
     finally:
         fake.release.set()
         await listener.aclose()
+
+
+async def test_close_takes_none_of_the_event_loop_librarys_shared_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server may have every shared worker thread busy (blocking endpoints): closing the
+    store still ends."""
+    import anyio
+
+    from kvpipe.backends import mooncake as mc
+
+    fake = StuckCloseClient()
+    fake.release.set()
+    monkeypatch.setattr(mc, "_load_client", lambda: fake)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    borrowers: list[object] = []
+    closed = anyio.Event()
+    store = kvpipe.MooncakeStore(f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata")
+
+    async def close() -> None:
+        await store.aclose()
+        closed.set()
+
+    try:
+        await store.open()
+        async with anyio.create_task_group() as tg:
+            try:
+                while limiter.available_tokens:
+                    borrowers.append(object())
+                    await limiter.acquire_on_behalf_of(borrowers[-1])
+                tg.start_soon(close)
+                with anyio.move_on_after(5):  # a guard against a hang, not a timing
+                    await closed.wait()
+                ended = closed.is_set()
+            finally:
+                while borrowers:
+                    limiter.release_on_behalf_of(borrowers.pop())
+        assert ended and fake.closing.is_set(), "closing waited for one of the host's threads"
+    finally:
+        await listener.aclose()
