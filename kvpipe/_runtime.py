@@ -294,13 +294,14 @@ class Runtime:
     def _escalate(self, actor: str, exc: BaseException) -> None:
         self._open = False
         self._closed_reason = f"actor {actor!r} crashed repeatedly: {exc!r}"
-        self._stop_all(PipelineClosed(f"pipeline closed: {self._closed_reason}"))
+        self._stop_all(f"pipeline closed: {self._closed_reason}")
 
-    def _stop_all(self, error: PipelineClosed) -> None:
-        """Fail every request in flight, then close the inboxes: every actor leaves its loop
-        once its inbox is empty."""
+    def _stop_all(self, message: str) -> None:
+        """Fail every request in flight with :class:`PipelineClosed` (``message``), then close
+        the inboxes: every actor leaves its loop once its inbox is empty. Each caller gets
+        an error of its own: one raised in many would carry all their tracebacks."""
         for state in list(self._in_flight):
-            state.fail(error)
+            state.fail(PipelineClosed(message))
         if self._outboxes is not None:
             self._outboxes.close()
 
@@ -320,7 +321,7 @@ class Runtime:
                 self.engine.close_by(deadline)
             with anyio.move_on_at(deadline):
                 await self._idle.wait()
-            self._stop_all(PipelineClosed("pipeline closed"))
+            self._stop_all("pipeline closed")
             supervisor = self._supervisor
             if supervisor is not None:
                 with anyio.move_on_at(deadline) as waited:

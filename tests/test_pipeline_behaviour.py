@@ -317,3 +317,32 @@ async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
         assert any("still" in r.getMessage() for r in caplog.records)
     finally:
         store.go_on.set()
+
+
+class HangingPutStore(kvpipe.MemoryStore):
+    """A store whose puts never return (until cancelled)."""
+
+    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_each_caller_failed_by_the_close_gets_an_error_of_its_own() -> None:
+    """Requests still in flight when the pipeline closes end with PipelineClosed, each its
+    own (one instance raised in several callers would carry all their tracebacks)."""
+    config = kvpipe.PipelineConfig(close_timeout=0.1, staging_bytes=1 << 20)
+    errors: list[BaseException] = []
+
+    async def write(pipe: kvpipe.Pipeline, first: int) -> None:
+        try:
+            await pipe.write(np.arange(first, first + BLOCK), [first // BLOCK])
+        except kvpipe.PipelineClosed as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            async with kvpipe.open_pipeline(_cache(), HangingPutStore(), config=config) as pipe:
+                tg.start_soon(write, pipe, 0)
+                tg.start_soon(write, pipe, 10 * BLOCK)
+                await anyio.wait_all_tasks_blocked()
+    assert len(errors) == 2 and errors[0] is not errors[1]
