@@ -1,8 +1,10 @@
-"""Counting a backend's worker-thread calls, so it never closes under one still running.
+"""Counting a backend's worker-thread calls, so it never closes under one still running,
+and never starts a thread per call on storage that stopped answering.
 
 A call abandoned on a timeout keeps running in its thread, and closing a client under it can
 crash the process: backends wrap each blocking function with :meth:`InFlight.track` and wait
-with :meth:`InFlight.drain` before releasing anything.
+with :meth:`InFlight.drain` before releasing anything. Short calls whose callers may give up
+go through a :class:`ThreadGate`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, final
 
-__all__ = ("InFlight",)
+import anyio
+import anyio.to_thread
+
+from .._errors import BackendError
+
+__all__ = ("InFlight", "ThreadGate")
 
 T = TypeVar("T")
 
@@ -62,3 +69,57 @@ class InFlight:
         with self._cond:
             self._closing = True
             return self._cond.wait_for(lambda: self._running == 0, timeout)
+
+
+@final
+class ThreadGate:
+    """Runs a backend's short blocking calls in worker threads, ``width`` at once, for callers
+    that may stop waiting: the thread then runs on and its place is free at once (anyio's
+    ``abandon_on_cancel``). Once ``width`` calls beyond that are still running (storage that
+    stopped answering), new calls are refused rather than each given one more thread.
+
+    Args:
+        backend: The backend's name, for errors.
+        width: Calls running at once.
+    """
+
+    def __init__(self, backend: str, width: int) -> None:
+        self.backend = backend
+        self.width = width
+        self._limiter = anyio.CapacityLimiter(width)
+        self._lock = threading.Lock()
+        self._running = 0
+
+    @property
+    def running(self) -> int:
+        """Calls running in their threads now, those given up on included."""
+        return self._running
+
+    async def run(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread.
+
+        Cancellation: stops waiting at once; the thread runs on to the end of ``fn``.
+
+        Raises:
+            BackendError: ``width`` calls given up on are still running (``op``: the call's
+                name in the error). Exceptions from ``fn`` propagate.
+        """
+        if self._running >= 2 * self.width:
+            raise BackendError(
+                self.backend,
+                op,
+                f"{self._running} earlier calls still running (storage not answering?); refused",
+            )
+
+        def counted(*a: Any) -> T:
+            with self._lock:
+                self._running += 1
+            try:
+                return fn(*a)
+            finally:
+                with self._lock:
+                    self._running -= 1
+
+        return await anyio.to_thread.run_sync(
+            counted, *args, limiter=self._limiter, abandon_on_cancel=True
+        )

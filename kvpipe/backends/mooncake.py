@@ -22,7 +22,7 @@ import numpy as np
 from .._errors import BackendError, Unsupported
 from .._results import ResidencyEntry
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
-from ._inflight import InFlight
+from ._inflight import InFlight, ThreadGate
 from ._mooncake_index import ResidencyIndex
 
 __all__ = ("MooncakeStore",)
@@ -99,7 +99,7 @@ class MooncakeStore(StorageBackend):
                 _load_client()
         self._registered: Counter[tuple[int, int]] = Counter()
         self._distrust: OrderedDict[str, None] = OrderedDict()
-        self._limiter = anyio.CapacityLimiter(4)
+        self._gate = ThreadGate(self.name, 4)
         self._open_lock = anyio.Lock()
         self._counters: Counter[str] = Counter()
         self._inflight = InFlight(lambda: BackendError(self.name, "call", "the store is closing"))
@@ -213,9 +213,11 @@ class MooncakeStore(StorageBackend):
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         try:
-            return await anyio.to_thread.run_sync(
-                self._inflight.track(fn), *args, limiter=self._limiter, abandon_on_cancel=True
+            return await self._gate.run(
+                getattr(fn, "__name__", "call"), self._inflight.track(fn), *args
             )
+        except BackendError:
+            raise
         except Exception as exc:
             raise BackendError(self.name, getattr(fn, "__name__", "call"), repr(exc)) from exc
 

@@ -35,7 +35,7 @@ from .._base import (
     StorageBackend,
     validate_key,
 )
-from .._inflight import InFlight
+from .._inflight import InFlight, ThreadGate
 from ._catalog import Catalog, CatalogFull
 from ._direct import Scratch, is_aligned, probe_direct
 from ._format import PAGE, block_location, file_nbytes, key_namespace
@@ -154,8 +154,7 @@ class FileStore(StorageBackend):
         self._catalog: Catalog | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._open_lock = anyio.Lock()
-        self._limiter = anyio.CapacityLimiter(threads)
-        self._calls = 0  # of _thread, running in their threads (those given up on included)
+        self._gate = ThreadGate(self.name, threads)
         self._counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards _counters against worker threads
         self._inflight = InFlight(lambda: OSError(errno.ESHUTDOWN, "the file store is closing"))
@@ -276,35 +275,7 @@ class FileStore(StorageBackend):
             self._counters.update(deltas)
 
     async def _thread(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in a worker thread, ``threads`` at once; a caller that gives up lets
-        its thread run on (and frees its place). Past ``threads`` such threads still running
-        (a file system that stopped answering), further calls are refused, not given more.
-
-        Raises:
-            BackendError: Too many earlier calls still stuck in their threads.
-        """
-        with self._lock:
-            stuck = self._calls - self.threads
-        if stuck >= self.threads:
-            raise BackendError(
-                self.name,
-                op,
-                f"{self.path}: {self._calls} earlier calls still running in the file system "
-                "(not answering?); refused",
-            )
-
-        def counted(*a: Any) -> T:
-            with self._lock:
-                self._calls += 1
-            try:
-                return fn(*a)
-            finally:
-                with self._lock:
-                    self._calls -= 1
-
-        return await anyio.to_thread.run_sync(
-            self._inflight.track(counted), *args, limiter=self._limiter, abandon_on_cancel=True
-        )
+        return await self._gate.run(op, self._inflight.track(fn), *args)
 
     # -- blocks ------------------------------------------------------------------------------
 

@@ -1,0 +1,39 @@
+"""A backend's worker-thread calls: the gate that refuses calls once too many given up on
+still run (storage that stopped answering), rather than start a thread for each."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+
+import kvpipe
+from kvpipe.backends._inflight import ThreadGate
+
+
+async def test_the_gate_refuses_once_as_many_calls_given_up_on_as_its_width_still_run() -> None:
+    gate = ThreadGate("test", 1)
+    go_on, entered = threading.Event(), threading.Semaphore(0)
+
+    def hung() -> str:
+        entered.release()
+        go_on.wait(30)
+        return "done"
+
+    try:
+        for _ in range(2):  # one in the gate's place, one more beyond it
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(gate.run, "probe", hung)
+                    await anyio.to_thread.run_sync(entered.acquire)  # its thread runs it
+                    scope.cancel()
+        assert gate.running == 2
+        with anyio.fail_after(5), pytest.raises(kvpipe.BackendError, match=r"probe.*refused"):
+            await gate.run("probe", hung)
+    finally:
+        go_on.set()
+    while gate.running:  # the threads given up on end once storage answers again
+        await anyio.to_thread.run_sync(go_on.wait)
+        await anyio.sleep(0.001)
+    assert await gate.run("probe", lambda: "answered") == "answered"
