@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sysconfig
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
@@ -69,3 +70,36 @@ async def checkpoints(n: int = 20) -> None:
     """Yield to other tasks ``n`` times."""
     for _ in range(n):
         await anyio.lowlevel.checkpoint()
+
+
+@contextlib.asynccontextmanager
+async def host_threads_busy() -> AsyncIterator[None]:
+    """Every one of the event loop library's shared worker threads taken, as a server's
+    blocking endpoints may take them, until the block exits."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    borrowers: list[object] = []
+    try:
+        while limiter.available_tokens:
+            borrowers.append(object())
+            await limiter.acquire_on_behalf_of(borrowers[-1])
+        yield
+    finally:
+        for borrower in borrowers:
+            limiter.release_on_behalf_of(borrower)
+
+
+async def ends_with_host_threads_busy(call: Callable[[], Awaitable[object]]) -> bool:
+    """Whether ``call()`` ends while :func:`host_threads_busy` (a 5 s guard against a hang,
+    not a timing); the threads are given back before this returns, so it ends either way."""
+    ended = anyio.Event()
+
+    async def run() -> None:
+        await call()
+        ended.set()
+
+    async with anyio.create_task_group() as tg:
+        async with host_threads_busy():
+            tg.start_soon(run)
+            with anyio.move_on_after(5):
+                await ended.wait()
+            return ended.is_set()

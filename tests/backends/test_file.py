@@ -15,6 +15,7 @@ from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus, StorageBackend
 from kvpipe.testing import BackendConformance
 from kvpipe.testing.batches import Batches, random_values
+from tests.helpers import ends_with_host_threads_busy
 
 pytestmark = pytest.mark.usefixtures("file_io")
 
@@ -63,26 +64,7 @@ async def test_close_takes_none_of_the_event_loop_librarys_shared_threads(tmp_pa
     store still ends."""
     store = kvpipe.FileStore(tmp_path / "store")
     await store.open()
-    limiter = anyio.to_thread.current_default_thread_limiter()
-    borrowers: list[object] = []
-    closed = anyio.Event()
-
-    async def close() -> None:
-        await store.aclose()
-        closed.set()
-
-    async with anyio.create_task_group() as tg:
-        try:
-            while limiter.available_tokens:
-                borrowers.append(object())
-                await limiter.acquire_on_behalf_of(borrowers[-1])
-            tg.start_soon(close)
-            with anyio.move_on_after(5):  # a guard against a hang, not a timing
-                await closed.wait()
-            ended = closed.is_set()
-        finally:
-            while borrowers:
-                limiter.release_on_behalf_of(borrowers.pop())
+    ended = await ends_with_host_threads_busy(store.aclose)
     assert ended, "closing waited for one of the host's threads"
 
 

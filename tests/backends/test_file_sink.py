@@ -28,7 +28,7 @@ from tests.backends.test_file_hostile import (
     _source_cache,
     block_file,
 )
-from tests.helpers import needs_native_digests
+from tests.helpers import host_threads_busy, needs_native_digests
 
 pytestmark = pytest.mark.usefixtures("file_io")
 
@@ -289,8 +289,6 @@ async def test_a_cancelled_read_waits_for_its_copy_without_the_hosts_threads(
     library's shared worker threads: a server that has them all busy (blocking endpoints,
     say) does not hold up a cancelled read."""
     held = _Held(monkeypatch, "_exit")  # held just after its first copy, before leaving
-    limiter = anyio.to_thread.current_default_thread_limiter()
-    borrowers: list[object] = []
     config = kvpipe.PipelineConfig(slice_block_num=8)
     dst = _blank_cache()
     dst_ids = np.arange(31, 31 - NBLOCKS, -1)
@@ -311,15 +309,11 @@ async def test_a_cancelled_read_waits_for_its_copy_without_the_hosts_threads(
                 tg.start_soon(read)
                 try:
                     assert await anyio.to_thread.run_sync(held.entered.wait, 30)
-                    while limiter.available_tokens:  # the host's threads all busy from now
-                        borrowers.append(object())
-                        await limiter.acquire_on_behalf_of(borrowers[-1])
-                    read_scope.cancel()
-                    await anyio.wait_all_tasks_blocked()
-                    held.go()
-                    with anyio.fail_after(5):  # a guard against a hang, not a timing
-                        await returned.wait()
+                    async with host_threads_busy():
+                        read_scope.cancel()
+                        await anyio.wait_all_tasks_blocked()
+                        held.go()
+                        with anyio.fail_after(5):  # a guard against a hang, not a timing
+                            await returned.wait()
                 finally:
                     held.go()
-                    while borrowers:
-                        limiter.release_on_behalf_of(borrowers.pop())

@@ -13,6 +13,7 @@ from kvpipe.backends import StorageBackend
 from kvpipe.backends.mooncake_local import LocalMooncake
 from kvpipe.testing import BackendConformance
 from tests.backends.mooncake_fixtures import mooncake, mooncake_client  # noqa: F401
+from tests.helpers import ends_with_host_threads_busy
 
 
 class TestMooncakeConformance(BackendConformance):
@@ -161,29 +162,10 @@ async def test_close_takes_none_of_the_event_loop_librarys_shared_threads(
     monkeypatch.setattr(mc, "_load_client", lambda: fake)
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    limiter = anyio.to_thread.current_default_thread_limiter()
-    borrowers: list[object] = []
-    closed = anyio.Event()
     store = kvpipe.MooncakeStore(f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata")
-
-    async def close() -> None:
-        await store.aclose()
-        closed.set()
-
     try:
         await store.open()
-        async with anyio.create_task_group() as tg:
-            try:
-                while limiter.available_tokens:
-                    borrowers.append(object())
-                    await limiter.acquire_on_behalf_of(borrowers[-1])
-                tg.start_soon(close)
-                with anyio.move_on_after(5):  # a guard against a hang, not a timing
-                    await closed.wait()
-                ended = closed.is_set()
-            finally:
-                while borrowers:
-                    limiter.release_on_behalf_of(borrowers.pop())
+        ended = await ends_with_host_threads_busy(store.aclose)
         assert ended and fake.closing.is_set(), "closing waited for one of the host's threads"
     finally:
         await listener.aclose()
