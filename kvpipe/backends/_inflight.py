@@ -87,13 +87,12 @@ class ThreadGate:
         self.backend = backend
         self.width = width
         self._limiter = anyio.CapacityLimiter(width)
-        self._lock = threading.Lock()
-        self._running = 0
+        self._calls = InFlight(RuntimeError)  # counts only: it is never drained
 
     @property
     def running(self) -> int:
         """Calls running in their threads now, those given up on included."""
-        return self._running
+        return self._calls.running
 
     async def run(self, op: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread.
@@ -104,22 +103,13 @@ class ThreadGate:
             BackendError: ``width`` calls given up on are still running (``op``: the call's
                 name in the error). Exceptions from ``fn`` propagate.
         """
-        if self._running >= 2 * self.width:
+        running = self._calls.running
+        if running >= 2 * self.width:
             raise BackendError(
                 self.backend,
                 op,
-                f"{self._running} earlier calls still running (storage not answering?); refused",
+                f"{running} earlier calls still running (storage not answering?); refused",
             )
-
-        def counted(*a: Any) -> T:
-            with self._lock:
-                self._running += 1
-            try:
-                return fn(*a)
-            finally:
-                with self._lock:
-                    self._running -= 1
-
         return await anyio.to_thread.run_sync(
-            counted, *args, limiter=self._limiter, abandon_on_cancel=True
+            self._calls.track(fn), *args, limiter=self._limiter, abandon_on_cancel=True
         )
