@@ -211,15 +211,20 @@ async def _write_then_read_warm(
     return result, src, dst, mapped, root
 
 
+def _assert_all_loaded(src: kvpipe.KVCache, dst: kvpipe.KVCache) -> None:
+    """Every block :func:`_write_then_read_warm` wrote is in ``dst``, byte for byte."""
+    dst_ids = np.arange(31, 31 - NBLOCKS, -1)
+    for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
+        assert np.array_equal(a[:NBLOCKS], c[dst_ids])
+
+
 async def test_a_warm_read_maps_every_block_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fileio: Any
 ) -> None:
     result, src, dst, mapped, _ = await _write_then_read_warm(tmp_path, monkeypatch)
     assert result.complete and result.loaded == NBLOCKS
     assert mapped == [True] * NBLOCKS
-    dst_ids = np.arange(31, 31 - NBLOCKS, -1)
-    for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
-        assert np.array_equal(a[:NBLOCKS], c[dst_ids])
+    _assert_all_loaded(src, dst)
 
 
 async def test_a_block_file_cut_short_while_mapped_is_refused(
@@ -294,9 +299,7 @@ async def test_a_file_that_shrank_before_it_was_mapped_is_read_instead(
     monkeypatch.setattr(_reads, "mmap", _Refusing)
     result, src, dst, mapped, _ = await _write_then_read_warm(tmp_path, monkeypatch)
     assert result.complete and mapped == [False] * NBLOCKS
-    dst_ids = np.arange(31, 31 - NBLOCKS, -1)
-    for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
-        assert np.array_equal(a[:NBLOCKS], c[dst_ids])
+    _assert_all_loaded(src, dst)
 
 
 async def test_a_value_that_cannot_be_mapped_is_read_from_the_page_cache(
@@ -307,6 +310,4 @@ async def test_a_value_that_cannot_be_mapped_is_read_from_the_page_cache(
     monkeypatch.setattr(fileio, "open_cached", lambda *_: (fileio.NOT_CACHED, 0))
     result, src, dst, mapped, _ = await _write_then_read_warm(tmp_path, monkeypatch)
     assert result.complete and mapped == [False] * NBLOCKS
-    dst_ids = np.arange(31, 31 - NBLOCKS, -1)
-    for a, c in zip(src.byte_rows, dst.byte_rows, strict=True):
-        assert np.array_equal(a[:NBLOCKS], c[dst_ids])
+    _assert_all_loaded(src, dst)
