@@ -173,15 +173,26 @@ class Runtime:
         return self.close_deadline
 
     async def _unregister(self) -> None:
-        """Unregister what was registered, by the close deadline; past that the staging is
-        marked as possibly still in use, so it is never freed under the store."""
+        """Unregister what was registered, by the close deadline; past that, or where the
+        store refused, the staging is marked as possibly still in use, so it is never freed
+        under the store."""
         registered, self._registered = self._registered, []
+        failed = False
         with anyio.move_on_at(self._deadline()) as bound:
             for buffer in registered:
                 try:
                     await self.store.unregister_staging(buffer)
                 except Exception as exc:
-                    log.warning("unregistering staging from %s failed: %r", self.store.name, exc)
+                    failed = True
+                    log.warning(
+                        "unregistering staging from %s failed (the staging memory is kept, "
+                        "not freed): %r",
+                        self.store.name,
+                        exc,
+                    )
+        if failed and not bound.cancelled_caught:
+            self._unregister_abandoned = True
+            _KEPT_STAGING.extend(registered)
         if bound.cancelled_caught:
             self._unregister_abandoned = True
             _KEPT_STAGING.extend(registered)  # host staging: never freed under the store

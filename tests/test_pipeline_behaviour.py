@@ -346,3 +346,20 @@ async def test_each_caller_failed_by_the_close_gets_an_error_of_its_own() -> Non
                 tg.start_soon(write, pipe, 10 * BLOCK)
                 await anyio.wait_all_tasks_blocked()
     assert len(errors) == 2 and errors[0] is not errors[1]
+
+
+class RefusingUnregisterStore(kvpipe.MemoryStore):
+    """A store that refuses to unregister staging (its vendor calls stuck, say)."""
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        raise kvpipe.BackendError("refusing", "unregister_staging", "refused")
+
+
+async def test_staging_the_store_would_not_unregister_is_kept_not_freed() -> None:
+    from kvpipe import _runtime
+
+    config = kvpipe.PipelineConfig(staging_bytes=1 << 20)
+    kept = len(_runtime._KEPT_STAGING)
+    async with kvpipe.open_pipeline(_cache(), RefusingUnregisterStore(), config=config) as pipe:
+        assert (await pipe.write(np.arange(2 * BLOCK), [0, 1])).written == 2
+    assert len(_runtime._KEPT_STAGING) == kept + 1
