@@ -103,13 +103,20 @@ class ThreadGate:
             BackendError: ``width`` calls given up on are still running (``op``: the call's
                 name in the error). Exceptions from ``fn`` propagate.
         """
-        running = self._calls.running
+        self._check(op, self._calls.running)
+
+        def capped(*a: Any) -> T:  # checked again: it may have waited for its place
+            self._check(op, self._calls.running - 1)  # counted already
+            return fn(*a)
+
+        return await anyio.to_thread.run_sync(
+            self._calls.track(capped), *args, limiter=self._limiter, abandon_on_cancel=True
+        )
+
+    def _check(self, op: str, running: int) -> None:
         if running >= 2 * self.width:
             raise BackendError(
                 self.backend,
                 op,
                 f"{running} earlier calls still running (storage not answering?); refused",
             )
-        return await anyio.to_thread.run_sync(
-            self._calls.track(fn), *args, limiter=self._limiter, abandon_on_cancel=True
-        )

@@ -37,3 +37,40 @@ async def test_the_gate_refuses_once_as_many_calls_given_up_on_as_its_width_stil
         await anyio.to_thread.run_sync(go_on.wait)
         await anyio.sleep(0.001)
     assert await gate.run("probe", lambda: "answered") == "answered"
+
+
+async def test_a_call_that_waited_for_its_place_is_checked_again_when_it_gets_it() -> None:
+    """Calls made while none was stuck all pass the first check and wait for a place; each
+    one that gets a place freed by a caller giving up is checked again, in its thread."""
+    gate = ThreadGate("test", 1)
+    go_on, entered = threading.Event(), threading.Semaphore(0)
+
+    def hung() -> str:
+        entered.release()
+        go_on.wait(30)
+        return "done"
+
+    outcomes: list[str] = []
+    answered = anyio.Event()
+
+    async def call(scope: anyio.CancelScope) -> None:
+        with scope:
+            try:
+                outcomes.append(await gate.run("probe", hung))
+            except kvpipe.BackendError:
+                outcomes.append("refused")
+            answered.set()
+
+    scopes = [anyio.CancelScope() for _ in range(3)]
+    try:
+        async with anyio.create_task_group() as tg:
+            for scope in scopes:  # all three pass the first check: none runs yet
+                tg.start_soon(call, scope)
+            for scope in scopes[:2]:  # each in turn gets the place, and is given up on
+                await anyio.to_thread.run_sync(entered.acquire)
+                scope.cancel()
+            with anyio.fail_after(5):  # a guard against a hang, not a timing
+                await answered.wait()
+    finally:
+        go_on.set()
+    assert outcomes == ["refused"]

@@ -198,7 +198,7 @@ def read_mapped(
         nonlocal declined
         verdict = place(value, checksum)
         declined = verdict is None
-        return verdict is not False
+        return declined or bool(verdict)
 
     try:
         why = check_file(key, raw, size, value, fingerprint, placed)

@@ -220,15 +220,17 @@ class FileStore(StorageBackend):
 
     async def aclose(self, timeout: float = 30.0) -> None:
         """Close the catalog and the root once the worker threads still running (of calls
-        whose callers gave up) have finished; after ``timeout`` seconds (of that wait, or of
-        waiting for an open still under way) the store is left open (logged), never closed
-        under a running thread. The closing itself runs in a worker thread, none of the
-        event loop library's shared ones (a server may have them all busy).
+        whose callers gave up) have finished; after ``timeout`` seconds (of that wait and of
+        waiting for an open still under way, together) the store is left open (logged),
+        never closed under a running thread. The closing itself (removing the spare files,
+        closing the catalog: not bounded) runs in a worker thread, none of the event loop
+        library's shared ones (a server may have them all busy).
 
         Cancellation: shielded.
         """
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(timeout) as waited:
+            deadline = anyio.current_time() + timeout
+            with anyio.move_on_at(deadline) as waited:
                 await self._open_lock.acquire()
             if waited.cancelled_caught:
                 log.error(
@@ -239,7 +241,8 @@ class FileStore(StorageBackend):
                 if self._root is None or self._catalog is None:
                     return
                 own = anyio.CapacityLimiter(1)
-                idle = await anyio.to_thread.run_sync(self._inflight.drain, timeout, limiter=own)
+                left = max(0.0, deadline - anyio.current_time())
+                idle = await anyio.to_thread.run_sync(self._inflight.drain, left, limiter=own)
                 if not idle:
                     log.error(
                         "file store %s: %d worker call(s) still running after %.0f s; "
@@ -605,7 +608,7 @@ def _some(errors: Sequence[str], shown: int = 3) -> str:
 
 def _place_read(sink: FetchSink, index: int, value: memoryview, checksum: int) -> bool:
     """Hand ``sink`` value ``index``, read into ``value``."""
-    return sink.fetched(index, checksum, value) is True
+    return bool(sink.fetched(index, checksum, value))
 
 
 def _place_mapped(sink: FetchSink, index: int, value: memoryview, checksum: int) -> bool | None:
