@@ -4,6 +4,7 @@ still run (storage that stopped answering), rather than start a thread for each.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -12,14 +13,22 @@ import kvpipe
 from kvpipe.backends._inflight import ThreadGate
 
 
-async def test_the_gate_refuses_once_as_many_calls_given_up_on_as_its_width_still_run() -> None:
-    gate = ThreadGate("test", 1)
+def _hung() -> tuple[threading.Event, threading.Semaphore, Callable[[], str]]:
+    """A call that hangs until ``go_on`` is set (storage not answering); ``entered`` is
+    released each time one starts."""
     go_on, entered = threading.Event(), threading.Semaphore(0)
 
     def hung() -> str:
         entered.release()
         go_on.wait(30)
         return "done"
+
+    return go_on, entered, hung
+
+
+async def test_the_gate_refuses_once_as_many_calls_given_up_on_as_its_width_still_run() -> None:
+    gate = ThreadGate("test", 1)
+    go_on, entered, hung = _hung()
 
     try:
         for _ in range(2):  # one in the gate's place, one more beyond it
@@ -43,12 +52,7 @@ async def test_a_call_that_waited_for_its_place_is_checked_again_when_it_gets_it
     """Calls made while none was stuck all pass the first check and wait for a place; each
     one that gets a place freed by a caller giving up is checked again, in its thread."""
     gate = ThreadGate("test", 1)
-    go_on, entered = threading.Event(), threading.Semaphore(0)
-
-    def hung() -> str:
-        entered.release()
-        go_on.wait(30)
-        return "done"
+    go_on, entered, hung = _hung()
 
     outcomes: list[str] = []
     answered = anyio.Event()
