@@ -137,14 +137,7 @@ class LoopThread:
         helper.start()
         helper.join(self.close_timeout + HOP_SLACK)
         if helper.is_alive():
-            # Stopping the loop would wait for the closer (its waits are shielded): the loop
-            # thread (a daemon) is left running it, and what it holds stays allocated.
-            log.error(
-                "%s: close did not finish within %.1f s; left to finish in its loop thread",
-                self.name,
-                self.close_timeout,
-            )
-            return
+            log.error("%s: close did not finish within %.1f s", self.name, self.close_timeout)
         try:
             self.portal.call(self.portal.stop, True)
         except Exception:
