@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
 import anyio.abc
@@ -55,6 +55,9 @@ __all__ = ("Runtime",)
 
 log = logging.getLogger("kvpipe.pipeline")
 _STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
+#: Seconds :meth:`Runtime.aclose` waits for actors it cancelled at the close deadline to
+#: unwind (they release their staging as they do).
+UNWIND_GRACE: Final = 1.0
 #: Staging whose unregistration was abandoned at the close deadline: kept alive for good (the
 #: store's call may still be running on it).
 _KEPT_STAGING: list[memoryview] = []
@@ -319,7 +322,8 @@ class Runtime:
     async def aclose(self) -> None:
         """Close by one deadline, ``close_timeout`` from now: stop accepting requests, let
         in-flight ones finish until then, fail the rest, let the actors leave their loops
-        (cancelled if still running at the deadline), then drain their inboxes. What still
+        (cancelled if still running at the deadline, then given up to ``UNWIND_GRACE`` to
+        unwind and let go of their staging), then drain their inboxes. What still
         runs at the deadline is abandoned and logged, its memory kept (staging is unregistered
         and freed by :meth:`release`, once the worker threads are done). Shielded."""
         with anyio.CancelScope(shield=True):
@@ -335,11 +339,17 @@ class Runtime:
             self._stop_all("pipeline closed")
             supervisor = self._supervisor
             if supervisor is not None:
-                with anyio.move_on_at(deadline) as waited:
+                with anyio.move_on_at(deadline):
                     await supervisor.wait_stopped()
-                if waited.cancelled_caught:
+                if not supervisor.stopped:
                     log.error("actors still running at the close deadline; cancelling them")
                     supervisor.cancel()
+                    # They release their staging as they unwind, which takes a few turns of
+                    # the loop (nothing waits past a cancellation unbounded): return after.
+                    with anyio.move_on_after(UNWIND_GRACE):
+                        await supervisor.wait_stopped()
+                    if not supervisor.stopped:
+                        log.error("actors did not stop %.1f s after cancelling", UNWIND_GRACE)
             for recv in self._inboxes.by_name().values() if self._inboxes else ():
                 self._drain(recv)
                 recv.close()

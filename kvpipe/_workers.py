@@ -241,7 +241,7 @@ class ThreadRunner:
             await self._idle.wait()
         self._open = False
         self._threads.shutdown()
-        if scope.cancelled_caught:
+        if scope.cancelled_caught and self._running:
             log.error(
                 "%d worker thread(s) still running at the close deadline; abandoning them "
                 "(their staging slots stay leased)",

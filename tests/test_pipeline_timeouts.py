@@ -8,6 +8,7 @@ import pytest
 import trio.testing
 
 import kvpipe
+from kvpipe.actors import writer as writer_module
 from tests.fakes import Act, ScriptedStore
 from tests.helpers import fill_random
 
@@ -221,3 +222,33 @@ async def test_a_cancelled_write_gives_up_its_place_in_the_staging_queue() -> No
             stats = pipe.statistics()
             assert stats.staging_waiters == 0 and stats.in_flight == {"write": 1}
             tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("gathered_ahead", [False, True])
+async def test_aclose_returns_only_once_cancelled_actors_have_let_go_of_staging(
+    gathered_ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write hangs in its second slice past the close deadline (the third slice gathered
+    ahead, holding staging, where gathers run in threads): aclose cancels the actors and
+    returns only once they have unwound, so no staging is still leased when it returns."""
+    if gathered_ahead:
+        monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
+    store = ScriptedStore(puts={1: Act(hang=True)})
+    config = _config(total_timeout=100, slice_timeout=100, close_timeout=5)
+    failed: list[BaseException] = []
+
+    async def write(pipe: kvpipe.Pipeline) -> None:
+        try:
+            await pipe.write(TOKENS, IDS)
+        except kvpipe.PipelineClosed as exc:
+            failed.append(exc)
+
+    async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write, pipe)
+            await store.wait_calls("put", 2)
+            start = anyio.current_time()
+            await pipe.aclose()
+            assert anyio.current_time() - start == pytest.approx(5.0)
+            assert pipe.statistics().staging_in_use_bytes == 0
+    assert len(failed) == 1

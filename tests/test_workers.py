@@ -5,6 +5,7 @@ cancellation, the staging it holds until a thread returns, the close deadline)."
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -343,3 +344,12 @@ async def test_close_timeout_keeps_lease_of_abandoned_thread() -> None:
         assert not lease.released
     finally:
         gate.set()
+
+
+async def test_a_runner_closed_past_its_deadline_with_nothing_running_logs_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with ThreadRunner() as runner:
+        await runner.run(int)
+        runner.close_by(anyio.current_time() - 1)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

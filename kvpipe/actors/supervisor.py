@@ -101,6 +101,11 @@ class Supervisor:
             self._on_escalate = _ignore_escalation
             self._stopped.set()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`run` has returned."""
+        return self._stopped.is_set()
+
     async def wait_stopped(self) -> None:
         """Wait until :meth:`run` has returned."""
         await self._stopped.wait()
