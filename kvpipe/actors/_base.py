@@ -303,6 +303,8 @@ class Actor(abc.ABC, Generic[M]):
                 return
             finally:
                 self._idle -= 1
+            if isinstance(msg, SliceJob):
+                msg.taken = True  # in the step that took it (see send)
             if self._idle == 0 and (self._limit is None or self._workers < self._limit):
                 self._spawn()
             await self._dispatch(msg)
@@ -351,12 +353,24 @@ class Actor(abc.ABC, Generic[M]):
     @staticmethod
     async def send(outbox: MemoryObjectSendStream[T], msg: T) -> bool:
         """Send ``msg``, waiting while ``outbox`` is full (without yielding when it has room).
-        ``False`` when the pipeline is closing: the sender still owns what ``msg`` carries."""
+        ``False`` when the pipeline is closing: the sender still owns what ``msg`` carries.
+
+        A cancelled wait raises, and the sender still owns ``msg`` — except a
+        :class:`SliceJob` a receiver took in the step the wait was cancelled in (anyio's
+        stream hands it over and still delivers the cancellation): that counts as sent,
+        ``True``, and the scope stays cancelled for the caller's next checkpoint."""
         try:
             try:
                 outbox.send_nowait(msg)
             except anyio.WouldBlock:
-                await outbox.send(msg)
+                if isinstance(msg, SliceJob):
+                    msg.taken = False
+                try:
+                    await outbox.send(msg)
+                except anyio.get_cancelled_exc_class():
+                    if isinstance(msg, SliceJob) and msg.taken:
+                        return True
+                    raise
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return False
         return True

@@ -41,6 +41,9 @@ class SliceJob:
         lent: Read path: values the store lent instead of copying them into staging, by
             block index within the slice.
         checksums: Write path: each sealed value's XXH3-64, for the put batch.
+        taken: Set by the receiving actor in the step it takes the job from its inbox:
+            a sender whose wait was cancelled in that same step learns the job is no
+            longer its own (:meth:`~kvpipe.actors._base.Actor.send`).
     """
 
     state: WriteState | ReadState
@@ -50,6 +53,7 @@ class SliceJob:
     data: StagingLease | None = None
     lent: dict[int, memoryview] | None = None
     checksums: list[int] | None = None
+    taken: bool = False
 
     @property
     def staging(self) -> StagingLease:

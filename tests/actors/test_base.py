@@ -1,0 +1,101 @@
+"""The actor loop's hand-over of a job: exactly one side owns a job and its staging, also
+when a send waiting for room is cancelled in the step a receiver takes the job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from kvpipe._plan import SliceSpec
+from kvpipe._staging import StagingPool
+from kvpipe.actors._base import Actor
+from kvpipe.actors._channels import SliceJob
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _job(pool: StagingPool) -> SliceJob:
+    lease = pool.try_acquire(1)
+    assert lease is not None
+    return SliceJob(None, SliceSpec(0, 0, 1, 4), lease)  # type: ignore[arg-type]
+
+
+class _Keeper(Actor[SliceJob]):
+    """Takes jobs and keeps them (what it does with them is not the point)."""
+
+    name = "keeper"
+
+    def __init__(self, inbox: Any) -> None:
+        super().__init__(None, inbox, 1)  # type: ignore[arg-type]
+        self.kept: list[SliceJob] = []
+
+    @staticmethod
+    def state_of(msg: SliceJob) -> Any:
+        return msg.state
+
+    async def _dispatch(self, msg: SliceJob) -> None:  # no context: straight to handle
+        await self.handle(msg)
+
+    async def handle(self, msg: SliceJob) -> None:
+        self.kept.append(msg)
+
+
+async def test_a_job_taken_as_its_waiting_send_is_cancelled_counts_as_sent() -> None:
+    """anyio hands the item over and still delivers the cancellation: the sender must not
+    take the job back (it would release staging the receiver fetches into or scatters from,
+    or release it a second time)."""
+    pool = StagingPool(64, 2)
+    send, recv = anyio.create_memory_object_stream[SliceJob](0)
+    job = _job(pool)
+    results: list[object] = []
+    scope = anyio.CancelScope()
+
+    async def sender() -> None:
+        with scope:
+            try:
+                results.append(await Actor.send(send, job))
+            except anyio.get_cancelled_exc_class():
+                results.append("cancelled")
+                raise
+
+    async with send, recv, anyio.create_task_group() as tg:
+        tg.start_soon(sender)
+        while not send.statistics().tasks_waiting_send:
+            await anyio.lowlevel.checkpoint()
+        scope.cancel()  # the sender's deadline, in the same step as ...
+        taken = recv.receive_nowait()  # ... a receiver taking the job,
+        taken.taken = True  # as an actor's loop marks it (next test)
+    assert taken is job
+    assert results == [True]
+
+
+async def test_a_job_not_taken_when_its_send_is_cancelled_stays_the_senders() -> None:
+    pool = StagingPool(64, 2)
+    send, recv = anyio.create_memory_object_stream[SliceJob](0)
+    job = _job(pool)
+    job.taken = True  # taken by the actor before this one, which now sends it on
+    async with send, recv:
+        with anyio.move_on_after(0.01) as scope:
+            await Actor.send(send, job)
+        assert scope.cancelled_caught
+        with pytest.raises(anyio.WouldBlock):
+            recv.receive_nowait()
+
+
+async def test_an_actor_marks_a_job_taken_in_the_step_it_receives_it() -> None:
+    pool = StagingPool(64, 2)
+    send, recv = anyio.create_memory_object_stream[SliceJob](0)
+    keeper = _Keeper(recv)
+    job = _job(pool)
+    async with recv, anyio.create_task_group() as tg:
+        tg.start_soon(keeper.run)
+        async with send:
+            await Actor.send(send, job)
+            assert job.taken
+    assert keeper.kept == [job]
