@@ -79,14 +79,19 @@ class RequestState(abc.ABC):
 
     def watch(self, scope: anyio.CancelScope, tag: object, first_block: int = 0) -> None:
         """Have the request's end cancel ``scope`` until :meth:`unwatch` (:meth:`bound`
-        without a context manager)."""
+        without a context manager); cancelled at once if it has ended, or (a read) loading
+        has stopped at or before ``first_block``."""
         self._scopes[tag] = (first_block, scope)
-        if self._over:
+        if self._over or self.stopped_before(first_block):
             scope.cancel()
 
     def unwatch(self, tag: object) -> None:
         """Undo :meth:`watch`."""
         self._scopes.pop(tag, None)
+
+    def stopped_before(self, block: int) -> bool:
+        """Whether work on ``block`` is of no more use (a read overrides this)."""
+        return self._over
 
     def cancel_scopes(self, from_block: int = 0) -> None:
         """Cancel work in flight on blocks at or after ``from_block``."""

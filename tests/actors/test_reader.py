@@ -5,6 +5,7 @@ and placed slice by slice, inline or in tasks)."""
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 import trio.testing
@@ -201,3 +202,19 @@ class TestVirtualTime:
             assert state.machine.pending == set()
             hog.release()
             assert h.ctx.pool.in_use == 0
+
+
+async def test_work_on_blocks_past_where_loading_stopped_is_cancelled_as_it_starts() -> None:
+    """A refetch (or any bounded work) that starts on blocks loading has already stopped
+    before is cancelled at once, not left to run to its deadline holding the result back."""
+    async with harness(kvpipe.MemoryStore(), slice_blocks=4) as h:
+        state = h.read_state(TOKENS, np.arange(8))
+        state.plan(plan_slices(0, 8, 4, BLOCK, len(TOKENS)))
+        state.stop_at(2, "failed_block", [2])
+        with state.bound(anyio.current_time() + 100, "before the stop", 1) as before:
+            await anyio.lowlevel.checkpoint()
+        with anyio.fail_after(5), state.bound(anyio.current_time() + 100, "past", 4) as past:
+            await anyio.sleep_forever()
+        assert not before.cancelled_caught and past.cancelled_caught
+        state.resolve(0, 2)
+        state.resolve(1, 0)
