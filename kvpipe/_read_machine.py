@@ -37,6 +37,7 @@ class ReadMachine:
     """
 
     __slots__ = (
+        "_ending",
         "_error",
         "_scatters",
         "aborted",
@@ -73,6 +74,7 @@ class ReadMachine:
         #: The error the caller sees instead of a result, once settled.
         self.error: BaseException | None = None
         self._error: BaseException | None = None
+        self._ending: tuple[Ending, str | None] | None = None
         self._scatters = 0
 
     @property
@@ -160,9 +162,7 @@ class ReadMachine:
         if self.ended or self.aborted:
             return
         self.aborted = True
-        if self.stop_reason is None or self.stop_block is None:
-            self.stop_reason = cause
-            self.stop_detail = detail
+        self._ending = (cause, detail)
         if self._scatters == 0:
             self._settle(now)
 
@@ -194,9 +194,13 @@ class ReadMachine:
             self.error = self._error
             return
         loaded = self.loaded()
+        first_missing = self.start_block + loaded
+        if self._ending is not None and (
+            self.stop_block is None or first_missing < self.stop_block
+        ):  # the abort, not a stop recorded further on, is what ended loading
+            self.stop_reason, self.stop_detail = self._ending
         if loaded < self.requested and self.stop_reason is None:
             self.stop_reason = "failed_block"
-        first_missing = self.start_block + loaded
         failed = set(self.failed)
         if loaded < self.requested and not any(b >= first_missing for b in failed):
             failed.add(first_missing)

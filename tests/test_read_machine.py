@@ -90,6 +90,27 @@ def test_an_aborted_read_waits_for_the_scatter_in_flight() -> None:
     assert m.result.elapsed == 3.0
 
 
+@pytest.mark.parametrize("reached_the_miss", [True, False])
+def test_an_abort_short_of_the_recorded_stop_is_the_stop_reason(reached_the_miss: bool) -> None:
+    """The probe found block 6 missing; the deadline ends the read while slice 1 (blocks
+    4-5) is being scattered. Where that scatter still lands, loading reached the miss, which
+    is why the read stopped; where it does not, the deadline is."""
+    m = ReadMachine("r", 0, 8, started=0.0)
+    m.plan(plan_slices(0, 6, 4, 16, 128), now=0.0)
+    m.stop_at(6, "not_stored", [6])
+    m.resolve(0, 4, now=1.0)
+    assert m.scatter_begin()
+    m.end("total_timeout", "deadline passed", now=2.0)
+    m.resolve(1, 2 if reached_the_miss else 0, now=3.0)
+    m.scatter_end(now=3.0)
+    assert m.result is not None
+    if reached_the_miss:
+        assert (m.result.loaded, m.result.stop_reason) == (6, "not_stored")
+    else:
+        assert (m.result.loaded, m.result.stop_reason) == (4, "total_timeout")
+        assert m.result.error == "deadline passed"
+
+
 def test_stop_at_only_moves_the_stop_earlier() -> None:
     m = ReadMachine("r", 0, 12, started=0.0)
     m.plan(plan_slices(0, 12, 4, 16, 192), now=0.0)
