@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvpipe
+from kvpipe.actors import writer as writer_module
 from tests.fakes import Act, CrashHooks, ScriptedStore
 from tests.helpers import fill_random
 
@@ -115,3 +116,32 @@ async def test_repeated_crashes_close_the_pipeline_and_release_every_waiter() ->
         with pytest.raises(kvpipe.PipelineClosed):
             await pipe.lookup(TOKENS)
         assert pipe.statistics().restarts == {"writer": 2}
+
+
+async def test_a_writer_crash_while_a_small_last_slice_waits_for_the_put_before_it_leaks_no_staging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host cache's write whose first slice is gathered ahead (large) and whose last one is
+    small: the small slice's staging is leased, then the loop waits for the put of the slice
+    before it. A writer crash (another request's message) cancels that wait: the small
+    slice's staging must still go back to the pool."""
+    cache = _cache()
+    # 2-block slices are "large" (gathered ahead in a task), a 1-block slice is inline.
+    monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", cache.layout.block_nbytes)
+    hooks = CrashHooks("writer", ["crash"])
+    store = ScriptedStore(puts={0: Act(hang=True)})
+    config = kvpipe.PipelineConfig(slice_block_num=2, copy_threads=2)
+    async with kvpipe.open_pipeline(cache, store, config=config, hooks=hooks) as pipe:
+        results: dict[str, kvpipe.WriteResult] = {}
+
+        async def victim() -> None:  # 3 blocks: slices of 2 (ahead) and 1 (inline)
+            results["victim"] = await pipe.write(TOKENS[:48], IDS[:3], request_id="victim")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(victim)
+            await store.wait_calls("put")  # slice 0's put hangs; slice 1 holds its staging
+            w = await pipe.write(np.arange(500, 516), np.arange(8, 9), request_id="crash")
+            assert w.stop_reason == "actor_crashed"
+        assert results["victim"].stop_reason == "actor_crashed"
+        assert pipe.statistics().restarts == {"writer": 1}
+        assert pipe.statistics().staging_in_use_bytes == 0

@@ -96,10 +96,11 @@ class Writer(Actor[WriteState | SliceJob]):
                 if len(ahead) > ctx.config.copy_threads:
                     await self._put_first(ahead)
             else:
-                while ahead:
-                    await self._put_first(ahead)
-                try:
-                    await ctx.gather_and_seal(job)
+                try:  # the job's staging is let go whatever ends the wait for the puts ahead
+                    while ahead:
+                        await self._put_first(ahead)
+                    if not state.done:  # a put ahead may have ended the write
+                        await ctx.gather_and_seal(job)
                     if not state.done:
                         await self._write(job)
                 finally:

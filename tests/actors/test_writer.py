@@ -232,3 +232,22 @@ def test_only_puts_over_32_kib_are_gathered_into_memory_the_store_keeps() -> Non
     assert not keeps_own_memory(32, 1024)
     assert keeps_own_memory(33, 1024)
     assert keeps_own_memory(1, (32 << 10) + 1)
+
+
+async def test_a_small_last_slice_is_not_gathered_once_the_put_before_it_fell_short(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slice 0 (large: gathered ahead) stores short; slice 1 (small: gathered inline, after
+    the puts ahead) must not be gathered then: the write has ended, and after it ends
+    nothing more of it starts (nor reads the caller's cache)."""
+    store = ScriptedStore(puts={0: Act(fail=[1])})
+    async with harness(store, slice_blocks=2) as h:
+        payload = h.ctx.payload_nbytes
+        monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", payload)  # 2 blocks: ahead
+        state = h.write_state(TOKENS[: 3 * BLOCK], np.arange(3))  # slices of 2 and 1
+        await Writer(h.ctx, h.inboxes["writer"]).handle(state)
+        assert state.result is not None
+        assert (state.result.written, state.result.stop_reason) == (1, "incomplete_slice")
+        assert len(store.calls_of("put")) == 1
+        assert h.ctx.metrics.counters["bytes_gathered"] == 2 * payload
+        assert h.ctx.pool.in_use == 0
