@@ -362,7 +362,7 @@ class Runtime:
                 item = recv.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
-            if isinstance(item, SliceJob) and not item.lease.released:
+            if isinstance(item, SliceJob) and not item.withdrawn and not item.lease.released:
                 item.release()
 
     # -- the common path ---------------------------------------------------------------------

@@ -303,8 +303,9 @@ class Actor(abc.ABC, Generic[M]):
                 return
             finally:
                 self._idle -= 1
-            if isinstance(msg, SliceJob):
-                msg.taken = True  # in the step that took it (see send)
+            if isinstance(msg, SliceJob) and not msg.take():  # in the step that took it
+                del msg  # withdrawn by its sender, which kept it (see send)
+                continue
             if self._idle == 0 and (self._limit is None or self._workers < self._limit):
                 self._spawn()
             await self._dispatch(msg)
@@ -358,7 +359,10 @@ class Actor(abc.ABC, Generic[M]):
         A cancelled wait raises, and the sender still owns ``msg`` — except a
         :class:`SliceJob` a receiver took in the step the wait was cancelled in (anyio's
         stream hands it over and still delivers the cancellation): that counts as sent,
-        ``True``, and the scope stays cancelled for the caller's next checkpoint."""
+        ``True``, and the scope stays cancelled for the caller's next checkpoint. A job not
+        taken is withdrawn (:attr:`SliceJob.withdrawn`): a receiver taking the job ahead of
+        it in that step moves it into the inbox all the same, and the actor that receives
+        it later drops it."""
         try:
             try:
                 outbox.send_nowait(msg)
@@ -368,8 +372,10 @@ class Actor(abc.ABC, Generic[M]):
                 try:
                     await outbox.send(msg)
                 except anyio.get_cancelled_exc_class():
-                    if isinstance(msg, SliceJob) and msg.taken:
-                        return True
+                    if isinstance(msg, SliceJob):
+                        if msg.taken:
+                            return True
+                        msg.withdrawn = True
                     raise
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return False

@@ -44,6 +44,10 @@ class SliceJob:
         taken: Set by the receiving actor in the step it takes the job from its inbox:
             a sender whose wait was cancelled in that same step learns the job is no
             longer its own (:meth:`~kvpipe.actors._base.Actor.send`).
+        withdrawn: Its sender's wait for room was cancelled before any actor took it: the
+            sender kept it (and lets go of it) — though the inbox may have moved it in all
+            the same, when a receiver took the job ahead of it in that step — and an actor
+            that receives it drops it untouched (:meth:`take`).
     """
 
     state: WriteState | ReadState
@@ -54,6 +58,15 @@ class SliceJob:
     lent: dict[int, memoryview] | None = None
     checksums: list[int] | None = None
     taken: bool = False
+    withdrawn: bool = False
+
+    def take(self) -> bool:
+        """The receiving actor takes the job (:attr:`taken`); ``False`` when its sender
+        withdrew it: the sender owns it, and the receiver drops it untouched."""
+        if self.withdrawn:
+            return False
+        self.taken = True
+        return True
 
     @property
     def staging(self) -> StagingLease:

@@ -99,3 +99,43 @@ async def test_an_actor_marks_a_job_taken_in_the_step_it_receives_it() -> None:
             await Actor.send(send, job)
             assert job.taken
     assert keeper.kept == [job]
+
+
+async def test_a_job_moved_into_the_inbox_as_its_waiting_send_is_cancelled_stays_the_senders() -> (
+    None
+):
+    """Every inbox holds at least one job (``queue_depth >= 1``), so a sender waits behind a
+    full inbox, and a receiver taking the job at its head moves the waiting one in — also
+    in the step the wait was cancelled in, which anyio still raises. The sender keeps the
+    job (its staging is let go of there); the actor that receives it later must drop it,
+    not handle it a second time (a twice-released lease, or staging reused under it)."""
+    pool = StagingPool(64, 2)
+    send, recv = anyio.create_memory_object_stream[SliceJob](1)
+    head, job = _job(pool), _job(pool)
+    send.send_nowait(head)  # the inbox is full
+    results: list[object] = []
+    scope = anyio.CancelScope()
+
+    async def sender() -> None:
+        with scope:
+            try:
+                results.append(await Actor.send(send, job))
+            except anyio.get_cancelled_exc_class():
+                results.append("cancelled")
+                raise
+
+    keeper = _Keeper(recv)
+    async with recv, anyio.create_task_group() as tg:
+        tg.start_soon(sender)
+        while not send.statistics().tasks_waiting_send:
+            await anyio.lowlevel.checkpoint()
+        scope.cancel()  # the sender's deadline, in the same step as ...
+        assert recv.receive_nowait() is head  # ... a receiver taking the head: job moves in
+        head.taken = True
+        assert results == []
+        tg.start_soon(keeper.run)  # the actor's loop receives what is left in the inbox
+        async with send:
+            while not results:
+                await anyio.lowlevel.checkpoint()
+    assert results == ["cancelled"]  # the sender owns the job ...
+    assert keeper.kept == []  # ... and no actor handles it

@@ -4,13 +4,15 @@ ended requests."""
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 import trio.testing
 
 import kvpipe
 from kvpipe._plan import plan_slices
-from kvpipe.actors import Slicer
+from kvpipe.actors import SliceJob, Slicer, Swapper
+from kvpipe.actors._channels import open_channels
 from tests.actors.harness import BLOCK, harness
 
 TOKENS = np.arange(10 * BLOCK)
@@ -70,3 +72,34 @@ async def test_read_slices_past_the_stop_are_resolved_without_fetching() -> None
         assert state.machine.pending == {0, 1}
         for j in jobs:
             j.lease.release()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_job_the_inbox_moves_in_as_the_slicer_s_wait_is_cancelled_is_dropped() -> None:
+    """The slicer waits on the swapper's full inbox; the write ends (its caller cancelled)
+    and, in that step, a swapper worker takes the queued job, which moves the waiting one
+    in. The slicer keeps (and lets go of) its job; the swapper drops it when it comes:
+    staging released once, and the swapper does not crash on a twice-released lease."""
+    async with harness(kvpipe.MemoryStore(), slice_blocks=4) as h:
+        h.ctx.engine.name = "cuda"  # a device cache's slices are leased here
+        outboxes, inboxes = open_channels(1)
+        h.ctx.outboxes = outboxes
+        other = h.write_state(TOKENS, np.arange(10))
+        queued = SliceJob(other, other.slices[0], await h.ctx.pool.acquire(4))
+        outboxes.swapper.send_nowait(queued)  # the swapper's inbox is full
+        state = h.write_state(TOKENS[: 4 * BLOCK], np.arange(4))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(Slicer(h.ctx, inboxes.slicer).handle, state)
+            while outboxes.swapper.statistics().tasks_waiting_send == 0:
+                await anyio.lowlevel.checkpoint()
+            state.end("cancelled", "caller cancelled")
+            # A swapper worker takes the queued job in the same step (no checkpoint).
+            assert inboxes.swapper.receive_nowait() is queued
+            queued.taken = True
+        queued.release()
+        outboxes.close()
+        # The swapper's loop receives the slicer's job from its inbox.
+        await Swapper(h.ctx, inboxes.swapper, 1).run()
+        assert h.ctx.pool.in_use == 0
+        for inbox in inboxes.by_name().values():
+            inbox.close()
