@@ -195,13 +195,14 @@ class ReadMachine:
             return
         loaded = self.loaded()
         first_missing = self.start_block + loaded
+        failed = set(self.failed)
         if self._ending is not None and (
             self.stop_block is None or first_missing < self.stop_block
         ):  # the abort, not a stop recorded further on, is what ended loading
             self.stop_reason, self.stop_detail = self._ending
+            failed.add(first_missing)
         if loaded < self.requested and self.stop_reason is None:
             self.stop_reason = "failed_block"
-        failed = set(self.failed)
         if loaded < self.requested and not any(b >= first_missing for b in failed):
             failed.add(first_missing)
         self.result = ReadResult(

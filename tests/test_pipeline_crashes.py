@@ -145,3 +145,20 @@ async def test_a_writer_crash_while_a_small_last_slice_waits_for_the_put_before_
         assert results["victim"].stop_reason == "actor_crashed"
         assert pipe.statistics().restarts == {"writer": 1}
         assert pipe.statistics().staging_in_use_bytes == 0
+
+
+async def test_read_crash_before_a_missing_tail_is_reported_as_the_crash() -> None:
+    """Blocks 0-3 stored, 4-5 not: a read of all six stops at block 4 at the latest, but a
+    reader that crashed before loading any block stopped it at block 0, and the result must
+    say so (the crash and its description), not ``not_stored``."""
+    store = kvpipe.MemoryStore()
+    src = _cache()
+    async with kvpipe.open_pipeline(src, store) as pipe:
+        assert (await pipe.write(TOKENS, IDS)).complete
+    hooks = CrashHooks("reader", ["victim"])
+    dst = kvpipe.create_kv_cache(src.layout, 32)
+    async with kvpipe.open_pipeline(dst, store, hooks=hooks) as pipe:
+        r = await pipe.read(np.arange(96), np.arange(10, 16), request_id="victim")
+        assert (r.loaded, r.stop_reason) == (0, "actor_crashed")
+        assert r.error is not None and "reader" in r.error
+        assert r.failed_blocks[0] == 0

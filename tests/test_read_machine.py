@@ -108,7 +108,7 @@ def test_an_abort_short_of_the_recorded_stop_is_the_stop_reason(reached_the_miss
         assert (m.result.loaded, m.result.stop_reason) == (6, "not_stored")
     else:
         assert (m.result.loaded, m.result.stop_reason) == (4, "total_timeout")
-        assert m.result.error == "deadline passed"
+        assert m.result.error == "deadline passed" and m.result.failed_blocks == (4, 6)
 
 
 def test_stop_at_only_moves_the_stop_earlier() -> None:
