@@ -153,7 +153,7 @@ class MemoryStore(StorageBackend):
                 for value, buf in zip(found, buffers, strict=True):
                     if value is None:
                         out.append(BlockStatus.MISSING)
-                    elif len(value) > len(buf):
+                    elif len(value) != len(buf):
                         out.append(BlockStatus.CORRUPT)
                     else:
                         np.frombuffer(buf, np.uint8)[: len(value)] = np.frombuffer(value, np.uint8)

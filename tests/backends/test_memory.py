@@ -13,6 +13,7 @@ from kvpipe._staging import StagingPool
 from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus, GetBatch, PutBatch, StorageBackend
 from kvpipe.testing import BackendConformance
+from kvpipe.testing.batches import Batches, random_values
 from tests.helpers import fill_random
 
 SCOPE = Scope("t", "0123456789abcdef")
@@ -135,3 +136,14 @@ async def test_large_copied_puts_reuse_the_memory_of_deleted_values() -> None:
                 await store.delete(keys)
     stats = store.statistics()
     assert (stats["recycle_allocated"], stats["recycle_reused"]) == (1, 1)
+
+
+async def test_a_stored_value_of_another_size_is_corrupt_not_copied_in_part() -> None:
+    """A value shorter than the batch's values is refused as the lending path refuses it,
+    not copied into the start of the buffer and answered OK over stale bytes."""
+    async with kvpipe.MemoryStore() as store, ThreadRunner() as runner:
+        short, full = Batches(StagingPool(64, 4), runner), Batches(StagingPool(128, 4), runner)
+        keys, _ = short.keys(2)
+        assert await short.put(store, keys, random_values(2, 64, 1)) == [BlockStatus.OK] * 2
+        statuses, _ = await full.get(store, keys)
+        assert statuses == [BlockStatus.CORRUPT] * 2
