@@ -137,3 +137,26 @@ async def test_small_puts_are_copied_from_staging_into_values_of_their_own() -> 
     async with kvpipe.open_pipeline(dst, store, config=cfg) as pipe:
         assert (await pipe.read(np.arange(8), np.arange(8))).complete
     assert [bytes(r) for r in dst.byte_rows] == [bytes(r) for r in src.byte_rows]
+
+
+class _NoMemoryToKeep(kvpipe.MemoryStore):
+    """A store that keeps values, but has no memory to offer for them just now."""
+
+    def value_memory(self, slot_nbytes: int, count: int) -> Any:
+        raise MemoryError("no memory for values")
+
+
+async def test_no_memory_for_values_to_keep_gathers_into_staging_for_the_store_to_copy() -> None:
+    """Out of memory for values the store would keep, a write goes through staging (the
+    store copies it), not into a writer crash (three of which close the pipeline)."""
+    store = _NoMemoryToKeep()
+    src, dst = _cache(1), _cache(2)
+    cfg = kvpipe.PipelineConfig(slice_block_num=4)
+    async with kvpipe.open_pipeline(src, store, config=cfg) as pipe:
+        for first in range(0, 4 * 12, 12):  # more writes than the restarts allowed
+            tokens, ids = np.arange(16 * 12) + first * 1000, np.arange(12)
+            assert (await pipe.write(tokens, ids)).complete
+        assert pipe.statistics().restarts == {}
+    async with kvpipe.open_pipeline(dst, store, config=cfg) as pipe:
+        assert (await pipe.read(TOKENS, np.arange(12))).complete
+        assert _rows(dst, range(12)) == _rows(src, range(12))

@@ -140,14 +140,17 @@ class ActorContext:
             rows, slot_nbytes = self.cache.row_groups(self.segments), self.pool.slot_nbytes
             new_values = self.backend.value_memory
 
-            def gather_into_new() -> StagingLease:
-                data = new_values(slot_nbytes, spec.count)
+            def gather_into_new() -> StagingLease | None:
+                try:
+                    data = new_values(slot_nbytes, spec.count)
+                except MemoryError:  # gathered into staging, then: the store copies it
+                    return None
                 buffer, slots = data.pool.buffer, data.slots
                 gather_sealed(rows, buffer, slots, blocks, payload, digests, checksum)
                 return data
 
             job.data = await self.run_copy(nbytes, gather_into_new, hold=job.lease)
-        else:
+        if job.data is None and self.host_copies:
             staging, rows = job.lease, self.cache.row_groups(self.segments)
             args = (rows, staging.pool.buffer, staging.slots, blocks, payload, digests, checksum)
             if nbytes <= INLINE_COPY_BYTES:
