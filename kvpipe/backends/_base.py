@@ -395,7 +395,8 @@ class StorageBackend(abc.ABC):
     def value_memory(self, slot_nbytes: int, count: int) -> StagingLease:
         """Memory for ``count`` values of up to ``slot_nbytes`` bytes that a put is gathered
         into and the backend keeps (only when :attr:`keeps_values`). Must be thread-safe.
-        Default: new memory."""
+        May raise :class:`MemoryError`: the slice is then gathered into staging, and the put
+        copies it (``may_keep`` false). Default: new memory."""
         return private_lease(slot_nbytes, count)
 
     async def register_staging(self, buffer: memoryview) -> None:  # noqa: B027
