@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from anyio.streams.memory import MemoryObjectSendStream
 
 from kvpipe._plan import SliceSpec
 from kvpipe._staging import StagingPool
@@ -24,6 +25,21 @@ def _job(pool: StagingPool) -> SliceJob:
     lease = pool.try_acquire(1)
     assert lease is not None
     return SliceJob(None, SliceSpec(0, 0, 1, 4), lease)  # type: ignore[arg-type]
+
+
+async def _send(
+    send: MemoryObjectSendStream[SliceJob],
+    job: SliceJob,
+    scope: anyio.CancelScope,
+    results: list[object],
+) -> None:
+    """``Actor.send`` within ``scope``; records what it returned, or that it was cancelled."""
+    with scope:
+        try:
+            results.append(await Actor.send(send, job))
+        except anyio.get_cancelled_exc_class():
+            results.append("cancelled")
+            raise
 
 
 class _Keeper(Actor[SliceJob]):
@@ -56,16 +72,8 @@ async def test_a_job_taken_as_its_waiting_send_is_cancelled_counts_as_sent() -> 
     results: list[object] = []
     scope = anyio.CancelScope()
 
-    async def sender() -> None:
-        with scope:
-            try:
-                results.append(await Actor.send(send, job))
-            except anyio.get_cancelled_exc_class():
-                results.append("cancelled")
-                raise
-
     async with send, recv, anyio.create_task_group() as tg:
-        tg.start_soon(sender)
+        tg.start_soon(_send, send, job, scope, results)
         while not send.statistics().tasks_waiting_send:
             await anyio.lowlevel.checkpoint()
         scope.cancel()  # the sender's deadline, in the same step as ...
@@ -116,17 +124,9 @@ async def test_a_job_moved_into_the_inbox_as_its_waiting_send_is_cancelled_stays
     results: list[object] = []
     scope = anyio.CancelScope()
 
-    async def sender() -> None:
-        with scope:
-            try:
-                results.append(await Actor.send(send, job))
-            except anyio.get_cancelled_exc_class():
-                results.append("cancelled")
-                raise
-
     keeper = _Keeper(recv)
     async with recv, anyio.create_task_group() as tg:
-        tg.start_soon(sender)
+        tg.start_soon(_send, send, job, scope, results)
         while not send.statistics().tasks_waiting_send:
             await anyio.lowlevel.checkpoint()
         scope.cancel()  # the sender's deadline, in the same step as ...
