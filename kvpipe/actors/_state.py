@@ -361,6 +361,12 @@ class ReadState(SlicedState):
         """Whether ``block`` is at or past where loading stopped (or the read ended)."""
         return self.machine.stopped_before(block)
 
+    def loadable(self, first: int, count: int) -> int:
+        """How many of the ``count`` blocks from ``first`` lie before where loading
+        stopped (all of them while it has not)."""
+        stop = self.machine.stop_block
+        return count if stop is None else max(0, min(count, stop - first))
+
     def stop_at(
         self,
         block: int,

@@ -58,16 +58,17 @@ class Swapper(Actor[SliceJob]):
         ctx, spec = self.ctx, job.spec
         state = job.state
         assert isinstance(state, ReadState)
-        if job.valid == 0 or not state.scatter_begin():
+        first = spec.first_block
+        valid = state.loadable(first, job.valid)  # nothing past where loading stopped
+        if valid == 0 or not state.scatter_begin():
             state.resolve(spec.index, 0)
             return
         try:
-            first = spec.first_block
-            blocks = state.block_ids[first : first + job.valid]
-            plan = copy_plan(ctx.segments, blocks, job.lease.slots[: job.valid])
+            blocks = state.block_ids[first : first + valid]
+            plan = copy_plan(ctx.segments, blocks, job.lease.slots[:valid])
             with anyio.CancelScope(shield=True):
                 if job.lent:  # some values lent by the store: copied from where they lie
-                    sources = job.sources(0, job.valid)
+                    sources = job.sources(0, valid)
                     await ctx.run_copy(
                         plan.nbytes,
                         scatter_values,
@@ -79,8 +80,8 @@ class Swapper(Actor[SliceJob]):
                     )
                 else:
                     await ctx.engine.scatter(plan, job.lease, after=state.after)
-            ctx.metrics.counters["blocks_read"] += job.valid
+            ctx.metrics.counters["blocks_read"] += valid
             ctx.metrics.counters["bytes_read"] += plan.nbytes
-            state.resolve(spec.index, job.valid)
+            state.resolve(spec.index, valid)
         finally:
             state.scatter_end()

@@ -7,6 +7,7 @@ import numpy as np
 import kvpipe
 from kvpipe._blockformat import check_block
 from kvpipe._keys import key_digest
+from kvpipe._plan import plan_slices
 from kvpipe.actors import SliceJob, Swapper
 from tests.actors.harness import BLOCK, harness
 
@@ -67,4 +68,26 @@ async def test_a_finished_read_is_never_scattered() -> None:
             SliceJob(state, state.slices[0], lease, valid=6)
         )
         assert all(np.array_equal(a, b) for a, b in zip(before, h.ctx.cache.byte_rows, strict=True))
+        assert h.ctx.pool.in_use == 0
+
+
+async def test_nothing_is_scattered_past_where_loading_stopped() -> None:
+    """Loading stopped at block 2 (another slice's failure) while this slice's 4 valid
+    blocks waited for the swapper: only blocks 0-1 reach the cache."""
+    async with harness(kvpipe.MemoryStore(), slice_blocks=6) as h:
+        state = h.read_state(TOKENS, np.arange(50, 56))
+        state.plan(plan_slices(0, 6, 6, BLOCK, len(TOKENS)))
+        state.stop_at(2, "failed_block", [2])
+        lease = await h.ctx.pool.acquire(6)
+        for i in range(6):
+            lease.view(i)[: h.ctx.payload_nbytes] = i + 1
+        before = [rows.copy() for rows in h.ctx.cache.byte_rows]
+        await Swapper(h.ctx, h.inboxes["swapper"]).handle(
+            SliceJob(state, state.slices[0], lease, valid=4)
+        )
+        for rows, old in zip(h.ctx.cache.byte_rows, before, strict=True):
+            assert (rows[50] == 1).all() and (rows[51] == 2).all()
+            assert np.array_equal(rows[52:56], old[52:56])
+        assert state.result is not None and state.result.loaded == 2
+        assert h.ctx.metrics.counters["blocks_read"] == 2
         assert h.ctx.pool.in_use == 0
