@@ -116,6 +116,8 @@ class MooncakeStore(StorageBackend):
         async with self._open_lock:
             if self._client is not None:
                 return
+            if self._inflight.closing:  # never set up a client that nothing would close
+                raise BackendError(self.name, "open", "the store is closed")
             host, _, port = self.master.rpartition(":")
             try:
                 with anyio.fail_after(min(5.0, self.setup_timeout)):
@@ -241,7 +243,10 @@ class MooncakeStore(StorageBackend):
         if self._registered[region] == 0:
             del self._registered[region]
             if self._client is not None:
-                await self._call(self._client.unregister_buffer, region[0])
+                rc = await self._call(self._client.unregister_buffer, region[0])
+                if rc != 0:  # still registered: aclose tries again; the caller keeps it
+                    self._registered[region] += 1
+                    raise BackendError(self.name, "unregister_buffer", f"returned {rc}")
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
         """Zero-copy put: ``batch_upsert_from`` the batch's staging buffers (a put of a stored
