@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import kvpipe
 from kvpipe._blockformat import check_block
@@ -34,12 +35,16 @@ async def test_gather_packs_every_layer_and_role_and_seals_each_block() -> None:
         job.lease.release()
 
 
-async def test_scatter_writes_only_the_valid_leading_blocks() -> None:
+@pytest.mark.parametrize("stop", [None, 2])
+async def test_scatter_writes_only_the_valid_leading_blocks(stop: int | None) -> None:
+    """4 of 6 blocks valid; with ``stop``, loading stopped at block 2 meanwhile (another
+    slice's failure): nothing past it reaches the cache either."""
+    loaded = 4 if stop is None else stop
     async with harness(kvpipe.MemoryStore(), slice_blocks=6) as h:
         state = h.read_state(TOKENS, np.array([50, 51, 52, 53, 54, 55]))
-        from kvpipe._plan import plan_slices
-
         state.plan(plan_slices(0, 6, 6, BLOCK, len(TOKENS)))
+        if stop is not None:
+            state.stop_at(stop, "failed_block", [stop])
         lease = await h.ctx.pool.acquire(6)
         for i in range(6):
             lease.view(i)[: h.ctx.payload_nbytes] = i + 1
@@ -48,10 +53,11 @@ async def test_scatter_writes_only_the_valid_leading_blocks() -> None:
             SliceJob(state, state.slices[0], lease, valid=4)
         )
         for rows, old in zip(h.ctx.cache.byte_rows, before, strict=True):
-            for i in range(4):
+            for i in range(loaded):
                 assert (rows[50 + i] == i + 1).all()
-            assert np.array_equal(rows[54:56], old[54:56])
-        assert state.done and state.result is not None and state.result.loaded == 4
+            assert np.array_equal(rows[50 + loaded : 56], old[50 + loaded : 56])
+        assert state.done and state.result is not None and state.result.loaded == loaded
+        assert h.ctx.metrics.counters["blocks_read"] == loaded
         assert h.ctx.pool.in_use == 0
 
 
@@ -68,26 +74,4 @@ async def test_a_finished_read_is_never_scattered() -> None:
             SliceJob(state, state.slices[0], lease, valid=6)
         )
         assert all(np.array_equal(a, b) for a, b in zip(before, h.ctx.cache.byte_rows, strict=True))
-        assert h.ctx.pool.in_use == 0
-
-
-async def test_nothing_is_scattered_past_where_loading_stopped() -> None:
-    """Loading stopped at block 2 (another slice's failure) while this slice's 4 valid
-    blocks waited for the swapper: only blocks 0-1 reach the cache."""
-    async with harness(kvpipe.MemoryStore(), slice_blocks=6) as h:
-        state = h.read_state(TOKENS, np.arange(50, 56))
-        state.plan(plan_slices(0, 6, 6, BLOCK, len(TOKENS)))
-        state.stop_at(2, "failed_block", [2])
-        lease = await h.ctx.pool.acquire(6)
-        for i in range(6):
-            lease.view(i)[: h.ctx.payload_nbytes] = i + 1
-        before = [rows.copy() for rows in h.ctx.cache.byte_rows]
-        await Swapper(h.ctx, h.inboxes["swapper"]).handle(
-            SliceJob(state, state.slices[0], lease, valid=4)
-        )
-        for rows, old in zip(h.ctx.cache.byte_rows, before, strict=True):
-            assert (rows[50] == 1).all() and (rows[51] == 2).all()
-            assert np.array_equal(rows[52:56], old[52:56])
-        assert state.result is not None and state.result.loaded == 2
-        assert h.ctx.metrics.counters["blocks_read"] == 2
         assert h.ctx.pool.in_use == 0
