@@ -20,7 +20,7 @@ import pytest
 import kvpipe
 from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import FileStore, inspect_store
-from kvpipe.backends.file._catalog import Catalog
+from kvpipe.backends.file._catalog import Catalog, SizeOf
 from tests.backends.test_file_hostile import batches, block_file, make_values, put_chain
 from tests.helpers import fill_random
 
@@ -198,10 +198,12 @@ async def test_a_put_whose_settling_finds_the_disk_full_unpublishes_its_tail(
     root = small_disk / "store"
     settle = Catalog.settle
 
-    def hog_then_settle(catalog: Catalog, written: Sequence[str], failed: Sequence[str]) -> None:
+    def hog_then_settle(
+        catalog: Catalog, written: Sequence[str], failed: Sequence[str], size_of: SizeOf
+    ) -> None:
         if not (small_disk / "hog").exists():
             _hog(small_disk / "hog")
-        settle(catalog, written, failed)
+        settle(catalog, written, failed, size_of)
 
     async with batches() as b, FileStore(root) as store:
         keys, _ = b.keys(16, seed=3)

@@ -23,14 +23,18 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final, final
+from typing import Final, TypeAlias, final
 from urllib.parse import quote
 
 from ..._results import Residency, ResidencyEntry
+from ._format import key_namespace
 
-__all__ = ("Catalog", "CatalogFull", "CatalogStats", "Reservation")
+__all__ = ("Catalog", "CatalogFull", "CatalogStats", "Reservation", "SizeOf")
+
+#: The size of the block file at a key's name now; ``None`` when there is none.
+SizeOf: TypeAlias = Callable[[str], int | None]
 
 log = logging.getLogger("kvpipe.file_store")
 
@@ -290,31 +294,54 @@ class Catalog:
                     break
         return freed, gone
 
-    def settle(self, written: Sequence[str], failed: Sequence[str]) -> None:
-        """Mark written blocks ready; drop the reservations of blocks that failed."""
-        now = time.time()
+    def settle(self, written: Sequence[str], failed: Sequence[str], size_of: SizeOf) -> None:
+        """Record a put's outcome: each key as :meth:`reconcile` finds it, the ``written``
+        ones read just now (for LRU eviction)."""
         with self._write() as db:
-            db.executemany(
-                "UPDATE blocks SET ready=1, last_access=? WHERE key=?", [(now, k) for k in written]
-            )
-            self._remove(db, failed)
+            self._reconcile(db, written, size_of, time.time())
+            self._reconcile(db, failed, size_of, None)
 
-    def remove(self, keys: Sequence[str]) -> int:
-        """Forget blocks (deleted, quarantined or evicted); returns the bytes released."""
+    def reconcile(self, keys: Sequence[str], size_of: SizeOf) -> None:
+        """Make each key's record say what ``size_of`` finds at its name now: a ready block
+        of that many bytes, or no record at all.
+
+        Every operation that changes a block file (put, delete, eviction, quarantine) ends
+        with this, inside one write transaction, so another process's change to the same
+        key that came between its file step and its record is never undone: the catalog
+        records the files there are, whichever operation finishes last.
+        """
         with self._write() as db:
-            return self._remove(db, keys)
+            self._reconcile(db, keys, size_of, None)
 
     @staticmethod
-    def _remove(db: sqlite3.Connection, keys: Sequence[str]) -> int:
-        released = 0
+    def _reconcile(
+        db: sqlite3.Connection, keys: Sequence[str], size_of: SizeOf, now: float | None
+    ) -> None:
+        change = 0
         for key in keys:
+            size = size_of(key)
             row = db.execute("SELECT nbytes FROM blocks WHERE key=?", (key,)).fetchone()
-            if row:
-                db.execute("DELETE FROM blocks WHERE key=?", (key,))
-                released += row[0]
-        if released:
-            db.execute("UPDATE meta SET value=value-? WHERE name='bytes'", (released,))
-        return released
+            if size is None:
+                if row:
+                    db.execute("DELETE FROM blocks WHERE key=?", (key,))
+                    change -= row[0]
+            elif row:
+                db.execute(
+                    "UPDATE blocks SET nbytes=?, ready=1, last_access=coalesce(?, last_access) "
+                    "WHERE key=?",
+                    (size, now, key),
+                )
+                change += size - row[0]
+            else:  # published, its record dropped meanwhile (another put of it failed)
+                at = now or time.time()
+                db.execute(
+                    "INSERT INTO blocks (key, parent, namespace, nbytes, created, last_access, "
+                    "ready) VALUES (?, NULL, ?, ?, ?, ?, 1)",
+                    (key, key_namespace(key), size, at, at),
+                )
+                change += size
+        if change:
+            db.execute("UPDATE meta SET value=value+? WHERE name='bytes'", (change,))
 
     def touch(self, keys: Sequence[str]) -> None:
         """Record a read of these blocks (for LRU eviction); skipped when the disk is full."""

@@ -101,6 +101,36 @@ class TempFile:
     removable: bool
 
 
+def _passes(dfd: int, name: str, valid: Callable[[int], bool]) -> bool:
+    """Whether ``name`` in directory ``dfd`` is a regular file that ``valid`` passes."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and valid(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _put_back(src: int, stamp: str, dst: int, name: str) -> None:
+    """Return a valid block moved to ``src/stamp`` to ``dst/name``, unless a newer block is
+    there by now (then it is superseded and removed)."""
+    try:
+        os.link(stamp, name, src_dir_fd=src, dst_dir_fd=dst, follow_symlinks=False)
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links here: rename it back unless a newer block is there
+        with contextlib.suppress(FileNotFoundError):
+            os.stat(name, dir_fd=dst, follow_symlinks=False)
+            return  # keep the valid one in quarantine/ rather than replace the newer one
+        os.rename(stamp, name, src_dir_fd=src, dst_dir_fd=dst)
+        return
+    os.unlink(stamp, dir_fd=src)
+
+
 def still_block(fd: int, st: os.stat_result) -> bool:
     """Whether the block file opened at ``fd`` (``st``: its ``fstat`` right after the open)
     may be read: a shared lock keeps a writer reusing it (:mod:`._spares`) out, and an
@@ -317,6 +347,20 @@ class Root:
         finally:
             os.close(fd)
 
+    def size(self, parts: Sequence[str], name: str) -> int | None:
+        """The size of regular file ``parts/name``; ``None`` when there is none."""
+        try:
+            fd = self._open_file(parts, name, os.O_PATH)
+        except (UnsafePath, NotADirectoryError):
+            return None
+        if fd is None:
+            return None
+        try:
+            st = os.fstat(fd)
+            return st.st_size if stat.S_ISREG(st.st_mode) else None
+        finally:
+            os.close(fd)
+
     def _open_file(self, parts: Sequence[str], name: str, flags: int) -> int | None:
         """Open ``parts/name`` (never through a link); ``None`` when it does not exist."""
         _check(name)
@@ -349,9 +393,17 @@ class Root:
             return False
         return True
 
-    def quarantine(self, parts: Sequence[str], name: str) -> bool:
+    def quarantine(
+        self, parts: Sequence[str], name: str, valid: Callable[[int], bool] | None = None
+    ) -> bool:
         """Move a bad entry out of the block tree into ``quarantine/`` — or, when that is not
         possible (a planted ``quarantine`` link, no space), remove it. Never raises.
+
+        Args:
+            valid: Whether the regular file open at this descriptor is a valid block. The
+                entry moved is checked with it, and put back if it passes: a put published
+                a block at the name after the bad file was read (only eviction or a delete
+                may remove a published block).
 
         Returns:
             Whether the entry is gone from its block name.
@@ -364,6 +416,9 @@ class Root:
             ):
                 stamp = f"{name}.{int(time.time())}.{secrets.token_hex(2)}"
                 os.rename(name, stamp, src_dir_fd=src, dst_dir_fd=dst)
+                if valid is not None and _passes(dst, stamp, valid):
+                    _put_back(dst, stamp, src, name)
+                    return False
             return True
         except FileNotFoundError:
             return False
@@ -371,6 +426,8 @@ class Root:
             pass
         try:
             with self.directory(parts, create=False) as src:
+                if valid is not None and _passes(src, name, valid):
+                    return False
                 try:
                     os.unlink(name, dir_fd=src)
                 except IsADirectoryError:

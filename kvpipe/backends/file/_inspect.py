@@ -23,6 +23,7 @@ from ._format import (
     unpack_header,
 )
 from ._fs import Root, owner_is_dead
+from ._space import sizes
 
 __all__ = ("RecoveryReport", "StoreReport", "inspect_store", "is_store", "recover")
 
@@ -113,11 +114,11 @@ def _repair_catalog(root: Root, catalog: Catalog, stale_after: float, counts: Co
         dead = not ready and (created < cutoff or owner_is_dead(owner))
         if key in seen:
             if dead:
-                catalog.settle([key], [])  # published, but its writer died before settling
+                catalog.reconcile([key], sizes(root))  # published; its writer died unsettled
         elif ready or dead:
             gone.append(key)  # the file is gone, or its writer died before publishing it
     if gone:
-        catalog.remove(gone)
+        catalog.reconcile(gone, sizes(root))
         counts["forgotten"] = len(gone)
 
 

@@ -83,7 +83,7 @@ def read_one(
             direct = False
             got = root.read_into(parts, name, read_views(buf, pages, direct))
     except NotARegularFile as exc:
-        return _quarantine(hooks, root, key, str(exc))
+        return _quarantine(hooks, root, key, str(exc), len(buf), fingerprint)
     except OSError as exc:
         hooks.errors.append(f"{key}: {exc}")
         hooks.count(io_errors=1)
@@ -119,7 +119,9 @@ def read_batch(
         if got >= 0:
             statuses.append(_judge(hooks, root, key, buf, page, direct, got, fingerprint, None))
         elif got == fileio.NOT_REGULAR:
-            statuses.append(_quarantine(hooks, root, key, "not a regular file"))
+            statuses.append(
+                _quarantine(hooks, root, key, "not a regular file", len(buf), fingerprint)
+            )
         elif got == -errno.ENOENT:
             statuses.append(BlockStatus.MISSING)
         elif got in (-errno.EINVAL, -errno.ENOSYS, -errno.EPERM):
@@ -153,7 +155,7 @@ def read_cached(
     if got >= 0:
         return _judge(hooks, root, key, buf, pages, False, got, fingerprint, payload_ok)
     if got == fileio.NOT_REGULAR:
-        return _quarantine(hooks, root, key, "not a regular file")
+        return _quarantine(hooks, root, key, "not a regular file", len(buf), fingerprint)
     if got == -errno.ENOENT:
         return BlockStatus.MISSING
     return None
@@ -179,7 +181,7 @@ def read_mapped(
     fd, size = fileio.open_cached(root.fd, _native.block_paths([key])[0])
     if fd < 0:
         if fd == fileio.NOT_REGULAR:
-            return _quarantine(hooks, root, key, "not a regular file")
+            return _quarantine(hooks, root, key, "not a regular file", nbytes, fingerprint)
         return BlockStatus.MISSING if fd == -errno.ENOENT else None
     try:
         if size < HEADER_NBYTES + nbytes:
@@ -208,7 +210,9 @@ def read_mapped(
         mem.close()
     if declined:
         return None
-    return BlockStatus.OK if why is None else _quarantine(hooks, root, key, why)
+    return (
+        BlockStatus.OK if why is None else _quarantine(hooks, root, key, why, nbytes, fingerprint)
+    )
 
 
 def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
@@ -236,13 +240,32 @@ def _judge(
     why = check_file(key, bytes(pages.header), got, buf, fingerprint, payload_ok)
     if why is None:
         return BlockStatus.OK
-    return _quarantine(hooks, root, key, why)
+    return _quarantine(hooks, root, key, why, len(buf), fingerprint)
 
 
-def _quarantine(hooks: ReadHooks, root: Root, key: str, why: str) -> BlockStatus:
-    hooks.errors.append(f"{key}: corrupt ({why}), quarantined")
-    if root.quarantine(*block_location(key)):
+def _quarantine(
+    hooks: ReadHooks, root: Root, key: str, why: str, nbytes: int, fingerprint: str
+) -> BlockStatus:
+    """Move the bad file at ``key``'s name aside; ``MISSING`` where the file there is a
+    valid block after all (a put published it since the read), which stays."""
+    found: list[bool] = []
+
+    def valid(fd: int) -> bool:
+        size = os.fstat(fd).st_size
+        header = os.pread(fd, HEADER_NBYTES, 0)
+        value = bytearray(nbytes)
+        got = len(header) + os.preadv(fd, [value], HEADER_NBYTES)
+        whole = size if got == HEADER_NBYTES + nbytes else got
+        found.append(check_file(key, header, whole, memoryview(value), fingerprint) is None)
+        return found[-1]
+
+    if root.quarantine(*block_location(key), valid=valid):
+        hooks.errors.append(f"{key}: corrupt ({why}), quarantined")
         hooks.count(quarantined=1)
+    elif any(found):
+        return BlockStatus.MISSING
+    else:
+        hooks.errors.append(f"{key}: corrupt ({why})")
     return BlockStatus.CORRUPT
 
 

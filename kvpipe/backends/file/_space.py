@@ -15,11 +15,11 @@ import os
 from collections.abc import Sequence
 from typing import Final
 
-from ._catalog import Catalog, CatalogFull
+from ._catalog import Catalog, CatalogFull, SizeOf
 from ._format import block_location
 from ._fs import Root
 
-__all__ = ("CATALOG_HEADROOM", "room", "settle")
+__all__ = ("CATALOG_HEADROOM", "room", "settle", "sizes")
 
 log = logging.getLogger("kvpipe.file_store")
 
@@ -31,6 +31,12 @@ def room(root: Root) -> int:
     """Bytes the next put may write under ``root`` (never negative)."""
     st = os.fstatvfs(root.fd)
     return max(0, st.f_bavail * st.f_frsize - CATALOG_HEADROOM)
+
+
+def sizes(root: Root) -> SizeOf:
+    """The size of the block file at a key's name under ``root`` (for
+    :meth:`Catalog.reconcile`)."""
+    return lambda key: root.size(*block_location(key))
 
 
 def settle(
@@ -46,7 +52,7 @@ def settle(
     dropped: list[str] = []
     while True:
         try:
-            catalog.settle(keep, [*failed, *dropped])
+            catalog.settle(keep, [*failed, *dropped], sizes(root))
             return dropped
         except CatalogFull as exc:
             if not keep:

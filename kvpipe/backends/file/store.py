@@ -50,7 +50,7 @@ from ._reads import (
     read_one,
     regular_files,
 )
-from ._space import room, settle
+from ._space import room, settle, sizes
 from ._spares import Spares
 from ._writes import Abandon, WriteHooks, write_batch, write_one
 
@@ -342,6 +342,9 @@ class FileStore(StorageBackend):
             for key in res.victims:
                 with contextlib.suppress(OSError):  # as a failed delete: its record is gone
                     self._spares.retire(root, *block_location(key))
+            # Another put may have published a victim again before its file went.
+            with contextlib.suppress(CatalogFull):
+                catalog.reconcile(res.victims, sizes(root))
         written: list[str] = []
         errors: list[str] = []
         hooks = WriteHooks(self.durability, self._refuse_direct, self._count, errors, abandoned)
@@ -485,7 +488,7 @@ class FileStore(StorageBackend):
         if bad:
             self._count(corrupt=len(bad))
             try:
-                catalog.remove(bad)
+                catalog.reconcile(bad, sizes(root))
             except CatalogFull as exc:  # their files are gone; the next open forgets them
                 log.warning("file store %s: cannot forget corrupt blocks: %s", root.path, exc)
         if ok and self.capacity_bytes is not None:
@@ -571,7 +574,7 @@ class FileStore(StorageBackend):
         def remove() -> None:
             for key in keys:
                 self._spares.retire(root, *block_location(key))
-            catalog.remove(keys)
+            catalog.reconcile(keys, sizes(root))  # a put may have published one again
 
         await self._thread("delete", remove)
 

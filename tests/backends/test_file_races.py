@@ -1,0 +1,215 @@
+"""Races between a put and another operation on the same key (a second put, a delete, an
+eviction, a read that finds a bad file): whatever the order, the catalog records exactly the
+block files there are, and a block a put reported ``OK`` goes only by eviction or delete.
+
+Each test holds one operation at the racy step (a patched call in its worker thread) and runs
+the other one to its end from there.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import pytest
+
+from kvpipe.backends import BlockStatus
+from kvpipe.backends.file import FileStore
+from kvpipe.backends.file import store as store_mod
+from kvpipe.backends.file._reads import check_file
+from tests.backends.test_file_capacity import STORED, _catalog, _check_accounting
+from tests.backends.test_file_hostile import batches, block_file, get_raw, make_values, put_chain
+
+OK = BlockStatus.OK
+CAPACITY = 4 * STORED
+
+
+async def test_a_failed_put_of_a_stored_key_keeps_the_stored_blocks_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file_io: str
+) -> None:
+    """A re-put cancelled after reserving: the block stored before stays, and so does its
+    record (it dropped it: the block was then neither counted nor ever evicted)."""
+    root = tmp_path / "store"
+    async with batches() as b, FileStore(root, capacity_bytes=CAPACITY) as store:
+        keys, _ = b.keys(1, seed=40)
+        old = make_values(1, 40)
+        assert await put_chain(b, store, keys, old) == [OK]
+        catalog = _catalog(store)
+        reserve = catalog.reserve
+        with anyio.CancelScope() as scope:
+
+            def reserve_then_cancel(*args: Any) -> Any:
+                admitted = reserve(*args)
+                anyio.from_thread.run_sync(scope.cancel)  # the deadline hits just now
+                return admitted
+
+            monkeypatch.setattr(catalog, "reserve", reserve_then_cancel)
+            await put_chain(b, store, keys, make_values(1, 41))
+        assert scope.cancelled_caught
+        with anyio.fail_after(10):
+            while b.pool.in_use:  # noqa: ASYNC110 (a worker thread, no event to wait on)
+                await anyio.sleep(0.01)
+        monkeypatch.undo()
+        statuses, got = await get_raw(b, store, keys)
+        assert statuses == [OK] and got == old
+        _check_accounting(store, root, CAPACITY)
+
+
+@pytest.mark.parametrize("failed_first", [True, False])
+async def test_two_puts_of_one_key_one_failing_leave_the_other_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failed_first: bool
+) -> None:
+    """Two pipelines put the same new key and one put's write fails: whichever settles
+    first, the block the other one published stays recorded."""
+    root = tmp_path / "store"
+    both_reserved = threading.Event()
+    first_settled = threading.Event()
+    calls: list[str] = []
+    real_write = FileStore._write
+    real_settle = store_mod.settle
+
+    def write(self: FileStore, *args: Any) -> list[BlockStatus]:
+        who = "fail" if not calls else "ok"
+        calls.append(who)
+        if who == "ok":
+            both_reserved.set()
+        assert both_reserved.wait(10)
+        if (who == "fail") != failed_first:
+            assert first_settled.wait(10)
+        if who == "fail":
+            return [BlockStatus.FAILED] * len(args[2])
+        return real_write(self, *args)
+
+    def settle(*args: Any) -> list[str]:
+        try:
+            return real_settle(*args)
+        finally:
+            first_settled.set()
+
+    monkeypatch.setattr(FileStore, "_write", write)
+    monkeypatch.setattr(store_mod, "settle", settle)
+    async with batches() as b, FileStore(root, capacity_bytes=CAPACITY) as store:
+        keys, _ = b.keys(1, seed=50)
+        value = make_values(1, 50)
+        got: dict[str, list[BlockStatus]] = {}
+
+        async def put(name: str) -> None:
+            got[name] = await put_chain(b, store, keys, value)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(put, "a")
+            while not calls:  # noqa: ASYNC110 (a worker thread, no event to wait on)
+                await anyio.sleep(0.005)
+            tg.start_soon(put, "b")
+        monkeypatch.undo()
+        assert sorted(s.name for r in got.values() for s in r) == ["FAILED", "OK"]
+        statuses, data = await get_raw(b, store, keys)
+        assert statuses == [OK] and data == value
+        _check_accounting(store, root, CAPACITY)
+
+
+async def test_a_put_between_a_deletes_removal_and_its_record_stays_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delete removed the file; a put then published the key again before the delete
+    forgot the record: the put's block is there, so its record must stay."""
+    root = tmp_path / "store"
+    async with batches() as b, FileStore(root, capacity_bytes=CAPACITY) as store:
+        keys, _ = b.keys(1, seed=70)
+        assert await put_chain(b, store, keys, make_values(1, 70)) == [OK]
+        new = make_values(1, 71)
+        catalog = _catalog(store)
+        token = anyio.lowlevel.current_token()
+        put_status: list[BlockStatus] = []
+
+        def put_meanwhile(method: Any) -> Any:
+            def patched(*args: Any) -> Any:
+                if not put_status:
+                    put_status.extend(
+                        anyio.from_thread.run(put_chain, b, store, keys, new, token=token)
+                    )
+                return method(*args)
+
+            return patched
+
+        for name in ("remove", "reconcile"):  # whichever the delete forgets its records by
+            if hasattr(catalog, name):
+                monkeypatch.setattr(catalog, name, put_meanwhile(getattr(catalog, name)))
+        await store.delete(keys)
+        monkeypatch.undo()
+        assert put_status == [OK]
+        statuses, got = await get_raw(b, store, keys)
+        assert statuses == [OK] and got == new
+        _check_accounting(store, root, CAPACITY)
+
+
+async def test_a_put_of_an_evicted_key_before_its_file_goes_is_not_recorded_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put evicts block X (its record first, then its file); another put publishes X
+    between the two: the eviction then removes that file, so X must not stay recorded."""
+    root = tmp_path / "store"
+    async with batches() as b, FileStore(root, capacity_bytes=2 * STORED) as store:
+        x, _ = b.keys(1, seed=80)
+        y, _ = b.keys(1, seed=81)
+        z, _ = b.keys(1, seed=82)
+        assert await put_chain(b, store, x, make_values(1, 80)) == [OK]
+        assert await put_chain(b, store, y, make_values(1, 81)) == [OK]
+        spares = store._spares
+        retire = spares.retire
+        token = anyio.lowlevel.current_token()
+        put_status: list[BlockStatus] = []
+        x_file = block_file(root, x[0])
+
+        def put_then_retire(root_: Any, parts: Any, name: str) -> bool:
+            if name == x_file.name and not put_status:
+                put_status.extend(
+                    anyio.from_thread.run(put_chain, b, store, x, make_values(1, 83), token=token)
+                )
+            return retire(root_, parts, name)
+
+        monkeypatch.setattr(spares, "retire", put_then_retire)
+        assert await put_chain(b, store, z, make_values(1, 82)) == [OK]  # evicts X (oldest)
+        monkeypatch.undo()
+        assert put_status == [OK]
+        _check_accounting(store, root, 2 * STORED)
+
+
+async def test_a_bad_files_quarantine_spares_a_block_published_after_the_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file_io: str
+) -> None:
+    """A get finds a tampered file; another put publishes the key again before the get
+    moves the bad file aside: the put's block stays, readable and recorded."""
+    root = tmp_path / "store"
+    async with batches() as b, FileStore(root, capacity_bytes=CAPACITY) as store:
+        keys, _ = b.keys(1, seed=60)
+        good = make_values(1, 60)
+        assert await put_chain(b, store, keys, make_values(1, 61)) == [OK]
+        path = block_file(root, keys[0])
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF  # the read finds the payload's checksum wrong
+        path.write_bytes(bytes(raw))
+        put_status: list[BlockStatus] = []
+        token = anyio.lowlevel.current_token()
+        from kvpipe.backends.file import _reads
+
+        def check_then_put(*args: Any) -> str | None:
+            why = check_file(*args)
+            if why is not None and not put_status:
+                put_status.extend(
+                    anyio.from_thread.run(put_chain, b, store, keys, good, token=token)
+                )
+            return why
+
+        monkeypatch.setattr(_reads, "check_file", check_then_put)
+        statuses, _ = await get_raw(b, store, keys)
+        monkeypatch.undo()
+        assert put_status == [OK]
+        assert statuses[0] in (BlockStatus.CORRUPT, BlockStatus.MISSING)
+        statuses, got = await get_raw(b, store, keys)
+        assert statuses == [OK] and got == good
+        _check_accounting(store, root, CAPACITY)
