@@ -46,6 +46,7 @@ from .actors import (
 from .actors._channels import Inboxes, Outboxes, open_channels
 from .actors._state import CallState, ReadState, RequestState, WriteState
 from .backends import StorageBackend
+from .backends._registration import Registrations
 from .cuda import probe_device
 
 if TYPE_CHECKING:
@@ -58,9 +59,6 @@ _STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
 #: Seconds :meth:`Runtime.aclose` waits for actors it cancelled at the close deadline to
 #: unwind (they release their staging as they do).
 UNWIND_GRACE: Final = 1.0
-#: Staging whose unregistration was abandoned at the close deadline: kept alive for good (the
-#: store's call may still be running on it).
-_KEPT_STAGING: list[memoryview] = []
 
 
 @final
@@ -106,8 +104,7 @@ class Runtime:
         )
         self.engine: CopyEngine | None = None
         self._device_driver = device_driver
-        self._registered: list[memoryview] = []
-        self._unregister_abandoned = False
+        self._registrations = Registrations(store)
         self.slice_blocks = min(self.config.slice_block_num, pool_slots)
         if self.slice_blocks < self.config.slice_block_num:
             log.warning(
@@ -164,10 +161,9 @@ class Runtime:
         assert self._pool is not None
         buffer = self._pool.buffer.data.cast("B")
         try:
-            await self.store.register_staging(buffer)
+            await self._registrations.add(buffer)
         except Exception as exc:
             raise ConfigError("store", f"could not register staging memory: {exc!r}") from exc
-        self._registered.append(buffer)
 
     def _deadline(self) -> float:
         """The close deadline (set once by :meth:`aclose`; a failed open gets its own)."""
@@ -175,54 +171,17 @@ class Runtime:
             self.close_deadline = anyio.current_time() + self.config.close_timeout
         return self.close_deadline
 
-    async def _unregister(self) -> None:
-        """Unregister what was registered, by the close deadline; past that, or where the
-        store refused, the staging is marked as possibly still in use, so it is never freed
-        under the store."""
-        registered, self._registered = self._registered, []
-        failed = False
-        with anyio.move_on_at(self._deadline()) as bound:
-            for buffer in registered:
-                try:
-                    await self.store.unregister_staging(buffer)
-                except Exception as exc:
-                    failed = True
-                    log.warning(
-                        "unregistering staging from %s failed (the staging memory is kept, "
-                        "not freed): %r",
-                        self.store.name,
-                        exc,
-                    )
-        if failed and not bound.cancelled_caught:
-            self._unregister_abandoned = True
-            _KEPT_STAGING.extend(registered)
-        if bound.cancelled_caught:
-            self._unregister_abandoned = True
-            _KEPT_STAGING.extend(registered)  # host staging: never freed under the store
-            log.error(
-                "unregistering staging from %s did not end by the close deadline; going on "
-                "without it (the staging memory is kept, not freed)",
-                self.store.name,
-            )
-
     async def release(self, staging_in_use: bool) -> None:
         """After the actors and worker threads are done: unregister staging, close the copy
         engine (both by the close deadline), and let go of everything big, so the staging
         is freed now whatever still refers to this runtime. ``staging_in_use``: a worker
         thread abandoned at the close deadline may still read or write it (a store's vendor
         call): it then stays registered with the store and allocated."""
-        if staging_in_use and self._registered:
-            self._unregister_abandoned = True
-            _KEPT_STAGING.extend(self._registered)
-            self._registered = []
-            log.error(
-                "staging stays registered with %s and allocated: a call abandoned at close "
-                "may still use it",
-                self.store.name,
-            )
-        with anyio.CancelScope(shield=True):
-            await self._unregister()
-        in_use = staging_in_use or self._unregister_abandoned
+        registrations = self._registrations
+        if staging_in_use:
+            registrations.keep("a call abandoned at close may still use it")
+        await registrations.aclose(self._deadline())
+        in_use = staging_in_use or registrations.kept
         engine, self.engine = self.engine, None
         if engine is not None:
             await engine.aclose(staging_in_use=in_use, deadline=self._deadline())

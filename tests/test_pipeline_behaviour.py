@@ -258,16 +258,16 @@ async def test_close_is_bounded_when_the_store_never_unregisters(
     """Closing is shielded from cancellation, so it bounds its own waits: a store stuck in
     ``unregister_staging`` costs ``close_timeout`` seconds, is logged, and the staging is kept
     alive rather than freed under the store."""
-    from kvpipe import _runtime
+    from kvpipe.backends import _registration
 
     config = kvpipe.PipelineConfig(close_timeout=0.2, staging_bytes=1 << 20)
-    kept = len(_runtime._KEPT_STAGING)
+    kept = len(_registration.KEPT)
     with caplog.at_level("ERROR", logger="kvpipe.pipeline"), anyio.fail_after(10):
         async with kvpipe.open_pipeline(_cache(), HangingUnregisterStore(), config=config) as pipe:
             assert (await pipe.write(np.arange(2 * BLOCK), [0, 1])).written == 2
     assert pipe.closed
     assert any("unregistering staging" in r.getMessage() for r in caplog.records)
-    assert len(_runtime._KEPT_STAGING) == kept + 1
+    assert len(_registration.KEPT) == kept + 1
 
 
 class AbandonedGetStore(kvpipe.MemoryStore):
@@ -299,11 +299,11 @@ async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
     """A store's thread call that outlived its request and the close deadline may still
     write into staging: the staging is neither unregistered from the store under it nor
     freed, and that is logged."""
-    from kvpipe import _runtime
+    from kvpipe.backends import _registration
 
     store = AbandonedGetStore()
     config = kvpipe.PipelineConfig(close_timeout=0.2, slice_timeout=0.1, staging_bytes=1 << 20)
-    kept = len(_runtime._KEPT_STAGING)
+    kept = len(_registration.KEPT)
     try:
         with caplog.at_level("ERROR", logger="kvpipe"), anyio.fail_after(10):
             async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
@@ -313,7 +313,7 @@ async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
                 assert store.running.is_set()
         assert store.running.is_set()  # still running after close
         assert True not in store.unregistered
-        assert len(_runtime._KEPT_STAGING) == kept + 1
+        assert len(_registration.KEPT) == kept + 1
         assert any("still" in r.getMessage() for r in caplog.records)
     finally:
         store.go_on.set()
@@ -356,10 +356,24 @@ class RefusingUnregisterStore(kvpipe.MemoryStore):
 
 
 async def test_staging_the_store_would_not_unregister_is_kept_not_freed() -> None:
-    from kvpipe import _runtime
+    from kvpipe.backends import _registration
 
     config = kvpipe.PipelineConfig(staging_bytes=1 << 20)
-    kept = len(_runtime._KEPT_STAGING)
+    kept = len(_registration.KEPT)
     async with kvpipe.open_pipeline(_cache(), RefusingUnregisterStore(), config=config) as pipe:
         assert (await pipe.write(np.arange(2 * BLOCK), [0, 1])).written == 2
-    assert len(_runtime._KEPT_STAGING) == kept + 1
+    assert len(_registration.KEPT) == kept + 1
+
+
+async def test_a_registration_cancelled_while_opening_is_unregistered() -> None:
+    """The open was cancelled while the store registered staging (a vendor call that may
+    complete): the close unregisters it before the staging is freed."""
+    from tests.backends.test_values import SlowRegisterStore
+
+    store = SlowRegisterStore()
+    config = kvpipe.PipelineConfig(staging_bytes=1 << 20)
+    with anyio.move_on_after(0.1) as scope:
+        async with kvpipe.open_pipeline(_cache(), store, config=config):
+            pytest.fail("opened")
+    assert scope.cancelled_caught
+    assert store.registered == []

@@ -11,12 +11,14 @@ import hashlib
 from collections.abc import Sequence
 from typing import Final, TypeVar
 
+import anyio
 import numpy as np
 
 from .._keys import Scope, as_tokens
 from .._staging import StagingLease, StagingPool
 from .._workers import ThreadRunner
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from ._registration import Registrations
 
 B = TypeVar("B", PutBatch, GetBatch)
 
@@ -57,32 +59,34 @@ class ValueClient:
         self.store = store
         self.scope = Scope(namespace, VALUES_FINGERPRINT)
         self.slots = slots
+        self.close_timeout = close_timeout
         self._runner = ThreadRunner(close_timeout)
         self._pools: dict[int, StagingPool] = {}
-        self._registered: list[memoryview] = []
+        self._registrations = Registrations(store)
 
     async def __aenter__(self) -> ValueClient:
         await self._runner.__aenter__()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        """Wait up to ``close_timeout`` for worker threads still running, then unregister
+        the staging (by the same deadline). Staging a thread abandoned at the deadline may
+        still use, or that the store would not unregister, stays allocated and registered
+        for good (logged) rather than freed under the store."""
+        deadline = anyio.current_time() + self.close_timeout
         try:
             await self._runner.__aexit__(*exc_info)
         finally:
-            registered, self._registered = self._registered, []
-            for buffer in registered:
-                try:
-                    await self.store.unregister_staging(buffer)
-                except Exception:
-                    pass
+            if self._runner.running:
+                self._registrations.keep("a call abandoned at close may still use it")
+            await self._registrations.aclose(deadline)
+            self._pools = {}
 
     async def _pool(self, nbytes: int) -> StagingPool:
         pool = self._pools.get(nbytes)
         if pool is None:
             pool = StagingPool(nbytes, self.slots)
-            buffer = pool.buffer.data.cast("B")
-            await self.store.register_staging(buffer)
-            self._registered.append(buffer)
+            await self._registrations.add(pool.buffer.data.cast("B"))
             self._pools[nbytes] = pool
         return pool
 

@@ -1,0 +1,96 @@
+"""ValueClient's staging is never freed while the store may still use it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import anyio
+import pytest
+
+import kvpipe
+from kvpipe.backends import BlockStatus, PutBatch, _registration
+from kvpipe.backends._values import ValueClient
+
+
+class StuckPutStore(kvpipe.MemoryStore):
+    """Puts block in a worker thread (a vendor call stuck reading staging) until told to go
+    on; notes whether one still ran when staging was unregistered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go_on = threading.Event()
+        self.running = threading.Event()
+        self.unregistered: list[bool] = []
+
+    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+        def stuck() -> None:
+            self.running.set()
+            self.go_on.wait(30)
+            self.running.clear()
+
+        await batch.run_sync(stuck)
+        return [BlockStatus.FAILED] * len(batch.keys)
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        self.unregistered.append(self.running.is_set())
+        await super().unregister_staging(buffer)
+
+
+async def test_staging_a_call_abandoned_at_exit_may_use_stays_registered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = StuckPutStore()
+    kept = len(_registration.KEPT)
+    try:
+        with anyio.fail_after(10):
+            async with ValueClient(store, close_timeout=0.2) as client:
+                with anyio.move_on_after(0.1):
+                    await client.put(["k0"], [b"x" * 64])
+                assert store.running.is_set()
+        assert store.running.is_set()  # still running after the exit
+        assert store.unregistered == []
+        assert len(_registration.KEPT) == kept + 1
+        assert any("stays registered" in r.getMessage() for r in caplog.records)
+    finally:
+        store.go_on.set()
+
+
+class RefusingStore(kvpipe.MemoryStore):
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        raise kvpipe.BackendError("refusing", "unregister_staging", "refused")
+
+
+async def test_staging_the_store_would_not_unregister_is_kept_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kept = len(_registration.KEPT)
+    async with ValueClient(RefusingStore()) as client:
+        assert await client.put(["k0"], [b"x" * 64]) == [BlockStatus.OK]
+    assert len(_registration.KEPT) == kept + 1
+    assert any("refused" in r.getMessage() for r in caplog.records)
+
+
+class SlowRegisterStore(kvpipe.MemoryStore):
+    """Registration is a vendor call that goes on (and registers) when its caller stops
+    waiting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registered: list[memoryview] = []
+
+    async def register_staging(self, buffer: memoryview) -> None:
+        self.registered.append(buffer)
+        await anyio.sleep_forever()
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        self.registered = [b for b in self.registered if b is not buffer]
+
+
+async def test_a_registration_cancelled_midway_is_unregistered_at_exit() -> None:
+    store = SlowRegisterStore()
+    async with ValueClient(store) as client:
+        with anyio.move_on_after(0.05) as scope:
+            await client.put(["k0"], [b"x" * 64])
+        assert scope.cancelled_caught and len(store.registered) == 1
+    assert store.registered == []
