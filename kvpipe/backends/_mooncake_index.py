@@ -94,5 +94,19 @@ class ResidencyIndex:
         raise BackendError(self._name, "upsert", f"node registry: {node!r} did not stick")
 
     async def _nodes(self, client: Any) -> set[str]:
-        raw = await self._call(client.get, NODES_KEY)
-        return {n for n in bytes(raw).decode().split("\n") if n}
+        """The registered node ids.
+
+        Raises:
+            BackendError: The registry could not be read. The vendor's ``get`` answers
+                ``b""`` for a missing key and for a failed get alike: an empty answer counts
+                as an empty registry only where the key is not stored (else a flush would
+                rewrite the registry with its own node alone, dropping every other node).
+        """
+        raw = bytes(await self._call(client.get, NODES_KEY))
+        if not raw:
+            (code,) = await self._call(client.batch_is_exist, [NODES_KEY])
+            if code == 1:
+                raise BackendError(self._name, "get", "node registry: stored, but not read")
+            if code != 0:
+                raise BackendError(self._name, "batch_is_exist", f"node registry: code {code}")
+        return {n for n in raw.decode().split("\n") if n}

@@ -1,0 +1,70 @@
+"""The Mooncake residency index over a fake vendor client (no Mooncake needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import kvpipe
+from kvpipe import Residency, ResidencyEntry
+from kvpipe.backends._mooncake_index import NODES_KEY, ResidencyIndex
+
+
+class FakeClient:
+    """A key-value client whose ``get`` answers ``b""`` when it fails, as the vendor's does."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.failing_gets = 0
+
+    def get(self, key: str) -> bytes:
+        if self.failing_gets:
+            self.failing_gets -= 1
+            return b""
+        return self.data.get(key, b"")
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [int(k in self.data) for k in keys]
+
+    def upsert(self, key: str, value: bytes) -> int:
+        self.data[key] = bytes(value)
+        return 0
+
+    def upsert_batch(self, keys: list[str], values: list[bytes]) -> int:
+        self.data.update(zip(keys, map(bytes, values), strict=True))
+        return 0
+
+    def get_batch(self, keys: list[str]) -> list[bytes]:
+        return [self.data.get(k, b"") for k in keys]
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _entry(node: str) -> ResidencyEntry:
+    return ResidencyEntry("ns:k0", node, Residency.CPU, 1.0)
+
+
+async def test_a_failed_registry_read_never_drops_other_nodes() -> None:
+    client = FakeClient()
+    index = ResidencyIndex("mooncake", _call)
+    await index.put(client, [_entry("a")])
+    client.failing_gets = 1
+    with pytest.raises(kvpipe.BackendError, match="node registry"):
+        await index.put(client, [_entry("b")])
+    assert client.data[NODES_KEY] == b"a"
+    await index.put(client, [_entry("b")])  # the registry reads again: b joins a
+    assert client.data[NODES_KEY] == b"a\nb"
+    got = await index.get(client, ["ns:k0"])
+    assert [e.node_id for e in got[0]] == ["a", "b"]
+
+
+async def test_an_empty_registry_is_empty() -> None:
+    client = FakeClient()
+    index = ResidencyIndex("mooncake", _call)
+    assert await index.get(client, ["ns:k0"]) == [()]
+    await index.put(client, [_entry("a")])
+    assert client.data[NODES_KEY] == b"a"
