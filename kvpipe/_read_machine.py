@@ -100,6 +100,12 @@ class ReadMachine:
             self.aborted or self.ended or (self.stop_block is not None and block >= self.stop_block)
         )
 
+    def loadable(self, first: int, count: int) -> int:
+        """How many of the ``count`` blocks from ``first`` lie before where loading stopped
+        (all of them while it has not): the most a scatter of them may copy."""
+        stop = self.stop_block
+        return count if stop is None else max(0, min(count, stop - first))
+
     # -- events ------------------------------------------------------------------------------
 
     def plan(self, slices: tuple[SliceSpec, ...], now: float) -> None:

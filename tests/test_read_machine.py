@@ -124,6 +124,15 @@ def test_stop_at_only_moves_the_stop_earlier() -> None:
     assert m.result.stop_reason == "slice_timeout" and m.result.failed_blocks == (5, 6, 7, 8, 10)
 
 
+def test_loadable_counts_the_blocks_before_the_stop() -> None:
+    m = ReadMachine("r", 0, 12, started=0.0)
+    m.plan(plan_slices(0, 12, 4, 16, 192), now=0.0)
+    assert m.loadable(4, 4) == 4  # no stop yet: all of them
+    m.stop_at(6, "failed_block", [6])
+    assert [m.loadable(first, 4) for first in (0, 4, 8)] == [4, 2, 0]
+    assert m.loadable(4, 1) == 1
+
+
 def test_misuse_is_refused() -> None:
     m = ReadMachine("r", 0, 4, started=0.0)
     m.plan(plan_slices(0, 4, 4, 16, 64), now=0.0)

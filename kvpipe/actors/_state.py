@@ -362,10 +362,8 @@ class ReadState(SlicedState):
         return self.machine.stopped_before(block)
 
     def loadable(self, first: int, count: int) -> int:
-        """How many of the ``count`` blocks from ``first`` lie before where loading
-        stopped (all of them while it has not)."""
-        stop = self.machine.stop_block
-        return count if stop is None else max(0, min(count, stop - first))
+        """:meth:`ReadMachine.loadable`."""
+        return self.machine.loadable(first, count)
 
     def stop_at(
         self,
