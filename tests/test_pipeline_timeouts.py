@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import anyio
 import numpy as np
 import pytest
 import trio.testing
 
 import kvpipe
+from kvpipe.actors import _base as base_module
 from kvpipe.actors import writer as writer_module
 from tests.fakes import Act, ScriptedStore
 from tests.helpers import fill_random
@@ -252,3 +256,30 @@ async def test_aclose_returns_only_once_cancelled_actors_have_let_go_of_staging(
             assert anyio.current_time() - start == pytest.approx(5.0)
             assert pipe.statistics().staging_in_use_bytes == 0
     assert len(failed) == 1
+
+
+async def test_a_gather_waiting_for_a_copy_thread_ends_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy thread is stuck at the deadline (its slice gathered in a thread): the write
+    ends at its deadline, not by the deadline guard ``deadline_slack`` later."""
+    go_on = threading.Event()
+    real = base_module.gather_sealed
+
+    def stuck(*args: Any) -> Any:
+        go_on.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
+    monkeypatch.setattr(base_module, "INLINE_COPY_BYTES", 0)
+    monkeypatch.setattr(base_module, "gather_sealed", stuck)
+    try:
+        async with kvpipe.open_pipeline(_cache(), ScriptedStore(), config=_config()) as pipe:
+            start = anyio.current_time()
+            w = await pipe.write(TOKENS, IDS)
+            assert anyio.current_time() - start == pytest.approx(15.0)
+            assert (w.written, w.stop_reason) == (0, "total_timeout")
+            assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+            go_on.set()
+    finally:
+        go_on.set()

@@ -106,15 +106,28 @@ class ActorContext:
         """Copies run on the host (a CPU cache): the writer and reader copy their own slices."""
         return self.engine.name == "host"
 
-    async def gather_and_seal(self, job: SliceJob) -> None:
+    async def gather_and_seal(self, job: SliceJob) -> bool:
         """Gather a write slice's blocks (all layers and roles) into its staging — memory of
         its own when the store keeps values — and seal each with its trailer. On the host,
         one worker-thread call does both (in one pass over the bytes where it can:
         :func:`~kvpipe._hostcopy.gather_sealed`).
 
-        Not shielded: a gather cut off by cancellation leaves its thread running with its own
+        Returns:
+            Whether it did. ``False``: the request ended first, or its deadline passed (a
+            gather still waiting for a copy thread, say), which ends it: the caller learns
+            by the deadline, not by the deadline guard's slack later.
+
+        Cancellation: not shielded. A gather cut off leaves its thread running with its own
         hold on the staging, and the job is dropped, so no half-gathered slot is ever put.
         """
+        state, spec = job.state, job.spec
+        with state.bound(state.deadline, ("gather", spec.index), spec.first_block):
+            await self._gather_and_seal(job)
+            return True
+        state.end("total_timeout", "deadline passed waiting to gather")  # no-op if ended
+        return False
+
+    async def _gather_and_seal(self, job: SliceJob) -> None:
         state, spec = job.state, job.spec
         blocks = state.block_ids[spec.first_block : spec.end_block]
         digests = self.digests_of(state, spec)

@@ -45,9 +45,8 @@ class Swapper(Actor[SliceJob]):
     async def _gather(self, job: SliceJob) -> bool:
         """Gather and seal, then pass on; ``True`` when the writer took it."""
         ctx, state = self.ctx, job.state
-        if state.done:
+        if state.done or not await ctx.gather_and_seal(job):
             return False
-        await ctx.gather_and_seal(job)
         sent = await self.send_until(ctx.outboxes.writer, job, state.deadline)
         if sent is None:
             assert isinstance(state, WriteState)
