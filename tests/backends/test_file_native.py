@@ -72,15 +72,15 @@ def test_read_files_rejects_read_only_buffers_and_bad_arguments(root: tuple[Path
         fileio.read_files(fd, [b"d/x"], [[memoryview(bytearray(1))] * 17], False)
 
 
-def test_regular_files_stops_at_the_first_miss(root: tuple[Path, int]) -> None:
+def test_file_sizes_stops_at_the_first_miss(root: tuple[Path, int]) -> None:
     path, fd = root
-    for name in ("a", "b", "d"):
-        (path / "d" / name).write_bytes(b"x")
+    for name, size in (("a", 1), ("b", 0), ("d", 3)):
+        (path / "d" / name).write_bytes(b"x" * size)
     os.symlink(path / "d" / "a", path / "d" / "link")
     paths = [b"d/a", b"d/b", b"d/c", b"d/d"]
-    assert fileio.regular_files(fd, paths, True) == [True, True, False, False]
-    assert fileio.regular_files(fd, paths, False) == [True, True, False, True]
-    assert fileio.regular_files(fd, [b"d/link", b"d", b"../d/a"], False) == [False] * 3
+    assert fileio.file_sizes(fd, paths, True) == [1, 0, -1, -1]
+    assert fileio.file_sizes(fd, paths, False) == [1, 0, -1, 3]
+    assert fileio.file_sizes(fd, [b"d/link", b"d", b"../d/a"], False) == [-1] * 3
 
 
 def test_write_files_publishes_atomically(root: tuple[Path, int]) -> None:

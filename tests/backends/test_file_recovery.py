@@ -469,7 +469,7 @@ async def test_inspect_store_finds_untracked_files(tmp_path: Path, b: Batches) -
     keys = await _populated(root, b)
     async with FileStore(root) as store:
         await store.open()
-        _catalog(store).reconcile([keys[0]], lambda key: None)  # forget it
+        _catalog(store).reconcile([keys[0]], lambda keys: [None])  # forget it
     before = _snapshot(root)
     report = inspect_store(str(root), verify=True)
     assert _snapshot(root) == before

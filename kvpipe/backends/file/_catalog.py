@@ -33,8 +33,8 @@ from ._format import key_namespace
 
 __all__ = ("Catalog", "CatalogFull", "CatalogStats", "Reservation", "SizeOf")
 
-#: The size of the block file at a key's name now; ``None`` when there is none.
-SizeOf: TypeAlias = Callable[[str], int | None]
+#: The sizes of the block files at keys' names now (``None``: there is none).
+SizeOf: TypeAlias = Callable[[Sequence[str]], list[int | None]]
 
 log = logging.getLogger("kvpipe.file_store")
 
@@ -318,8 +318,7 @@ class Catalog:
         db: sqlite3.Connection, keys: Sequence[str], size_of: SizeOf, now: float | None
     ) -> None:
         change = 0
-        for key in keys:
-            size = size_of(key)
+        for key, size in zip(keys, size_of(keys), strict=True):
             row = db.execute("SELECT nbytes FROM blocks WHERE key=?", (key,)).fetchone()
             if size is None:
                 if row:

@@ -413,13 +413,14 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(regular_files_doc,
-"regular_files(dir_fd, paths, stop_at_missing) -> list[bool]\n\n"
-"Whether each of paths (relative to dir_fd, never through a symbolic link or out of it) is\n"
-"a regular file. With stop_at_missing, every path after the first that is not one is\n"
-"answered False without being looked at. The GIL is released throughout.");
+PyDoc_STRVAR(file_sizes_doc,
+"file_sizes(dir_fd, paths, stop_at_missing) -> list[int]\n\n"
+"The size of each of paths (relative to dir_fd, never through a symbolic link or out of it)\n"
+"that is a regular file; -1 for one that is not (missing, a link, a directory...). With\n"
+"stop_at_missing, every path after the first that is not one is answered -1 without being\n"
+"looked at. The GIL is released throughout.");
 
-static PyObject *regular_files(PyObject *self, PyObject *args) {
+static PyObject *file_sizes(PyObject *self, PyObject *args) {
     (void)self;
     int dir_fd, stop;
     PyObject *paths_obj;
@@ -432,13 +433,14 @@ static PyObject *regular_files(PyObject *self, PyObject *args) {
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(paths);
     const char **cpaths = calloc((size_t)n + 1, sizeof *cpaths);
-    char *found = calloc((size_t)n + 1, 1);
+    long long *sizes = calloc((size_t)n + 1, sizeof *sizes);
     PyObject *result = NULL;
-    if (!cpaths || !found) {
+    if (!cpaths || !sizes) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
+        sizes[i] = -1;
         if (take_path(PySequence_Fast_GET_ITEM(paths, i), &cpaths[i]) < 0) {
             goto done;
         }
@@ -448,10 +450,12 @@ static PyObject *regular_files(PyObject *self, PyObject *args) {
         int fd = open_confined(dir_fd, cpaths[i], O_PATH);
         if (fd >= 0) {
             struct stat st;
-            found[i] = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+            if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+                sizes[i] = (long long)st.st_size;
+            }
             close(fd);
         }
-        if (stop && !found[i]) {
+        if (stop && sizes[i] < 0) {
             break;
         }
     }
@@ -461,13 +465,16 @@ static PyObject *regular_files(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = found[i] ? Py_True : Py_False;
-        Py_INCREF(v);
+        PyObject *v = PyLong_FromLongLong(sizes[i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
         PyList_SET_ITEM(result, i, v);
     }
 done:
     free(cpaths);
-    free(found);
+    free(sizes);
     Py_DECREF(paths);
     return result;
 }
@@ -743,7 +750,7 @@ static PyMethodDef methods[] = {
     {"write_files", write_files, METH_VARARGS, write_files_doc},
     {"read_files", read_files, METH_VARARGS, read_files_doc},
     {"read_cached_files", read_cached_files, METH_VARARGS, read_cached_files_doc},
-    {"regular_files", regular_files, METH_VARARGS, regular_files_doc},
+    {"file_sizes", file_sizes, METH_VARARGS, file_sizes_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -220,8 +220,7 @@ def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
     at the first that is not."""
     fileio = _native.fileio
     assert fileio is not None
-    found: list[bool] = fileio.regular_files(root.fd, _native.block_paths(keys), True)
-    return found
+    return [n >= 0 for n in fileio.file_sizes(root.fd, _native.block_paths(keys), True)]
 
 
 def _judge(
