@@ -12,6 +12,7 @@ import trio.testing
 
 import kvpipe
 from kvpipe.actors import _base as base_module
+from kvpipe.actors import scheduler as scheduler_module
 from kvpipe.actors import writer as writer_module
 from tests.fakes import Act, ScriptedStore
 from tests.helpers import fill_random
@@ -279,6 +280,38 @@ async def test_a_gather_waiting_for_a_copy_thread_ends_at_the_deadline(
             w = await pipe.write(TOKENS, IDS)
             assert anyio.current_time() - start == pytest.approx(15.0)
             assert (w.written, w.stop_reason) == (0, "total_timeout")
+            assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+            go_on.set()
+    finally:
+        go_on.set()
+
+
+@pytest.mark.parametrize("op", ["write", "lookup"])
+async def test_keys_hashed_in_a_busy_thread_end_the_request_at_its_deadline(
+    op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long sequence's keys are hashed in a copy thread; that thread is stuck at the
+    deadline: the request ends at its deadline, not by the guard ``deadline_slack`` later."""
+    go_on = threading.Event()
+    real = scheduler_module.block_keys
+
+    def stuck(*args: Any) -> Any:
+        go_on.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(scheduler_module, "_THREAD_KEYS_TOKENS", 0)
+    monkeypatch.setattr(scheduler_module, "block_keys", stuck)
+    config = _config(lookup_timeout=15)
+    try:
+        async with kvpipe.open_pipeline(_cache(), ScriptedStore(), config=config) as pipe:
+            start = anyio.current_time()
+            if op == "write":
+                w = await pipe.write(TOKENS, IDS)
+                assert (w.written, w.stop_reason) == (0, "total_timeout")
+            else:
+                with pytest.raises(kvpipe.OperationTimeout):
+                    await pipe.lookup(TOKENS)
+            assert anyio.current_time() - start == pytest.approx(15.0)
             assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
             go_on.set()
     finally:

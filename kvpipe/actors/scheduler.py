@@ -82,7 +82,11 @@ class Scheduler(Actor[RequestState]):
         if msg.done:
             return
         assert isinstance(msg, WriteState | ReadState | CallState)
-        msg.keys = await self._keys(msg.tokens, msg.include_partial)
+        with msg.bound(msg.deadline, "keys"):  # a long sequence's may wait for a copy thread
+            msg.keys = await self._keys(msg.tokens, msg.include_partial)
+        if msg.keys is None:  # the deadline passed (then it ends here), or the request ended
+            msg.end("total_timeout", "deadline passed hashing its tokens into keys")
+            return
         if isinstance(msg, WriteState):
             await self._write(msg)
         elif isinstance(msg, ReadState):
