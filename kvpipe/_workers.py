@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ("Lane", "ThreadRunner", "WorkerThreads", "lower_priority")
+__all__ = ("Lane", "NotStarted", "ThreadRunner", "WorkerThreads", "lower_priority")
 
 log = logging.getLogger("kvpipe.workers")
 
@@ -187,6 +187,10 @@ class WorkerThreads:
 
 
 @final
+class NotStarted(Exception):
+    """A call given ``start_by`` was still waiting in its lane then: it never runs."""
+
+
 class _Call:
     """Who finishes a worker-thread call: its caller, or, when the caller stopped waiting
     while the thread ran, the thread itself (through the event loop). A call whose caller
@@ -254,9 +258,16 @@ class ThreadRunner:
         *args: Any,
         hold: StagingLease | None = None,
         lane: Lane | None = None,
+        start_by: float | None = None,
     ) -> T:
         """Call ``fn(*args)`` in one of the runner's worker threads and return its result;
         with ``lane``, once fewer of the lane's calls run than it allows.
+
+        Args:
+            start_by: An event-loop time by which the call must have started: one still
+                waiting in its lane then never starts (:class:`NotStarted`); one started
+                runs to its end. For work that must not be cut off once begun (a copy into
+                the caller's cache) but is of no more use after a deadline.
 
         Cancellation: cancelling the caller stops the wait at once. A call still waiting in
         its lane never starts (``hold`` is let go at once); a running one runs on, and
@@ -264,6 +275,7 @@ class ThreadRunner:
 
         Raises:
             RuntimeError: The runner is not running.
+            NotStarted: ``start_by`` passed before the call started.
         """
         if not self._open:
             raise RuntimeError("ThreadRunner is not running")
@@ -311,6 +323,14 @@ class ThreadRunner:
         try:
             await anyio.lowlevel.checkpoint_if_cancelled()
             self._threads.submit(work, lane)
+            if start_by is not None:
+                with anyio.move_on_at(start_by):
+                    await done.wait()
+                if not done.is_set():
+                    with call.lock:  # in one step: it either started, or it never will
+                        call.abandoned = late = not call.started
+                    if late:
+                        raise NotStarted(f"not started by {start_by:.3f}")
             await done.wait()
         except BaseException:
             with call.lock:

@@ -12,6 +12,7 @@ import trio.testing
 
 import kvpipe
 from kvpipe.actors import _base as base_module
+from kvpipe.actors import reader as reader_module
 from kvpipe.actors import scheduler as scheduler_module
 from kvpipe.actors import writer as writer_module
 from tests.fakes import Act, ScriptedStore
@@ -313,6 +314,42 @@ async def test_keys_hashed_in_a_busy_thread_end_the_request_at_its_deadline(
                     await pipe.lookup(TOKENS)
             assert anyio.current_time() - start == pytest.approx(15.0)
             assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+            go_on.set()
+    finally:
+        go_on.set()
+
+
+async def test_a_read_whose_copy_waits_for_a_busy_thread_ends_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one copy thread is stuck (another write's gather) when a read's blocks come
+    back: the read's check-and-scatter never starts, and the read ends at its deadline with
+    nothing loaded, not once the thread is free."""
+    go_on = threading.Event()
+    real = base_module.gather_sealed
+
+    def stuck(*args: Any) -> Any:
+        go_on.wait(5)
+        return real(*args)
+
+    async def write_stuck(pipe: kvpipe.Pipeline) -> None:
+        await pipe.write(TOKENS + 1000, IDS, timeout=1)
+
+    try:
+        async with kvpipe.open_pipeline(_cache(), ScriptedStore(), config=_config()) as pipe:
+            assert (await pipe.write(TOKENS, IDS)).written == 16
+            for module in (writer_module, base_module, reader_module):
+                monkeypatch.setattr(module, "INLINE_COPY_BYTES", 0)
+            monkeypatch.setattr(base_module, "gather_sealed", stuck)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write_stuck, pipe)
+                await anyio.sleep(2)  # that write has ended; its gather's thread has not
+                start = anyio.current_time()
+                dst = np.arange(16, 32)
+                r = await pipe.read(TOKENS, dst, timeout=5)
+                assert anyio.current_time() - start == pytest.approx(5.0)
+                assert (r.loaded, r.stop_reason) == (0, "total_timeout")
+                assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
             go_on.set()
     finally:
         go_on.set()

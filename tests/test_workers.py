@@ -18,7 +18,7 @@ import pytest
 from trio.testing import MockClock
 
 from kvpipe._staging import StagingLease, StagingPool
-from kvpipe._workers import Lane, ThreadRunner, WorkerThreads, lower_priority
+from kvpipe._workers import Lane, NotStarted, ThreadRunner, WorkerThreads, lower_priority
 from tests.helpers import checkpoints, until
 
 
@@ -353,3 +353,45 @@ async def test_a_runner_closed_past_its_deadline_with_nothing_running_logs_nothi
         await runner.run(int)
         runner.close_by(anyio.current_time() - 1)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_call_not_started_by_its_start_by_never_runs_and_one_started_runs_on() -> None:
+    lane = Lane(1)
+    pool = StagingPool(16, 2)
+    queued, running = await pool.acquire(1), await pool.acquire(1)
+    gates = [threading.Event(), threading.Event()]
+    started = threading.Event()
+    ran: list[str] = []
+
+    def blocker(gate: threading.Event) -> str:
+        started.set()
+        gate.wait(30)
+        return "done"
+
+    async def open_later(gate: threading.Event) -> None:
+        await anyio.sleep(0.05)
+        gate.set()
+
+    try:
+        async with ThreadRunner() as runner, anyio.create_task_group() as tg:
+            first = functools.partial(runner.run, blocker, gates[0], lane=lane, hold=running)
+            tg.start_soon(first)
+            await anyio.to_thread.run_sync(started.wait)
+            with pytest.raises(NotStarted):
+                await runner.run(
+                    ran.append, "queued", hold=queued, lane=lane, start_by=anyio.current_time()
+                )
+            queued.release()
+            assert pool.in_use == 1  # the queued call's hold went at once, not the running one's
+            gates[0].set()
+            await until(lambda: (lane.running, lane.waiting) == (0, 0))
+            # Started before its start_by: waited for to its end, past start_by.
+            tg.start_soon(open_later, gates[1])
+            start_by = anyio.current_time() + 0.01
+            assert await runner.run(blocker, gates[1], lane=lane, start_by=start_by) == "done"
+            assert anyio.current_time() > start_by
+    finally:
+        for gate in gates:
+            gate.set()
+    running.release()
+    assert ran == [] and pool.in_use == 0

@@ -180,13 +180,21 @@ class ActorContext:
             observers.emit(kind, seconds, outcome)
 
     async def run_copy(
-        self, nbytes: int, fn: Callable[..., T], *args: Any, hold: StagingLease
+        self,
+        nbytes: int,
+        fn: Callable[..., T],
+        *args: Any,
+        hold: StagingLease,
+        start_by: float | None = None,
     ) -> T:
-        """Run host work on staging: inline when small, else in a copy worker thread."""
+        """Run host work on staging: inline when small, else in a copy worker thread (one
+        not started by ``start_by`` never starts: :class:`~kvpipe._workers.NotStarted`)."""
         if nbytes <= INLINE_COPY_BYTES:
             await anyio.lowlevel.checkpoint()
             return fn(*args)
-        return await self.runner.run(fn, *args, hold=hold, lane=self.copy_limiter)
+        return await self.runner.run(
+            fn, *args, hold=hold, lane=self.copy_limiter, start_by=start_by
+        )
 
     def digests_of(self, state: WriteState | ReadState, spec: SliceSpec) -> list[bytes]:
         """Digests of a slice's keys (for block trailers)."""

@@ -24,6 +24,7 @@ from .._hostcopy import gather, scatter, scatter_values
 from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
 from .._staging import StagingLease
+from .._workers import NotStarted
 from ..backends._base import BlockStatus, GetBatch
 from ._base import Actor, SliceJob, as_backend_error, backend_call, check_statuses, leading_ok
 from ._rowsink import RowSink
@@ -254,20 +255,30 @@ class Reader(Actor[ReadState | SliceJob]):
             return None
         fetched = leading_ok(statuses)
         scattered = 0
-        if fetched and claimed:
-            if sink is None or sink.covers(0):  # none handed over: verify, scatter, one call
-                checks = await self._verify_and_scatter(job, fetched)
-                scattered = leading_run(c is None for c in checks)
-            else:  # those the store's threads did not check and place: in one call
-                await self._place_unseen(job, sink, fetched)
-                checks = sink.checks[:fetched]
-                scattered = leading_run(sink.placed[:fetched])
-            if scattered == spec.count:
-                ctx.metrics.counters["blocks_read"] += scattered
-                ctx.metrics.counters["bytes_read"] += scattered * ctx.payload_nbytes
-                state.resolve(spec.index, scattered)
-        else:
-            checks = await self._verify(job, 0, fetched)
+        try:
+            if fetched and claimed:
+                if sink is None or sink.covers(0):  # none handed over: verify, scatter, one call
+                    checks = await self._verify_and_scatter(job, fetched)
+                    scattered = leading_run(c is None for c in checks)
+                else:  # those the store's threads did not check and place: in one call
+                    await self._place_unseen(job, sink, fetched)
+                    checks = sink.checks[:fetched]
+                    scattered = leading_run(sink.placed[:fetched])
+                if scattered == spec.count:
+                    ctx.metrics.counters["blocks_read"] += scattered
+                    ctx.metrics.counters["bytes_read"] += scattered * ctx.payload_nbytes
+                    state.resolve(spec.index, scattered)
+            else:
+                checks = await self._verify(job, 0, fetched, start_by=state.deadline)
+        except NotStarted:  # the copy threads were busy until the read's deadline
+            placed = leading_run(sink.placed[:fetched]) if sink is not None else 0
+            detail = f"slice {spec.index}: deadline passed waiting for a copy thread"
+            ctx.metrics.slices["read_total_timeout"] += 1
+            self._debug(state, job, "total_timeout", placed, elapsed, detail)
+            everything = list(range(first + placed, spec.end_block))
+            state.stop_at(first + placed, "total_timeout", everything, detail)
+            state.resolve(spec.index, placed)
+            return None
         return statuses, checks, scattered, elapsed, sink is not None and sink.elsewhere
 
     @staticmethod
@@ -294,8 +305,11 @@ class Reader(Actor[ReadState | SliceJob]):
             f" ({detail})" if detail else "",
         )
 
-    async def _verify(self, job: SliceJob, lo: int, hi: int) -> list[str | None]:
-        """Check slots ``[lo, hi)`` of a fetched slice (trailer, key, checksum)."""
+    async def _verify(
+        self, job: SliceJob, lo: int, hi: int, start_by: float | None = None
+    ) -> list[str | None]:
+        """Check slots ``[lo, hi)`` of a fetched slice (trailer, key, checksum); in a copy
+        thread started by ``start_by`` (else :class:`NotStarted`)."""
         ctx, spec, state = self.ctx, job.spec, job.state
         return await ctx.run_copy(
             (hi - lo) * ctx.payload_nbytes if ctx.config.verify_checksums else 0,
@@ -305,6 +319,7 @@ class Reader(Actor[ReadState | SliceJob]):
             ctx.digests_of(state, spec)[lo:hi],
             ctx.config.verify_checksums,
             hold=job.lease,
+            start_by=start_by,
         )
 
     async def _verify_and_scatter(self, job: SliceJob, fetched: int) -> list[str | None]:
@@ -335,7 +350,7 @@ class Reader(Actor[ReadState | SliceJob]):
             await anyio.lowlevel.checkpoint()
             return work()
         with anyio.CancelScope(shield=True):
-            checks = await ctx.run_copy(nbytes, work, hold=job.lease)
+            checks = await ctx.run_copy(nbytes, work, hold=job.lease, start_by=state.deadline)
         return checks
 
     async def _place_unseen(self, job: SliceJob, sink: RowSink, fetched: int) -> None:
@@ -362,7 +377,9 @@ class Reader(Actor[ReadState | SliceJob]):
             return checks
 
         with anyio.CancelScope(shield=True):
-            checks = await ctx.run_copy(len(unseen) * payload, work, hold=job.lease)
+            checks = await ctx.run_copy(
+                len(unseen) * payload, work, hold=job.lease, start_by=state.deadline
+            )
         for i, check in zip(unseen, checks, strict=True):
             sink.checks[i], sink.seen[i], sink.placed[i] = check, True, check is None
 
