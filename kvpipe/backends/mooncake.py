@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar, final
@@ -45,6 +46,39 @@ def _load_client() -> Any:
             f"hosts), and apt-get install libibverbs1 ({exc})"
         ) from exc
     return MooncakeDistributedStore()
+
+
+def _each_key_once(
+    get_into: Callable[..., Sequence[int]], buffers: list[memoryview]
+) -> Callable[[list[str], list[int], list[int]], list[int]]:
+    """``batch_get_into`` for a batch that names a key more than once. The vendor moves one
+    value per distinct key (into the last of its buffers) yet reports every buffer filled; so
+    each key is fetched once, into its first buffer, and copied into its others."""
+
+    def batch_get_into(keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        picked = list(first.values())
+        codes = list(
+            get_into(
+                [keys[i] for i in picked],
+                [addresses[i] for i in picked],
+                [sizes[i] for i in picked],
+            )
+        )
+        if len(codes) != len(picked):
+            raise ValueError(f"{len(codes)} codes for {len(picked)} distinct keys")
+        code_of = dict(zip(first, codes, strict=True))
+        out = []
+        for i, key in enumerate(keys):
+            j = first[key]
+            if i != j and code_of[key] == sizes[j]:
+                buffers[i][:] = buffers[j]
+            out.append(code_of[key])
+        return out
+
+    return batch_get_into
 
 
 @final
@@ -176,7 +210,8 @@ class MooncakeStore(StorageBackend):
         with anyio.CancelScope(shield=True):
             async with self._open_lock:
                 client = self._client
-                if client is None:
+                if client is None:  # never opened (or closed): refuse every later call
+                    self._inflight.drain(0)  # nothing runs without a client
                     return
                 own = anyio.CapacityLimiter(1)
                 idle = await anyio.to_thread.run_sync(
@@ -225,14 +260,48 @@ class MooncakeStore(StorageBackend):
 
     async def register_staging(self, buffer: memoryview) -> None:
         """Register memory values move from or into with the transfer engine, counted: once
-        with the vendor however many pipelines register it. Abandoned on cancellation."""
+        with the vendor however many pipelines register it.
+
+        Cancellation: a vendor call already started is abandoned and may still complete, so
+        the buffer counts as registered (:meth:`unregister_staging` or :meth:`aclose` undoes
+        it); one not started yet never starts, and nothing is registered.
+        """
         client = await self._ready()
         region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
-        if self._registered[region] == 0:
-            rc = await self._call(client.register_buffer, *region)
-            if rc != 0:
-                raise BackendError(self.name, "register_buffer", f"returned {rc}")
-        self._registered[region] += 1
+        self._registered[region] += 1  # counted before the call: it may outlive its caller
+        if self._registered[region] > 1:
+            return
+        lock = threading.Lock()
+        started = abandoned = False
+
+        def register_buffer(ptr: int, size: int) -> int:
+            nonlocal started
+            with lock:
+                if abandoned:
+                    return 0  # its caller gave up before it started: never registers
+                started = True
+            rc: int = client.register_buffer(ptr, size)
+            return rc
+
+        try:
+            rc = await self._call(register_buffer, *region)
+        except anyio.get_cancelled_exc_class():
+            with lock:
+                abandoned = True
+                if not started:
+                    self._uncount(region)
+            raise
+        except BaseException:
+            self._uncount(region)
+            raise
+        if rc != 0:
+            self._uncount(region)
+            raise BackendError(self.name, "register_buffer", f"returned {rc}")
+
+    def _uncount(self, region: tuple[int, int]) -> None:
+        self._registered[region] -= 1
+        if self._registered[region] <= 0:
+            del self._registered[region]
 
     async def unregister_staging(self, buffer: memoryview) -> None:
         """Undo one :meth:`register_staging` of ``buffer``. Abandoned on cancellation."""
@@ -276,8 +345,11 @@ class MooncakeStore(StorageBackend):
         """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
+        get_into = client.batch_get_into
+        if len(set(keys)) < len(keys):
+            get_into = _each_key_once(get_into, batch.buffers)
         try:
-            codes = await self._vendor(batch, client.batch_get_into, keys)
+            codes = await self._vendor(batch, get_into, keys)
         except anyio.get_cancelled_exc_class():  # a segment owner hanging or gone
             for key in keys:
                 self._distrust_key(key)

@@ -3,6 +3,8 @@ a closed store stays closed, and a failed unregister_buffer is not taken for suc
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from collections.abc import AsyncIterator
 
 import anyio
@@ -12,7 +14,9 @@ import pytest
 
 import kvpipe
 from kvpipe._keys import Scope, as_tokens
-from kvpipe.backends import KeyBatch
+from kvpipe._staging import StagingPool
+from kvpipe._workers import ThreadRunner
+from kvpipe.backends import BlockStatus, GetBatch, KeyBatch
 from kvpipe.backends import mooncake as mc
 from kvpipe.backends._values import VALUES_FINGERPRINT
 
@@ -79,3 +83,144 @@ async def test_a_failed_unregister_is_a_backend_error(
         await store.register_staging(staging.data)
         with pytest.raises(kvpipe.BackendError, match="unregister_buffer"):
             await store.unregister_staging(staging.data)
+
+
+class SlowRegisterClient(FakeClient):
+    """register_buffer completes only when ``go`` is set; records what stays registered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.registered: set[int] = set()
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self.started.set()
+        self.go.wait(10)
+        self.registered.add(ptr)
+        self.done.set()
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        if ptr not in self.registered:
+            return -1
+        self.registered.discard(ptr)
+        return 0
+
+
+async def test_a_cancelled_register_is_unregistered_or_refused(
+    master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registration whose call was cancelled counts as made (the vendor call may complete,
+    and the pipeline then unregisters it at close): unregister_staging must unregister it, or
+    fail so the caller keeps the memory, never answer success with the buffer registered."""
+    client = SlowRegisterClient()
+    monkeypatch.setattr(mc, "_load_client", lambda: client)
+    async with kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store:
+        staging = np.zeros(4096, np.uint8)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.register_staging, staging.data)
+            await anyio.to_thread.run_sync(client.started.wait, 10)
+            tg.cancel_scope.cancel()  # the pipeline's open gave up midway
+        client.go.set()  # the abandoned vendor call completes: the buffer is registered
+        await anyio.to_thread.run_sync(client.done.wait, 10)
+        assert client.registered == {staging.ctypes.data}
+        try:
+            await store.unregister_staging(staging.data)
+        except kvpipe.BackendError:
+            pass  # refused: the caller keeps the memory
+        else:
+            assert client.registered == set(), "reported unregistered, still registered"
+
+
+async def test_a_registration_cancelled_before_its_call_started_is_not_counted(
+    master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registration cancelled before the vendor call started registers nothing: closing
+    does not fail on it (which would keep the staging allocated for good)."""
+    client = SlowRegisterClient()
+    monkeypatch.setattr(mc, "_load_client", lambda: client)
+    async with kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store:
+        staging = np.zeros(4096, np.uint8)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await store.register_staging(staging.data)
+        await store.unregister_staging(staging.data)  # nothing to undo: no error
+        assert not client.started.is_set() and client.registered == set()
+
+
+async def test_aclose_before_open_closes_the_store(
+    master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store closed before its first call is closed too: no later call sets up a vendor
+    client (it would mount a segment that nothing closes)."""
+    clients: list[FakeClient] = []
+
+    def load() -> FakeClient:
+        clients.append(FakeClient())
+        return clients[-1]
+
+    monkeypatch.setattr(mc, "_load_client", load)
+    store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
+    await store.aclose()
+    assert store.closed
+    scope = Scope("ns", VALUES_FINGERPRINT)
+    batch = KeyBatch(scope, "r", ["k1"], 0, as_tokens(np.zeros(0, np.int64)))
+    with pytest.raises(kvpipe.BackendError):
+        await store.exists(batch)
+    assert clients == []
+
+
+class DuplicateGetClient(FakeClient):
+    """Answers batch_get_into as the vendor does for a key asked twice in one call: one
+    transfer per distinct key, into the last of its buffers, and every one reported filled."""
+
+    def __init__(self, stored: dict[str, bytes]) -> None:
+        super().__init__()
+        self.stored = stored
+
+    def batch_get_into(self, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        target = dict(zip(keys, addresses, strict=True))  # the vendor's map: last one wins
+        for key, address in target.items():
+            value = self.stored[key]
+            ctypes.memmove(address, value, len(value))
+        return [len(self.stored[k]) for k in keys]
+
+
+async def test_a_key_asked_twice_in_one_get_fills_both_buffers(
+    master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get reports OK only for a buffer that holds the value: a key asked twice in one
+    batch (ValueClient takes caller-named keys) must not leave one buffer stale."""
+    nbytes = 4096
+    value = bytes(range(256)) * (nbytes // 256)
+    client = DuplicateGetClient({"k1": value})
+    monkeypatch.setattr(mc, "_load_client", lambda: client)
+    pool = StagingPool(nbytes, 2)
+    async with (
+        kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store,
+        ThreadRunner() as runner,
+    ):
+        lease = pool.try_acquire(2)
+        assert lease is not None
+        try:
+            for slot in lease.slots:
+                pool.slot(slot)[:] = 0xEE  # stale staging: whatever a slot held before
+            batch = GetBatch(
+                Scope("ns", VALUES_FINGERPRINT),
+                "r",
+                ["k1", "k1"],
+                0,
+                as_tokens(np.zeros(0, np.int64)),
+                lease=lease,
+                value_nbytes=nbytes,
+                runner=runner,
+                limiter=None,
+            )
+            statuses = list(await store.get_blocks(batch))
+            for status, buf in zip(statuses, batch.buffers, strict=True):
+                if status is BlockStatus.OK:
+                    assert bytes(buf) == value, "reported OK, the buffer was never written"
+        finally:
+            lease.release()
