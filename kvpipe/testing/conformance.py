@@ -66,6 +66,36 @@ async def _watching(
             done.set()
 
 
+async def _cancelled_put(
+    backend: StorageBackend, b: Batches, keys: Sequence[str], values: Sequence[bytes], steps: int
+) -> None:
+    """``put_blocks`` of ``keys`` (consecutive blocks) cancelled after ``steps`` schedule
+    points of the caller (0: at the call's first await). The batch is staged before the
+    cancel scope, so the call itself is what gets cancelled."""
+    ((_, first, tokens, parent),) = b._runs(keys)
+    lease = await b.pool.acquire(len(keys))
+    try:
+        for slot, value in zip(lease.slots, values, strict=True):
+            b.pool.slot(slot)[:] = np.frombuffer(value, np.uint8)
+        batch = b._staged(PutBatch, list(keys), first, tokens, parent, lease)
+        with anyio.CancelScope() as scope:
+            if steps == 0:
+                scope.cancel()
+                await backend.put_blocks(batch)
+            else:
+
+                async def cancel_later() -> None:
+                    for _ in range(steps):
+                        await anyio.lowlevel.checkpoint()
+                    scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_later)
+                    await backend.put_blocks(batch)
+    finally:
+        lease.release()
+
+
 async def _yields(call: Callable[[], Awaitable[object]]) -> bool:
     """Whether awaiting ``call()`` let the event loop run (a schedule point)."""
     try:
@@ -329,13 +359,17 @@ class BackendConformance:
                 lease.release()
 
     async def test_a_cancelled_put_leaves_the_backend_usable(self, backend: StorageBackend) -> None:
+        """A put cancelled at its first await, or a few schedule points later, leaves each
+        value absent or whole, and the backend usable."""
         async with self._batches(backend) as b:
             keys, _ = b.keys(8, seed=20)
             values = random_values(8, b.pool.slot_nbytes, seed=20)
-            with anyio.CancelScope() as scope:
-                scope.cancel()
-                await b.put(backend, keys, values)
-            # Whatever the cancelled call left, a value is either absent or whole.
+            for steps, (lo, hi) in enumerate([(0, 3), (3, 6), (6, 8)]):
+                await _cancelled_put(backend, b, keys[lo:hi], values[lo:hi], steps)
+            with anyio.fail_after(30):  # a cancelled call's thread may run on, on staging
+                while b.pool.in_use:  # noqa: ASYNC110 (a worker thread, no event to wait on)
+                    await anyio.sleep(0.01)
+            # Whatever the cancelled calls left, a value is either absent or whole.
             statuses, got = await b.get(backend, keys)
             for status, value, want in zip(statuses, got, values, strict=True):
                 assert status in (BlockStatus.OK, BlockStatus.MISSING)
