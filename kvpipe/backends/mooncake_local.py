@@ -50,16 +50,57 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _listens(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` has a socket listening on TCP ``port`` (from ``/proc``);
+    ``None`` where that cannot be told (no ``/proc``)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return None if not os.path.isdir("/proc/self/fd") else False
+    except OSError:
+        return None
+    sockets = set()
+    for fd in fds:
+        try:
+            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            continue
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl local remote state ... inode (index 9)
+            if (
+                len(fields) > 9
+                and fields[3] == "0A"  # LISTEN
+                and int(fields[1].rpartition(":")[2], 16) == port
+                and f"socket:[{fields[9]}]" in sockets
+            ):
+                return True
+    return False
+
+
 def _wait_port(port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
+    """Wait until ``proc`` itself listens on ``port``: a port picked free may be taken by
+    another process before ``proc`` binds it (``proc`` then runs on, listening nowhere, or
+    exits), and a connection that other listener accepts says nothing about ``proc``."""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before listening")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+        listens = _listens(proc.pid, port)
+        if listens:
             return
-        except OSError:
-            time.sleep(0.02)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+        if listens is None:  # no /proc: a connection is the best sign there is
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                return
+            except OSError:
+                pass
+        time.sleep(0.02)
+    raise TimeoutError(f"{proc.args!r} does not listen on 127.0.0.1:{port}")
 
 
 @final

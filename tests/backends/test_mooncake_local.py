@@ -3,6 +3,7 @@ fresh ports, a few times."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -71,3 +72,33 @@ def test_a_master_that_never_listens_fails_after_three_starts(
         server.start()
     assert starts.count("mooncake_master") == mooncake_local._MASTER_STARTS == 3
     assert server.metadata is None  # stopped
+
+
+def _runs_without_listening(name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    """What ``mooncake_http_metadata_server`` does when its port is taken: it logs the bind
+    error and runs on, listening nowhere."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_a_port_another_process_listens_on_is_not_taken_for_the_server_listening(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port picked free can be taken before the server binds it (another test's launcher):
+    a connection accepted by that other listener does not mean the server is up."""
+    server = LocalMooncake(start_timeout=2)
+    master = _listens(lambda: server.rpc_port)
+
+    def spawn(name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        if name == "mooncake_http_metadata_server":
+            return _runs_without_listening(name, args)
+        return master(name, args)
+
+    monkeypatch.setattr(server, "_spawn", spawn)
+    try:
+        with (
+            socket.create_server(("127.0.0.1", server.metadata_port)),  # someone else's
+            pytest.raises(TimeoutError),
+        ):
+            server.start()
+    finally:
+        server.stop()
