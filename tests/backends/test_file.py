@@ -94,6 +94,27 @@ async def test_close_does_not_wait_past_its_timeout_for_an_open_under_way(
     await store.aclose()
 
 
+async def test_a_call_after_close_is_refused_without_opening_the_store_again(
+    tmp_path: Path,
+) -> None:
+    """A call after :meth:`aclose` (of an open store or of one never opened) is refused, and
+    leaves the store closed: it opened the root, the catalog and the thread pool again (and
+    ran the recovery scan), and nothing ever closed them."""
+    b = Batches(StagingPool(4096 + 64, 1), ThreadRunner())
+    keys, _ = b.keys(1)
+    for opened in (True, False):
+        store = kvpipe.FileStore(tmp_path / "store")
+        if opened:
+            await store.open()
+        await store.aclose()
+        assert store.closed
+        with pytest.raises((kvpipe.BackendError, OSError)):
+            await store.exists(b.key_batch(keys))
+        with pytest.raises(kvpipe.BackendError, match="closed"):
+            await store.open()
+        assert store._root is None and store._catalog is None and store._executor is None
+
+
 async def test_calls_are_refused_not_given_threads_when_the_file_system_stops_answering(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,6 +3,7 @@ to fit is refused, and every later block of its batch with it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,26 @@ async def test_deleting_and_quarantining_release_capacity(tmp_path: Path, b: Bat
         assert store.statistics().get("evictions", 0) == 0
         assert await put_chain(b, store, c[2:], make_values(3, 16)[2:], c[1], 2) == [OK]
         assert await _stored(b, store, [a[0], *c]) == [False, True, True, True]
+        _check_accounting(store, root, 3 * STORED)
+
+
+@pytest.mark.usefixtures("file_io")
+async def test_a_delete_that_fails_on_one_key_forgets_the_files_it_removed(
+    tmp_path: Path, b: Batches
+) -> None:
+    """A delete removes a block file, then cannot remove the next key's (a directory at its
+    name here; a disk error alike): the record of the file it removed goes too (it stayed,
+    counted against the capacity, until the next open)."""
+    root = tmp_path / "store"
+    keys, _ = b.keys(2, seed=17)
+    async with FileStore(root, capacity_bytes=3 * STORED) as store:
+        assert await put_chain(b, store, keys, make_values(2, 17)) == [OK] * 2
+        block_file(root, keys[1]).unlink()
+        block_file(root, keys[1]).mkdir()
+        with contextlib.suppress(OSError):
+            await store.delete(keys)
+        assert not block_file(root, keys[0]).exists()
+        assert keys[0] not in _catalog(store).known_keys()
         _check_accounting(store, root, 3 * STORED)
 
 

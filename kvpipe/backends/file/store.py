@@ -166,10 +166,12 @@ class FileStore(StorageBackend):
 
         Raises:
             BackendError: The root cannot be created or opened (not a directory, no
-                permission, ...), or its catalog cannot be opened.
+                permission, ...), or its catalog cannot be opened; or the store was closed.
         """
         async with self._open_lock:
             if self._root is None:
+                if self._inflight.closing:  # never open what nothing would close
+                    raise BackendError(self.name, "open", f"{self.path}: the store is closed")
                 try:
                     await anyio.to_thread.run_sync(self._open_sync)
                 except (OSError, sqlite3.Error) as exc:
@@ -239,6 +241,7 @@ class FileStore(StorageBackend):
                 return
             try:
                 if self._root is None or self._catalog is None:
+                    self._inflight.drain(0.0)  # never opened: refuse later calls all the same
                     return
                 own = anyio.CapacityLimiter(1)
                 left = max(0.0, deadline - anyio.current_time())
@@ -572,9 +575,11 @@ class FileStore(StorageBackend):
         keys = [validate_key(k) for k in keys]
 
         def remove() -> None:
-            for key in keys:
-                self._spares.retire(root, *block_location(key))
-            catalog.reconcile(keys, sizes(root))  # a put may have published one again
+            try:
+                for key in keys:
+                    self._spares.retire(root, *block_location(key))
+            finally:  # the files removed before an error go from the catalog too
+                catalog.reconcile(keys, sizes(root))  # a put may have published one again
 
         await self._thread("delete", remove)
 
