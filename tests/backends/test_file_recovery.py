@@ -12,17 +12,20 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
+import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import pytest
 
 from kvpipe._keys import Scope, as_tokens, block_keys
 from kvpipe.backends import BlockStatus
-from kvpipe.backends.file import FileStore, StoreReport, inspect_store
+from kvpipe.backends.file import FileStore, StoreReport, _inspect, inspect_store
 from kvpipe.backends.file._catalog import Catalog
 from kvpipe.backends.file._format import HEADER_NBYTES, block_location, temp_name
-from kvpipe.backends.file._fs import HOST
+from kvpipe.backends.file._fs import HOST, Root
 from kvpipe.testing.batches import Batches
 from tests.backends.test_file_hostile import (
     SCOPE,
@@ -320,6 +323,94 @@ async def test_unknown_bad_files_are_quarantined_with_the_catalog_intact(
         assert store.statistics()["quarantined"] == 1
         assert not stray.exists() and other.exists()
         assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+
+
+async def test_a_block_published_again_during_the_scan_is_not_quarantined(
+    tmp_path: Path, b: Batches, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process shares the root: it publishes a key after the scan read the catalog,
+    deletes it while the scan reads its file (which fails: it is gone) and publishes it
+    again before the scan moves that file aside. Its block stays (only eviction or a delete
+    may remove a published block), as a read finding a bad file leaves it."""
+    root = tmp_path / "store"
+    keys, _ = b.keys(1, seed=90)
+    value = make_values(1, 90)
+    name = block_location(keys[0])[1]
+    token = anyio.lowlevel.current_token()
+    put_status: list[BlockStatus] = []
+    async with FileStore(root) as other:
+
+        def run(fn: Any, *args: Any) -> Any:
+            return anyio.from_thread.run(fn, *args, token=token)
+
+        records = Catalog.records
+        checked_header = _inspect._checked_header
+        quarantine = Root.quarantine
+
+        def records_then_put(self: Catalog) -> Any:
+            got = records(self)
+            put_status.extend(run(put_chain, b, other, keys, value))  # after the snapshot
+            return got
+
+        def delete_then_check(path: str, parts: Any, file: str) -> Any:
+            if file == name:
+                run(other.delete, keys)
+            return checked_header(path, parts, file)
+
+        def put_then_quarantine(self: Root, parts: Any, file: str, *args: Any) -> bool:
+            if file == name:
+                put_status.extend(run(put_chain, b, other, keys, value))
+            return quarantine(self, parts, file, *args)
+
+        monkeypatch.setattr(Catalog, "records", records_then_put)
+        monkeypatch.setattr(_inspect, "_checked_header", delete_then_check)
+        monkeypatch.setattr(Root, "quarantine", put_then_quarantine)
+        async with FileStore(root, stale_temp_after=STALE) as scanning:
+            await scanning.open()
+        monkeypatch.undo()
+        assert put_status == [OK, OK]
+        assert await get_raw(b, other, keys) == ([OK], value)
+        assert quarantined(root) == []
+
+
+async def test_a_block_deleted_while_the_scan_adopts_it_is_not_recorded(
+    tmp_path: Path, b: Batches, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process shares the root: it publishes a key after the scan read the catalog,
+    and deletes it after the scan checked the file but before it adopted it: the catalog
+    must not record a block whose file is gone (it stayed counted until the next open)."""
+    root = tmp_path / "store"
+    keys, _ = b.keys(1, seed=91)
+    token = anyio.lowlevel.current_token()
+    put_status: list[BlockStatus] = []
+    async with FileStore(root, capacity_bytes=4 * STORED) as other:
+
+        def run(fn: Any, *args: Any) -> Any:
+            return anyio.from_thread.run(fn, *args, token=token)
+
+        records = Catalog.records
+        adopt = Catalog.adopt
+
+        def records_then_put(self: Catalog) -> Any:
+            got = records(self)
+            put_status.extend(run(put_chain, b, other, keys, make_values(1, 91)))
+            return got
+
+        def delete_then_adopt(self: Catalog, key: str, *args: Any) -> bool:
+            if key == keys[0]:
+                run(other.delete, keys)
+            return adopt(self, key, *args)
+
+        monkeypatch.setattr(Catalog, "records", records_then_put)
+        monkeypatch.setattr(Catalog, "adopt", delete_then_adopt)
+        async with FileStore(root, stale_temp_after=STALE) as scanning:
+            await scanning.open()
+        monkeypatch.undo()
+        assert put_status == [OK]
+        assert not block_file(root, keys[0]).exists()
+        assert keys[0] not in _catalog(other).known_keys()
+        stats = _catalog(other).stats()
+        assert (stats.blocks, stats.bytes, stats.pending) == (0, 0, 0)
 
 
 async def test_a_namespace_symlink_out_of_the_root_is_not_walked_at_open(

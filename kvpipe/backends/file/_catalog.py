@@ -354,12 +354,16 @@ class Catalog:
             rows = db.execute("SELECT key, ready, created, owner FROM blocks")
             return {k: (bool(r), c, o) for k, r, c, o in rows}
 
-    def adopt(self, key: str, namespace: str, nbytes: int, created: float) -> bool:
-        """Record a valid block file the catalog did not know; ``False`` if it did."""
+    def adopt(self, key: str, namespace: str, nbytes: int, created: float, size_of: SizeOf) -> bool:
+        """Record a valid block file of ``nbytes`` the catalog did not know, if ``size_of``
+        still finds it at its name in the transaction (a delete that removed it since it was
+        checked is not undone: see :meth:`reconcile`); ``False`` if the catalog knew it, or
+        the file is gone (or was replaced: its put records it)."""
         with self._write() as db:
+            there = size_of([key])[0] == nbytes
             row = db.execute("SELECT ready FROM blocks WHERE key=?", (key,)).fetchone()
-            if row:
-                if not row[0]:
+            if row or not there:
+                if row and not row[0] and there:
                     db.execute("UPDATE blocks SET ready=1 WHERE key=?", (key,))
                 return False
             db.execute(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
@@ -52,17 +53,31 @@ def _checked_header(path: str, parts: tuple[str, ...], name: str) -> tuple[Block
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise HeaderError("not a regular file")
-        header = unpack_header(os.pread(fd, HEADER_NBYTES, 0))
+        return _header_of(fd, parts, name)
     finally:
         os.close(fd)
+
+
+def _header_of(fd: int, parts: tuple[str, ...], name: str) -> tuple[BlockHeader, int]:
+    """As :func:`_checked_header`, of the file open at ``fd``."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise HeaderError("not a regular file")
+    header = unpack_header(os.pread(fd, HEADER_NBYTES, 0))
     if block_location(header.key) != (parts, name):
         raise HeaderError("file is not where its key belongs")
     if st.st_size != header.file_nbytes:
         raise HeaderError(f"size {st.st_size} B, header says {header.file_nbytes}")
     return header, st.st_size
+
+
+def _is_block(parts: tuple[str, ...], name: str, fd: int) -> bool:
+    """Whether the file open at ``fd`` is a valid block file for ``parts/name``."""
+    try:
+        _header_of(fd, parts, name)
+    except (HeaderError, OSError):
+        return False
+    return True
 
 
 def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
@@ -102,11 +117,12 @@ def _repair_catalog(root: Root, catalog: Catalog, stale_after: float, counts: Co
             try:
                 header, size = _checked_header(entry.path, parts, name)
             except (HeaderError, OSError):
-                if root.quarantine(parts, name):
+                # A live writer may have published the key at this name since: kept.
+                if root.quarantine(parts, name, functools.partial(_is_block, parts, name)):
                     counts["quarantined"] += 1
                 continue
             seen.add(header.key)
-            if catalog.adopt(header.key, parts[1], size, header.created):
+            if catalog.adopt(header.key, parts[1], size, header.created, sizes(root)):
                 counts["adopted"] += 1
     cutoff = time.time() - stale_after
     gone = []
