@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -145,3 +148,33 @@ async def test_calls_are_refused_not_given_threads_when_the_file_system_stops_an
                 await store.exists(b.key_batch(keys))
         finally:
             go_on.set()
+
+
+@pytest.mark.parametrize("file_io", ["os"], indirect=True)
+async def test_a_block_published_before_its_directory_sync_failed_is_reported_ok(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file_io: str
+) -> None:
+    """``durability="full"``: the block's rename succeeded, then syncing its directory
+    failed. The block is visible (and recorded), so it must be reported ``OK`` (a put
+    reported ``FAILED`` never made its block visible); the failure is counted and logged."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "directory sync failed")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    pool = StagingPool(4096 + 64, 1)
+    async with (
+        ThreadRunner() as runner,
+        kvpipe.FileStore(tmp_path / "store", durability="full") as store,
+    ):
+        b = Batches(pool, runner)
+        keys, _ = b.keys(1)
+        value = random_values(1, pool.slot_nbytes, 5)
+        statuses = await b.put(store, keys, value)
+        visible = list(await store.exists(b.key_batch(keys)))
+        assert visible == [True]
+        assert statuses == [BlockStatus.OK], "reported failed, yet published"
+        assert store.statistics()["io_errors"] == 1

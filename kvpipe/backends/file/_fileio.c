@@ -479,8 +479,10 @@ done:
     return result;
 }
 
-/* One file: 0 published, ABANDONED, or -errno (nothing published, no temporary file left). */
+/* One file: 0 published, ABANDONED, or -errno (nothing published, no temporary file left);
+ * or UNSYNCED + errno: published (it cannot be taken back), then the directory's fsync failed. */
 #define ABANDONED 1
+#define UNSYNCED 0x10000
 
 /* The directory of `path` (beneath dir_fd, opened confined) and, in *name, its last part. */
 static int open_parent(int dir_fd, const char *path, const char **name) {
@@ -582,7 +584,7 @@ static long write_one(int dir_fd, const char *dir, const char *tmp, const char *
     if (out != 0) {
         unlinkat(dfd, tmp, 0);
     } else if (durability >= 2 && fsync(dfd) != 0) {
-        out = -errno; /* published, but the directory may not be durable: report it */
+        out = UNSYNCED + errno; /* published, but the directory may not be durable */
     }
     close(dfd);
     return out;
@@ -596,8 +598,9 @@ PyDoc_STRVAR(write_files_doc,
 "dirs[i]/names[i], and with durability 2 fsync the directory. When abandoned[0] is set the\n"
 "file is removed instead of published. spares[i], None or a path beneath dir_fd: a deleted\n"
 "block file to reuse as the temporary file (overwritten in place, cut to length; skipped\n"
-"while a reader holds it); it is used or removed either way. Per file: 0, ABANDONED or\n"
-"-errno; a file not published leaves no temporary file. The GIL is released throughout.");
+"while a reader holds it); it is used or removed either way. Per file: 0, ABANDONED,\n"
+"-errno (a file not published leaves no temporary file), or UNSYNCED + errno (published,\n"
+"then the directory's fsync failed). The GIL is released throughout.");
 
 static PyObject *write_files(PyObject *self, PyObject *args) {
     (void)self;
@@ -768,7 +771,8 @@ PyMODINIT_FUNC PyInit__fileio(void) {
     if (PyModule_AddIntConstant(m, "NOT_REGULAR", NOT_REGULAR) < 0 ||
         PyModule_AddIntConstant(m, "MAX_VIEWS", MAX_VIEWS) < 0 ||
         PyModule_AddIntConstant(m, "NOT_CACHED", NOT_CACHED) < 0 ||
-        PyModule_AddIntConstant(m, "ABANDONED", ABANDONED) < 0) {
+        PyModule_AddIntConstant(m, "ABANDONED", ABANDONED) < 0 ||
+        PyModule_AddIntConstant(m, "UNSYNCED", UNSYNCED) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -4,6 +4,7 @@ NOT_REGULAR: int
 NOT_CACHED: int
 MAX_VIEWS: int
 ABANDONED: int
+UNSYNCED: int
 
 def read_files(
     dir_fd: int, paths: Sequence[bytes], views: Sequence[Sequence[memoryview]], direct: bool, /

@@ -50,6 +50,7 @@ __all__ = (
     "NotARegularFile",
     "Root",
     "UnsafePath",
+    "UnsyncedDirectory",
     "owner_is_dead",
     "owner_token",
     "store_root",
@@ -88,6 +89,11 @@ def store_root(root: object) -> str:
     if "\0" in path:
         raise ConfigError("root", f"contains a NUL character: {path!r}")
     return path
+
+
+class UnsyncedDirectory(OSError):
+    """A block file was published (renamed into place), then syncing its directory failed:
+    the block is visible and stays (it cannot be taken back), but may not survive a crash."""
 
 
 @final
@@ -249,6 +255,7 @@ class Root:
         Raises:
             DirectIORefused: ``direct`` was asked for and the file system or the alignment
                 does not allow it; nothing was published.
+            UnsyncedDirectory: Published, but syncing the directory (``"full"``) failed.
             OSError: The write failed; nothing was published and the temporary file is gone.
         """
         _check(name)
@@ -280,7 +287,12 @@ class Root:
                     os.unlink(tmp, dir_fd=dfd)
                 raise
             if durability == "full":
-                os.fsync(dfd)
+                try:
+                    os.fsync(dfd)
+                except OSError as exc:
+                    raise UnsyncedDirectory(
+                        exc.errno, f"published, but syncing its directory failed: {exc.strerror}"
+                    ) from exc
             return True
 
     def read_into(

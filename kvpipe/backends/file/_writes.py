@@ -22,7 +22,7 @@ from .._base import BlockStatus
 from . import _native
 from ._direct import Pages, Scratch, direct_chunks
 from ._format import block_location, pack_header, temp_name
-from ._fs import HOST, DirectIORefused, Durability, Root
+from ._fs import HOST, DirectIORefused, Durability, Root, UnsyncedDirectory
 
 __all__ = ("Abandon", "WriteHooks", "write_batch", "write_one")
 
@@ -107,6 +107,8 @@ def write_one(
     except DirectIORefused as exc:
         hooks.refuse_direct(root, exc)
         return write_one(hooks, root, key, value, fingerprint, False, scratch, checksum)
+    except UnsyncedDirectory as exc:
+        return _unsynced(hooks, key, str(exc))
     except OSError as exc:
         return _failed(hooks, key, exc.errno or errno.EIO, str(exc))
 
@@ -155,6 +157,11 @@ def write_batch(
             statuses.append(BlockStatus.OK)
         elif code == fileio.ABANDONED:
             statuses.append(BlockStatus.FAILED)
+        elif code >= fileio.UNSYNCED:
+            why = _native.errno_text(code - fileio.UNSYNCED)
+            statuses.append(
+                _unsynced(hooks, key, f"published, but syncing its directory failed: {why}")
+            )
         elif code == -errno.ENOENT or code == -errno.EINVAL:
             # ENOENT: the shard directory does not exist yet (write_one makes it); EINVAL:
             # direct I/O refused (write_one turns it off and writes through the page cache).
@@ -175,3 +182,12 @@ def _failed(hooks: WriteHooks, key: str, err: int, why: str) -> BlockStatus:
         return BlockStatus.NO_SPACE
     hooks.count(io_errors=1)
     return BlockStatus.FAILED
+
+
+def _unsynced(hooks: WriteHooks, key: str, why: str) -> BlockStatus:
+    """A block file published, whose directory could not be synced (``"full"``): ``OK``,
+    as it is visible and stays (a block reported otherwise must never have been visible),
+    counted ``io_errors`` and logged."""
+    hooks.errors.append(f"{key}: {why}")
+    hooks.count(io_errors=1)
+    return BlockStatus.OK
