@@ -27,6 +27,8 @@ __all__ = ("ValueClient",)
 #: The scope fingerprint of a ValueClient's values (they have no cache layout).
 VALUES_FINGERPRINT: Final = hashlib.blake2b(b"kvpipe.values", digest_size=8).hexdigest()
 _NO_TOKENS = as_tokens(np.zeros(0, dtype=np.int64))
+#: Keys :meth:`ValueClient.exists` probes again at once (one store call each).
+PROBE_WIDTH: Final = 16
 
 
 class ValueClient:
@@ -62,6 +64,7 @@ class ValueClient:
         self.close_timeout = close_timeout
         self._runner = ThreadRunner(close_timeout)
         self._pools: dict[int, StagingPool] = {}
+        self._opening: dict[int, anyio.Lock] = {}  # per size, while its pool is created
         self._registrations = Registrations(store)
 
     async def __aenter__(self) -> ValueClient:
@@ -83,11 +86,18 @@ class ValueClient:
             self._pools = {}
 
     async def _pool(self, nbytes: int) -> StagingPool:
+        """The pool for ``nbytes``-long values: one per size, however many calls ask for it
+        at once (the others wait while the first registers it)."""
         pool = self._pools.get(nbytes)
-        if pool is None:
-            pool = StagingPool(nbytes, self.slots)
-            await self._registrations.add(pool.buffer.data.cast("B"))
-            self._pools[nbytes] = pool
+        if pool is not None:
+            return pool
+        lock = self._opening.setdefault(nbytes, anyio.Lock())
+        async with lock:
+            pool = self._pools.get(nbytes)
+            if pool is None:
+                pool = StagingPool(nbytes, self.slots)
+                await self._registrations.add(pool.buffer.data.cast("B"))
+                self._pools[nbytes] = pool
         return pool
 
     def _batch(self, keys: Sequence[str]) -> KeyBatch:
@@ -180,18 +190,34 @@ class ValueClient:
         return out
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored (keys after a miss are probed again: a store's
-        ``exists`` may stop at the first one). Cancellation: as the store's."""
-        out: list[bool] = []
-        rest = list(keys)
-        while rest:
-            got = list(await self.store.exists(self._batch(rest)))
-            lead = next((j for j, ok in enumerate(got) if not ok), len(got))
-            out += [True] * lead
-            if lead < len(rest):
-                out.append(False)
-            rest = rest[lead + 1 :]
+        """Whether each key is stored. One call for all keys; a store's answers after its
+        first miss may be ``False`` for stored keys (its ``exists`` may stop there), so the
+        keys after it answered ``False`` are probed again, one key a call, up to
+        :data:`PROBE_WIDTH` at once: every key is probed at most twice, not once per miss
+        before it. Cancellation: as the store's."""
+        keys = list(keys)
+        if not keys:
+            return []
+        out = [bool(ok) for ok in await self.store.exists(self._batch(keys))]
+        lead = next((j for j, ok in enumerate(out) if not ok), len(out))
+        unsure = [j for j in range(lead + 1, len(keys)) if not out[j]]
+        if unsure:
+            limiter = anyio.CapacityLimiter(PROBE_WIDTH)
+
+            async def probe(j: int) -> None:
+                async with limiter:
+                    out[j] = bool((await self.store.exists(self._batch([keys[j]])))[0])
+
+            async with anyio.create_task_group() as tg:
+                for j in unsure:
+                    tg.start_soon(probe, j)
         return out
+
+    async def stored_run(self, keys: Sequence[str]) -> int:
+        """How many leading keys are stored, in one store call. Cancellation: as the
+        store's."""
+        got = await self.store.exists(self._batch(keys)) if keys else []
+        return next((j for j, ok in enumerate(got) if not ok), len(got))
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove the keys (missing ones are ignored). Cancellation: as the store's."""

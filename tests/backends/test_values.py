@@ -6,6 +6,7 @@ import threading
 from collections.abc import Sequence
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import kvpipe
@@ -94,3 +95,36 @@ async def test_a_registration_cancelled_midway_is_unregistered_at_exit() -> None
             await client.put(["k0"], [b"x" * 64])
         assert scope.cancelled_caught and len(store.registered) == 1
     assert store.registered == []
+
+
+class SlowRegistrationStore(kvpipe.MemoryStore):
+    """Registering staging yields to the loop (as Mooncake's, a call in a worker thread);
+    counts registrations and unregistrations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registered = 0
+        self.unregistered = 0
+
+    async def register_staging(self, buffer: memoryview) -> None:
+        self.registered += 1
+        for _ in range(3):
+            await anyio.lowlevel.checkpoint()
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        self.unregistered += 1
+
+
+async def test_concurrent_first_calls_of_one_size_share_one_staging_pool() -> None:
+    """FastDeploy's manager threads call at once; the first calls of one value size must
+    not each allocate and register a pool (all but one orphaned, registered, until exit)."""
+    store = SlowRegistrationStore()
+    async with ValueClient(store, slots=4) as client:
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(client.put, [f"k{i}"], [bytes([i]) * 64])
+        assert store.registered == 1
+        assert len(client._pools) == 1
+        got = await client.get(["k0", "k1", "k2"], [64, 64, 64])
+        assert [v for _, v in got] == [bytes([i]) * 64 for i in range(3)]
+    assert store.unregistered == 1
