@@ -10,6 +10,7 @@ import operator
 import os
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -28,6 +29,8 @@ log = logging.getLogger("kvpipe.integrations.fastdeploy")
 _TRAILER: Final = struct.Struct("<4sIQQQ")
 _MAGIC: Final = b"KVFD"
 _UNSET: Final[Any] = object()
+#: Keys a ``batch_set`` copies and stores per hop onto the loop: its copies alive at once.
+BATCH_SET_CHUNK: Final = 32
 
 
 def _key(namespace: str, key: str) -> str:
@@ -46,6 +49,17 @@ def _trailer(payload: memoryview, key: str) -> bytes:
         xxhash.xxh3_64_intdigest(payload),
         xxhash.xxh3_64_intdigest(key.encode()),
     )
+
+
+def _copied(ptr: int, nbytes: int, key: str) -> bytearray:
+    """``nbytes`` at ``ptr`` and their trailer, copied on the caller's thread: nothing reads
+    its buffer after its call returned."""
+    value = bytearray(nbytes + _TRAILER.size)
+    ctypes.memmove((ctypes.c_char * nbytes).from_buffer(value), ptr, nbytes)
+    payload = memoryview(value)[:nbytes]
+    value[nbytes:] = _trailer(payload, key)
+    payload.release()
+    return value
 
 
 def _lengths_match(op: str, n: int, locations: list[int] | None, sizes: list[int] | None) -> bool:
@@ -210,34 +224,40 @@ class KVPipeStorage:
             return [-1] * n
         ours = [_key(self.namespace, k) for k in keys]
         assert target_locations is not None and target_sizes is not None
-        values: list[bytearray] = []
-        for loc, size, key in zip(target_locations, target_sizes, keys, strict=True):
+        spans: list[tuple[int, int]] = []
+        for loc, size in zip(target_locations, target_sizes, strict=True):
             ptr, nbytes = _int(loc, "target_location"), _int(size, "target_size")
             if ptr <= 0 or nbytes <= 0:
                 raise ValueError(f"bad target location/size {loc!r}/{size!r}")
-            # Copied on the caller's thread: nothing reads its buffer after this call returned.
-            value = bytearray(nbytes + _TRAILER.size)
-            ctypes.memmove((ctypes.c_char * nbytes).from_buffer(value), ptr, nbytes)
-            payload = memoryview(value)[:nbytes]
-            value[nbytes:] = _trailer(payload, key)
-            payload.release()
-            values.append(value)
+            spans.append((ptr, nbytes))
+        # In chunks: only a chunk's copies are alive at once, not a copy of the whole batch
+        # (a long request's batch is as big as the manager's write buffer).
+        deadline = time.monotonic() + self.timeout
+        out = [-1] * n
+        for lo in range(0, n, BATCH_SET_CHUNK):
+            hi = min(n, lo + BATCH_SET_CHUNK)
+            values = [_copied(*spans[i], keys[i]) for i in range(lo, hi)]
+            result = self._run(
+                "batch_set", self._put, ours[lo:hi], values, timeout=deadline - time.monotonic()
+            )
+            del values
+            if result is None:
+                break
+            out[lo:hi] = result
+        self._remember([k for k, r in zip(ours, out, strict=True) if r == 0])
+        return out
 
-        async def put() -> list[int]:
-            present = await self._client.exists(ours)
-            todo = [i for i, p in enumerate(present) if not p]
-            self._dedup += n - len(todo)
-            got = await self._client.put([ours[i] for i in todo], [values[i] for i in todo])
-            out = [0] * n
-            for i, status in zip(todo, got, strict=True):
-                out[i] = 0 if status is BlockStatus.OK else -1
-            return out
-
-        result = self._run("batch_set", put)
-        if result is None:
-            return [-1] * n
-        self._remember([k for k, r in zip(ours, result, strict=True) if r == 0])
-        return list(result)
+    async def _put(self, ours: list[str], values: list[bytearray]) -> list[int]:
+        """Store the values not stored yet: per key 0 or -1."""
+        n = len(ours)
+        present = await self._client.exists(ours)
+        todo = [i for i, p in enumerate(present) if not p]
+        self._dedup += n - len(todo)
+        got = await self._client.put([ours[i] for i in todo], [values[i] for i in todo])
+        out = [0] * n
+        for i, status in zip(todo, got, strict=True):
+            out[i] = 0 if status is BlockStatus.OK else -1
+        return out
 
     def set(
         self, key: str, target_location: int | None = None, target_size: int | None = None
@@ -323,17 +343,13 @@ class KVPipeStorage:
         parts = [k_cache_keys, v_cache_keys] + [p for p in (k_scale_keys, v_scale_keys) if p]
         if any(len(p) != len(k_cache_keys) for p in parts):
             return 0
-        flat = [k for p in parts for k in p]
-        got = self._run(
-            "query", self._client.exists, [_key(self.namespace, k) for k in flat], timeout=timeout
-        )
+        # Block by block, every part of a block before the next block: the leading run of
+        # stored keys, one store call, gives the leading run of complete blocks.
+        flat = [_key(self.namespace, k) for block in zip(*parts, strict=True) for k in block]
+        got = self._run("query", self._client.stored_run, flat, timeout=timeout)
         if got is None:
             return 0
-        n = len(k_cache_keys)
-        count = 0
-        while count < n and all(got[j * n + count] for j in range(len(parts))):
-            count += 1
-        return count
+        return int(got) // len(parts)
 
     def clear(self) -> bool:
         """Remove every entry this instance stored or found stored (nothing else: never a

@@ -85,12 +85,42 @@ class LoopThread:
             "anyio.to_thread.run_sync), or use kvpipe's async Pipeline directly"
         )
 
-    def enter(self, cm: Any) -> Any:
-        """Enter an async context manager in the loop; it is exited at :meth:`close`."""
+    def enter(self, cm: Any, *, wait: float | None = None) -> Any:
+        """Enter an async context manager in the loop; it is exited at :meth:`close`.
+
+        Args:
+            cm: The async context manager.
+            wait: Seconds the caller waits for it to be entered (``None``: no limit). Past
+                them entering is cancelled in the loop (its cleanup goes on there) and
+                :class:`TimeoutError` raised in the caller.
+
+        Raises:
+            TimeoutError: Not entered within ``wait``.
+            Exception: Whatever entering raised.
+        """
         self.check_caller()
-        sync_cm = self.portal.wrap_async_context_manager(cm)
-        value = sync_cm.__enter__()
-        self._closers.append(lambda: sync_cm.__exit__(None, None, None))
+        if wait is None:
+            sync_cm = self.portal.wrap_async_context_manager(cm)
+            value = sync_cm.__enter__()
+            self._closers.append(lambda: sync_cm.__exit__(None, None, None))
+            return value
+        held = _Held(cm)
+        task = self.portal.start_task_soon(held.run)
+        try:
+            value = held.entered.result(timeout=max(0.0, wait))
+        except concurrent.futures.TimeoutError:
+            task.cancel()  # entering is cancelled, or what was entered just now is exited
+            raise TimeoutError(f"{self.name}: not entered within {wait:.3f} s") from None
+        except BaseException:
+            task.cancel()
+            raise
+
+        def leave() -> None:
+            assert held.leave is not None  # set before entering
+            self.portal.call(held.leave.set)
+            task.result()
+
+        self._closers.append(leave)
         return value
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any, wait: float) -> T:
@@ -144,6 +174,29 @@ class LoopThread:
             log.exception("%s: stopping the loop failed", self.name)
         with contextlib.suppress(Exception):
             self._stack.close()
+
+
+class _Held:
+    """Runs an async context manager in one loop task: entered, then held until
+    :attr:`leave` is set (or the task is cancelled), then exited."""
+
+    def __init__(self, cm: Any) -> None:
+        self.cm = cm
+        self.entered: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.leave: anyio.Event | None = None
+
+    async def run(self) -> None:
+        self.leave = anyio.Event()
+        try:
+            value = await self.cm.__aenter__()
+        except BaseException as exc:
+            self.entered.set_exception(exc)
+            raise
+        self.entered.set_result(value)
+        try:
+            await self.leave.wait()
+        finally:
+            await self.cm.__aexit__(None, None, None)
 
 
 def default_store_dir() -> Path:

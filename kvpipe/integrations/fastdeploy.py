@@ -20,10 +20,12 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from .. import (
+    BackendError,
     CacheLayout,
     IncompleteRead,
     KVCache,
@@ -135,7 +137,8 @@ class KVPipeAttentionStore:
     ``PipelineConfig.from_env()``, so ``AS_WRITE_SLICE_*`` apply), ``pd_via_storage``
     (default ``FD_PD_TRANSFER_VIA_STORAGE``), ``rope_dim`` (MLA), ``close_timeout``.
 
-    ``gpu_block_ids[i]`` is the cache block of sequence block ``i`` (from block 0).
+    ``gpu_block_ids[i]`` is the cache block of sequence block ``start + i``, as FastDeploy's
+    manager passes them (it slices off the blocks before the start index).
     """
 
     def __init__(
@@ -203,16 +206,39 @@ class KVPipeAttentionStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _pipe(
+    @staticmethod
+    def _ident(tensors: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple((t.data_ptr(), tuple(t.shape), str(t.dtype)) for t in tensors)
+
+    def _has_pipe(
         self, key_cache: Sequence[Any], val_cache: Sequence[Any], scales: Sequence[Any] | None
-    ) -> Pipeline:
-        """The pipeline over these tensors: built once per distinct set of tensors."""
+    ) -> bool:
         tensors = list(key_cache) + list(val_cache) + list(scales or ())
-        ident = tuple((t.data_ptr(), tuple(t.shape), str(t.dtype)) for t in tensors)
+        return self._ident(tensors) in self._pipes
+
+    def _pipe(
+        self,
+        key_cache: Sequence[Any],
+        val_cache: Sequence[Any],
+        scales: Sequence[Any] | None,
+        timeout: float,
+    ) -> Pipeline:
+        """The pipeline over these tensors: built once per distinct set of tensors. Opening
+        it (staging registered with the store) is bounded by the call's ``timeout``.
+
+        Raises:
+            TimeoutError: The pipeline did not open within ``timeout`` (another thread's
+                opening included).
+        """
+        tensors = list(key_cache) + list(val_cache) + list(scales or ())
+        ident = self._ident(tensors)
         pipe = self._pipes.get(ident)
         if pipe is not None:
             return pipe
-        with self._open_lock:
+        deadline = time.monotonic() + timeout
+        if not self._open_lock.acquire(timeout=max(0.0, timeout)):
+            raise TimeoutError("another call is still opening the pipeline")
+        try:
             pipe = self._pipes.get(ident)
             if pipe is None:
                 layout = infer_layout(
@@ -243,10 +269,46 @@ class KVPipeAttentionStore:
                         namespace=self.kvpipe_namespace,
                         rank=self.shard_id,
                         world_size=self.shard_num,
-                    )
+                    ),
+                    wait=deadline - time.monotonic(),
                 )
                 self._pipes[ident] = pipe
+        finally:
+            self._open_lock.release()
         return pipe
+
+    @staticmethod
+    def _from_block_zero(gpu_block_ids: Sequence[int], start: int) -> list[int]:
+        """The pipeline's block ids (``[i]`` = sequence block ``i``) for FastDeploy's, which
+        begin at sequence block ``start``; blocks before it are not moved (placeholder 0)."""
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise RequestError(f"start block index must be an int >= 0, got {start!r}")
+        return [0] * start + list(gpu_block_ids)
+
+    def _bound(
+        self,
+        what: str,
+        task_id: str,
+        key_cache: Sequence[Any],
+        val_cache: Sequence[Any],
+        scales: Sequence[Any] | None,
+        timeout: float,
+    ) -> tuple[Pipeline, float] | None:
+        """:meth:`_pipe` and the seconds left of ``timeout``; ``None`` (after one WARNING)
+        when it did not open in time or the store failed while it opened."""
+        start = time.monotonic()
+        opened = not self._has_pipe(key_cache, val_cache, scales)
+        try:
+            pipe = self._pipe(key_cache, val_cache, scales, timeout)
+        except (TimeoutError, BackendError, OSError) as exc:
+            log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
+            return None
+        if opened:  # the call gets what is left of its timeout
+            timeout -= time.monotonic() - start
+            if timeout <= 0:
+                log.warning("kvpipe %s %s: opening the pipeline took its timeout", what, task_id)
+                return None
+        return pipe, timeout
 
     def _any_pipe(self) -> Pipeline | None:
         return next(iter(self._pipes.values()), None)
@@ -273,18 +335,23 @@ class KVPipeAttentionStore:
         *,
         scale_cache: list[Any] | None = None,
     ) -> int:
-        """Store blocks ``start_write_block_idx ..``; return how many of them are stored
-        after the call, as a contiguous run (already-stored ones included).
+        """Store blocks ``start_write_block_idx ..`` from ``gpu_block_ids[0] ..``; return how
+        many of them are stored after the call, as a contiguous run (already-stored ones
+        included).
 
         ``scale_cache`` (block-wise fp8): the ``layer_num`` key scales then the ``layer_num``
         value scales. ``timeout`` is the total deadline; slices follow the config.
         """
-        pipe = self._pipe(key_cache, val_cache, scale_cache)
+        bound = self._bound("write", task_id, key_cache, val_cache, scale_cache, timeout)
+        if bound is None:
+            return 0
+        pipe, timeout = bound
+        block_ids = self._from_block_zero(gpu_block_ids, start_write_block_idx)
 
         async def run() -> int:
             r = await pipe.write(
                 token_ids,
-                gpu_block_ids,
+                block_ids,
                 start_block=start_write_block_idx,
                 include_partial=self.include_partial_on_write,
                 timeout=timeout,
@@ -307,16 +374,21 @@ class KVPipeAttentionStore:
         *,
         scale_cache: list[Any] | None = None,
     ) -> int:
-        """Load blocks ``start_read_block_idx ..``; return how many were loaded (verified).
+        """Load blocks ``start_read_block_idx ..`` into ``gpu_block_ids[0] ..``; return how many
+        were loaded (verified).
         On the decode side of PD via storage, every block (the partial one too) is required:
         a shortfall logs one WARNING and returns the honest count."""
-        pipe = self._pipe(key_cache, val_cache, scale_cache)
+        bound = self._bound("read", task_id, key_cache, val_cache, scale_cache, timeout)
+        if bound is None:
+            return 0
+        pipe, timeout = bound
+        block_ids = self._from_block_zero(gpu_block_ids, start_read_block_idx)
 
         async def run() -> int:
             try:
                 r = await pipe.read(
                     token_ids,
-                    gpu_block_ids,
+                    block_ids,
                     start_block=start_read_block_idx,
                     include_partial=self.all_or_nothing_read,
                     require_all=self.all_or_nothing_read,

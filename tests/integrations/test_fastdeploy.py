@@ -82,7 +82,9 @@ def test_attention_store_round_trip_from_8_threads(kind: str) -> None:
             tokens = list(range(i * 1000, i * 1000 + 3 * BS + 1))  # 3 full blocks + 1 token
             ids = [3 * i, 3 * i + 1, 3 * i + 2]
             w = store.write(f"t{i}", src_k, src_v, tokens, ids, 0, 10.0, scale_cache=scales_src)
-            again = store.write(f"t{i}", src_k, src_v, tokens, ids, 1, 10.0, scale_cache=scales_src)
+            again = store.write(
+                f"t{i}", src_k, src_v, tokens, ids[1:], 1, 10.0, scale_cache=scales_src
+            )
             q = store.query(f"t{i}", tokens, 1)
             dst = [BLOCKS - 1 - 3 * i - j for j in range(3)]
             r = store.read(f"t{i}", dst_k, dst_v, tokens, dst, 0, 10.0, scale_cache=scales_dst)
@@ -116,6 +118,28 @@ def test_model_versions_never_share_blocks() -> None:
         b.write("t", k, v, tokens[:BS], [0], 0)  # binds b's caches
         assert b.query("t", tokens, 0) == 1
         assert a.query("t", tokens, 0) == 2
+
+
+def test_block_ids_begin_at_the_start_index_as_fastdeploy_passes_them() -> None:
+    """FastDeploy's write-back queries the stored run ``m``, then calls ``write(...,
+    gpu_block_ids[m:], m)`` (cache_transfer_manager.write_back_storage_task; its own
+    AttentionStore.write maps ``gpu_block_ids[i]`` to block ``start + i``), and reads use
+    the returned count as ``gpu_block_ids[:n]``. The blocks after the stored run are stored
+    from the blocks FastDeploy named, and read back into the blocks it named."""
+    k, v = _gqa(True)
+    tokens = list(range(4 * BS))
+    src = [5, 6, 7, 8]
+    with _store() as store:
+        assert store.write("t1", k, v, tokens[: 2 * BS], src[:2], 0) == 2
+        m = store.query("t2", tokens, 0)
+        assert m == 2
+        assert store.write("t2", k, v, tokens, src[m:], m) == 2
+        assert store.query("t3", tokens, 0) == 4
+        dk, dv = _gqa(False)
+        assert store.read("t4", dk, dv, tokens, [20, 21], 2) == 2
+        assert _rows(dk + dv, [20, 21]) == _rows(k + v, [7, 8])
+        assert store.read("t5", dk, dv, tokens, [10, 11, 12, 13], 0) == 4
+        assert _rows(dk + dv, [10, 11, 12, 13]) == _rows(k + v, src)
 
 
 def test_layout_mismatch_is_a_clear_value_error() -> None:
@@ -177,6 +201,53 @@ def test_hanging_store_write_returns_the_stored_prefix(caplog: pytest.LogCapture
         assert store.query("t2", tokens, 0) == 2
         dk, dv = _gqa(False)
         assert store.read("t3", dk, dv, tokens, list(range(10, 16)), 0, 1.0) == 2
+
+
+class StuckRegistrationStore(kvpipe.MemoryStore):
+    """Registering staging (a pipeline opening) never answers: a transport that hangs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registering = threading.Event()
+
+    async def register_staging(self, buffer: memoryview) -> None:
+        self.registering.set()
+        await anyio.sleep_forever()
+
+
+def test_first_calls_with_a_hanging_store_return_by_their_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first write opens the pipeline (registers staging with the store); a store that
+    never answers must not hold FastDeploy's worker threads past their timeout: the write
+    and a read waiting behind it return 0 with one WARNING each."""
+    k, v = _gqa(True)
+    fake = StuckRegistrationStore()
+    store = KVPipeAttentionStore(layer_num=LAYERS, block_token_size=BS, store=fake)
+    results: dict[str, int] = {}
+    tokens = list(range(2 * BS))
+
+    def write() -> None:
+        results["write"] = store.write("t1", k, v, tokens, [0, 1], 0, 0.2)
+
+    def read() -> None:
+        fake.registering.wait()  # behind the write's opening
+        results["read"] = store.read("t2", k, v, tokens, [2, 3], 0, 0.2)
+
+    with caplog.at_level(logging.WARNING):
+        threads = [threading.Thread(target=f, daemon=True) for f in (write, read)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)  # a liveness bound far past timeout + HOP_SLACK, not a timing check
+        try:
+            assert not any(t.is_alive() for t in threads), "a call hung on the pipeline's open"
+            assert results == {"write": 0, "read": 0}
+            for task in ("t1", "t2"):
+                warned = [r for r in caplog.records if task in r.getMessage()]
+                assert [r.levelname for r in warned] == ["WARNING"]
+        finally:
+            store.close()
 
 
 def test_called_inside_a_running_loop_raises() -> None:
@@ -456,3 +527,85 @@ def test_prefill_to_decode_over_a_shared_file_store(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class StopsAtFirstMiss(kvpipe.MemoryStore):
+    """Answers ``exists`` as a file store may (``False`` for every key after the first
+    missing one) and counts the keys it was asked about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.probed = 0
+
+    async def exists(self, batch: kvpipe.KeyBatch) -> Sequence[bool]:
+        self.calls += 1
+        self.probed += len(batch.keys)
+        got = list(await super().exists(batch))
+        lead = next((j for j, ok in enumerate(got) if not ok), len(got))
+        return got[: lead + 1] + [False] * (len(got) - lead - 1)
+
+
+def test_long_sequences_probe_each_key_at_most_twice() -> None:
+    """FastDeploy's query and batch_set cover every block of a request (2048 blocks for 128k
+    tokens): probing the keys after each miss again made them quadratic (2048 blocks: 57 s
+    of query, and a batch_set past its 30 s timeout, nothing stored). A query is one store
+    call; batch_set probes each key at most twice and still skips exactly the stored ones."""
+    n = 64
+    store = StopsAtFirstMiss()
+    host = np.arange(2 * n * 16, dtype=np.uint8)
+    base = host.ctypes.data
+    ks, vs = [f"k{i}" for i in range(n)], [f"v{i}" for i in range(n)]
+    with KVPipeStorage(store=store) as s:
+        assert s.batch_set(ks[::2], [base + 16 * i for i in range(0, n, 2)], [16] * (n // 2))
+        assert s.batch_set(["k0", "v0", "k1", "v1"], [base, base, base, base], [16] * 4)
+        store.calls = store.probed = 0
+        assert s.query(ks, vs) == 2
+        assert store.calls == 1
+        store.calls = store.probed = 0
+        dedup = s.deduplicated
+        keys = ks + vs
+        assert s.batch_set(keys, [base + 16 * i for i in range(2 * n)], [16] * (2 * n)) == [0] * (
+            2 * n
+        )
+        assert s.deduplicated - dedup == n // 2 + 3  # k0, k2, ..., k62 and k1, v0, v1: skipped
+        assert store.probed <= 2 * len(keys)
+        assert s.query(ks, vs) == n
+
+
+def test_batch_set_copies_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long request's batch_set is as big as the manager's whole write buffer (2048
+    blocks x 2 keys x a block's bytes for all layers); copying all of it before storing any
+    doubled that in host memory. Copies not stored yet stay within one chunk."""
+    from kvpipe.integrations import _fd_storage
+
+    n = 200
+    host = np.arange(n * 16, dtype=np.uint8)
+    lo, hi = host.ctypes.data, host.ctypes.data + host.nbytes
+    copies: list[int] = []  # one per copy out of the caller's buffer
+    alive: list[int] = []  # per put: copies made but not stored yet
+    stored: list[int] = []
+    real = ctypes.memmove
+
+    def watched(dst: object, src: object, count: int) -> object:
+        if isinstance(src, int) and lo <= src < hi:
+            copies.append(src)
+        return real(dst, src, count)
+
+    class Watching(kvpipe.MemoryStore):
+        async def put_blocks(self, batch: kvpipe.PutBatch) -> Sequence[kvpipe.BlockStatus]:
+            alive.append(len(copies) - len(stored))
+            stored.extend(batch.keys)
+            return await super().put_blocks(batch)
+
+    monkeypatch.setattr(ctypes, "memmove", watched)
+    with KVPipeStorage(store=Watching()) as s:
+        keys = [f"k{i}" for i in range(n)]
+        ptrs = [lo + 16 * i for i in range(n)]
+        assert s.batch_set(keys, ptrs, [16] * n) == [0] * n
+        out = np.zeros_like(host)
+        got = s.batch_get(keys, [out.ctypes.data + 16 * i for i in range(n)], [16] * n)
+        assert got == [16] * n
+    assert bytes(out) == bytes(host)
+    assert len(copies) == n
+    assert max(alive) <= _fd_storage.BATCH_SET_CHUNK
