@@ -27,6 +27,7 @@ from typing import Any
 from .. import (
     BackendError,
     CacheLayout,
+    ConfigError,
     IncompleteRead,
     KVCache,
     KVPipeError,
@@ -301,6 +302,12 @@ class KVPipeAttentionStore:
         try:
             pipe = self._pipe(key_cache, val_cache, scales, timeout)
         except (TimeoutError, BackendError, OSError) as exc:
+            log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
+            return None
+        except ConfigError as exc:
+            if exc.field != "store":  # a wrong setting: raised, as programming errors are
+                raise
+            # The store refused the staging (down, say): a store failure like any other.
             log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
             return None
         if opened:  # the call gets what is left of its timeout

@@ -609,3 +609,29 @@ def test_batch_set_copies_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> 
     assert bytes(out) == bytes(host)
     assert len(copies) == n
     assert max(alive) <= _fd_storage.BATCH_SET_CHUNK
+
+
+class RefusingRegistrationStore(kvpipe.MemoryStore):
+    """A store that is down: registering staging fails."""
+
+    async def register_staging(self, buffer: memoryview) -> None:
+        raise kvpipe.BackendError("down", "register_staging", "connection refused")
+
+
+def test_a_store_down_at_the_first_call_returns_0_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Registering staging fails when the first write opens the pipeline (the store is
+    down): FastDeploy's thread gets 0 and one WARNING, as for any store failure, not an
+    exception."""
+    k, v = _gqa(True)
+    store = KVPipeAttentionStore(
+        layer_num=LAYERS, block_token_size=BS, store=RefusingRegistrationStore()
+    )
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert store.write("t1", k, v, list(range(2 * BS)), [0, 1], 0, 5.0) == 0
+        warned = [r for r in caplog.records if "t1" in r.getMessage()]
+        assert [r.levelname for r in warned] == ["WARNING"]
+    finally:
+        store.close()
