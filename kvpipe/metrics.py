@@ -92,7 +92,8 @@ class PipelineMetrics:
 
     Raises:
         Unsupported: ``prometheus_client`` is not installed.
-        ConfigError: Two pipelines would get the same ``pipeline`` label.
+        ConfigError: Two pipelines would get the same ``pipeline`` label (nothing stays
+            registered or attached).
         ValueError: The registry already holds metrics of these names
             (``prometheus_client``'s duplicate check; use one ``PipelineMetrics`` per registry
             and :meth:`add` pipelines to it).
@@ -142,8 +143,14 @@ class PipelineMetrics:
         if isinstance(pipes, Pipeline):
             pipes = (pipes,)
         items = pipes.items() if isinstance(pipes, Mapping) else ((None, p) for p in pipes)
-        for label, pipe in items:
-            self.add(pipe, label=label)
+        try:
+            for label, pipe in items:
+                self.add(pipe, label=label)
+        except BaseException:
+            # Leave nothing behind: no observer on the pipelines added so far, and nothing in
+            # the registry (a shared one would refuse the next PipelineMetrics as duplicated).
+            self.close()
+            raise
 
     def add(self, pipe: Pipeline, *, label: str | None = None) -> None:
         """Export ``pipe`` too, under ``pipeline=label`` (default ``namespace/rank``).

@@ -208,6 +208,25 @@ async def test_labels_from_a_mapping_and_clashes() -> None:
             metrics.add(_Other(p0), label="x")  # type: ignore[arg-type]
 
 
+async def test_a_refused_constructor_leaves_nothing_registered_or_attached() -> None:
+    # PipelineMetrics([p0, p1]) with a label clash on a shared registry: the half-built
+    # collector stayed registered (the next PipelineMetrics on that registry was refused as
+    # duplicated, and the page kept exporting p0) and p0 kept its observer.
+    registry = CollectorRegistry()
+    store = kvpipe.MemoryStore()
+    async with (
+        kvpipe.open_pipeline(_cache(), store, config=CONFIG) as p0,
+        kvpipe.open_pipeline(_cache(), store, config=CONFIG) as p1,
+    ):
+        with pytest.raises(kvpipe.ConfigError, match="pipeline='default/0'"):
+            kvpipe.PipelineMetrics([p0, p1], registry=registry)  # both default/0
+        assert generate_latest(registry) == b""
+        assert p0._runtime.observers.active == ()
+        metrics = kvpipe.PipelineMetrics({"prefill": p0}, registry=registry)
+        assert 'pipeline="prefill"' in metrics.exposition()[0].decode()
+        assert len(p0._runtime.observers.active) == 1
+
+
 async def test_observer_sees_every_call_and_its_errors_are_contained() -> None:
     seen: list[tuple[ObservationKind, str]] = []
 
