@@ -94,6 +94,8 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     unknown = set(args.scenario or ()) - {s.name for s in SCENARIOS} - {KILL[0]}
     if unknown:
         raise ui.UsageError(f"unknown scenario(s) {sorted(unknown)}; see --list")
+    if args.store != "file" and KILL[0] in (args.scenario or ()):
+        raise ui.UsageError(f"{KILL[0]} runs on the file store only (--store file)")
     kill = args.store == "file" and (args.all or not args.scenario or KILL[0] in args.scenario)
     root = tempfile.mkdtemp(prefix="kvpipe-faults-", dir=args.dir)
     rows: list[dict[str, Any]] = []

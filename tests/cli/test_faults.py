@@ -75,3 +75,13 @@ def test_list_names_every_scenario_and_runs_none(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     listed = {line.split()[0] for line in out.splitlines()}
     assert listed == {s.name for s in SCENARIOS} | {"kill_mid_write"}, out
+
+
+@pytest.mark.parametrize("store", ["memory", "mooncake"])
+def test_the_process_kill_on_another_store_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], store: str
+) -> None:
+    # It ran nothing (or only the other scenarios) and exited 0: "all held".
+    assert main(["faults", "--store", store, "--scenario", "kill_mid_write"]) == 2
+    err = capsys.readouterr().err
+    assert "kill_mid_write" in err and "--store file" in err
