@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -84,12 +85,25 @@ def _row(r: ScenarioResult) -> dict[str, Any]:
     }
 
 
+def _check_dir(directory: str | None) -> None:
+    """Refuse a ``--dir`` the stores cannot be made in.
+
+    Raises:
+        ui.UsageError: ``directory`` is not a directory this process can write in.
+    """
+    if directory is not None and not (
+        os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
+    ):
+        raise ui.UsageError(f"--dir {directory}: not a directory this process can write in")
+
+
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     """Run the scenarios (or list them); 0 when every invariant held, else 1."""
     if args.list:
         for name, about in [(s.name, s.about) for s in SCENARIOS] + [KILL]:
             print(f"{name:<16} {about}", file=io.out.file)
         return ui.EXIT_OK
+    _check_dir(args.dir)
     chosen = [s for s in SCENARIOS if args.all or not args.scenario or s.name in args.scenario]
     unknown = set(args.scenario or ()) - {s.name for s in SCENARIOS} - {KILL[0]}
     if unknown:

@@ -70,6 +70,19 @@ def test_an_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]
     assert "unknown scenario" in err and "--list" in err
 
 
+@pytest.mark.parametrize("what", ["missing", "a file"])
+def test_a_dir_that_is_not_one_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, what: str
+) -> None:
+    # It was a FileNotFoundError (NotADirectoryError) traceback and exit 1.
+    path = tmp_path / "nope"
+    if what == "a file":
+        path.write_text("x")
+    assert main(["faults", "--store", "file", "--dir", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--dir {path}: not a directory" in err and "Traceback" not in err
+
+
 def test_list_names_every_scenario_and_runs_none(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["faults", "--list", "--scenario", "nope"]) == 0
     out = capsys.readouterr().out
