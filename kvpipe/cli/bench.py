@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -251,6 +252,7 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ui.UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    _check_paths(args)
     results: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {platform.system()} {platform.release()}",
@@ -299,6 +301,24 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
         for scenario in missing:
             io.err.print(f"{args.doc}: no <!-- kvpipe-bench:{scenario} --> section; not written")
     return ui.EXIT_OK
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Refuse, before the run, the paths it would fail on only after its last round.
+
+    Raises:
+        ui.UsageError: ``--dir`` or ``--scaling-dir`` is not a directory, ``--json`` or
+            ``--markdown`` is in a directory that does not exist, ``--doc`` is not a file.
+    """
+    for option, directory in (("--dir", args.dir), ("--scaling-dir", args.scaling_dir)):
+        if directory is not None and not os.path.isdir(directory):
+            raise ui.UsageError(f"{option} {directory}: not a directory")
+    for option, path in (("--json", args.json), ("--markdown", args.markdown)):
+        parent = os.path.dirname(path or "") or "."
+        if path is not None and not os.path.isdir(parent):
+            raise ui.UsageError(f"{option} {path}: no directory {parent}")
+    if args.doc is not None and not os.path.isfile(args.doc):
+        raise ui.UsageError(f"--doc {args.doc}: not a file")
 
 
 def _three_ints(text: str) -> tuple[int, int, int]:

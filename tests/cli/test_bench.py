@@ -263,3 +263,37 @@ def test_device_bench_without_a_gpu_says_why(
     rc = main(["bench", "--scenario", "device", "--smoke"])
     assert rc == 2
     assert "needs a CUDA GPU: no driver here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--json", "{missing}/r.json"],
+        ["--markdown", "{missing}/r.md"],
+        ["--doc", "{missing}/performance.md"],
+        ["--dir", "{missing}"],
+        ["--scaling-dir", "{missing}"],
+    ],
+)
+def test_an_unusable_path_is_refused_before_the_run(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    option: list[str],
+) -> None:
+    """A path the run would write (or measure) that cannot be used is a usage error before
+    any scenario runs: it was a traceback (exit 1) after the whole run, its results lost."""
+    from kvpipe.cli import bench
+
+    ran: list[str] = []
+
+    async def scenario(name: str, *_: object) -> list[object]:
+        ran.append(name)
+        return []
+
+    monkeypatch.setattr(bench, "_run_scenario", scenario)
+    flag, value = option[0], option[1].format(missing=tmp_path / "nope")
+    rc = main(["bench", "--scenario", "memory", "--smoke", flag, value])
+    err = capsys.readouterr().err
+    assert (rc, ran) == (2, []), err
+    assert f"{flag} {value}" in err and "Traceback" not in err
