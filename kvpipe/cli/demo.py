@@ -69,14 +69,19 @@ async def open_store(args: argparse.Namespace) -> AsyncIterator[kvpipe.StorageBa
         return
     root = args.store_dir or os.path.join("kvpipe-data", f"demo-{os.getpid()}")
     existed = await anyio.Path(root).exists()
+    # The default root's ./kvpipe-data goes too when the demo made it; never a directory the
+    # user had (a --store-dir's parent, an empty ./kvpipe-data of their own).
+    parent = None if args.store_dir else os.path.dirname(root)
+    parent_made = parent is not None and not await anyio.Path(parent).exists()
     try:
         async with kvpipe.FileStore(root, durability=args.durability) as store:
             yield store
     finally:
         if not (existed or args.keep_store):
             await run_sync(shutil.rmtree, root, True)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(root) or ".")
+            if parent is not None and parent_made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(parent)
 
 
 def _zero_blocks(cache: kvpipe.KVCache, ids: IdArray) -> None:

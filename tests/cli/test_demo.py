@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -185,6 +186,23 @@ def test_errors_inside_task_groups_are_reported() -> None:
     assert _reportable(ExceptionGroup("g", [ExceptionGroup("h", [err])])) is err
     assert _reportable(ExceptionGroup("g", [err, RuntimeError("bug")])) is None
     assert isinstance(_reportable(UsageError("x")), UsageError)
+
+
+def test_the_store_directory_goes_but_no_directory_of_the_user(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo removes the store directory it made, and ./kvpipe-data when it made that
+    too; it removed a --store-dir's parent (and a ./kvpipe-data it found) when empty."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    code, _ = run_json(capsys, *SMALL, "--store-dir", str(mine / "store"))
+    assert code == 0 and mine.is_dir() and list(mine.iterdir()) == []
+    monkeypatch.chdir(mine)
+    code, _ = run_json(capsys, *SMALL)  # ./kvpipe-data/demo-PID, both made by the demo
+    assert code == 0 and list(mine.iterdir()) == []
+    (mine / "kvpipe-data").mkdir()
+    code, _ = run_json(capsys, *SMALL)
+    assert code == 0 and list(mine.iterdir()) == [mine / "kvpipe-data"]
 
 
 def test_python_dash_m_kvpipe() -> None:
