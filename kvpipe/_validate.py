@@ -35,13 +35,25 @@ class CheckedRequest:
     end_block: int
 
 
+def _as_array(value: Any, name: str) -> npt.NDArray[Any]:
+    """``np.asarray(value)``, its refusals (ragged nesting, say) as :class:`RequestError`.
+
+    Raises:
+        RequestError: numpy cannot make an array of ``value``.
+    """
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as exc:
+        raise RequestError(f"{name} is not an array of ids: {exc}") from exc
+
+
 def check_tokens(token_ids: Any) -> Tokens:
     """Token ids as a non-empty 1-D int64 array of non-negative values.
 
     Raises:
         RequestError: Anything else.
     """
-    arr = np.asarray(token_ids)
+    arr = _as_array(token_ids, "token_ids")
     if arr.ndim != 1:
         raise RequestError(f"token_ids must be 1-D, got shape {arr.shape}")
     if len(arr) == 0:
@@ -96,7 +108,7 @@ def check_request(
     full = len(tokens) // block_size
     occupied = -(-len(tokens) // block_size)
     end = occupied if include_partial else full
-    ids = np.asarray(block_ids)
+    ids = _as_array(block_ids, "block_ids")
     if ids.ndim != 1:
         raise RequestError(f"block_ids must be 1-D, got shape {ids.shape}")
     if len(ids) and ids.dtype.kind not in "iu":  # bool is kind "b"

@@ -199,6 +199,9 @@ def test_construction(
 
 REQUESTS: list[tuple[str, str, tuple[Any, ...], dict[str, Any], str]] = [
     ("write: 2-D token ids", "write", (TOK.reshape(4, 4), np.arange(4)), {}, "1-D"),
+    ("write: ragged token ids", "write", ([[0, 1], [2]], np.arange(4)), {}, "token_ids"),
+    ("read: ragged block ids", "read", (TOK, [[0], [1, 2], [3]]), {}, "block_ids"),
+    ("lookup: ragged token ids", "lookup", ([[0, 1], [2]],), {}, "token_ids"),
     ("write: no tokens", "write", ([], []), {}, "empty"),
     ("write: float token ids", "write", (TOK.astype(float), np.arange(4)), {}, "integers"),
     ("write: negative token id", "write", (-TOK, np.arange(4)), {}, "negative"),
