@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, final
 
 import anyio
 import anyio.abc
+import numpy as np
 
 from ._cache import KVCache
 from ._config import PipelineConfig
@@ -281,14 +282,14 @@ class Pipeline:
         tokens = check_tokens(token_ids)
         size = self.layout.block_size
         n = -(-len(tokens) // size) if include_partial else len(tokens) // size
-        if (
-            isinstance(start_block, bool)
-            or not isinstance(start_block, int)
-            or not 0 <= start_block <= n
-        ):
-            raise RequestError(f"start_block {start_block!r} is outside [0, {n}]")
+        # As write and read take it: an int or a numpy integer, not a bool.
+        if isinstance(start_block, bool) or not isinstance(start_block, int | np.integer):
+            raise RequestError(f"start_block must be an int, got {start_block!r}")
+        start = int(start_block)
+        if not 0 <= start <= n:
+            raise RequestError(f"start_block {start} is outside [0, {n}]")
         value = await self._call(
-            "flush", tokens, include_partial, timeout, start_block=start_block, residency=residency
+            "flush", tokens, include_partial, timeout, start_block=start, residency=residency
         )
         return int(value)
 

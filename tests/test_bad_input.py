@@ -234,7 +234,29 @@ REQUESTS: list[tuple[str, str, tuple[Any, ...], dict[str, Any], str]] = [
     ("lookup: 2-D token ids", "lookup", (TOK.reshape(2, 8),), {}, "1-D"),
     ("flush_index: residency 'gpu'", "flush_index", (TOK,), {"residency": "gpu"}, "Residency"),
     ("flush_index: start_block=-1", "flush_index", (TOK,), {"start_block": -1}, "start_block"),
+    (
+        "flush_index: start_block=True",
+        "flush_index",
+        (TOK,),
+        {"start_block": True},
+        "start_block must be an int",
+    ),
+    (
+        "flush_index: start_block=np.int64(5)",
+        "flush_index",
+        (TOK,),
+        {"start_block": np.int64(5)},
+        "start_block 5 is outside [0, 4]",
+    ),
 ]
+
+
+async def test_flush_index_takes_a_numpy_start_block_as_write_does() -> None:
+    # np.int64(1) was refused as "start_block np.int64(1) is outside [0, 4]".
+    async with kvpipe.open_pipeline(CACHE, kvpipe.MemoryStore()) as pipe:
+        assert (await pipe.write(TOK, np.arange(4), start_block=np.int64(1))).written == 3
+        assert await pipe.flush_index(TOK, start_block=np.int64(1)) == 3
+        assert await pipe.flush_index(TOK, start_block=np.uint8(4)) == 0
 
 
 @pytest.mark.parametrize(
