@@ -183,6 +183,8 @@ def _render(s: Mapping[str, Any], console: Console) -> None:
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     """Run the demo (see the module docstring); 0 when every block verified, else 1."""
     started = time.perf_counter()
+    if args.segment_mib is not None and args.segment_mib < 1:
+        raise ui.UsageError(f"--segment-mib must be >= 1, got {args.segment_mib}")
     preset = PRESETS[args.layout]
     layout = preset.layout()
     nbytes = layout.block_nbytes

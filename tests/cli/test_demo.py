@@ -115,6 +115,20 @@ def test_bad_values_exit_2_with_one_line(
     assert message in lines[0] and "Traceback" not in captured.err
 
 
+@pytest.mark.parametrize("mib", ["0", "-64"])
+def test_a_segment_below_one_mib_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, mib: str
+) -> None:
+    # 0 ran on a 1024 MiB segment (the option ignored); -64 gave Mooncake a negative size.
+    def no_mooncake(segment_bytes: int) -> None:
+        raise AssertionError(f"a Mooncake started with a {segment_bytes} B segment")
+
+    monkeypatch.setattr(demo_cmd, "mooncake_store", no_mooncake)
+    assert main(["demo", *SMALL, "--store", "mooncake", "--segment-mib", mib]) == 2
+    err = capsys.readouterr().err
+    assert f"--segment-mib must be >= 1, got {mib}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     "args",
     [
