@@ -248,7 +248,7 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
             require_matplotlib()
         except PlotsUnavailable as exc:
             raise ui.UsageError(str(exc)) from None
-    for name in ("mib", "rounds", "slice_mib", "concurrency", "io_threads"):
+    for name in ("mib", "rounds", "slice_mib", "concurrency", "io_threads", "store_threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ui.UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

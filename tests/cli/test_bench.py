@@ -244,6 +244,27 @@ def test_integration_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "adapter GB/s" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_store_threads_below_one_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, threads: str
+) -> None:
+    """``--store-threads 0`` ran on the default thread count (the option ignored), and a
+    negative count went to the file store."""
+    from kvpipe.cli import bench
+
+    ran: list[str] = []
+
+    async def scenario(name: str, *_: object) -> list[object]:
+        ran.append(name)
+        return []
+
+    monkeypatch.setattr(bench, "_run_scenario", scenario)
+    rc = main(["bench", "--scenario", "file", "--store-threads", threads])
+    err = capsys.readouterr().err
+    assert (rc, ran) == (2, []), err
+    assert f"--store-threads must be >= 1, got {threads}" in err
+
+
 def test_help_shows_a_list_default_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the help's own line breaks aside
