@@ -140,6 +140,7 @@ class PipelineMetrics:
         #: The registry holding these metrics (mount it, or pass it to an exporter).
         self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
         self.registry.register(cast("Collector", self))
+        self._registered = True
         if isinstance(pipes, Pipeline):
             pipes = (pipes,)
         items = pipes.items() if isinstance(pipes, Mapping) else ((None, p) for p in pipes)
@@ -186,10 +187,13 @@ class PipelineMetrics:
             hist.remove(tracked.label, tracked.backend, op.removesuffix("_slice"), outcome)
 
     def close(self) -> None:
-        """Stop exporting every pipeline and unregister from the registry."""
+        """Stop exporting every pipeline and unregister from the registry (once: closing
+        again does nothing)."""
         for pipe in list(self._tracked):
             self.remove(pipe)
-        self.registry.unregister(cast("Collector", self))
+        if self._registered:
+            self._registered = False
+            self.registry.unregister(cast("Collector", self))
 
     def _observer(self, tracked: _Tracked) -> Observer:
         children = tracked.children

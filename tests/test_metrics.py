@@ -269,6 +269,18 @@ async def test_a_closed_pipeline_keeps_its_statistics() -> None:
     assert stats.slices == {"complete": 1}
 
 
+async def test_closing_twice_is_harmless() -> None:
+    # The second close raised a bare KeyError from the registry (a shutdown path that
+    # closes in a finally and again at exit).
+    registry = CollectorRegistry()
+    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), config=CONFIG) as pipe:
+        metrics = kvpipe.PipelineMetrics(pipe, registry=registry)
+        metrics.close()
+        metrics.close()
+        assert generate_latest(registry) == b""
+        assert pipe._runtime.observers.active == ()
+
+
 async def test_closed_calls_are_observed_as_closed() -> None:
     seen: list[tuple[ObservationKind, str]] = []
     async with kvpipe.open_pipeline(
