@@ -115,13 +115,22 @@ class Command:
 def logging_to(console: Console, level: str) -> Iterator[None]:
     """Send the ``kvpipe`` logger's records at ``level`` and above to ``console``.
 
+    On a terminal, rich's handler; otherwise (a file, a pipe, a log collector) one plain line
+    per record, ``TIME LEVEL LOGGER: MESSAGE``, so that a record can be found with grep
+    (rich wraps it at the console's width, 80 columns off a terminal, and pads each line).
+
     The logger's previous level, handlers and propagation are restored on exit, so running
     ``main`` in-process (tests, notebooks) leaves logging as it found it.
     """
     logger = logging.getLogger("kvpipe")
     saved = (logger.level, list(logger.handlers), logger.propagate)
-    handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:
+        handler = logging.StreamHandler(console.file)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger.handlers = [handler]
     logger.setLevel(level)
     logger.propagate = False

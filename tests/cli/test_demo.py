@@ -195,6 +195,23 @@ def test_log_level_before_or_after_the_command(argv: list[str], level: str) -> N
     assert build_parser().parse_args(argv).log_level == level
 
 
+def test_logs_off_a_terminal_are_one_line_per_record() -> None:
+    # rich wrapped a record at 80 columns and padded every line: the request id and the
+    # reason of a stopped write ended up on different lines of a log file.
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    message = "write req-17 incomplete: 16 of 32 blocks stored; stopped at slice 2: " + "x" * 80
+    with ui.logging_to(Console(file=out), "INFO"):
+        logging.getLogger("kvpipe.requests").warning("%s", message)
+        logging.getLogger("kvpipe.writer").debug("below the level")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].endswith(f" WARNING kvpipe.requests: {message}")
+
+
 def test_errors_inside_task_groups_are_reported() -> None:
     err = kvpipe.PipelineClosed("closed")
     assert _reportable(ExceptionGroup("g", [ExceptionGroup("h", [err])])) is err
