@@ -111,6 +111,17 @@ def test_the_cli_and_the_pipeline_import_without_pytest() -> None:
     assert out.stdout.strip() == "conformance needs pytest", out.stderr
 
 
+def test_the_fault_injector_is_where_the_docs_say() -> None:
+    """docs/reliability.md: ``kvpipe.testing.FaultyStore`` wraps any backend, driven by a
+    ``FaultPlan`` (both were only in ``kvpipe.testing.faults``: AttributeError)."""
+    import kvpipe.testing
+    from kvpipe.testing import faults
+
+    assert kvpipe.testing.FaultyStore is faults.FaultyStore
+    assert kvpipe.testing.FaultPlan is faults.FaultPlan
+    assert {"FaultyStore", "FaultPlan"} <= set(kvpipe.testing.__all__)
+
+
 #: Packages only the extras bring (test, paddle, mooncake, metrics, plots, bench), and what
 #: those pull in: nothing `make run` imports (the CLI, every bench scenario's module, the
 #: integrations) may need one of them at import time.
