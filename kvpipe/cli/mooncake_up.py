@@ -60,15 +60,18 @@ async def running_mooncake(
 
     Raises:
         kvpipe.Unsupported: Mooncake is not installed.
-        ui.UsageError: A process did not start (e.g. a flag the master rejects); the message
-            ends with the end of its log.
+        ui.UsageError: ``log_dir`` cannot be made, or a process did not start (e.g. a flag
+            the master rejects; the message ends with the end of its log).
     """
     own_dir = log_dir is None
     if log_dir is None:
         logs = tempfile.mkdtemp(prefix="kvpipe-mooncake-")
     else:
         logs = log_dir
-        os.makedirs(logs, exist_ok=True)
+        try:
+            os.makedirs(logs, exist_ok=True)
+        except OSError as exc:  # a file there, no permission
+            raise ui.UsageError(f"--log-dir {logs}: {exc.strerror or exc}") from exc
     server = LocalMooncake(master_args, log_dir=logs)
     try:
         try:

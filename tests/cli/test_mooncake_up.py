@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Any
 
 import pytest
@@ -71,6 +72,16 @@ def test_a_flag_the_master_rejects_is_a_usage_error(capsys: pytest.CaptureFixtur
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "did not start" in captured.err and "no_such_flag" in captured.err
+
+
+def test_a_log_dir_that_cannot_be_made_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A file in its place was a FileExistsError traceback (exit 1); nothing starts.
+    (tmp_path / "logs").write_text("x")
+    assert main(["mooncake-up", "--once", "--log-dir", str(tmp_path / "logs")]) == 2
+    err = capsys.readouterr().err
+    assert f"--log-dir {tmp_path / 'logs'}: " in err and "Traceback" not in err
 
 
 @contextlib.contextmanager
