@@ -160,12 +160,17 @@ class PipelineMetrics:
         :meth:`remove`.
 
         Raises:
-            ConfigError: ``label`` is taken by another pipeline, or ``pipe`` is not a
-                :class:`kvpipe.Pipeline`.
+            ConfigError: ``label`` is taken by another pipeline, ``pipe`` is exported
+                under another label already, or ``pipe`` is not a :class:`kvpipe.Pipeline`.
         """
         if not isinstance(pipe, Pipeline):
             raise ConfigError("pipes", f"expected a kvpipe.Pipeline, got {type(pipe).__name__}")
-        if pipe in self._tracked:
+        known = self._tracked.get(pipe)
+        if known is not None:
+            if label is not None and label != known.label:
+                raise ConfigError(
+                    "label", f"already exported as pipeline={known.label!r} (remove it first)"
+                )
             return
         label = label if label is not None else f"{pipe.scope.namespace}/{pipe.scope.rank}"
         if any(t.label == label for t in self._tracked.values()):

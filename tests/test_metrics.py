@@ -206,6 +206,10 @@ async def test_labels_from_a_mapping_and_clashes() -> None:
         assert 'pipeline="prefill"' in page and 'pipeline="decode"' in page
         with pytest.raises(kvpipe.ConfigError):
             metrics.add(_Other(p0), label="x")  # type: ignore[arg-type]
+        metrics.add(p0)  # already exported: nothing to do
+        metrics.add(p0, label="prefill")
+        with pytest.raises(kvpipe.ConfigError, match="already exported as pipeline='prefill'"):
+            metrics.add(p0, label="renamed")  # was ignored: still exported as prefill
 
 
 async def test_a_refused_constructor_leaves_nothing_registered_or_attached() -> None:
