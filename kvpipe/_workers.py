@@ -290,7 +290,9 @@ class ThreadRunner:
         # The thread takes the call out of this box: no argument (staging view) outlives it.
         box: list[Any] = [fn, args]
 
-        def report(ok: bool, value: Any) -> None:  # on the event loop's thread
+        def report(result: list[Any]) -> None:  # on the event loop's thread
+            ok, value = result
+            result.clear()  # the thread, however late it returns, holds none of it
             if call.abandoned:
                 self._finish(hold)  # the caller gave up while the thread ran
             else:
@@ -315,8 +317,10 @@ class ThreadRunner:
             except BaseException as exc:
                 ok, value = False, exc
             del f, a
+            result = [ok, value]
+            del value  # handed over in result, which report empties
             try:
-                _call_soon(token, report, ok, value)
+                _call_soon(token, report, result)
             except Exception as exc:  # the event loop is gone: nothing to release
                 log.debug("worker thread ended after its event loop: %r", exc)
 
