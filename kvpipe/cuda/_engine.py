@@ -259,15 +259,17 @@ class CudaEngine(CopyEngine):
         self._driver.make_current()  # this thread may allocate (a new scratch set)
         if after is not None:
             after.retain()
-        try:
-            scratch = await self._scratch.acquire()
-        except BaseException:
-            if after is not None:
-                after.release()
-            raise
+        # In flight from here, while it waits for scratch too: a call that gets its scratch
+        # only after close began still queues work, which close must wait for.
         self._calls += 1
         self._idle = anyio.Event() if self._calls == 1 else self._idle
         try:
+            try:
+                scratch = await self._scratch.acquire()
+            except BaseException:
+                if after is not None:
+                    after.release()
+                raise
             with anyio.CancelScope(shield=True):
                 await self._execute(direction, plan, lease, scratch, after)
         finally:

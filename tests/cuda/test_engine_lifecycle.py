@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import kvpipe
@@ -221,4 +222,55 @@ async def test_only_a_producer_mark_orders_a_copy(fake: FakeDriver) -> None:
                 copy_plan(layout_segments(cache.layout), [0], lease.slots), lease, Other()
             )
         lease.release()
+    free_device_cache(fake, cache)
+
+
+async def test_close_waits_for_a_call_that_got_its_scratch_after_close_began(
+    fake: FakeDriver, producer: int
+) -> None:
+    # One scratch set; calls 1 and 2 wait for it while call 0 runs. Close begins and waits
+    # for the calls in flight. Call 2 gets the scratch only after close's drain began, and
+    # queues work (ordered after the producer's) that the drain does not cover: close must
+    # wait for it too, not free the scratch and streams it still uses.
+    fake.latency = 50  # call 0 is still running when the others and close come
+    cache = fake_device_cache(fake, _layout(), 4)
+    segs = layout_segments(cache.layout)
+    eng, pool = await open_engine(fake, cache, options=CudaOptions(max_calls=1))
+    busy = Gate()  # a scatter still running on the engine's other stream
+    fake.host_op(eng._streams["scatter"], lambda: None, gate=busy, label="scatter in flight")
+    model = Gate()
+    fake.host_op(producer, lambda: None, gate=model, label="model kernel")
+    mark = eng.mark(producer)
+    lease = await pool.acquire(3)
+    finished: list[int] = []
+
+    async def copy(block: int) -> None:
+        plan = copy_plan(segs, [block], lease.slots[block : block + 1])
+        await eng.gather(plan, lease, after=mark if block == 2 else None)
+        finished.append(block)
+
+    async def polls(n: int) -> None:
+        start = fake.calls.count("event_query")
+        for _ in range(2000):
+            if fake.calls.count("event_query") >= start + n:
+                return
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tg:
+        for block in range(3):
+            tg.start_soon(copy, block)
+            await anyio.lowlevel.checkpoint()
+        assert eng.accounting().scratch_in_use == 1
+        tg.start_soon(eng.aclose)
+        for _ in range(2000):  # call 2 has queued its work (behind the model's)
+            if "stream_wait_event" in fake.calls:
+                break
+            await anyio.sleep(0.001)
+        busy.open()
+        await polls(20)  # close polls on; it must still be waiting for call 2
+        assert fake.live()["streams"] == 3  # the engine's two and the producer's
+        model.open()
+    assert sorted(finished) == [0, 1, 2]
+    mark.release()
+    lease.release()
     free_device_cache(fake, cache)
