@@ -280,13 +280,18 @@ class ScratchPool:
 
     def _create(self) -> Scratch:
         nbytes = self.max_blocks * PAIR_NBYTES
-        host = self._ledger.pinned_alloc(nbytes, mapped=False)
+        done = self._events.get()
         try:
-            dev = self._ledger.mem_alloc(nbytes)
+            host = self._ledger.pinned_alloc(nbytes, mapped=False)
+            try:
+                dev = self._ledger.mem_alloc(nbytes)
+            except BaseException:
+                self._ledger.pinned_free(host)
+                raise
         except BaseException:
-            self._ledger.pinned_free(host)
+            self._events.put(done)
             raise
-        scratch = Scratch(dev, host, self._events.get(), self.max_blocks)
+        scratch = Scratch(dev, host, done, self.max_blocks)
         self._all.append(scratch)
         return scratch
 

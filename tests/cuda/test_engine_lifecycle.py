@@ -123,6 +123,30 @@ async def test_a_failed_launch_is_reported_and_the_engine_recovers(fake: FakeDri
     fake.assert_clean()
 
 
+async def test_a_failure_creating_a_scratch_set_leaks_nothing(
+    fake: FakeDriver, producer: int
+) -> None:
+    # The set's completion event is created after its pair tables are allocated; when that
+    # fails, the tables must be freed (they were in no set, so close never freed them).
+    cache = fake_device_cache(fake, _layout(), 2)
+    segs = layout_segments(cache.layout)
+    async with engine(fake, cache) as (eng, pool):
+        held = eng.mark(producer)  # takes the only pooled event: the set's must be created
+        lease = await pool.acquire(1)
+        fake.fail_next("event_create", "CUDA_ERROR_OUT_OF_MEMORY")
+        with pytest.raises(kvpipe.DeviceError, match="OUT_OF_MEMORY"):
+            await eng.gather(copy_plan(segs, [0], lease.slots), lease)
+        acct = eng.accounting()
+        assert acct.scratch_buffers == 0 and acct.scratch_in_use == 0
+        assert acct.pinned_allocations == 1  # the staging only
+        assert acct.device_allocations == 1  # the pointer table only
+        held.release()
+        lease.release()
+    free_device_cache(fake, cache)
+    live = fake.live()
+    assert live["pinned_allocations"] == live["device_allocations"] == 0, live
+
+
 async def test_a_device_that_cannot_drain_retires_slots_and_scratch(fake: FakeDriver) -> None:
     layout = _layout()
     cache = fake_device_cache(fake, layout, 6)
