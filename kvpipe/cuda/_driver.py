@@ -184,20 +184,27 @@ class CudaDriver(Driver):
         count = self._call("cuDeviceGetCount")
         if not 0 <= ordinal < count:
             raise Unsupported(f"no CUDA device {ordinal} ({count} present)")
-        self._dev = self._call("cuDeviceGet", ordinal)
-        self._ctx = self._call("cuDevicePrimaryCtxRetain", self._dev)
-        self._call("cuCtxSetCurrent", self._ctx)
-        attr = cu.CUdevice_attribute
-        major = self._call(
-            "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._dev
-        )
-        minor = self._call(
-            "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._dev
-        )
-        can_map = self._call(
-            "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY, self._dev
-        )
-        raw = self._call("cuDeviceGetName", 256, self._dev)
+        dev = self._call("cuDeviceGet", ordinal)
+        self._ctx = self._call("cuDevicePrimaryCtxRetain", dev)
+        self._dev = dev
+        try:
+            self._call("cuCtxSetCurrent", self._ctx)
+            attr = cu.CUdevice_attribute
+            major = self._call(
+                "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev
+            )
+            minor = self._call(
+                "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev
+            )
+            can_map = self._call(
+                "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY, dev
+            )
+            raw = self._call("cuDeviceGetName", 256, dev)
+        except BaseException:
+            # Nobody closes a driver whose open failed: let go of the context retained here.
+            self._dev = self._ctx = None
+            self._cu.cuDevicePrimaryCtxRelease(dev)
+            raise
         name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
         return DeviceInfo(ordinal, name, (int(major), int(minor)), bool(can_map))
 
