@@ -5,6 +5,7 @@ All waits are ``anyio.sleep`` (in-loop), so under trio's ``MockClock`` they take
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -153,3 +154,39 @@ class CrashHooks(kvpipe.PipelineHooks):
         if actor == self.actor and request_id in self.request_ids:
             self.request_ids.remove(request_id)
             raise RuntimeError(f"injected crash in {actor} for {request_id}")
+
+
+class StuckInThreadStore(kvpipe.MemoryStore):
+    """A store whose puts or gets (``op``) block in a worker thread until :attr:`go_on` is
+    set (a vendor call stuck on staging), and then fail; notes whether one still ran when
+    staging was unregistered."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.go_on = threading.Event()
+        self.running = threading.Event()
+        self.unregistered: list[bool] = []
+
+    async def _stuck(self, batch: PutBatch | GetBatch) -> Sequence[BlockStatus]:
+        def stuck() -> None:
+            self.running.set()
+            self.go_on.wait(30)
+            self.running.clear()
+
+        await batch.run_sync(stuck)
+        return [BlockStatus.FAILED] * len(batch.keys)
+
+    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
+        if self.op == "put":
+            return await self._stuck(batch)
+        return await super().put_blocks(batch)
+
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        if self.op == "get":
+            return await self._stuck(batch)
+        return await super().get_blocks(batch)
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        self.unregistered.append(self.running.is_set())
+        await super().unregister_staging(buffer)

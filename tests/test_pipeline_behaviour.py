@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import kvpipe
-from kvpipe.backends import BlockStatus, GetBatch, PutBatch
-from tests.fakes import ScriptedStore
+from kvpipe.backends import BlockStatus, PutBatch
+from tests.fakes import ScriptedStore, StuckInThreadStore
 from tests.helpers import fill_random
 
 BLOCK = 16
@@ -270,29 +270,6 @@ async def test_close_is_bounded_when_the_store_never_unregisters(
     assert len(_registration.KEPT) == kept + 1
 
 
-class AbandonedGetStore(kvpipe.MemoryStore):
-    """A store whose reads block in a worker thread until told to go on (a vendor call
-    stuck writing into staging), noting whether any still ran when staging was unregistered."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.go_on = threading.Event()
-        self.running = threading.Event()
-        self.unregistered: list[bool] = []
-
-    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
-        def stuck() -> None:
-            self.running.set()
-            self.go_on.wait(30)
-            self.running.clear()
-
-        await batch.run_sync(stuck)
-        return [BlockStatus.FAILED] * len(batch.keys)
-
-    async def unregister_staging(self, buffer: memoryview) -> None:
-        self.unregistered.append(self.running.is_set())
-
-
 async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -301,7 +278,7 @@ async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
     freed, and that is logged."""
     from kvpipe.backends import _registration
 
-    store = AbandonedGetStore()
+    store = StuckInThreadStore("get")
     config = kvpipe.PipelineConfig(close_timeout=0.2, slice_timeout=0.1, staging_bytes=1 << 20)
     kept = len(_registration.KEPT)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -39,6 +40,16 @@ def _config(**kw: float) -> kvpipe.PipelineConfig:
     base: dict[str, float] = {"slice_block_num": 4, "slice_timeout": 10.0, "total_timeout": 15.0}
     base.update(kw)
     return kvpipe.PipelineConfig(**base)  # type: ignore[arg-type]
+
+
+def _held(fn: Callable[..., Any], go_on: threading.Event, seconds: float) -> Callable[..., Any]:
+    """``fn`` held in its (worker) thread until ``go_on`` is set, ``seconds`` at most."""
+
+    def held(*args: Any) -> Any:
+        go_on.wait(seconds)
+        return fn(*args)
+
+    return held
 
 
 TOKENS = np.arange(16 * BLOCK)  # 16 blocks → 4 slices of 4
@@ -266,11 +277,7 @@ async def test_a_gather_waiting_for_a_copy_thread_ends_at_the_deadline(
     """The copy thread is stuck at the deadline (its slice gathered in a thread): the write
     ends at its deadline, not by the deadline guard ``deadline_slack`` later."""
     go_on = threading.Event()
-    real = base_module.gather_sealed
-
-    def stuck(*args: Any) -> Any:
-        go_on.wait(30)
-        return real(*args)
+    stuck = _held(base_module.gather_sealed, go_on, 30)
 
     monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
     monkeypatch.setattr(base_module, "INLINE_COPY_BYTES", 0)
@@ -294,11 +301,7 @@ async def test_keys_hashed_in_a_busy_thread_end_the_request_at_its_deadline(
     """A long sequence's keys are hashed in a copy thread; that thread is stuck at the
     deadline: the request ends at its deadline, not by the guard ``deadline_slack`` later."""
     go_on = threading.Event()
-    real = scheduler_module.block_keys
-
-    def stuck(*args: Any) -> Any:
-        go_on.wait(30)
-        return real(*args)
+    stuck = _held(scheduler_module.block_keys, go_on, 30)
 
     monkeypatch.setattr(scheduler_module, "_THREAD_KEYS_TOKENS", 0)
     monkeypatch.setattr(scheduler_module, "block_keys", stuck)
@@ -326,11 +329,7 @@ async def test_a_read_whose_copy_waits_for_a_busy_thread_ends_at_its_deadline(
     back: the read's check-and-scatter never starts, and the read ends at its deadline with
     nothing loaded, not once the thread is free."""
     go_on = threading.Event()
-    real = base_module.gather_sealed
-
-    def stuck(*args: Any) -> Any:
-        go_on.wait(5)
-        return real(*args)
+    stuck = _held(base_module.gather_sealed, go_on, 5)
 
     async def write_stuck(pipe: kvpipe.Pipeline) -> None:
         await pipe.write(TOKENS + 1000, IDS, timeout=1)

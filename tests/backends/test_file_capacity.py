@@ -65,6 +65,35 @@ def _check_accounting(store: FileStore, root: Path, capacity: int, value: int = 
     assert stats.bytes == len(files) * value
 
 
+async def put_cancelled_after_reserving(
+    b: Batches,
+    store: FileStore,
+    keys: Sequence[str],
+    values: Sequence[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Put ``values``, its deadline landing just after the store reserved room for them;
+    return once the store's thread has finished on its own."""
+    catalog = _catalog(store)
+    reserve = catalog.reserve
+    with anyio.CancelScope() as scope:
+
+        def reserve_then_cancel(*args: Any) -> Any:
+            admitted = reserve(*args)
+            anyio.from_thread.run_sync(scope.cancel)  # the deadline hits just now
+            return admitted
+
+        monkeypatch.setattr(catalog, "reserve", reserve_then_cancel)
+        try:
+            await put_chain(b, store, keys, values)
+        finally:
+            monkeypatch.setattr(catalog, "reserve", reserve)
+    assert scope.cancelled_caught
+    with anyio.fail_after(10):  # the store's thread finishes on its own; wait for it
+        while b.pool.in_use:  # noqa: ASYNC110 (a worker thread, no event to wait on)
+            await anyio.sleep(0.01)
+
+
 async def test_tails_of_the_least_recently_used_chain_go_first(tmp_path: Path, b: Batches) -> None:
     root = tmp_path / "store"
     a, _ = b.keys(4, seed=1)
@@ -265,22 +294,7 @@ async def test_a_put_cancelled_after_reserving_releases_its_reservation(
     other, _ = b.keys(4, seed=31)
     async with FileStore(root, capacity_bytes=4 * STORED) as store:
         await store.open()
-        catalog = _catalog(store)
-        reserve = catalog.reserve
-        with anyio.CancelScope() as scope:
-
-            def reserve_then_cancel(*args: Any) -> Any:
-                admitted = reserve(*args)
-                anyio.from_thread.run_sync(scope.cancel)  # the deadline hits just now
-                return admitted
-
-            monkeypatch.setattr(catalog, "reserve", reserve_then_cancel)
-            await put_chain(b, store, keys, make_values(4, 30))
-        assert scope.cancelled_caught
-        with anyio.fail_after(10):  # the store's thread finishes on its own; wait for it
-            while b.pool.in_use:  # noqa: ASYNC110 (a worker thread, no event to wait on)
-                await anyio.sleep(0.01)
-        monkeypatch.undo()
+        await put_cancelled_after_reserving(b, store, keys, make_values(4, 30), monkeypatch)
         assert _catalog(store).stats().pending == 0, "the cancelled put kept its reservation"
         _check_accounting(store, root, 4 * STORED)
         assert await put_chain(b, store, other, make_values(4, 31)) == [OK] * 4

@@ -9,6 +9,7 @@ the other one to its end from there.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,37 @@ from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import FileStore
 from kvpipe.backends.file import store as store_mod
 from kvpipe.backends.file._reads import check_file
-from tests.backends.test_file_capacity import STORED, _catalog, _check_accounting
+from kvpipe.testing.batches import Batches
+from tests.backends.test_file_capacity import (
+    STORED,
+    _catalog,
+    _check_accounting,
+    put_cancelled_after_reserving,
+)
 from tests.backends.test_file_hostile import batches, block_file, get_raw, make_values, put_chain
 
 OK = BlockStatus.OK
 CAPACITY = 4 * STORED
+
+
+def _put_first(
+    b: Batches,
+    store: FileStore,
+    keys: list[str],
+    values: list[bytes],
+    statuses: list[BlockStatus],
+    fn: Callable[..., Any],
+) -> Callable[..., Any]:
+    """``fn``, called in a store's worker thread, after (the first time only) a put of
+    ``values`` from the event loop has run to its end; its statuses go into ``statuses``."""
+    token = anyio.lowlevel.current_token()
+
+    def patched(*args: Any) -> Any:
+        if not statuses:
+            statuses.extend(anyio.from_thread.run(put_chain, b, store, keys, values, token=token))
+        return fn(*args)
+
+    return patched
 
 
 async def test_a_failed_put_of_a_stored_key_keeps_the_stored_blocks_record(
@@ -38,22 +65,7 @@ async def test_a_failed_put_of_a_stored_key_keeps_the_stored_blocks_record(
         keys, _ = b.keys(1, seed=40)
         old = make_values(1, 40)
         assert await put_chain(b, store, keys, old) == [OK]
-        catalog = _catalog(store)
-        reserve = catalog.reserve
-        with anyio.CancelScope() as scope:
-
-            def reserve_then_cancel(*args: Any) -> Any:
-                admitted = reserve(*args)
-                anyio.from_thread.run_sync(scope.cancel)  # the deadline hits just now
-                return admitted
-
-            monkeypatch.setattr(catalog, "reserve", reserve_then_cancel)
-            await put_chain(b, store, keys, make_values(1, 41))
-        assert scope.cancelled_caught
-        with anyio.fail_after(10):
-            while b.pool.in_use:  # noqa: ASYNC110 (a worker thread, no event to wait on)
-                await anyio.sleep(0.01)
-        monkeypatch.undo()
+        await put_cancelled_after_reserving(b, store, keys, make_values(1, 41), monkeypatch)
         statuses, got = await get_raw(b, store, keys)
         assert statuses == [OK] and got == old
         _check_accounting(store, root, CAPACITY)
@@ -123,22 +135,9 @@ async def test_a_put_between_a_deletes_removal_and_its_record_stays_recorded(
         assert await put_chain(b, store, keys, make_values(1, 70)) == [OK]
         new = make_values(1, 71)
         catalog = _catalog(store)
-        token = anyio.lowlevel.current_token()
         put_status: list[BlockStatus] = []
-
-        def put_meanwhile(method: Any) -> Any:
-            def patched(*args: Any) -> Any:
-                if not put_status:
-                    put_status.extend(
-                        anyio.from_thread.run(put_chain, b, store, keys, new, token=token)
-                    )
-                return method(*args)
-
-            return patched
-
-        for name in ("remove", "reconcile"):  # whichever the delete forgets its records by
-            if hasattr(catalog, name):
-                monkeypatch.setattr(catalog, name, put_meanwhile(getattr(catalog, name)))
+        reconcile = _put_first(b, store, keys, new, put_status, catalog.reconcile)
+        monkeypatch.setattr(catalog, "reconcile", reconcile)
         await store.delete(keys)
         monkeypatch.undo()
         assert put_status == [OK]
@@ -160,19 +159,17 @@ async def test_a_put_of_an_evicted_key_before_its_file_goes_is_not_recorded_with
         assert await put_chain(b, store, x, make_values(1, 80)) == [OK]
         assert await put_chain(b, store, y, make_values(1, 81)) == [OK]
         spares = store._spares
-        retire = spares.retire
-        token = anyio.lowlevel.current_token()
         put_status: list[BlockStatus] = []
         x_file = block_file(root, x[0])
+        put_then_retire = _put_first(b, store, x, make_values(1, 83), put_status, spares.retire)
+        retire = spares.retire
 
-        def put_then_retire(root_: Any, parts: Any, name: str) -> bool:
-            if name == x_file.name and not put_status:
-                put_status.extend(
-                    anyio.from_thread.run(put_chain, b, store, x, make_values(1, 83), token=token)
-                )
+        def retire_x(root_: Any, parts: Any, name: str) -> bool:
+            if name == x_file.name:
+                return bool(put_then_retire(root_, parts, name))
             return retire(root_, parts, name)
 
-        monkeypatch.setattr(spares, "retire", put_then_retire)
+        monkeypatch.setattr(spares, "retire", retire_x)
         assert await put_chain(b, store, z, make_values(1, 82)) == [OK]  # evicts X (oldest)
         monkeypatch.undo()
         assert put_status == [OK]

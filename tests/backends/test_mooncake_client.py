@@ -52,9 +52,12 @@ async def master() -> AsyncIterator[str]:
         await listener.aclose()
 
 
+@pytest.mark.parametrize("opened", [True, False])
 async def test_a_call_after_aclose_does_not_set_up_a_new_client(
-    master: str, monkeypatch: pytest.MonkeyPatch
+    master: str, monkeypatch: pytest.MonkeyPatch, opened: bool
 ) -> None:
+    """A closed store (opened before, or closed before its first call) refuses later calls
+    without setting up a vendor client: it would mount a segment that nothing closes."""
     clients: list[FakeClient] = []
 
     def load() -> FakeClient:
@@ -63,15 +66,16 @@ async def test_a_call_after_aclose_does_not_set_up_a_new_client(
 
     monkeypatch.setattr(mc, "_load_client", load)
     store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
-    await store.open()
+    if opened:
+        await store.open()
     await store.aclose()
-    assert len(clients) == 1 and clients[0].closed == 1
+    assert store.closed
+    assert [c.closed for c in clients] == ([1] if opened else [])
     scope = Scope("ns", VALUES_FINGERPRINT)
     batch = KeyBatch(scope, "r", ["k1"], 0, as_tokens(np.zeros(0, np.int64)))
     with pytest.raises(kvpipe.BackendError):
         await store.exists(batch)
-    # refused without connecting (and mounting a segment) again: nothing would close it
-    assert len(clients) == 1
+    assert len(clients) == int(opened)
 
 
 async def test_a_failed_unregister_is_a_backend_error(
@@ -148,28 +152,6 @@ async def test_a_registration_cancelled_before_its_call_started_is_not_counted(
             await store.register_staging(staging.data)
         await store.unregister_staging(staging.data)  # nothing to undo: no error
         assert not client.started.is_set() and client.registered == set()
-
-
-async def test_aclose_before_open_closes_the_store(
-    master: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A store closed before its first call is closed too: no later call sets up a vendor
-    client (it would mount a segment that nothing closes)."""
-    clients: list[FakeClient] = []
-
-    def load() -> FakeClient:
-        clients.append(FakeClient())
-        return clients[-1]
-
-    monkeypatch.setattr(mc, "_load_client", load)
-    store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
-    await store.aclose()
-    assert store.closed
-    scope = Scope("ns", VALUES_FINGERPRINT)
-    batch = KeyBatch(scope, "r", ["k1"], 0, as_tokens(np.zeros(0, np.int64)))
-    with pytest.raises(kvpipe.BackendError):
-        await store.exists(batch)
-    assert clients == []
 
 
 class DuplicateGetClient(FakeClient):

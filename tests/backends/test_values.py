@@ -2,46 +2,20 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
-
 import anyio
 import anyio.lowlevel
 import pytest
 
 import kvpipe
-from kvpipe.backends import BlockStatus, PutBatch, _registration
+from kvpipe.backends import BlockStatus, _registration
 from kvpipe.backends._values import ValueClient
-
-
-class StuckPutStore(kvpipe.MemoryStore):
-    """Puts block in a worker thread (a vendor call stuck reading staging) until told to go
-    on; notes whether one still ran when staging was unregistered."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.go_on = threading.Event()
-        self.running = threading.Event()
-        self.unregistered: list[bool] = []
-
-    async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
-        def stuck() -> None:
-            self.running.set()
-            self.go_on.wait(30)
-            self.running.clear()
-
-        await batch.run_sync(stuck)
-        return [BlockStatus.FAILED] * len(batch.keys)
-
-    async def unregister_staging(self, buffer: memoryview) -> None:
-        self.unregistered.append(self.running.is_set())
-        await super().unregister_staging(buffer)
+from tests.fakes import StuckInThreadStore
 
 
 async def test_staging_a_call_abandoned_at_exit_may_use_stays_registered(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    store = StuckPutStore()
+    store = StuckInThreadStore("put")
     kept = len(_registration.KEPT)
     try:
         with anyio.fail_after(10):

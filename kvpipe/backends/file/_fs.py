@@ -348,16 +348,7 @@ class Root:
 
     def exists(self, parts: Sequence[str], name: str) -> bool:
         """Whether ``parts/name`` is a regular file (symbolic links are not)."""
-        try:
-            fd = self._open_file(parts, name, os.O_PATH)
-        except (UnsafePath, NotADirectoryError):
-            return False
-        if fd is None:
-            return False
-        try:
-            return stat.S_ISREG(os.fstat(fd).st_mode)
-        finally:
-            os.close(fd)
+        return self.size(parts, name) is not None
 
     def size(self, parts: Sequence[str], name: str) -> int | None:
         """The size of regular file ``parts/name``; ``None`` when there is none."""
