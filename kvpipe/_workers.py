@@ -186,11 +186,11 @@ class WorkerThreads:
                 self._threads -= 1
 
 
-@final
 class NotStarted(Exception):
     """A call given ``start_by`` was still waiting in its lane then: it never runs."""
 
 
+@final
 class _Call:
     """Who finishes a worker-thread call: its caller, or, when the caller stopped waiting
     while the thread ran, the thread itself (through the event loop). A call whose caller

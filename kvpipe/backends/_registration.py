@@ -38,9 +38,6 @@ class Registrations:
         #: freed by its owner either).
         self.kept = False
 
-    def __len__(self) -> int:
-        return len(self._buffers)
-
     async def add(self, buffer: memoryview) -> None:
         """Register ``buffer`` with the store.
 

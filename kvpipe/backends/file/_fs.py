@@ -129,11 +129,11 @@ def _put_back(src: int, stamp: str, dst: int, name: str) -> None:
     except FileExistsError:
         pass
     except OSError:  # no hard links here: rename it back unless a newer block is there
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.stat(name, dir_fd=dst, follow_symlinks=False)
-            return  # keep the valid one in quarantine/ rather than replace the newer one
-        os.rename(stamp, name, src_dir_fd=src, dst_dir_fd=dst)
-        return
+        except FileNotFoundError:
+            os.rename(stamp, name, src_dir_fd=src, dst_dir_fd=dst)
+        return  # else the valid one stays in quarantine/ rather than replace the newer one
     os.unlink(stamp, dir_fd=src)
 
 
