@@ -221,7 +221,7 @@ UNREADABLE: Final = 3
 def place_if_sound(
     value: Bytes | memoryview,
     payload_nbytes: int,
-    checksum: int,
+    checksum: int | None,
     key_digest: bytes,
     verify: bool,
     rows: Sequence[Any],
@@ -232,14 +232,15 @@ def place_if_sound(
     """Check a fetched value and copy it into cache block ``block`` only if it passes, in one
     GIL-free call to the native extension.
 
-    It passes when its whole XXH3-64 is ``checksum`` and its trailer is the one
+    It passes when its whole XXH3-64 is ``checksum`` (when given) and its trailer is the one
     :func:`seal_blocks` writes with a checksum for ``key_digest`` (with ``verify``, the
     payload's XXH3-64 included).
 
     Args:
         value: The value's bytes.
         payload_nbytes: The payload size the layout expects.
-        checksum: The XXH3-64 of the whole value, as its store recorded it.
+        checksum: The XXH3-64 of the whole value, as its store recorded it; ``None``: the
+            store recorded none (the trailer's checks alone).
         key_digest: Digest of the key it was fetched under.
         verify: Also compare the payload's checksum with the trailer's.
         rows: The cache's 2-D byte arrays, one row per block, each row contiguous.
@@ -262,8 +263,19 @@ def place_if_sound(
     if native is None:
         return None
     trailer = _TRAILER.pack(MAGIC, VERSION, FLAG_CHECKSUM, payload_nbytes, key_digest, 0)
+    whole = checksum is not None
     code: int = native.check_place(
-        value, payload_nbytes, checksum, trailer, _DIGEST_AT, verify, rows, block, table, mapped
+        value,
+        payload_nbytes,
+        checksum or 0,
+        trailer,
+        _DIGEST_AT,
+        verify,
+        rows,
+        block,
+        table,
+        mapped,
+        whole,
     )
     return None if code == _TRAILER_DIFFERS else code
 

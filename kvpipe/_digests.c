@@ -346,7 +346,7 @@ typedef struct {
     Py_ssize_t len, payload, digest_at, block, n;
     uint64_t checksum;
     const Py_buffer *trailer;
-    int verify;
+    int verify, whole; /* whole: compare the whole value's XXH3-64 with checksum */
     char **dst;
     const Py_ssize_t *stride;
     const int64_t *t; /* n pieces */
@@ -354,12 +354,17 @@ typedef struct {
 
 /* check_place's work: the value checked, then copied only if it passes (0, 1 or 2). */
 static int place(const Place *p) {
-    XXH3_state_t state;
-    XXH3_64bits_reset(&state);
-    UPDATE64(&state, p->v, (size_t)p->payload);
-    uint64_t digest = XXH3_64bits_digest(&state);
-    UPDATE64(&state, p->v + p->payload, (size_t)(p->len - p->payload));
-    if (XXH3_64bits_digest(&state) != p->checksum) return 1;
+    uint64_t digest = 0;
+    if (p->whole) {
+        XXH3_state_t state;
+        XXH3_64bits_reset(&state);
+        UPDATE64(&state, p->v, (size_t)p->payload);
+        digest = XXH3_64bits_digest(&state);
+        UPDATE64(&state, p->v + p->payload, (size_t)(p->len - p->payload));
+        if (XXH3_64bits_digest(&state) != p->checksum) return 1;
+    } else if (p->verify) {
+        digest = HASH64(p->v, (size_t)p->payload);
+    }
     if (trailer_differs(p->v + p->payload, p->trailer->buf, p->trailer->len, p->digest_at,
                         p->verify, digest))
         return 2;
@@ -383,10 +388,12 @@ static int place_guarded(const Place *p) {
 
 PyDoc_STRVAR(check_place_doc,
              "check_place(value, payload_nbytes, checksum, trailer, digest_at, verify, rows,\n"
-             "            block, table, mapped=False, /) -> int\n\n"
+             "            block, table, mapped=False, whole=True, /) -> int\n\n"
              "Check a fetched value and, only when it passes, copy its pieces into cache block\n"
              "`block`, all with the GIL released once. It passes when its XXH3-64 (all of\n"
-             "it) is `checksum` and the len(trailer) bytes after its first `payload_nbytes`\n"
+             "it) is `checksum` (only with `whole`: without, `checksum` is not compared and\n"
+             "the payload is hashed only with `verify`) and the len(trailer) bytes after its\n"
+             "first `payload_nbytes`\n"
              "are `trailer`, but for the 8 at `digest_at`: with `verify`, they must hold the\n"
              "payload's XXH3-64 (little-endian); without, they are not compared. `table`\n"
              "holds int64 triples (row array index, offset in the value, bytes): piece\n"
@@ -403,10 +410,11 @@ static PyObject *check_place(PyObject *self, PyObject *args) {
     Py_buffer value, trailer, table;
     unsigned long long checksum;
     Py_ssize_t payload, digest_at, block;
-    int verify, mapped = 0;
+    int verify, mapped = 0, whole = 1;
     PyObject *rows_obj;
-    if (!PyArg_ParseTuple(args, "y*nKy*npOny*|p:check_place", &value, &payload, &checksum,
-                          &trailer, &digest_at, &verify, &rows_obj, &block, &table, &mapped))
+    if (!PyArg_ParseTuple(args, "y*nKy*npOny*|pp:check_place", &value, &payload, &checksum,
+                          &trailer, &digest_at, &verify, &rows_obj, &block, &table, &mapped,
+                          &whole))
         return NULL;
     PyObject *result = NULL;
     Rows rows = {NULL, NULL, 0};
@@ -430,7 +438,7 @@ static PyObject *check_place(PyObject *self, PyObject *args) {
         goto done;
     }
     Place p = {value.buf, value.len, payload, digest_at, block, n, (uint64_t)checksum,
-               &trailer, verify, dst, stride, t};
+               &trailer, verify, whole, dst, stride, t};
     int code;
     Py_BEGIN_ALLOW_THREADS
     code = mapped ? place_guarded(&p) : place(&p);

@@ -17,6 +17,7 @@ def check_place(
     block: int,
     table: Any,
     mapped: bool = False,
+    whole: bool = True,
     /,
 ) -> int: ...
 def gather_seal(

@@ -16,13 +16,15 @@ from typing import final
 import numpy as np
 import numpy.typing as npt
 
-from ._blockformat import check_blocks, gather_seal_blocks, seal_blocks
+from ._blockformat import PLACED, check_blocks, gather_seal_blocks, place_if_sound, seal_blocks
 from ._blockformat import native as _native
-from ._plan import CopyPlan, CopySegment, copy_plan
+from ._plan import CopyPlan, CopySegment, copy_plan, leading_run
 
 __all__ = (
+    "PLACE_EACH_FROM_NBYTES",
     "RowGroup",
     "RowGroups",
+    "check_and_scatter",
     "gather",
     "gather_sealed",
     "scatter",
@@ -192,6 +194,91 @@ def verify_slots(
 ) -> list[str | None]:
     """Check every slot's trailer (and checksum); ``None`` for a sound block."""
     return check_blocks([staging[slot] for slot in slots], payload_nbytes, digests, verify)
+
+
+#: Payloads of at least this many bytes are checked and copied value by value, one native
+#: call each: a value is hashed and then copied while it is still in the processor's cache
+#: (2 MiB values: 1.16x the speed of hashing a slice's values, then copying them). Smaller
+#: ones are checked together and copied in as few numpy calls as their layout allows.
+PLACE_EACH_FROM_NBYTES = 128 * 1024
+
+
+def check_and_scatter(
+    segments: tuple[CopySegment, ...],
+    values: Sequence[Rows],
+    payload_nbytes: int,
+    digests: Sequence[bytes],
+    verify: bool,
+    cache_blocks: Sequence[int] | npt.NDArray[np.int64],
+    rows: RowGroups,
+    staged: tuple[Rows, Sequence[int]] | None = None,
+) -> list[str | None]:
+    """Check fetched ``values`` and copy the leading sound ones into cache blocks
+    ``cache_blocks`` (one per value); a value is copied only once it has passed, and none
+    after the first that fails.
+
+    Args:
+        segments: The packing of a block value.
+        values: The fetched values, in block order.
+        payload_nbytes: The payload size the layout expects.
+        digests: The digest of each value's key.
+        verify: Also compare each payload's checksum (:func:`~kvpipe._blockformat.check_blocks`).
+        cache_blocks: The cache block of each value.
+        rows: The cache's rows.
+        staged: ``(staging, slots)`` where the values are staging's slots (their copies then
+            follow the staging plan), ``None`` where they are values of a store's own.
+
+    Returns:
+        Each value's check, ``None`` for a sound one (as :func:`check_blocks`).
+    """
+    done = 0
+    if _native is not None and payload_nbytes >= PLACE_EACH_FROM_NBYTES:
+        done = _place_leading(values, payload_nbytes, digests, verify, cache_blocks, rows)
+    rest = (
+        check_blocks(values[done:], payload_nbytes, digests[done:], verify)
+        if done < len(values)
+        else []
+    )
+    checks: list[str | None] = [None] * done
+    checks += rest
+    k = done + leading_run(c is None for c in rest)
+    if k > done:
+        blocks = cache_blocks[done:k]
+        if staged is None:
+            scatter_values(segments, values[done:k], blocks, rows)
+        else:
+            staging, slots = staged
+            scatter(copy_plan(segments, blocks, slots[done:k]), staging, rows)
+    return checks
+
+
+def _place_leading(
+    values: Sequence[Rows],
+    payload_nbytes: int,
+    digests: Sequence[bytes],
+    verify: bool,
+    cache_blocks: Sequence[int] | npt.NDArray[np.int64],
+    rows: RowGroups,
+) -> int:
+    """Check and copy values one by one natively while they pass; how many did. The first
+    that does not (or one the extension cannot decide) is left to the caller."""
+    for i, value in enumerate(values):
+        try:
+            verdict = place_if_sound(
+                value,
+                payload_nbytes,
+                None,
+                digests[i],
+                verify,
+                rows.rows,
+                int(cache_blocks[i]),
+                rows.table,
+            )
+        except (ValueError, IndexError, BufferError):  # rows or a value it does not take
+            return i
+        if verdict != PLACED:
+            return i
+    return len(values)
 
 
 def scatter_values(

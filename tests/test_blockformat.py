@@ -268,6 +268,30 @@ def test_place_if_sound_checks_the_payload_only_when_verifying(hashing: str, ver
         assert verdict == PLACED and rows[1][1].tobytes() == value[:60].tobytes()
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_place_if_sound_without_a_recorded_checksum_checks_the_trailer(
+    hashing: str, verify: bool
+) -> None:
+    """A store that records no checksum of its own (``None``): the trailer decides, the
+    payload's hash compared only with ``verify``."""
+    value, rows = _sealed(), _rows()
+    verdict = place_if_sound(value, PAYLOAD, None, DIGEST, verify, rows, 1, TABLE)
+    if hashing == "python":
+        assert verdict is None and _untouched(rows)
+        return
+    assert verdict == PLACED and rows[0][1].tobytes() == value[60:PAYLOAD].tobytes()
+    bad, rows = _sealed(), _rows()
+    bad[70] ^= 1
+    verdict = place_if_sound(bad, PAYLOAD, None, DIGEST, verify, rows, 1, TABLE)
+    if verify:
+        assert verdict is None and _untouched(rows)
+    else:  # as check_block(verify=False): the payload is not hashed
+        assert verdict == PLACED and rows[0][1].tobytes() == bad[60:PAYLOAD].tobytes()
+    other, rows = _sealed(), _rows()
+    assert place_if_sound(other, PAYLOAD, None, OTHER, verify, rows, 1, TABLE) is None
+    assert _untouched(rows)
+
+
 @pytest.mark.parametrize(
     "spoil",
     [

@@ -491,3 +491,81 @@ def test_tensors_of_separate_buffers_are_never_one_view() -> None:
         for seg in segments:
             want = before[seg.tensor * step + block * nbytes :][:nbytes]
             assert np.array_equal(staging[slot, seg.offset : seg.offset + nbytes], want)
+
+
+# ---------------------------------------------------------------- check and scatter
+
+BIG = CacheLayout.gqa(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16)  # 256 KiB
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("victim", [0, 2, 5, None])
+def test_check_and_scatter_places_the_leading_sound_values_only(
+    monkeypatch: pytest.MonkeyPatch, native: bool, staged: bool, victim: int | None
+) -> None:
+    """Values checked and copied one by one natively (payloads of 256 KiB), or checked
+    together and copied with numpy: the same checks, the leading sound values in their
+    blocks, and nothing of the first bad value or any after it."""
+    import kvpipe._hostcopy as hostcopy
+
+    needs_native_digests()
+    payload = BIG.block_nbytes
+    assert payload >= hostcopy.PLACE_EACH_FROM_NBYTES
+    calls: list[int] = []
+    real = hostcopy.place_if_sound
+
+    def counted(*args: object, **kwargs: object) -> int | None:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hostcopy, "place_if_sound", counted)
+    if not native:
+        monkeypatch.setattr(hostcopy, "_native", None)
+    slots = [0, 1, 2, 3, 4, 5]
+    staging, digests = _sealed_staging(BIG, slots)
+    if victim is not None:
+        staging[slots[victim], 1000] ^= 1
+    want = verify_slots(staging, slots, payload, digests, True)
+    values = [staging[s, : value_nbytes(payload)] for s in slots]
+    if not staged:
+        values = [v.copy() for v in values]
+    segments = layout_segments(BIG)
+    cache = create_kv_cache(BIG, CACHE_BLOCKS)
+    before = [r.copy() for r in cache.byte_rows]
+    blocks = [9, 3, 4, 12, 0, 7]
+    rows = hostcopy.RowGroups(segments, list(cache.byte_rows))
+    got = hostcopy.check_and_scatter(
+        segments, values, payload, digests, True, blocks, rows, (staging, slots) if staged else None
+    )
+    assert got == want
+    sound = len(slots) if victim is None else victim
+    for i, block in enumerate(blocks):
+        for seg in segments:
+            row = cache.byte_rows[seg.tensor][block]
+            if i < sound:
+                assert np.array_equal(row, values[i][seg.offset : seg.offset + seg.nbytes])
+            else:
+                assert np.array_equal(row, before[seg.tensor][block])
+    assert len(calls) == (min(sound + 1, len(slots)) if native else 0)
+
+
+def test_check_and_scatter_leaves_a_trailer_without_checksum_to_the_slow_way() -> None:
+    """Values whose writer recorded no checksum: the extension does not decide them, numpy
+    copies them all the same."""
+    import kvpipe._hostcopy as hostcopy
+
+    needs_native_digests()
+    payload, slots = BIG.block_nbytes, [0, 1, 2]
+    staging, digests = _sealed_staging(BIG, slots, checksum=False)
+    segments = layout_segments(BIG)
+    cache = create_kv_cache(BIG, CACHE_BLOCKS)
+    rows = hostcopy.RowGroups(segments, list(cache.byte_rows))
+    got = hostcopy.check_and_scatter(
+        segments, [staging[s] for s in slots], payload, digests, True, [5, 6, 7], rows
+    )
+    assert got == [None] * 3
+    for i, block in enumerate([5, 6, 7]):
+        seg = segments[-1]
+        want = staging[slots[i], seg.offset : seg.offset + seg.nbytes]
+        assert np.array_equal(cache.byte_rows[seg.tensor][block], want)

@@ -20,7 +20,7 @@ import anyio.lowlevel
 from .._blockformat import check_blocks
 from .._engine import INLINE_COPY_BYTES
 from .._errors import BackendError
-from .._hostcopy import gather, scatter, scatter_values
+from .._hostcopy import check_and_scatter, gather, scatter_values
 from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
 from .._staging import StagingLease
@@ -337,13 +337,10 @@ class Reader(Actor[ReadState | SliceJob]):
         staging, rows, lent = job.lease.pool.buffer, ctx.cache.row_groups(segments), bool(job.lent)
 
         def work() -> list[str | None]:
-            checks = check_blocks(sources, payload, digests, check_sums)
-            k = leading_run(c is None for c in checks)
-            if k and lent:
-                scatter_values(segments, sources[:k], blocks[:k], rows)
-            elif k:
-                scatter(copy_plan(segments, blocks[:k], slots[:k]), staging, rows)
-            return checks
+            staged = None if lent else (staging, slots)
+            return check_and_scatter(
+                segments, sources, payload, digests, check_sums, blocks, rows, staged
+            )
 
         nbytes = fetched * payload
         if nbytes <= INLINE_COPY_BYTES:  # on the event loop: cancelled here, none is placed
