@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -12,6 +12,7 @@ import pytest
 import trio.testing
 
 import kvpipe
+from kvpipe._keys import as_tokens, block_keys
 from kvpipe.actors import _base as base_module
 from kvpipe.actors import reader as reader_module
 from kvpipe.actors import scheduler as scheduler_module
@@ -352,3 +353,38 @@ async def test_a_read_whose_copy_waits_for_a_busy_thread_ends_at_its_deadline(
             go_on.set()
     finally:
         go_on.set()
+
+
+async def test_deleting_a_corrupt_block_does_not_hold_back_the_read() -> None:
+    """A host cache's read of small slices from a store that keeps its values runs its
+    slices one after another in the reader's loop. Deleting a block that failed verification
+    is best effort, after the fact: the read's result must not wait for it (it did, up to
+    ``slice_timeout``, while the slices after the failed one stayed unresolved)."""
+
+    class SlowDelete(kvpipe.MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.go_on = anyio.Event()
+            self.deleted: list[str] = []
+
+        async def delete(self, keys: Sequence[str]) -> None:
+            await self.go_on.wait()
+            self.deleted.extend(keys)
+            await super().delete(keys)
+
+    store = SlowDelete()
+    async with kvpipe.open_pipeline(_cache(), store, config=_config()) as pipe:
+        assert (await pipe.write(TOKENS, IDS)).complete
+        key = block_keys(pipe.scope, as_tokens(TOKENS), BLOCK, False).keys[5]
+        bad = store._data[key].copy()
+        bad[0] ^= 0xFF  # a payload byte: the checksum no longer matches
+        store._data[key] = bad
+        start = anyio.current_time()
+        r = await pipe.read(TOKENS, np.arange(20, 36))
+        assert anyio.current_time() - start == 0
+        assert (r.loaded, r.stop_reason) == (5, "failed_block")
+        assert store.deleted == []  # still being deleted
+        store.go_on.set()
+        await anyio.sleep(1)
+        assert store.deleted == [key]
+        assert await pipe.lookup(TOKENS) == 5

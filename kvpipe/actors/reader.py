@@ -66,7 +66,10 @@ class Reader(Actor[ReadState | SliceJob]):
 
     async def _run_slices(self, state: ReadState, tg: anyio.abc.TaskGroup | None) -> None:
         """The loop of :meth:`_run_request`; slices that run in tasks start in ``tg``. A slice
-        past where loading stopped is resolved without being fetched."""
+        past where loading stopped is resolved without being fetched. Blocks of inline slices
+        that failed verification are deleted after the loop, once every slice is resolved:
+        the read's result does not wait for that."""
+        corrupt: list[str] = []
         for spec in state.slices:
             if state.stopped_before(spec.first_block):
                 state.resolve(spec.index, 0)
@@ -82,7 +85,9 @@ class Reader(Actor[ReadState | SliceJob]):
                 # Let it start before the next: slices reach the store in planned order.
                 await anyio.lowlevel.checkpoint()
             else:
-                await self._slice(job)
+                corrupt += await self._place(job)
+        if corrupt:
+            await self._delete_corrupt(state.request_id, corrupt)
 
     async def _lease(self, state: ReadState, spec: SliceSpec) -> StagingLease | None:
         """Wait for a slice's staging until the deadline, until the request ends, or until
@@ -97,8 +102,14 @@ class Reader(Actor[ReadState | SliceJob]):
         return None
 
     async def _slice(self, msg: SliceJob) -> None:
+        """:meth:`_place` one slice, then delete its blocks that failed verification."""
+        corrupt = await self._place(msg)
+        if corrupt:
+            await self._delete_corrupt(msg.state.request_id, corrupt)
+
+    async def _place(self, msg: SliceJob) -> list[str]:
         """Fetch, verify and place one slice; passes its staging on to the swapper or lets go
-        of it."""
+        of it. Returns the keys of blocks that failed verification twice (to delete)."""
         owned = True
         corrupt: list[str] = []
         try:
@@ -116,8 +127,7 @@ class Reader(Actor[ReadState | SliceJob]):
         finally:
             if owned:
                 msg.release()
-        if corrupt:
-            await self._delete_corrupt(msg.state.request_id, corrupt)
+        return corrupt
 
     async def _fetch(self, job: SliceJob) -> list[str]:
         """Fetch and verify; sets ``job.valid``; returns keys of blocks that failed checks."""
