@@ -388,3 +388,42 @@ async def test_deleting_a_corrupt_block_does_not_hold_back_the_read() -> None:
         await anyio.sleep(1)
         assert store.deleted == [key]
         assert await pipe.lookup(TOKENS) == 5
+
+
+async def test_a_refetched_block_whose_check_waits_for_a_busy_thread_ends_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A block fails verification and is fetched again; by the time it is back, the one
+    copy thread is stuck (another write's gather). Checking it again never starts after the
+    read's deadline: the read ends at its deadline with the blocks before it, not by the
+    deadline guard ``deadline_slack`` later."""
+    go_on = threading.Event()
+    stuck = _held(base_module.gather_sealed, go_on, 5)
+    store = ScriptedStore(gets={0: Act(corrupt=[2]), 1: Act(delay=2)})
+    outcome: dict[str, kvpipe.ReadResult] = {}
+
+    async def read(pipe: kvpipe.Pipeline) -> None:
+        outcome["read"] = await pipe.read(TOKENS[: 4 * BLOCK], np.arange(20, 24), timeout=5)
+
+    try:
+        config = _config(copy_threads=1)
+        async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+            assert (await pipe.write(TOKENS, IDS)).complete
+            # Gathers and the second check in a thread; the first check-and-scatter inline,
+            # so no thread runs before the stuck one (virtual time jumps while one runs).
+            for module in (writer_module, base_module):
+                monkeypatch.setattr(module, "INLINE_COPY_BYTES", 0)
+            monkeypatch.setattr(base_module, "gather_sealed", stuck)
+            start = anyio.current_time()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read, pipe)
+                await store.wait_calls("get", 2)  # the refetch of blocks 2..: the thread is free
+                await pipe.write(TOKENS + 1000, IDS, timeout=1)  # its gather takes the thread
+            r = outcome["read"]
+            assert r.elapsed == pytest.approx(5.0)
+            assert (r.loaded, r.stop_reason) == (2, "total_timeout")
+            assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+            assert anyio.current_time() - start == pytest.approx(5.0)
+            go_on.set()
+    finally:
+        go_on.set()

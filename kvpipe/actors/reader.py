@@ -159,9 +159,9 @@ class Reader(Actor[ReadState | SliceJob]):
         if bad < fetched:
             # A block fetched fine failed verification: fetch it (and the rest) once more.
             again = await self._refetch(job, bad, fetched, deadline)
-            if again is not None:
-                ok_again = leading_ok(again)
-                checks2 = await self._verify(job, bad, bad + ok_again)
+            checks2 = None if again is None else await self._check_again(job, bad, again)
+            if again is not None and checks2 is not None:
+                ok_again = len(checks2)
                 confirmed = {
                     bad + i
                     for i, c in enumerate(checks2)
@@ -389,6 +389,22 @@ class Reader(Actor[ReadState | SliceJob]):
             )
         for i, check in zip(unseen, checks, strict=True):
             sink.checks[i], sink.seen[i], sink.placed[i] = check, True, check is None
+
+    async def _check_again(
+        self, job: SliceJob, lo: int, again: list[BlockStatus]
+    ) -> list[str | None] | None:
+        """Check the leading blocks fetched again from ``lo`` (:meth:`_refetch`); ``None``
+        when the check could not start by the read's deadline (the copy threads were busy):
+        loading then stops at block ``lo`` of the slice, as ``total_timeout``."""
+        spec, state = job.spec, job.state
+        assert isinstance(state, ReadState)
+        try:
+            return await self._verify(job, lo, lo + leading_ok(again), start_by=state.deadline)
+        except NotStarted:
+            first = spec.first_block + lo
+            detail = f"slice {spec.index}: deadline passed waiting for a copy thread"
+            state.stop_at(first, "total_timeout", range(first, spec.end_block), detail)
+            return None
 
     async def _refetch(
         self, job: SliceJob, lo: int, hi: int, deadline: float
