@@ -137,7 +137,9 @@ class Supervisor:
         held = actor.held_requests()
         now = anyio.current_time()
         crashes.append(now)
-        while crashes and crashes[0] < now - self._window:
+        # Each crash's age compared with the window, not its time with ``now - window``: the
+        # age of a recent crash is exact (its clock readings are close), that bound rounded.
+        while crashes and now - crashes[0] > self._window:
             crashes.popleft()
         ids = "; ".join(s.describe() for s in held[:8]) or "none"
         if len(held) > 8:

@@ -89,3 +89,11 @@ async def test_too_many_crashes_within_the_window_escalate() -> None:
     _states, metrics, escalated = await _run(2, 60, msgs)
     assert len(escalated) == 1 and escalated[0].startswith("boom:")
     assert metrics.restarts == {"boom": 2}  # the third crash closes instead of restarting
+
+
+async def test_a_crash_exactly_the_window_ago_still_counts() -> None:
+    """Crashes older than the window are forgotten, one exactly the window ago is not
+    (docs/architecture.md, Supervision), whatever the clock reads: here the crashes come at
+    0.1 s and 60.1 s, where ``60.1 - 60`` rounds above 0.1 and the first crash was dropped."""
+    _, metrics, escalated = await _run(1, 60, [(0.1, "crash-a"), (60, "crash-b")])
+    assert len(escalated) == 1 and metrics.restarts == {"boom": 1}
