@@ -249,7 +249,8 @@ class Pipeline:
         Raises:
             RequestError: Bad token ids.
             BackendError: The store failed the query.
-            OperationTimeout: No answer within ``timeout`` (default ``config.lookup_timeout``).
+            OperationTimeout: No answer within ``timeout`` (default ``config.lookup_timeout``),
+                or one ``exists`` call of the store took longer than ``config.slice_timeout``.
             PipelineClosed: The pipeline is closed.
 
         Cancellation: cancelling the caller abandons the query; nothing changes in the store.
