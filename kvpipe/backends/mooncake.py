@@ -11,6 +11,7 @@ happens only here; without the package, :class:`MooncakeStore` raises
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections import Counter, OrderedDict
@@ -20,7 +21,7 @@ from typing import Any, Final, TypeVar, final
 import anyio
 import numpy as np
 
-from .._errors import BackendError, Unsupported
+from .._errors import BackendError, ConfigError, Unsupported
 from .._results import ResidencyEntry
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from ._inflight import InFlight, ThreadGate
@@ -91,12 +92,17 @@ class MooncakeStore(StorageBackend):
         local_hostname: This client's address as other clients reach it.
         protocol: ``"tcp"`` or ``"rdma"``.
         device_name: RDMA device (``""`` for TCP).
-        global_segment_size: Bytes this client contributes to the store.
-        local_buffer_size: Bytes of the client's local transfer buffer.
+        global_segment_size: Bytes this client contributes to the store (0: none, a client
+            that only moves values to and from other clients' segments).
+        local_buffer_size: Bytes of the client's local transfer buffer (0 allowed).
         setup_timeout: Seconds ``open`` may take (the master is probed first), and each of
             ``aclose``'s two waits.
         client: An already set-up ``MooncakeDistributedStore`` to use instead (not closed by
             :meth:`aclose`).
+
+    Raises:
+        ConfigError: A size that is not an int >= 0, or a ``setup_timeout`` that is not a
+            finite number > 0 (refused here, not at the first call).
 
     Use ``async with MooncakeStore(...) as store`` or ``await store.open()``.
     """
@@ -116,6 +122,16 @@ class MooncakeStore(StorageBackend):
         setup_timeout: float = 30.0,
         client: Any = None,
     ) -> None:
+        for field, size in (
+            ("global_segment_size", global_segment_size),
+            ("local_buffer_size", local_buffer_size),
+        ):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ConfigError(field, f"must be an int >= 0 (bytes), got {size!r}")
+        if isinstance(setup_timeout, bool) or not (
+            isinstance(setup_timeout, int | float) and 0 < setup_timeout < math.inf
+        ):
+            raise ConfigError("setup_timeout", f"must be finite and > 0, got {setup_timeout!r}")
         self.master = master
         self.metadata = metadata
         self.local_hostname = local_hostname

@@ -206,3 +206,40 @@ async def test_a_key_asked_twice_in_one_get_fills_both_buffers(
                     assert bytes(buf) == value, "reported OK, the buffer was never written"
         finally:
             lease.release()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("global_segment_size", -1),
+        ("global_segment_size", 1.5),
+        ("global_segment_size", True),
+        ("local_buffer_size", -(64 << 20)),
+        ("local_buffer_size", "64MiB"),
+        ("setup_timeout", 0),
+        ("setup_timeout", -1.0),
+        ("setup_timeout", float("nan")),
+        ("setup_timeout", float("inf")),
+    ],
+)
+def test_a_bad_size_or_timeout_is_refused_at_construction(field: str, value: object) -> None:
+    """A negative or non-int size got past the constructor and surfaced at the first call
+    as the vendor's raw ``TypeError`` (``setup(): incompatible function arguments``); a
+    timeout of 0 as "master unreachable". Refused up front, naming the argument."""
+    with pytest.raises(kvpipe.ConfigError) as info:
+        mc.MooncakeStore(
+            "127.0.0.1:1", "http://127.0.0.1:1/metadata", client=FakeClient(), **{field: value}
+        )  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_a_client_that_contributes_no_segment_is_accepted() -> None:
+    """``global_segment_size=0`` (and a local buffer of 0) are valid Mooncake settings: a
+    client that only moves values to and from other clients' segments."""
+    mc.MooncakeStore(
+        "127.0.0.1:1",
+        "http://127.0.0.1:1/metadata",
+        global_segment_size=0,
+        local_buffer_size=0,
+        client=FakeClient(),
+    )
