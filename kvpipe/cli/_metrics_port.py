@@ -7,7 +7,8 @@ its own) over the run's registry: a scrape reads the pipelines' statistics from 
 which :meth:`kvpipe.Pipeline.statistics` allows (it only reads).
 
 ``--metrics-linger S`` keeps the page up for S seconds after the run, so that the final
-numbers of a short run can still be scraped or looked at.
+numbers of a short run can still be scraped or looked at; given without ``--metrics-port``
+it is a usage error (exit 2), not silently ignored.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-linger",
         type=float,
-        default=0.0,
+        default=None,
         metavar="S",
-        help="with --metrics-port: keep serving for S seconds after the run",
+        help="with --metrics-port: keep serving for S seconds after the run (default: 0; "
+        "without --metrics-port it is a usage error)",
     )
 
 
@@ -60,16 +62,20 @@ async def metrics_page(
 
     Raises:
         kvpipe.Unsupported: ``prometheus_client`` is not installed.
-        ui.UsageError: A bad port or linger, or the port cannot be bound.
+        ui.UsageError: A bad port or linger, ``--metrics-linger`` without
+            ``--metrics-port``, or the port cannot be bound.
     """
     port: int | None = args.metrics_port
+    linger: float = 0.0 if args.metrics_linger is None else args.metrics_linger
     if port is None:
+        if args.metrics_linger is not None:  # it would do nothing: say so, do not ignore it
+            raise ui.UsageError("--metrics-linger needs --metrics-port (nothing is served)")
         yield None
         return
     if not 0 <= port <= 65535:
         raise ui.UsageError(f"--metrics-port must be in [0, 65535], got {port}")
-    if not args.metrics_linger >= 0:
-        raise ui.UsageError(f"--metrics-linger must be >= 0, got {args.metrics_linger}")
+    if not linger >= 0:
+        raise ui.UsageError(f"--metrics-linger must be >= 0, got {linger}")
     metrics = kvpipe.PipelineMetrics()  # Unsupported without prometheus_client
     from prometheus_client import start_http_server
 
@@ -80,9 +86,9 @@ async def metrics_page(
     io.err.print(f"metrics: http://{HOST}:{server.server_port}/metrics", highlight=False)
     try:
         yield metrics
-        if args.metrics_linger > 0:
-            io.err.print(f"metrics: serving for {args.metrics_linger:g} s more", highlight=False)
-            await anyio.sleep(args.metrics_linger)
+        if linger > 0:
+            io.err.print(f"metrics: serving for {linger:g} s more", highlight=False)
+            await anyio.sleep(linger)
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(server.shutdown)

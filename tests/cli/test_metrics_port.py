@@ -92,3 +92,12 @@ def test_a_taken_port_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 def test_a_bad_port_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *SMALL, "--metrics-port", "70000"]) == 2
     assert "--metrics-port must be in [0, 65535]" in capsys.readouterr().err
+
+
+def test_a_linger_without_a_port_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--metrics-linger`` alone used to be ignored without a word: the demo ran (exit 0)
+    and served nothing, so a user who asked for the page to linger got neither."""
+    assert main(["demo", *SMALL, "--json", "--metrics-linger", "3"]) == 2
+    captured = capsys.readouterr()
+    assert "--metrics-linger needs --metrics-port" in captured.err
+    assert captured.out == ""  # refused before anything ran
