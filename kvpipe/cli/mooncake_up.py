@@ -6,7 +6,8 @@ metadata URL, the environment every client needs and a line of Python that opens
 :class:`kvpipe.MooncakeStore` on it, then runs until Ctrl-C or SIGTERM and stops both
 processes by PID. If either process exits by itself, the command stops the other and exits
 with 1. ``--once`` starts, prints the same as JSON, stops and exits 0 (for tests and
-scripts that only check the installation).
+scripts that only check the installation); its ``log_dir`` is ``null`` unless ``--log-dir``
+kept the logs (the temporary one is gone by the time the command exits).
 
 The store's state lives in the master's memory: stopping it loses every key.
 """
@@ -187,6 +188,8 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with running_mooncake(args.master_arg or (), log_dir=args.log_dir) as server:
             info = describe(server)
+            if args.once and args.log_dir is None:
+                info["log_dir"] = None  # a temporary directory, removed as --once stops
             if args.once or args.json:
                 print(json.dumps(info), file=io.out.file)
             else:

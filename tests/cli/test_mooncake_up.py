@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -51,7 +52,10 @@ def kill_if_alive(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_once_prints_json_and_stops_everything(capsys: pytest.CaptureFixture[str]) -> None:
+def test_once_prints_json_and_stops_everything(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the logs go
     assert main(["mooncake-up", "--once", "--master-arg=--client_ttl=5"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert re.fullmatch(r"127\.0\.0\.1:\d+", info["master_address"])
@@ -61,10 +65,22 @@ def test_once_prints_json_and_stops_everything(capsys: pytest.CaptureFixture[str
         f"import kvpipe; store = kvpipe.MooncakeStore({info['master_address']!r}, "
         f"{info['metadata_url']!r})"
     )
-    # stopped and reaped: nothing listens, no process left, the temporary logs are gone
+    # stopped and reaped: nothing listens, no process left, the temporary logs are gone,
+    # and no path to them was printed (it named a directory already deleted)
     assert not listening(info["master_address"])
     assert not any(alive(pid) for pid in info["pids"].values())
-    assert not os.path.exists(info["log_dir"])
+    assert info["log_dir"] is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_once_with_a_log_dir_prints_it_and_keeps_the_logs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    logs = tmp_path / "logs"
+    assert main(["mooncake-up", "--once", "--log-dir", str(logs)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["log_dir"] == str(logs)
+    assert sorted(p.name for p in logs.iterdir())  # the processes' logs are still there
 
 
 def test_a_flag_the_master_rejects_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
