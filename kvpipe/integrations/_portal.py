@@ -23,7 +23,14 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from .. import FileStore, MemoryStore, MooncakeStore, StorageBackend, WrongEventLoop
+from .. import (
+    FileStore,
+    MemoryStore,
+    MooncakeStore,
+    PipelineClosed,
+    StorageBackend,
+    WrongEventLoop,
+)
 
 __all__ = ("HOP_SLACK", "LoopThread", "default_store_dir", "store_from_url")
 
@@ -45,7 +52,9 @@ class LoopThread:
 
     Closing: :meth:`close` (idempotent) runs the registered closers in the loop (in reverse
     order, bounded by ``close_timeout``), then stops the loop and joins the thread. It also
-    runs at interpreter exit for instances still open.
+    runs at interpreter exit for instances still open. A :meth:`call` or :meth:`enter` made
+    after it began, or cut off by it, raises :class:`kvpipe.PipelineClosed`; whatever an
+    :meth:`enter` racing it had entered is exited.
     """
 
     def __init__(self, name: str, close_timeout: float = 10.0) -> None:
@@ -96,32 +105,60 @@ class LoopThread:
 
         Raises:
             TimeoutError: Not entered within ``wait``.
+            kvpipe.PipelineClosed: :meth:`close` began before it was entered (what was
+                entered is exited).
             Exception: Whatever entering raised.
         """
         self.check_caller()
-        if wait is None:
-            sync_cm = self.portal.wrap_async_context_manager(cm)
-            value = sync_cm.__enter__()
-            self._closers.append(lambda: sync_cm.__exit__(None, None, None))
-            return value
         held = _Held(cm)
-        task = self.portal.start_task_soon(held.run)
+        task = self._start(held.run)
         try:
-            value = held.entered.result(timeout=max(0.0, wait))
-        except concurrent.futures.TimeoutError:
-            task.cancel()  # entering is cancelled, or what was entered just now is exited
-            raise TimeoutError(f"{self.name}: not entered within {wait:.3f} s") from None
+            done, _ = concurrent.futures.wait(
+                (held.entered, task),
+                timeout=None if wait is None else max(0.0, wait),
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+            if held.entered not in done and task not in done:
+                raise TimeoutError(f"{self.name}: not entered within {wait:.3f} s")
+            if not held.entered.done():  # the task ended unentered: the loop stopped
+                raise self._closed_error()
+            try:
+                value = held.entered.result()
+            except BaseException:
+                if self._closed:  # cancelled by the loop stopping, not the caller's error
+                    raise self._closed_error() from None
+                raise
         except BaseException:
-            task.cancel()
+            task.cancel()  # entering is cancelled, or what was entered just now is exited
             raise
 
         def leave() -> None:
             assert held.leave is not None  # set before entering
-            self.portal.call(held.leave.set)
+            with contextlib.suppress(RuntimeError):  # the loop stopped: exited by then
+                self.portal.call(held.leave.set)
             task.result()
 
-        self._closers.append(leave)
+        with self._lock:
+            closing = self._closed
+            if not closing:
+                self._closers.append(leave)
+        if closing:  # close() took its closers before this one: exit it here
+            with contextlib.suppress(Exception):
+                leave()
+            raise self._closed_error()
         return value
+
+    def _closed_error(self) -> PipelineClosed:
+        return PipelineClosed(f"{self.name} is closed")
+
+    def _start(self, fn: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
+        """``fn(*args)`` started in the loop; :class:`PipelineClosed` once closing began."""
+        if self._closed:
+            raise self._closed_error()
+        try:
+            return self.portal.start_task_soon(fn, *args)
+        except RuntimeError:  # the portal stopped (close ran meanwhile)
+            raise self._closed_error() from None
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any, wait: float) -> T:
         """Run ``await fn(*args)`` in the loop and return its result.
@@ -132,19 +169,20 @@ class LoopThread:
 
         Raises:
             WrongEventLoop: Called from inside a running event loop (a ``RuntimeError``).
-            RuntimeError: Called after :meth:`close`.
+            kvpipe.PipelineClosed: Called after :meth:`close` began, or cut off by the loop
+                stopping.
             TimeoutError: No result within ``wait`` seconds.
             Exception: Whatever ``fn`` raised.
         """
         self.check_caller()
-        if self._closed:
-            raise RuntimeError(f"{self.name} is closed")
-        fut: concurrent.futures.Future[T] = self.portal.start_task_soon(fn, *args)
+        fut = self._start(fn, *args)
         try:
             return fut.result(timeout=max(0.0, wait))
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise TimeoutError(f"{self.name}: no result within {wait:.3f} s") from None
+        except concurrent.futures.CancelledError:  # only the loop stopping cancels it
+            raise self._closed_error() from None
 
     def close(self) -> None:
         """Close what was entered (bounded by ``close_timeout``), stop the loop, join it."""
@@ -152,8 +190,8 @@ class LoopThread:
             if self._closed:
                 return
             self._closed = True
+            closers, self._closers = self._closers[::-1], []
         atexit.unregister(self._atexit)
-        closers, self._closers = self._closers[::-1], []
 
         def close_all() -> None:
             for closer in closers:

@@ -33,6 +33,7 @@ from .. import (
     KVPipeError,
     LayoutError,
     Pipeline,
+    PipelineClosed,
     PipelineConfig,
     ReadResult,
     RequestError,
@@ -198,7 +199,9 @@ class KVPipeAttentionStore:
             raise
 
     def close(self) -> None:
-        """Close the pipelines and the store, stop the loop thread (idempotent)."""
+        """Close the pipelines and the store, stop the loop thread (idempotent). A call made
+        after it, or one it cuts off, answers nothing (0 blocks, no record) with one
+        WARNING, as when the store fails."""
         self._loop.close()
 
     def __enter__(self) -> KVPipeAttentionStore:
@@ -301,7 +304,7 @@ class KVPipeAttentionStore:
         opened = not self._has_pipe(key_cache, val_cache, scales)
         try:
             pipe = self._pipe(key_cache, val_cache, scales, timeout)
-        except (TimeoutError, BackendError, OSError) as exc:
+        except (TimeoutError, BackendError, PipelineClosed, OSError) as exc:
             log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
             return None
         except ConfigError as exc:

@@ -1,0 +1,141 @@
+"""The FastDeploy adapters and their loop thread when a call races ``close()``: a call made
+after it, or cut off by it, gets FastDeploy's "nothing" (counts 0, no record) with one
+WARNING, never a stray ``RuntimeError`` or ``CancelledError``; what an ``enter`` racing it
+entered is exited."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+
+import kvpipe
+from kvpipe.integrations._portal import LoopThread
+from kvpipe.integrations.fastdeploy import KVPipeAttentionStore
+
+LAYERS, BLOCKS, BS = 2, 8, 4
+
+
+def test_attention_store_calls_after_close_answer_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After ``close()``, ``write`` / ``read`` / ``query`` / ``flush_token_index`` raised
+    ``RuntimeError('... is closed')`` (or 'This portal is not running' when the call had to
+    open a pipeline) into FastDeploy's manager thread."""
+    paddle = pytest.importorskip("paddle")
+    paddle.set_device("cpu")
+    k = [paddle.zeros([BLOCKS, 2, BS, 8], dtype="bfloat16") for _ in range(LAYERS)]
+    v = [paddle.zeros([BLOCKS, 2, BS, 8], dtype="bfloat16") for _ in range(LAYERS)]
+    other = [paddle.zeros([BLOCKS, 2, BS, 8], dtype="bfloat16") for _ in range(LAYERS)]
+    tokens = list(range(2 * BS))
+    store = KVPipeAttentionStore(layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore())
+    assert store.write("t", k, v, tokens, [0, 1], 0) == 2
+    store.close()
+    calls: list[tuple[str, Callable[[], Any], Any]] = [
+        ("write", lambda: store.write("t", k, v, tokens, [0, 1], 0), 0),
+        ("read", lambda: store.read("t", k, v, tokens, [2, 3], 0), 0),
+        ("query", lambda: store.query("t", tokens, 0), 0),
+        ("flush_token_index", lambda: store.flush_token_index("t", tokens, 0, True), None),
+        ("write", lambda: store.write("t", other, v, tokens, [0, 1], 0), 0),  # opens one
+    ]
+    for what, call, nothing in calls:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+            assert call() == nothing, what
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "closed" in warnings[0].getMessage(), (what, warnings)
+
+
+def test_a_call_cut_off_by_close_is_pipeline_closed() -> None:
+    """A call still running when the loop stops (its closers done or timed out) came back
+    as ``concurrent.futures.CancelledError``, which the adapters do not take for a store
+    failure; it is ``PipelineClosed`` now."""
+    loop = LoopThread("test-cut-off", close_timeout=1.0)
+    started = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    async def forever() -> None:
+        started.set()
+        await anyio.Event().wait()
+
+    def caller() -> None:
+        try:
+            loop.call(forever, wait=60.0)
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert started.wait(30)
+    loop.close()
+    thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], kvpipe.PipelineClosed), outcome
+
+
+class _Recorded:
+    """An async context manager that records being entered and exited; its ``__aenter__``
+    waits for ``may_enter``, its ``__aexit__`` runs ``on_exit``."""
+
+    def __init__(self) -> None:
+        self.may_enter: anyio.Event | None = None
+        self.started = threading.Event()
+        self.exited = anyio.Event()
+        self.entered = False
+        self.on_exit: Callable[[], Any] | None = None
+
+    async def __aenter__(self) -> _Recorded:
+        self.started.set()
+        if self.may_enter is not None:
+            await self.may_enter.wait()
+        self.entered = True
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.exited.set()
+        if self.on_exit is not None:
+            await self.on_exit()
+
+
+def test_an_enter_that_completes_while_close_runs_is_exited_and_refused() -> None:
+    """``close()`` takes the closers registered so far; an ``enter`` that finished after
+    that used to register a closer nobody ran and return as if all was well, so its
+    resource (a pipeline and its staging) was left to the loop's cancellation."""
+    loop = LoopThread("test-enter-race", close_timeout=5.0)
+    late = _Recorded()
+
+    async def make_event() -> anyio.Event:
+        return anyio.Event()
+
+    late.may_enter = loop.call(make_event, wait=10.0)
+    first = _Recorded()
+
+    async def let_late_enter_then_wait_for_its_exit() -> None:
+        assert late.may_enter is not None
+        late.may_enter.set()  # close() already holds its closers: this one is first's
+        await late.exited.wait()
+
+    first.on_exit = let_late_enter_then_wait_for_its_exit
+    loop.enter(first)
+    outcome: list[BaseException | None] = []
+
+    def enter_late() -> None:
+        try:
+            loop.enter(late, wait=30.0)
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=enter_late)
+    thread.start()
+    assert late.started.wait(30)  # entering, held until close() runs first's exit
+    loop.close()  # runs first's exit, which lets late enter and waits for late's exit
+    thread.join(30)
+    assert late.entered and late.exited.is_set()
+    assert len(outcome) == 1 and isinstance(outcome[0], kvpipe.PipelineClosed), outcome
