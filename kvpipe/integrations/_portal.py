@@ -63,6 +63,7 @@ class LoopThread:
         self._lock = threading.Lock()
         self._closed = False
         self._closers: list[Callable[[], object]] = []
+        self._leaving: set[concurrent.futures.Future[None]] = set()  # exits in progress
         self._stack = contextlib.ExitStack()
         options: dict[str, Any] = {}
         with contextlib.suppress(ImportError):
@@ -82,6 +83,11 @@ class LoopThread:
         self._atexit = at_exit
         atexit.register(at_exit)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has begun."""
+        return self._closed
+
     def check_caller(self) -> None:
         """Raise if called from inside a running event loop (the call would block it)."""
         try:
@@ -96,6 +102,15 @@ class LoopThread:
 
     def enter(self, cm: Any, *, wait: float | None = None) -> Any:
         """Enter an async context manager in the loop; it is exited at :meth:`close`.
+        See :meth:`enter_leavable` (this is its value alone)."""
+        return self.enter_leavable(cm, wait=wait)[0]
+
+    def enter_leavable(
+        self, cm: Any, *, wait: float | None = None
+    ) -> tuple[Any, Callable[[], None]]:
+        """Enter an async context manager in the loop; it is exited at :meth:`close`, or
+        earlier by calling the function returned beside its value: that starts the exit in
+        the loop and returns at once (idempotent; :meth:`close` waits for exits started so).
 
         Args:
             cm: The async context manager.
@@ -146,7 +161,22 @@ class LoopThread:
             with contextlib.suppress(Exception):
                 leave()
             raise self._closed_error()
-        return value
+
+        async def start_leaving() -> None:
+            assert held.leave is not None
+            held.leave.set()
+
+        def leave_soon() -> None:
+            with self._lock:
+                if self._closed or leave not in self._closers:
+                    return  # close() exits it, or it is leaving already
+                self._closers.remove(leave)
+                self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
+            with contextlib.suppress(RuntimeError):  # the loop stopped: exited by then
+                self.portal.start_task_soon(start_leaving)
+
+        return value, leave_soon
 
     def _closed_error(self) -> PipelineClosed:
         return PipelineClosed(f"{self.name} is closed")
@@ -197,6 +227,11 @@ class LoopThread:
             for closer in closers:
                 try:
                     closer()
+                except Exception:
+                    log.exception("%s: error while closing", self.name)
+            for leaving in list(self._leaving):  # exits started early: wait for them too
+                try:
+                    leaving.result()
                 except Exception:
                     log.exception("%s: error while closing", self.name)
 

@@ -21,7 +21,10 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from .. import (
@@ -128,6 +131,16 @@ def infer_layout(
     )
 
 
+@dataclass
+class _Open:
+    """A pipeline over one set of tensors: how to close it, and the calls using it."""
+
+    pipe: Pipeline
+    leave: Callable[[], None]
+    users: int = 0
+    retired: bool = False
+
+
 class KVPipeAttentionStore:
     """FastDeploy's ``AttentionStore`` on a kvpipe pipeline (``kvcache_storage_backend =
     "attention_store"``).
@@ -137,7 +150,14 @@ class KVPipeAttentionStore:
     keyword-only: ``store`` (a :class:`kvpipe.StorageBackend`; default: ``KVPIPE_STORE``,
     else a file store under ``~/.cache/kvpipe/fastdeploy``), ``config`` (default
     ``PipelineConfig.from_env()``, so ``AS_WRITE_SLICE_*`` apply), ``pd_via_storage``
-    (default ``FD_PD_TRANSFER_VIA_STORAGE``), ``rope_dim`` (MLA), ``close_timeout``.
+    (default ``FD_PD_TRANSFER_VIA_STORAGE``), ``rope_dim`` (MLA), ``close_timeout``,
+    ``cache_sets`` (default 1: the server's caches; see below).
+
+    One pipeline is opened per distinct set of tensors, and kept for the ``cache_sets`` sets
+    used most recently: a call with one more set closes the pipeline of the least recently
+    used one once the calls using it are done (FastDeploy replaces its caches when the
+    model's weights are cleared and updated; the old pipeline held the old tensors, and so
+    their memory, and its staging). :meth:`close` closes them all.
 
     ``gpu_block_ids[i]`` is the cache block of sequence block ``start + i``, as FastDeploy's
     manager passes them (it slices off the blocks before the start index).
@@ -162,8 +182,11 @@ class KVPipeAttentionStore:
         pd_via_storage: bool | None = None,
         rope_dim: int = 64,
         close_timeout: float | None = None,
+        cache_sets: int = 1,
         **unknown: Any,
     ) -> None:
+        if isinstance(cache_sets, bool) or not isinstance(cache_sets, int) or cache_sets < 1:
+            raise ConfigError("cache_sets", f"must be an int >= 1, got {cache_sets!r}")
         if unknown:
             log.debug("KVPipeAttentionStore: ignoring unknown keywords %s", sorted(unknown))
         env = os.environ
@@ -189,8 +212,11 @@ class KVPipeAttentionStore:
             url = env.get("KVPIPE_STORE", "").strip()
             store = store_from_url(url) if url else _FileStore(default_store_dir())
         self.store = store
-        self._pipes: dict[tuple[Any, ...], Pipeline] = {}
-        self._open_lock = threading.Lock()
+        self.cache_sets = cache_sets
+        #: the open pipelines by tensor set, least recently used first
+        self._pipes: OrderedDict[tuple[Any, ...], _Open] = OrderedDict()
+        self._pipes_lock = threading.Lock()  # _pipes and the _Open entries
+        self._open_lock = threading.Lock()  # held while a pipeline opens
         self._loop = LoopThread("kvpipe-fastdeploy-as", close_timeout or self.config.close_timeout)
         try:
             self._loop.enter(store)
@@ -203,6 +229,8 @@ class KVPipeAttentionStore:
         after it, or one it cuts off, answers nothing (0 blocks, no record) with one
         WARNING, as when the store fails."""
         self._loop.close()
+        with self._pipes_lock:
+            self._pipes.clear()  # nothing keeps the tensors alive
 
     def __enter__(self) -> KVPipeAttentionStore:
         return self
@@ -220,15 +248,43 @@ class KVPipeAttentionStore:
         tensors = list(key_cache) + list(val_cache) + list(scales or ())
         return self._ident(tensors) in self._pipes
 
+    def _take(self, ident: tuple[Any, ...] | None) -> _Open | None:
+        """The open pipeline for ``ident`` (``None``: the most recently used), counted as in
+        use until :meth:`_put_back`; ``None`` when there is none."""
+        with self._pipes_lock:
+            if ident is None:
+                ident = next(reversed(self._pipes), None)
+            entry = self._pipes.get(ident) if ident is not None else None
+            if entry is not None:
+                self._pipes.move_to_end(ident)  # type: ignore[arg-type]
+                entry.users += 1
+            return entry
+
+    def _put_back(self, entry: _Open) -> None:
+        with self._pipes_lock:
+            entry.users -= 1
+            leave = entry.retired and entry.users == 0
+        if leave:
+            entry.leave()
+
+    @contextmanager
+    def _using(self, entry: _Open) -> Iterator[Pipeline]:
+        try:
+            yield entry.pipe
+        finally:
+            self._put_back(entry)
+
     def _pipe(
         self,
         key_cache: Sequence[Any],
         val_cache: Sequence[Any],
         scales: Sequence[Any] | None,
         timeout: float,
-    ) -> Pipeline:
-        """The pipeline over these tensors: built once per distinct set of tensors. Opening
-        it (staging registered with the store) is bounded by the call's ``timeout``.
+    ) -> _Open:
+        """The pipeline over these tensors, counted as in use (:meth:`_put_back`): built once
+        per distinct set of tensors; opening one more than ``cache_sets`` retires the least
+        recently used. Opening (staging registered with the store) is bounded by the call's
+        ``timeout``.
 
         Raises:
             TimeoutError: The pipeline did not open within ``timeout`` (another thread's
@@ -236,15 +292,15 @@ class KVPipeAttentionStore:
         """
         tensors = list(key_cache) + list(val_cache) + list(scales or ())
         ident = self._ident(tensors)
-        pipe = self._pipes.get(ident)
-        if pipe is not None:
-            return pipe
+        entry = self._take(ident)
+        if entry is not None:
+            return entry
         deadline = time.monotonic() + timeout
         if not self._open_lock.acquire(timeout=max(0.0, timeout)):
             raise TimeoutError("another call is still opening the pipeline")
         try:
-            pipe = self._pipes.get(ident)
-            if pipe is None:
+            entry = self._take(ident)
+            if entry is None:
                 layout = infer_layout(
                     key_cache,
                     val_cache,
@@ -265,7 +321,7 @@ class KVPipeAttentionStore:
                     cache = KVCache.from_tensors(layout, ordered)
                 except LayoutError as exc:
                     raise ValueError(f"FastDeploy caches do not fit {layout.kind}: {exc}") from exc
-                pipe = self._loop.enter(
+                pipe, leave = self._loop.enter_leavable(
                     open_pipeline(
                         cache,
                         self.store,
@@ -276,10 +332,21 @@ class KVPipeAttentionStore:
                     ),
                     wait=deadline - time.monotonic(),
                 )
-                self._pipes[ident] = pipe
+                entry = _Open(pipe, leave, users=1)
+                retired: list[_Open] = []
+                with self._pipes_lock:
+                    self._pipes[ident] = entry
+                    while len(self._pipes) > self.cache_sets:
+                        _, old = self._pipes.popitem(last=False)
+                        old.retired = True
+                        if old.users == 0:
+                            retired.append(old)
+                for old in retired:
+                    log.info("kvpipe: caches replaced; closing the pipeline over the old ones")
+                    old.leave()
         finally:
             self._open_lock.release()
-        return pipe
+        return entry
 
     @staticmethod
     def _from_block_zero(gpu_block_ids: Sequence[int], start: int) -> list[int]:
@@ -297,7 +364,7 @@ class KVPipeAttentionStore:
         val_cache: Sequence[Any],
         scales: Sequence[Any] | None,
         timeout: float,
-    ) -> tuple[Pipeline, float] | None:
+    ) -> tuple[_Open, float] | None:
         """:meth:`_pipe` and the seconds left of ``timeout``; ``None`` (after one WARNING)
         when it did not open in time or the store failed while it opened."""
         start = time.monotonic()
@@ -317,11 +384,9 @@ class KVPipeAttentionStore:
             timeout -= time.monotonic() - start
             if timeout <= 0:
                 log.warning("kvpipe %s %s: opening the pipeline took its timeout", what, task_id)
+                self._put_back(pipe)
                 return None
         return pipe, timeout
-
-    def _any_pipe(self) -> Pipeline | None:
-        return next(iter(self._pipes.values()), None)
 
     def _call(self, what: str, task_id: str, fn: Any, timeout: float) -> int:
         """``fn``'s count; 0 (after one WARNING) when the store failed or the deadline passed."""
@@ -355,7 +420,21 @@ class KVPipeAttentionStore:
         bound = self._bound("write", task_id, key_cache, val_cache, scale_cache, timeout)
         if bound is None:
             return 0
-        pipe, timeout = bound
+        entry, timeout = bound
+        with self._using(entry) as pipe:
+            return self._write(
+                pipe, task_id, token_ids, gpu_block_ids, start_write_block_idx, timeout
+            )
+
+    def _write(
+        self,
+        pipe: Pipeline,
+        task_id: str,
+        token_ids: list[int],
+        gpu_block_ids: list[int],
+        start_write_block_idx: int,
+        timeout: float,
+    ) -> int:
         block_ids = self._from_block_zero(gpu_block_ids, start_write_block_idx)
 
         async def run() -> int:
@@ -391,7 +470,21 @@ class KVPipeAttentionStore:
         bound = self._bound("read", task_id, key_cache, val_cache, scale_cache, timeout)
         if bound is None:
             return 0
-        pipe, timeout = bound
+        entry, timeout = bound
+        with self._using(entry) as pipe:
+            return self._read(
+                pipe, task_id, token_ids, gpu_block_ids, start_read_block_idx, timeout
+            )
+
+    def _read(
+        self,
+        pipe: Pipeline,
+        task_id: str,
+        token_ids: list[int],
+        gpu_block_ids: list[int],
+        start_read_block_idx: int,
+        timeout: float,
+    ) -> int:
         block_ids = self._from_block_zero(gpu_block_ids, start_read_block_idx)
 
         async def run() -> int:
@@ -429,18 +522,22 @@ class KVPipeAttentionStore:
     ) -> int:
         """The leading stored run from ``start_match_block_idx``. Before the first ``write``
         or ``read`` bound the caches (and so the layout, part of every key) it is 0."""
-        pipe = self._any_pipe()
-        if pipe is None:
-            log.debug("kvpipe query %s: no caches bound yet, nothing to match", task_id)
+        entry = self._take(None)
+        if entry is None:
+            if self._loop.closed:
+                log.warning("kvpipe query %s: %r", task_id, PipelineClosed("the store is closed"))
+            else:
+                log.debug("kvpipe query %s: no caches bound yet, nothing to match", task_id)
             return 0
+        with self._using(entry) as pipe:
 
-        async def run() -> int:
-            n = await pipe.lookup(
-                token_ids, include_partial=self.all_or_nothing_read, timeout=timeout
-            )
-            return max(0, n - int(start_match_block_idx))
+            async def run() -> int:
+                n = await pipe.lookup(
+                    token_ids, include_partial=self.all_or_nothing_read, timeout=timeout
+                )
+                return max(0, n - int(start_match_block_idx))
 
-        return self._call("query", task_id, run, timeout)
+            return self._call("query", task_id, run, timeout)
 
     def flush_token_index(
         self, task_id: str, token_ids: list[int], start_block_idx: int, reside_in_gpu: bool
@@ -448,16 +545,20 @@ class KVPipeAttentionStore:
         """Record that this pod holds blocks ``start_block_idx ..`` in GPU (``reside_in_gpu``)
         or CPU memory (``flush_index``), within ``config.lookup_timeout``; failures are
         logged, not raised."""
-        pipe = self._any_pipe()
-        if pipe is None:
-            log.debug("kvpipe flush %s: no caches bound yet, nothing recorded", task_id)
+        entry = self._take(None)
+        if entry is None:
+            if self._loop.closed:
+                log.warning("kvpipe flush %s: %r", task_id, PipelineClosed("the store is closed"))
+            else:
+                log.debug("kvpipe flush %s: no caches bound yet, nothing recorded", task_id)
             return
         residency = Residency.GPU if reside_in_gpu else Residency.CPU
         timeout = self.config.lookup_timeout
+        with self._using(entry) as pipe:
 
-        async def run() -> int:
-            return await pipe.flush_index(
-                token_ids, start_block=start_block_idx, residency=residency, timeout=timeout
-            )
+            async def run() -> int:
+                return await pipe.flush_index(
+                    token_ids, start_block=start_block_idx, residency=residency, timeout=timeout
+                )
 
-        self._call("flush_token_index", task_id, run, timeout)
+            self._call("flush_token_index", task_id, run, timeout)

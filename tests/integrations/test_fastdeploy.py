@@ -76,7 +76,7 @@ def test_attention_store_round_trip_from_8_threads(kind: str) -> None:
     else:
         src_k, src_v = _gqa(True)
         dst_k, dst_v = _gqa(False)
-    with _store() as store:
+    with _store(cache_sets=2) as store:  # source and destination caches, both in use
 
         def one(i: int) -> tuple[int, int, int, int]:
             tokens = list(range(i * 1000, i * 1000 + 3 * BS + 1))  # 3 full blocks + 1 token

@@ -139,3 +139,88 @@ def test_an_enter_that_completes_while_close_runs_is_exited_and_refused() -> Non
     thread.join(30)
     assert late.entered and late.exited.is_set()
     assert len(outcome) == 1 and isinstance(outcome[0], kvpipe.PipelineClosed), outcome
+
+
+def _caches(paddle: Any) -> tuple[list[Any], list[Any]]:
+    def one() -> Any:
+        return paddle.randn([BLOCKS, 2, BS, 8]).astype("bfloat16")
+
+    return [one() for _ in range(LAYERS)], [one() for _ in range(LAYERS)]
+
+
+def _exits_started(store: KVPipeAttentionStore) -> None:
+    """Wait for the pipeline exits the store started in its loop (no sleeping)."""
+    for leaving in list(store._loop._leaving):
+        leaving.result(timeout=30)
+
+
+def test_replaced_caches_close_their_pipeline() -> None:
+    """FastDeploy replaces its caches when the model's weights are cleared and updated.
+    Every set of tensors the adapter ever saw kept its pipeline open (its staging, and a
+    reference to the old tensors, so their memory) until the adapter closed. Now a call
+    with new caches closes the pipeline over the old ones; the store is shared, so what was
+    written is still there."""
+    paddle = pytest.importorskip("paddle")
+    paddle.set_device("cpu")
+    old_k, old_v = _caches(paddle)
+    new_k, new_v = _caches(paddle)
+    tokens = list(range(2 * BS))
+    with KVPipeAttentionStore(
+        layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore()
+    ) as store:
+        assert store.write("t1", old_k, old_v, tokens, [0, 1], 0) == 2
+        (old,) = store._pipes.values()
+        assert store.read("t2", new_k, new_v, tokens, [4, 5], 0) == 2  # the new caches
+        _exits_started(store)
+        assert old.pipe.closed and old.retired
+        assert [e.pipe.closed for e in store._pipes.values()] == [False]
+        assert store.query("t3", tokens, 0) == 2
+        assert [t.numpy().tobytes() for t in new_k] != [t.numpy().tobytes() for t in old_k]
+        for n, o in zip(new_k + new_v, old_k + old_v, strict=True):
+            assert n[4].numpy().tobytes() == o[0].numpy().tobytes()
+
+
+def test_a_replaced_pipeline_in_use_closes_when_its_call_ends() -> None:
+    """A call still using the old caches' pipeline finishes on it; the pipeline closes
+    after, not under it."""
+    paddle = pytest.importorskip("paddle")
+    paddle.set_device("cpu")
+    old_k, old_v = _caches(paddle)
+    new_k, new_v = _caches(paddle)
+    tokens = list(range(2 * BS))
+    with KVPipeAttentionStore(
+        layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore()
+    ) as store:
+        assert store.write("t1", old_k, old_v, tokens, [0, 1], 0) == 2
+        ident = next(iter(store._pipes))
+        held = store._take(ident)  # as a call on the old caches does, until it returns
+        assert held is not None
+        assert store.write("t2", new_k, new_v, tokens, [0, 1], 0) == 2
+        _exits_started(store)
+        assert held.retired and not held.pipe.closed
+        store._put_back(held)  # that call ends
+        _exits_started(store)
+        assert held.pipe.closed
+
+
+def test_close_closes_every_pipeline_and_lets_go_of_the_caches() -> None:
+    paddle = pytest.importorskip("paddle")
+    paddle.set_device("cpu")
+    tokens = list(range(BS))
+    store = KVPipeAttentionStore(
+        layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore(), cache_sets=2
+    )
+    sets = [_caches(paddle), _caches(paddle)]
+    for i, (k, v) in enumerate(sets):
+        assert store.write(f"t{i}", k, v, tokens, [0], 0) == 1
+    entries = list(store._pipes.values())
+    assert len(entries) == 2
+    store.close()
+    assert all(e.pipe.closed for e in entries)
+    assert not store._pipes
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
+def test_cache_sets_must_be_a_positive_int(bad: object) -> None:
+    with pytest.raises(kvpipe.ConfigError, match="cache_sets"):
+        KVPipeAttentionStore(cache_sets=bad, store=kvpipe.MemoryStore())  # type: ignore[arg-type]
