@@ -11,6 +11,7 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -108,6 +109,10 @@ class KVPipeStorage:
         timeout: Seconds a ``batch_set`` / ``batch_get`` / ``exists`` / ``clear`` call may
             take (its caller waits at most this plus :data:`HOP_SLACK`).
         close_timeout: Seconds :meth:`close` may take.
+        remember_keys: How many keys :meth:`clear` can remove: the most recently stored or
+            seen ones (the oldest are forgotten first, with one WARNING; they stay in the
+            store, as entries only another process touched do). Bounds what the object
+            keeps over a server's lifetime (about 150 bytes a key).
 
     Return codes are FastDeploy's: ``set`` 0 / -1, ``get`` bytes copied / -1, ``exists`` a
     dict. Storage failures and missed deadlines return those codes with one WARNING per call;
@@ -124,8 +129,13 @@ class KVPipeStorage:
         store: StorageBackend | None = None,
         timeout: float = 30.0,
         close_timeout: float = 10.0,
+        remember_keys: int = 1 << 20,
         **unknown: Any,
     ) -> None:
+        if isinstance(remember_keys, bool) or not isinstance(remember_keys, int):
+            raise TypeError(f"remember_keys must be an int, got {remember_keys!r}")
+        if remember_keys < 0:
+            raise ValueError(f"remember_keys must be >= 0, got {remember_keys}")
         if unknown:
             log.debug("KVPipeStorage: ignoring unknown keywords %s", sorted(unknown))
         if file_path is not _UNSET and (file_path is None or file_path == ""):
@@ -155,7 +165,11 @@ class KVPipeStorage:
         elif file_path is not _UNSET:
             raise ValueError("give file_path or store, not both")
         self.store = store
-        self._own: set[str] = set()  # kvpipe keys this instance stored or saw stored
+        #: kvpipe keys this instance stored or saw stored, least recent first, at most
+        #: remember_keys of them
+        self._own: OrderedDict[str, None] = OrderedDict()
+        self._remember_keys = remember_keys
+        self._forgot = False
         self._own_lock = threading.Lock()
         self._dedup = 0
         self._loop = LoopThread("kvpipe-fastdeploy-storage", close_timeout)
@@ -205,7 +219,20 @@ class KVPipeStorage:
 
     def _remember(self, keys: Sequence[str]) -> None:
         with self._own_lock:
-            self._own.update(keys)
+            for key in keys:
+                self._own[key] = None
+                self._own.move_to_end(key)
+            excess = len(self._own) - self._remember_keys
+            for _ in range(max(0, excess)):
+                self._own.popitem(last=False)
+            warn = excess > 0 and not self._forgot
+            self._forgot = self._forgot or excess > 0
+        if warn:
+            log.warning(
+                "KVPipeStorage: more than %d keys stored or seen; clear() will not remove "
+                "the oldest (remember_keys)",
+                self._remember_keys,
+            )
 
     def batch_set(
         self,
@@ -355,7 +382,7 @@ class KVPipeStorage:
         """Remove every entry this instance stored or found stored (nothing else: never a
         foreign file beside them). True on success."""
         with self._own_lock:
-            keys = sorted(self._own)
+            keys = list(self._own)
 
         async def delete() -> bool:
             await self._client.delete(keys)
@@ -364,7 +391,8 @@ class KVPipeStorage:
         if keys and self._run("clear", delete) is None:
             return False
         with self._own_lock:
-            self._own.difference_update(keys)
+            for key in keys:
+                self._own.pop(key, None)
         return True
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import kvpipe
 from kvpipe.integrations._portal import LoopThread
-from kvpipe.integrations.fastdeploy import KVPipeAttentionStore
+from kvpipe.integrations.fastdeploy import KVPipeAttentionStore, KVPipeStorage
 
 LAYERS, BLOCKS, BS = 2, 8, 4
 
@@ -224,3 +224,30 @@ def test_close_closes_every_pipeline_and_lets_go_of_the_caches() -> None:
 def test_cache_sets_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(kvpipe.ConfigError, match="cache_sets"):
         KVPipeAttentionStore(cache_sets=bad, store=kvpipe.MemoryStore())  # type: ignore[arg-type]
+
+
+def test_storage_remembers_a_bounded_number_of_keys(caplog: pytest.LogCaptureFixture) -> None:
+    """``KVPipeStorage`` kept every key it ever stored or saw stored (for ``clear``) for the
+    server's lifetime: a set that only grew, blocks evicted long ago included. It now keeps
+    the ``remember_keys`` most recent, with one WARNING when it first forgets; ``clear``
+    removes those, the forgotten ones stay in the store."""
+    import ctypes
+
+    payload = ctypes.create_string_buffer(b"v" * 64, 64)
+    ptr = ctypes.addressof(payload)
+    keys = [f"k{i}" for i in range(10)]
+    with (
+        caplog.at_level(logging.WARNING, "kvpipe.integrations"),
+        KVPipeStorage(store=kvpipe.MemoryStore(), remember_keys=4) as fs,
+    ):
+        for key in keys:
+            assert fs.batch_set([key], [ptr], [64]) == [0]
+        assert len(fs._own) == 4
+        assert fs.exists(keys[:2]) == {"k0": True, "k1": True}  # seen stored: remembered
+        assert len(fs._own) == 4
+        warnings = [r for r in caplog.records if "remember_keys" in r.getMessage()]
+        assert len(warnings) == 1
+        assert fs.clear() is True
+        assert not fs._own
+        stored = fs.exists(keys)
+        assert [k for k, ok in stored.items() if not ok] == ["k0", "k1", "k8", "k9"]
