@@ -18,7 +18,7 @@ from typing import Any, Final
 import anyio
 import xxhash
 
-from .. import BlockStatus, FileStore, StorageBackend, ValueClient, WrongEventLoop
+from .. import BlockStatus, ConfigError, FileStore, StorageBackend, ValueClient, WrongEventLoop
 from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
 
 __all__ = ("KVPipeStorage",)
@@ -132,10 +132,12 @@ class KVPipeStorage:
         remember_keys: int = 1 << 20,
         **unknown: Any,
     ) -> None:
-        if isinstance(remember_keys, bool) or not isinstance(remember_keys, int):
-            raise TypeError(f"remember_keys must be an int, got {remember_keys!r}")
-        if remember_keys < 0:
-            raise ValueError(f"remember_keys must be >= 0, got {remember_keys}")
+        if (
+            isinstance(remember_keys, bool)
+            or not isinstance(remember_keys, int)
+            or remember_keys < 0
+        ):
+            raise ConfigError("remember_keys", f"must be an int >= 0, got {remember_keys!r}")
         if unknown:
             log.debug("KVPipeStorage: ignoring unknown keywords %s", sorted(unknown))
         if file_path is not _UNSET and (file_path is None or file_path == ""):

@@ -251,3 +251,9 @@ def test_storage_remembers_a_bounded_number_of_keys(caplog: pytest.LogCaptureFix
         assert not fs._own
         stored = fs.exists(keys)
         assert [k for k, ok in stored.items() if not ok] == ["k0", "k1", "k8", "k9"]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
+def test_remember_keys_must_be_a_count(bad: object) -> None:
+    with pytest.raises(kvpipe.ConfigError, match="remember_keys"):
+        KVPipeStorage(store=kvpipe.MemoryStore(), remember_keys=bad)  # type: ignore[arg-type]
