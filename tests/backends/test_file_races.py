@@ -8,6 +8,7 @@ the other one to its end from there.
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import FileStore
 from kvpipe.backends.file import store as store_mod
+from kvpipe.backends.file._catalog import Catalog, CatalogFull
 from kvpipe.backends.file._reads import check_file
 from kvpipe.testing.batches import Batches
 from tests.backends.test_file_capacity import (
@@ -210,3 +212,36 @@ async def test_a_bad_files_quarantine_spares_a_block_published_after_the_read(
         statuses, got = await get_raw(b, store, keys)
         assert statuses == [OK] and got == good
         _check_accounting(store, root, CAPACITY)
+
+
+async def test_a_full_disk_settle_leaves_the_block_another_put_of_the_key_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file_io: str
+) -> None:
+    """Put A publishes a key, then finds the catalog too full to record it; put B of the
+    same key has published it again (and recorded it) just before. Freeing room, A may
+    remove only its own file: B's block, reported ``OK``, stays readable and recorded."""
+    root = tmp_path / "store"
+    real_settle = Catalog.settle
+    started = threading.Event()
+    raced: list[BlockStatus] = []
+
+    async with batches() as b, FileStore(root) as store:
+        keys, _ = b.keys(1, seed=90)
+        mine, theirs = make_values(1, 90), make_values(1, 91)
+        token = anyio.lowlevel.current_token()
+
+        def settle(catalog: Catalog, *args: Any) -> None:
+            if started.is_set():  # B's own settle, and A's after it freed what it could
+                return real_settle(catalog, *args)
+            started.set()
+            raced.extend(anyio.from_thread.run(put_chain, b, store, keys, theirs, token=token))
+            raise CatalogFull(errno.ENOSPC, "catalog: database or disk is full")
+
+        monkeypatch.setattr(Catalog, "settle", settle)
+        first = await put_chain(b, store, keys, mine)
+        monkeypatch.undo()
+        assert raced == [OK]
+        statuses, got = await get_raw(b, store, keys)
+        assert statuses == [OK] and got == theirs
+        assert first == [OK]  # A's block was published; B's replaced it, as puts of a key do
+        _check_accounting(store, root, 1 << 40)

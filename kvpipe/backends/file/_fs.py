@@ -439,10 +439,36 @@ class Root:
         except OSError:
             return False
 
-    def discard(self, parts: Sequence[str], name: str) -> bool:
-        """Remove a block file if it is there; never raises (``False`` when not removed)."""
+    def discard_own(self, parts: Sequence[str], name: str, header: bytes) -> bool:
+        """Remove the block file at ``parts/name`` if it is the one this process published
+        with ``header`` (its creation time tells it from another put's block of the key);
+        never raises.
+
+        Another put of the key may publish it again at any moment, so the file is moved
+        aside before it is removed, and put back if it turns out to be that other put's.
+
+        Returns:
+            Whether the file was removed: ``False`` when another put's block is there (it
+            stays, as a block only eviction or a delete may remove), or none.
+        """
+        _check(name)
+
+        def mine(fd: int) -> bool:
+            return os.pread(fd, len(header), 0) == header
+
         try:
-            return self.unlink(parts, name)
+            with self.directory(parts, create=False) as dfd:
+                if not _passes(dfd, name, mine):
+                    return False
+                aside = temp_name(name, HOST, os.getpid(), secrets.token_hex(4))
+                os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+                if _passes(dfd, aside, mine):
+                    os.unlink(aside, dir_fd=dfd)
+                    return True
+                _put_back(dfd, aside, dfd, name)  # published between the check and the move
+                with contextlib.suppress(FileNotFoundError):  # a newer block replaced it
+                    os.unlink(aside, dir_fd=dfd)
+                return False
         except OSError:
             return False
 

@@ -5,14 +5,15 @@ A put may use what ``statvfs`` says an ordinary user may still allocate, less
 :data:`CATALOG_HEADROOM` for the catalog, so the catalog can always record what was written.
 If another process takes the last bytes, settling frees space by removing the batch's newly
 published files from its tail until the catalog takes the rest: never a published file
-without its record, nor a record without its file.
+without its record, nor a record without its file. Only the put's own files go: a file that
+another put of the same key published since stays (that put reported it ``OK``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 from . import _native
@@ -49,31 +50,42 @@ def sizes(root: Root) -> SizeOf:
 
 
 def settle(
-    catalog: Catalog, root: Root, written: Sequence[str], failed: Sequence[str]
+    catalog: Catalog,
+    root: Root,
+    written: Sequence[str],
+    failed: Sequence[str],
+    headers: Mapping[str, bytes],
 ) -> list[str]:
     """Record a put's outcome (:meth:`Catalog.settle`); when the disk is too full for that,
-    remove the newest of ``written``'s files, one at a time, until it is not.
+    remove the newest of ``written``'s files, one at a time, until it is not. ``headers``:
+    the header of each file the put published, by key; a file at a key's name with another
+    header (another put of the key published it since) is not removed, and the key stays
+    stored.
 
     Returns:
         The keys of ``written`` whose files were removed (not stored after all: ``NO_SPACE``).
     """
-    keep = list(written)
+    left = list(written)
+    kept: list[str] = []  # another put's block is there now: it stays
     dropped: list[str] = []
     while True:
         try:
-            catalog.settle(keep, [*failed, *dropped], sizes(root))
+            catalog.settle([*left, *kept], [*failed, *dropped], sizes(root))
             return dropped
         except CatalogFull as exc:
-            if not keep:
-                # Nothing left to free: the reservations stay unsettled until the next open
-                # forgets them (their files were never published).
+            if not left:
+                # Nothing left to free: the records stay unsettled until the next open
+                # settles them from the files there are (recovery).
                 log.error(
                     "file store %s: disk full, %d reservation(s) left unsettled: %s",
                     root.path,
-                    len(failed) + len(dropped),
+                    len(failed) + len(dropped) + len(kept),
                     exc,
                 )
                 return dropped
-            key = keep.pop()
-            root.discard(*block_location(key))
-            dropped.append(key)
+            key = left.pop()
+            header = headers.get(key)
+            if header is not None and root.discard_own(*block_location(key), header):
+                dropped.append(key)
+            else:
+                kept.insert(0, key)

@@ -13,7 +13,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, final
 
 import xxhash
@@ -59,6 +59,9 @@ class WriteHooks:
         count: Add to the store's counters.
         errors: Where one batch's error lines go (the store logs them once per batch).
         abandoned: The put's :class:`Abandon`.
+        published: The header of each block file the put published, by key: what tells
+            its own file from one another put of the key published since
+            (:func:`._space.settle` removes only its own).
     """
 
     durability: Durability
@@ -66,6 +69,7 @@ class WriteHooks:
     count: Callable[..., None]
     errors: list[str]
     abandoned: Abandon
+    published: dict[str, bytes] = field(default_factory=dict)
 
 
 def _chunks(
@@ -75,13 +79,14 @@ def _chunks(
     direct: bool,
     pages: Pages,
     checksum: int | None,
-) -> Sequence[bytes | memoryview]:
-    """A block file's contents: its header, then the value (page-aligned for direct I/O).
-    ``checksum``: the value's XXH3-64 where the caller computed it already."""
+) -> tuple[bytes, Sequence[bytes | memoryview]]:
+    """A block file's header, and its contents: the header, then the value (page-aligned
+    for direct I/O). ``checksum``: the value's XXH3-64 where the caller computed it
+    already."""
     if checksum is None:
         checksum = xxhash.xxh3_64_intdigest(value)
     header = pack_header(key, len(value), checksum, time.time(), fingerprint, direct)
-    return direct_chunks(header, value, pages) if direct else (header, value)
+    return header, direct_chunks(header, value, pages) if direct else (header, value)
 
 
 def write_one(
@@ -98,9 +103,10 @@ def write_one(
     if hooks.abandoned.is_set():
         return BlockStatus.FAILED
     parts, name = block_location(key)
-    chunks = _chunks(key, value, fingerprint, direct, scratch.pages(1)[0], checksum)
+    header, chunks = _chunks(key, value, fingerprint, direct, scratch.pages(1)[0], checksum)
     try:
         if root.write_atomic(parts, name, chunks, hooks.durability, hooks.abandoned.is_set, direct):
+            hooks.published[key] = header
             hooks.count(direct_writes=int(direct))
             return BlockStatus.OK
         return BlockStatus.FAILED
@@ -108,6 +114,7 @@ def write_one(
         hooks.refuse_direct(root, exc)
         return write_one(hooks, root, key, value, fingerprint, False, scratch, checksum)
     except UnsyncedDirectory as exc:
+        hooks.published[key] = header
         return _unsynced(hooks, key, str(exc))
     except OSError as exc:
         return _failed(hooks, key, exc.errno or errno.EIO, str(exc))
@@ -135,7 +142,7 @@ def write_batch(
     names = [name.encode() for _, name in where]
     pid = os.getpid()
     temps = [temp_name(name, HOST, pid, secrets.token_hex(4)).encode() for _, name in where]
-    chunks = [
+    made = [
         _chunks(k, v, fingerprint, direct, p, c)
         for k, v, p, c in zip(keys, values, pages, checksums, strict=True)
     ]
@@ -144,20 +151,24 @@ def write_batch(
         dirs,
         temps,
         names,
-        chunks,
+        [chunks for _, chunks in made],
         _DURABILITY[hooks.durability],
         direct,
         hooks.abandoned.flag,
         spares,
     )
     statuses: list[BlockStatus] = []
-    for key, value, code, checksum in zip(keys, values, codes, checksums, strict=True):
+    for key, value, code, checksum, (header, _) in zip(
+        keys, values, codes, checksums, made, strict=True
+    ):
         if code == 0:
+            hooks.published[key] = header
             hooks.count(direct_writes=int(direct))
             statuses.append(BlockStatus.OK)
         elif code == fileio.ABANDONED:
             statuses.append(BlockStatus.FAILED)
         elif code >= fileio.UNSYNCED:
+            hooks.published[key] = header
             why = _native.errno_text(code - fileio.UNSYNCED)
             statuses.append(
                 _unsynced(hooks, key, f"published, but syncing its directory failed: {why}")

@@ -362,7 +362,8 @@ class FileStore(StorageBackend):
                     written.append(keys[i])
         finally:
             failed = [keys[i] for i in admitted if statuses[i] is not BlockStatus.OK]
-            for key in settle(catalog, root, written, failed):  # the disk filled meanwhile
+            # the disk filled meanwhile: files of this put removed
+            for key in settle(catalog, root, written, failed, hooks.published):
                 statuses[keys.index(key)] = BlockStatus.NO_SPACE
                 written.remove(key)
                 self._count(no_space=1)
