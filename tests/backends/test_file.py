@@ -8,6 +8,7 @@ import stat
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -16,8 +17,11 @@ import kvpipe
 from kvpipe._staging import StagingPool
 from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus, StorageBackend
+from kvpipe.backends.file import store as store_mod
 from kvpipe.testing import BackendConformance
 from kvpipe.testing.batches import Batches, random_values
+from tests.backends.test_file_capacity import _check_accounting
+from tests.backends.test_file_hostile import batches, block_file, make_values, put_chain
 from tests.helpers import ends_with_host_threads_busy
 
 pytestmark = pytest.mark.usefixtures("file_io")
@@ -60,6 +64,40 @@ async def test_a_batch_ends_only_once_every_store_thread_has_let_go_of_its_stagi
         with pytest.raises(MemoryError):
             await b.get(store, keys)
         assert finished.is_set(), "the batch returned while a share was still reading"
+
+
+async def test_a_put_whose_share_fails_reports_what_the_other_shares_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, file_io: str
+) -> None:
+    """A batch split over two store threads, one of whose shares raises (out of memory for
+    its headers, say) after the other share published its blocks: the put returns statuses,
+    not the error. ``OK`` for each block published (visible, recorded), ``FAILED`` for the
+    rest, none of which is visible; the error is counted and logged."""
+    root = tmp_path / "store"
+    real_one, real_batch = store_mod.write_one, store_mod.write_batch
+    async with batches() as b, kvpipe.FileStore(root, threads=2) as store:
+        keys, _ = b.keys(4, seed=5)
+
+        def one(hooks: Any, root_: Any, key: str, *args: Any) -> BlockStatus:
+            if key == keys[3]:  # the os path: the second share's second block
+                raise MemoryError("no memory for its header")
+            return real_one(hooks, root_, key, *args)
+
+        def batch(hooks: Any, root_: Any, ks: list[str], *args: Any) -> list[BlockStatus]:
+            if keys[3] in ks:  # the native path: the second share, before it writes
+                raise MemoryError("no memory for its headers")
+            return real_batch(hooks, root_, ks, *args)
+
+        monkeypatch.setattr(store_mod, "write_one", one)
+        monkeypatch.setattr(store_mod, "write_batch", batch)
+        statuses = await put_chain(b, store, keys, make_values(4, 5))
+        monkeypatch.undo()
+        published = 3 if file_io == "os" else 2
+        assert statuses == [BlockStatus.OK] * published + [BlockStatus.FAILED] * (4 - published)
+        assert [block_file(root, k).exists() for k in keys] == [i < published for i in range(4)]
+        _check_accounting(store, root, 1 << 40)
+        assert store.statistics()["io_errors"] == 4 - published
+        assert "MemoryError: no memory for its header" in caplog.text
 
 
 async def test_close_takes_none_of_the_event_loop_librarys_shared_threads(tmp_path: Path) -> None:

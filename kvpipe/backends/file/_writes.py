@@ -24,7 +24,7 @@ from ._direct import Pages, Scratch, direct_chunks
 from ._format import block_location, pack_header, temp_name
 from ._fs import HOST, DirectIORefused, Durability, Root, UnsyncedDirectory
 
-__all__ = ("Abandon", "WriteHooks", "write_batch", "write_one")
+__all__ = ("Abandon", "WriteHooks", "unwritten", "write_batch", "write_one")
 
 _DURABILITY: Final = {"none": 0, "data": 1, "full": 2}
 
@@ -118,6 +118,8 @@ def write_one(
         return _unsynced(hooks, key, str(exc))
     except OSError as exc:
         return _failed(hooks, key, exc.errno or errno.EIO, str(exc))
+    except Exception as exc:  # nothing published (write_batch's callers count on a status)
+        return unwritten(hooks, [key], exc)[0]
 
 
 def write_batch(
@@ -133,7 +135,13 @@ def write_batch(
 ) -> list[BlockStatus]:
     """Publish a batch of block files in one native call. ``checksums``: each value's XXH3-64
     where known; ``spares``: deleted block files to write over (:mod:`._spares`), each used
-    or removed."""
+    or removed.
+
+    Raises:
+        Exception: Making the files' contents failed (out of memory, say): nothing was
+            written. (The native call, once it has written, fails only to make its list of
+            results, out of memory.)
+    """
     fileio = _native.fileio
     assert fileio is not None
     pages = scratch.pages(len(keys))
@@ -182,6 +190,16 @@ def write_batch(
         else:
             statuses.append(_failed(hooks, key, -code, _native.errno_text(-code)))
     return statuses
+
+
+def unwritten(hooks: WriteHooks, keys: Sequence[str], exc: Exception) -> list[BlockStatus]:
+    """``FAILED`` for blocks whose writing raised ``exc`` before they were published (counted
+    ``io_errors``; one error line)."""
+    if keys:
+        more = f" (and {len(keys) - 1} more not written)" if len(keys) > 1 else ""
+        hooks.errors.append(f"{keys[0]}: {type(exc).__name__}: {exc}{more}")
+        hooks.count(io_errors=len(keys))
+    return [BlockStatus.FAILED] * len(keys)
 
 
 def _failed(hooks: WriteHooks, key: str, err: int, why: str) -> BlockStatus:

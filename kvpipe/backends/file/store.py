@@ -52,7 +52,7 @@ from ._reads import (
 )
 from ._space import room, settle, sizes
 from ._spares import Spares
-from ._writes import Abandon, WriteHooks, write_batch, write_one
+from ._writes import Abandon, WriteHooks, unwritten, write_batch, write_one
 
 __all__ = ("FileStore",)
 
@@ -290,7 +290,10 @@ class FileStore(StorageBackend):
 
         Reserving, writing (over ``threads`` threads) and recording run in one worker-thread
         call, so the bookkeeping completes even when the caller stops waiting. The header's
-        checksum is ``batch.checksums[i]`` where given, else computed here.
+        checksum is ``batch.checksums[i]`` where given, else computed here. An error in a
+        thread's share (out of memory, say: I/O errors are statuses already) makes its blocks
+        not yet published ``FAILED`` (counted ``io_errors``, logged); the blocks published,
+        by it or by the other threads, are ``OK``.
 
         Cancellation: blocks not yet renamed into place are not published (their
         reservations are released); the staging stays leased until the threads return.
@@ -399,19 +402,31 @@ class FileStore(StorageBackend):
             sums[:] = checksums
 
         def share(part: list[int]) -> list[BlockStatus]:
-            if not self._native:
-                return [
-                    write_one(
-                        hooks, root, keys[i], values[i], fingerprint, direct, scratch, sums[i]
-                    )
-                    for i in part
-                ]
-            vals = [values[i] for i in part]
-            ks = [keys[i] for i in part]
-            cs = [sums[i] for i in part]
-            nbytes = file_nbytes(len(vals[0]), padded=direct)
-            spares = [self._spares.take(nbytes) for _ in part]
-            return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch, cs, spares)
+            done: list[BlockStatus] = []
+            try:
+                if not self._native:
+                    for i in part:
+                        done.append(
+                            write_one(
+                                hooks,
+                                root,
+                                keys[i],
+                                values[i],
+                                fingerprint,
+                                direct,
+                                scratch,
+                                sums[i],
+                            )
+                        )
+                    return done
+                vals = [values[i] for i in part]
+                ks = [keys[i] for i in part]
+                cs = [sums[i] for i in part]
+                nbytes = file_nbytes(len(vals[0]), padded=direct)
+                spares = [self._spares.take(nbytes) for _ in part]
+                return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch, cs, spares)
+            except Exception as exc:  # statuses, not the error: other shares published theirs
+                return done + unwritten(hooks, [keys[i] for i in part[len(done) :]], exc)
 
         return self._in_shares(share, admitted)
 
