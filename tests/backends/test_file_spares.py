@@ -23,7 +23,7 @@ from kvpipe._staging import StagingPool
 from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus
 from kvpipe.backends._base import FetchSink
-from kvpipe.backends.file import _native
+from kvpipe.backends.file import _native, _writes
 from kvpipe.backends.file import store as store_module
 from kvpipe.backends.file._format import is_temp_name
 from kvpipe.backends.file._fs import Root, still_block
@@ -143,6 +143,30 @@ async def test_evicted_block_files_are_reused_by_the_put_that_evicted_them(tmp_p
         assert stats["evictions"] == 2
         assert stats["spare_files"] == 0 and spares_on_disk(root) == []
         assert {block_file(root, k).stat().st_ino for k in new} <= inodes
+
+
+@native
+async def test_spares_taken_by_a_write_that_fails_before_writing_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put takes spare files, then fails before its native call (out of memory for its
+    headers): the spares are removed, not left on disk outside the pool."""
+    with_shards(tmp_path)
+    async with kvpipe.FileStore(tmp_path, durability="none") as store, batches() as b:
+        await store.delete(await put(store, b, 2, seed=1))
+        assert store.statistics()["spare_files"] == 2 and len(spares_on_disk(tmp_path)) == 2
+
+        def no_memory(*args: object) -> None:
+            raise MemoryError("no memory for its headers")
+
+        monkeypatch.setattr(_writes, "_chunks", no_memory)
+        keys, _ = b.keys(2, seed=2)
+        got = await b.put(store, keys, values(2, b.pool.slot_nbytes, 2))
+        monkeypatch.undo()
+        assert got == [BlockStatus.FAILED] * 2
+        assert store.statistics()["spare_files"] == 0
+        assert spares_on_disk(tmp_path) == []
+        assert await put(store, b, 2, seed=3)  # and the store writes on
 
 
 async def test_without_the_native_writer_deleted_files_are_removed(

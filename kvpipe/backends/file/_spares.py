@@ -24,7 +24,7 @@ from typing import final
 from ._format import temp_name
 from ._fs import HOST, Root
 
-__all__ = ("Spares",)
+__all__ = ("Spares", "remove_taken")
 
 log = logging.getLogger("kvpipe.file_store")
 
@@ -132,3 +132,16 @@ class Spares:
         with self._lock:
             self._held -= nbytes
             self._files -= 1
+
+
+def remove_taken(root: Root, taken: Sequence[bytes | None]) -> None:
+    """Remove spare files taken out of a pool (:meth:`Spares.take`) that a write did not get
+    to use (it failed before it began); any already gone are skipped. Never raises."""
+    for path in taken:
+        if path is None:
+            continue
+        *parts, name = path.decode().split("/")
+        try:
+            root.remove_temp(parts, name)
+        except OSError as exc:
+            log.warning("file store %s: cannot remove %s: %s", root.path, name, exc)

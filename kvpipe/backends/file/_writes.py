@@ -23,6 +23,7 @@ from . import _native
 from ._direct import Pages, Scratch, direct_chunks
 from ._format import block_location, pack_header, temp_name
 from ._fs import HOST, DirectIORefused, Durability, Root, UnsyncedDirectory
+from ._spares import remove_taken
 
 __all__ = ("Abandon", "WriteHooks", "unwritten", "write_batch", "write_one")
 
@@ -144,27 +145,31 @@ def write_batch(
     """
     fileio = _native.fileio
     assert fileio is not None
-    pages = scratch.pages(len(keys))
-    where = [block_location(k) for k in keys]
-    dirs = [os.path.join(*parts).encode() for parts, _ in where]
-    names = [name.encode() for _, name in where]
-    pid = os.getpid()
-    temps = [temp_name(name, HOST, pid, secrets.token_hex(4)).encode() for _, name in where]
-    made = [
-        _chunks(k, v, fingerprint, direct, p, c)
-        for k, v, p, c in zip(keys, values, pages, checksums, strict=True)
-    ]
-    codes = fileio.write_files(
-        root.fd,
-        dirs,
-        temps,
-        names,
-        [chunks for _, chunks in made],
-        _DURABILITY[hooks.durability],
-        direct,
-        hooks.abandoned.flag,
-        spares,
-    )
+    try:
+        pages = scratch.pages(len(keys))
+        where = [block_location(k) for k in keys]
+        dirs = [os.path.join(*parts).encode() for parts, _ in where]
+        names = [name.encode() for _, name in where]
+        pid = os.getpid()
+        temps = [temp_name(name, HOST, pid, secrets.token_hex(4)).encode() for _, name in where]
+        made = [
+            _chunks(k, v, fingerprint, direct, p, c)
+            for k, v, p, c in zip(keys, values, pages, checksums, strict=True)
+        ]
+        codes = fileio.write_files(
+            root.fd,
+            dirs,
+            temps,
+            names,
+            [chunks for _, chunks in made],
+            _DURABILITY[hooks.durability],
+            direct,
+            hooks.abandoned.flag,
+            spares,
+        )
+    except BaseException:
+        remove_taken(root, spares)  # out of the pool already: removed, not left on disk
+        raise
     statuses: list[BlockStatus] = []
     for key, value, code, checksum, (header, _) in zip(
         keys, values, codes, checksums, made, strict=True
