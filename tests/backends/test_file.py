@@ -202,6 +202,8 @@ async def test_a_block_published_before_its_directory_sync_failed_is_reported_ok
             raise OSError(errno.EIO, "directory sync failed")
         real(fd)
 
+    for i in range(256):  # a directory made now is synced into its parent first
+        (tmp_path / "store" / "blocks" / "conformance" / f"{i:02x}").mkdir(parents=True)
     monkeypatch.setattr(os, "fsync", fsync)
     pool = StagingPool(4096 + 64, 1)
     async with (
@@ -216,3 +218,29 @@ async def test_a_block_published_before_its_directory_sync_failed_is_reported_ok
         assert visible == [True]
         assert statuses == [BlockStatus.OK], "reported failed, yet published"
         assert store.statistics()["io_errors"] == 1
+
+
+async def test_full_durability_syncs_the_directories_a_put_makes_into_their_parents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file_io: str
+) -> None:
+    """``durability="full"``: the first put into a store makes its block's directories
+    (``blocks/``, the namespace's, the shard's); each is synced into its parent before the
+    block is reported ``OK``, else a crash could lose the directory and the block in it."""
+    real = os.fsync
+    synced: list[str] = []
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    root = tmp_path / "store"
+    pool = StagingPool(4096 + 64, 1)
+    async with ThreadRunner() as runner, kvpipe.FileStore(root, durability="full") as store:
+        b = Batches(pool, runner)
+        keys, _ = b.keys(1)
+        monkeypatch.setattr(os, "fsync", fsync)
+        assert await b.put(store, keys, random_values(1, pool.slot_nbytes, 6)) == [BlockStatus.OK]
+        monkeypatch.undo()
+    made = [root, root / "blocks", root / "blocks" / "conformance"]  # each got a new entry
+    assert {str(p.resolve()) for p in made} <= set(synced), synced

@@ -186,15 +186,25 @@ class Root:
         return True
 
     @contextlib.contextmanager
-    def directory(self, parts: Sequence[str], create: bool) -> Iterator[int]:
+    def directory(
+        self, parts: Sequence[str], create: bool, sync_new: bool = False
+    ) -> Iterator[int]:
         """An open descriptor of ``root/parts...`` (created ``0700`` when ``create``).
+
+        Args:
+            sync_new: Where a directory on the way was missing (made now, by this call or
+                another writer), sync each directory from there on into its parent
+                (``fsync`` of the parent), so that a crash cannot lose it and what is put
+                in it (``"full"`` durability).
 
         Raises:
             FileNotFoundError: A component is missing and ``create`` is false.
             UnsafePath: A component is invalid or is a symbolic link.
+            OSError: A directory could not be made or synced.
         """
         for part in parts:
             _check(part)
+        fresh = False  # a directory on the way was missing just now
         try:
             fast = (
                 openat2(self.fd, "/".join(parts), os.O_RDONLY | os.O_DIRECTORY) if parts else None
@@ -202,7 +212,7 @@ class Root:
         except FileNotFoundError:
             if not create:
                 raise
-            fast = None
+            fast, fresh = None, True
         except NotADirectoryError as exc:
             raise UnsafePath(errno.ENOTDIR, f"{'/'.join(parts)!r} is not a directory") from exc
         if fast is not None:
@@ -222,10 +232,17 @@ class Root:
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o700, dir_fd=fd)
                     nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    fresh = True
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise UnsafePath(exc.errno, f"{part!r} is not a plain directory") from exc
                     raise
+                if fresh and sync_new:
+                    try:
+                        os.fsync(fd)  # its entry for ``part`` (made by us or another writer)
+                    except BaseException:
+                        os.close(nxt)
+                        raise
                 os.close(fd)
                 fd = nxt
             yield fd
@@ -252,14 +269,17 @@ class Root:
         Returns:
             ``True`` when published, ``False`` when abandoned.
 
+        With ``"full"``, a directory made for the file is synced into its parent first.
+
         Raises:
             DirectIORefused: ``direct`` was asked for and the file system or the alignment
                 does not allow it; nothing was published.
             UnsyncedDirectory: Published, but syncing the directory (``"full"``) failed.
-            OSError: The write failed; nothing was published and the temporary file is gone.
+            OSError: The write failed (or a directory made for it could not be synced);
+                nothing was published and the temporary file is gone.
         """
         _check(name)
-        with self.directory(parts, create=True) as dfd:
+        with self.directory(parts, create=True, sync_new=durability == "full") as dfd:
             tmp = temp_name(name, HOST, os.getpid(), secrets.token_hex(4))
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             if direct:
