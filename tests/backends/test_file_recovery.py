@@ -19,6 +19,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from kvpipe._keys import Scope, as_tokens, block_keys
 from kvpipe.backends import BlockStatus
@@ -150,6 +151,74 @@ async def test_temp_files_of_live_writers_are_kept(
         assert store.statistics().get("temp_files_removed", 0) == 0
         assert [t.read_bytes() for t in temps] == contents
         assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+
+
+#: A writer in a PID namespace of its own (``unshare``), with the pid ``argv[2]`` there: it
+#: writes ``argv[3]/argv[4]`` under the store ``argv[1]`` and waits, its temporary file
+#: written, until told "go" on its input, then publishes it.
+_NAMESPACED_WRITER = """
+import os, sys
+root, want, shard, name = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(want - 1))
+child = os.fork()
+if child:
+    os._exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+assert os.getpid() == want, os.getpid()
+from kvpipe.backends.file._fs import Root
+
+def abandoned():
+    print("written", flush=True)
+    return sys.stdin.readline().strip() != "go"
+
+ok = Root(root).write_atomic(shard.split("/"), name, [b"x" * 5000], "none", abandoned, False)
+print("published" if ok else "abandoned", flush=True)
+"""
+
+
+def _free_pid() -> int:
+    """A pid no process of this PID namespace has."""
+    top = int(Path("/proc/sys/kernel/pid_max").read_text())
+    return next(p for p in range(top - 1, 300, -1) if not Path(f"/proc/{p}").exists())
+
+
+async def test_a_live_writer_in_another_pid_namespace_keeps_its_temp_file(
+    tmp_path: Path, b: Batches
+) -> None:
+    """Containers sharing the store's volume (one host name, PID namespaces of their own):
+    a writer mid-write whose pid, in its namespace, no process of this one has is not taken
+    for dead; its temporary file survives this process's recovery and it publishes."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a PID namespace of its own needs root and unshare")
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    parts, final = block_location(keys[0])
+    shard = root.joinpath(*parts)
+    pid = _free_pid()
+    argv = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c"]
+    argv += [_NAMESPACED_WRITER, str(root), str(pid), "/".join(parts), final]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with anyio.fail_after(30):  # a guard against a hang, not a timing
+        async with await anyio.open_process(argv, env=env) as writer:
+            assert writer.stdin is not None and writer.stdout is not None
+            lines = BufferedByteReceiveStream(writer.stdout)
+            try:
+                said = await lines.receive_until(b"\n", 1024)
+            except anyio.IncompleteRead:
+                assert writer.stderr is not None
+                why = await writer.stderr.receive()
+                pytest.skip(f"cannot run a writer in a PID namespace of its own: {why!r}")
+            assert said == b"written"
+            temps = [p for p in shard.iterdir() if p.name.startswith(f".{final}.tmp.")]
+            assert len(temps) == 1 and f".{pid}." in temps[0].name
+            async with FileStore(root, stale_temp_after=STALE) as store:
+                await store.open()  # recovery
+                assert temps[0].exists(), "a live writer's temporary file was removed"
+            await writer.stdin.send(b"go\n")
+            said = await lines.receive_until(b"\n", 1024)
+            assert said == b"published", await writer.stderr.receive() if writer.stderr else ""
+        assert writer.returncode == 0
+    assert block_file(root, keys[0]).read_bytes() == b"x" * 5000
 
 
 async def test_old_temp_files_are_removed_whoever_wrote_them(

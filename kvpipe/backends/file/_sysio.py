@@ -1,16 +1,24 @@
 """System-call helpers of the file store: ``openat2`` through ctypes, whole-buffer
 ``preadv`` / ``writev``, direct I/O refusals, and who owns a temporary file or catalog row
 (``host:pid``, and whether that process still runs). Blocking; run in threads.
+
+A writer's ``host`` (:data:`HOST`) is its host name and a digest of the kernel's boot id and
+its PID namespace: a pid is judged (alive or dead) only by a process that sees the same pids,
+never across containers that share a volume and a host name (each has PID namespace of its
+own: its pids mean nothing here), nor across hosts or reboots. Temporary files of writers
+this process cannot judge go only once stale (``stale_temp_after``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import mmap
 import os
 import platform
 import re
+import secrets
 import socket
 import sys
 from collections.abc import Sequence
@@ -34,7 +42,25 @@ __all__ = (
     "write_all",
 )
 
-HOST: Final = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "host"
+
+def _owner_host() -> str:
+    """This process's ``host`` as a writer: its host name (up to 47 characters), a dot and
+    16 hex digits, a digest of the boot id and the PID namespace (random where either cannot
+    be read: then no other process judges this one's pids, nor this one theirs)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:47] or "host"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        seen = secrets.token_hex(8)
+    else:
+        seen = hashlib.blake2b(f"{boot} {namespace}".encode(), digest_size=8).hexdigest()
+    return f"{name}.{seen}"
+
+
+#: This process's host as a writer: see the module docstring.
+HOST: Final = _owner_host()
 
 
 class UnsafePath(OSError):
@@ -96,7 +122,8 @@ def owner_token() -> str:
 
 
 def owner_is_dead(owner: str | None) -> bool:
-    """Whether ``owner`` (``host:pid``) is a process of this host that no longer runs."""
+    """Whether ``owner`` (``host:pid``) is a process of this host, in this PID namespace,
+    that no longer runs."""
     if not owner or ":" not in owner:
         return False
     host, _, pid = owner.rpartition(":")

@@ -79,7 +79,8 @@ class FileStore(StorageBackend):
             used first; blocks that still do not fit are refused (``NO_SPACE``).
         threads: Worker threads a batch's file I/O is spread over.
         stale_temp_after: Seconds after which any temporary file is considered abandoned
-            (temporary files of dead writers on this host are removed at once).
+            (temporary files of dead writers on this host, in this PID namespace, are
+            removed at once).
         scan_on_open: Walk the tree at open: remove stale temporary files, adopt block
             files the catalog does not know, forget records whose file is gone.
         direct_io: Use ``O_DIRECT`` for writes of page-aligned values of at least 64 KiB and
