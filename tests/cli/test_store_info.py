@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -101,3 +104,53 @@ def test_a_directory_that_is_not_a_store_is_a_usage_error(
     assert main(["store-info", str(tmp_path)]) == 2
     assert "not a kvpipe store" in capsys.readouterr().err
     assert sorted(os.walk(tmp_path)) == before
+
+
+@pytest.fixture
+def unwritable(tmp_path: Path) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """A directory for a store, and what makes it unwritable to this process: a read-only
+    remount of a tmpfs (as root, who may write any file), else its mode bits."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    mounted = False
+    if os.geteuid() == 0:
+        cmd = ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(mnt)]
+        if shutil.which("mount") is None or subprocess.run(cmd, check=False).returncode:
+            pytest.skip("root, and cannot mount a tmpfs here to make read-only")
+        mounted = True
+
+    def seal() -> None:
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        else:
+            for path in sorted(mnt.rglob("*"), reverse=True):
+                path.chmod(path.stat().st_mode & ~0o222)
+
+    try:
+        yield mnt, seal
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)], check=False)
+        else:
+            for path in mnt.rglob("*"):
+                path.chmod(path.stat().st_mode | 0o200)
+
+
+def test_inspects_a_store_it_cannot_write(
+    unwritable: tuple[Path, Callable[[], None]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A store on a read-only file system, or one whose files are another user's: the
+    catalog is read read-only, and nothing is created or changed."""
+    mnt, seal = unwritable
+    root = mnt / "store"
+    _demo_store(root)
+    capsys.readouterr()
+    assert main(["store-info", str(root), "--json"]) == 0
+    writable = json.loads(capsys.readouterr().out)
+    files = sorted(p.name for p in root.iterdir())
+    seal()
+    assert main(["store-info", str(root), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == writable
+    assert report["blocks"] == report["catalog_blocks"] > 0
+    assert sorted(p.name for p in root.iterdir()) == files

@@ -117,16 +117,27 @@ class CatalogStats:
 class Catalog:
     """The catalog database (see the module docstring)."""
 
-    def __init__(self, path: str, owner: str = "") -> None:
+    def __init__(self, path: str, owner: str = "", *, writable: bool = True) -> None:
+        """Open (and create, when ``writable``) the catalog at ``path``.
+
+        Args:
+            writable: ``False``: open an existing catalog for reading only (inspection),
+                creating and changing nothing, so that a store on a read-only file system,
+                or another user's, can be read; every write raises :class:`CatalogFull`.
+        """
         self.path = path
         self.owner = owner
-        # Owner-only, like every file of the store (SQLite gives -wal/-shm the same mode).
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         self._pool: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._all: list[sqlite3.Connection] = []
         self._write_lock = threading.Lock()
-        #: Why the catalog was opened read-only (its disk was full), or ``None``.
+        #: How the catalog was opened read-only (not ``writable``, or its disk was full), or
+        #: ``None``.
         self.read_only: str | None = None
+        if not writable:
+            self._open_read_only(None)
+            return
+        # Owner-only, like every file of the store (SQLite gives -wal/-shm the same mode).
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         try:
             with self._conn() as db:
                 db.executescript(_SCHEMA)
@@ -136,28 +147,34 @@ class Catalog:
             self.close()
             self._open_read_only(exc)
 
-    def _open_read_only(self, cause: sqlite3.OperationalError) -> None:
+    def _open_read_only(self, cause: sqlite3.Error | None) -> None:
         """Open an existing catalog for reading only: ``mode=ro`` where SQLite can use the
-        WAL's shared memory, else ``immutable=1`` (the disk is too full to create it, so no
-        other process has the database open)."""
+        WAL's shared memory, else ``immutable=1`` (it cannot be created: the disk is too
+        full, so no other process has the database open, or the directory cannot be
+        written, so none has written it since the last one closed it). ``cause``: why the
+        catalog cannot be written (logged), or ``None`` when it is opened so on purpose."""
+        failed = cause
         for mode in ("mode=ro", "immutable=1"):
             self.read_only = mode
             try:
                 with self._conn() as db:
                     db.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()
-            except sqlite3.Error:
+            except sqlite3.Error as exc:
                 self.close()
+                failed = failed or exc
                 continue
-            log.warning(
-                "file store catalog %s opened read-only (%s: %s): blocks are served, "
-                "writes are refused until the store is reopened with room",
-                self.path,
-                mode,
-                cause,
-            )
+            if cause is not None:
+                log.warning(
+                    "file store catalog %s opened read-only (%s: %s): blocks are served, "
+                    "writes are refused until the store is reopened with room",
+                    self.path,
+                    mode,
+                    cause,
+                )
             return
         self.read_only = None
-        raise cause
+        assert failed is not None
+        raise failed
 
     def _connect(self) -> sqlite3.Connection:
         if self.read_only:

@@ -6,6 +6,7 @@ import errno
 import functools
 import logging
 import os
+import sqlite3
 import stat
 import time
 from collections import Counter
@@ -171,7 +172,9 @@ def is_store(path: str) -> bool:
 
 
 def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) -> StoreReport:
-    """Walk a store without changing it.
+    """Walk a store without changing it. Needs no write access: a catalog this process
+    cannot write (a read-only file system, another user's store that it may read) is read
+    read-only.
 
     Args:
         path: The store root.
@@ -205,7 +208,7 @@ def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) 
                 else:
                     keys.add(entry.name)
         if os.path.exists(os.path.join(root.path, "catalog.sqlite3")):
-            catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"))
+            catalog = _open_catalog(os.path.join(root.path, "catalog.sqlite3"))
             try:
                 stats = catalog.stats()
                 report.catalog_blocks, report.catalog_bytes = stats.blocks, stats.bytes
@@ -218,6 +221,18 @@ def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) 
     finally:
         root.close()
     return report
+
+
+def _open_catalog(path: str) -> Catalog:
+    """The catalog at ``path``, as the store opens it where that is allowed (its last
+    connection closing removes the ``-wal`` and ``-shm`` files, leaving it as it was; a
+    read-only one would leave them), else read-only: a read-only file system, or a catalog
+    or directory of another user's that this one may only read."""
+    try:
+        return Catalog(path)
+    except (OSError, sqlite3.Error) as exc:
+        log.debug("file store catalog %s not writable (%s): read read-only", path, exc)
+        return Catalog(path, writable=False)
 
 
 def _inspect_file(
