@@ -65,9 +65,24 @@ class CopyEngine(abc.ABC):
 
     @abc.abstractmethod
     async def scatter(
-        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+        self,
+        plan: CopyPlan,
+        lease: StagingLease,
+        after: OrderMark | None = None,
+        *,
+        start_by: float | None = None,
     ) -> None:
-        """Staging slots → cache blocks, per ``plan``, after ``after``."""
+        """Staging slots → cache blocks, per ``plan``, after ``after``.
+
+        Args:
+            start_by: An event-loop time by which the copy must have started: one still
+                waiting then (for a copy thread, for device scratch) never starts; one
+                started runs to its end. For a read's scatter, which is of no more use
+                after the read's deadline.
+
+        Raises:
+            NotStarted: ``start_by`` passed before the copy started (nothing was copied).
+        """
 
     def mark(self, stream: int | None) -> OrderMark | None:
         """Record now where the producer's work stands, for copies to wait on (host: ``None``).
@@ -126,14 +141,33 @@ class HostEngine(CopyEngine):
         await self._run(plan, gather, plan, self._rows(plan), lease.pool.buffer, hold=lease)
 
     async def scatter(
-        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+        self,
+        plan: CopyPlan,
+        lease: StagingLease,
+        after: OrderMark | None = None,
+        *,
+        start_by: float | None = None,
     ) -> None:
-        """See :meth:`CopyEngine.scatter`."""
-        await self._run(plan, scatter, plan, lease.pool.buffer, self._rows(plan), hold=lease)
+        """See :meth:`CopyEngine.scatter` (a small copy runs at once, on the event loop)."""
+        rows = self._rows(plan)
+        await self._run(plan, scatter, plan, lease.pool.buffer, rows, hold=lease, start_by=start_by)
 
-    async def _run(self, plan: CopyPlan, fn: object, *args: object, hold: StagingLease) -> None:
+    async def _run(
+        self,
+        plan: CopyPlan,
+        fn: object,
+        *args: object,
+        hold: StagingLease,
+        start_by: float | None = None,
+    ) -> None:
         if plan.nbytes <= INLINE_COPY_BYTES:
             await anyio.lowlevel.checkpoint()
             fn(*args)  # type: ignore[operator]
         else:
-            await self.runner.run(fn, *args, hold=hold, lane=self.limiter)  # type: ignore[arg-type]
+            await self.runner.run(
+                fn,  # type: ignore[arg-type]
+                *args,
+                hold=hold,
+                lane=self.limiter,
+                start_by=start_by,
+            )

@@ -6,7 +6,9 @@ a fetched slice into the caller's cache blocks. A host cache's slices pass it by
 sound blocks before a failed one, which the reader leaves it to scatter.
 
 Copies are the copy engine's, ordered after the producer's mark ``state.after``. A scatter is
-shielded from cancellation, so when a read ends nothing is still writing into its cache.
+shielded from cancellation, so when a read ends nothing is still writing into its cache; one
+that has not started by the read's deadline (its job waited in the inbox, or the copy waited
+for a copy thread or device scratch) never starts: the read stops there as ``total_timeout``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import anyio
 
 from .._hostcopy import scatter_values
 from .._plan import copy_plan
+from .._workers import NotStarted
 from ._base import Actor
 from ._channels import SliceJob
 from ._state import ReadState, RequestState, WriteState
@@ -59,28 +62,49 @@ class Swapper(Actor[SliceJob]):
         assert isinstance(state, ReadState)
         first = spec.first_block
         valid = state.loadable(first, job.valid)  # nothing past where loading stopped
+        late = anyio.current_time() >= state.deadline
+        if valid and late and not state.stopped_before(first):
+            self._not_started(state, job)  # its job waited for the swapper until too late
+            return
         if valid == 0 or not state.scatter_begin():
             state.resolve(spec.index, 0)
             return
         try:
             blocks = state.block_ids[first : first + valid]
             plan = copy_plan(ctx.segments, blocks, job.lease.slots[:valid])
-            with anyio.CancelScope(shield=True):
-                if job.lent:  # some values lent by the store: copied from where they lie
-                    sources = job.sources(0, valid)
-                    await ctx.run_copy(
-                        plan.nbytes,
-                        scatter_values,
-                        ctx.segments,
-                        sources,
-                        blocks,
-                        ctx.cache.row_groups(ctx.segments),
-                        hold=job.lease,
-                    )
-                else:
-                    await ctx.engine.scatter(plan, job.lease, after=state.after)
+            try:
+                with anyio.CancelScope(shield=True):
+                    if job.lent:  # some values lent by the store: copied from where they lie
+                        sources = job.sources(0, valid)
+                        await ctx.run_copy(
+                            plan.nbytes,
+                            scatter_values,
+                            ctx.segments,
+                            sources,
+                            blocks,
+                            ctx.cache.row_groups(ctx.segments),
+                            hold=job.lease,
+                            start_by=state.deadline,
+                        )
+                    else:
+                        await ctx.engine.scatter(
+                            plan, job.lease, after=state.after, start_by=state.deadline
+                        )
+            except NotStarted:  # a copy thread or device scratch was busy until the deadline
+                self._not_started(state, job)
+                return
             ctx.metrics.counters["blocks_read"] += valid
             ctx.metrics.counters["bytes_read"] += plan.nbytes
             state.resolve(spec.index, valid)
         finally:
             state.scatter_end()
+
+    def _not_started(self, state: ReadState, job: SliceJob) -> None:
+        """The slice's scatter did not start by the read's deadline: loading stops at the
+        slice (``total_timeout``), which is resolved with nothing loaded."""
+        spec = job.spec
+        detail = f"slice {spec.index}: deadline passed before its scatter started"
+        self.ctx.metrics.slices["read_total_timeout"] += 1
+        everything = list(range(spec.first_block, spec.end_block))
+        state.stop_at(spec.first_block, "total_timeout", everything, detail)
+        state.resolve(spec.index, 0)

@@ -12,6 +12,7 @@ awaited in a thread that could not be interrupted (``docs/cuda.md``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from typing import Final, Literal, final
@@ -25,6 +26,7 @@ from .._engine import CopyEngine, OrderMark
 from .._errors import DeviceError, RequestError
 from .._plan import CopyPlan, layout_segments
 from .._staging import StagingLease, stride_for
+from .._workers import NotStarted
 from ._driver import DeviceInfo, Driver
 from ._kernels import (
     GATHER,
@@ -162,11 +164,22 @@ class CudaEngine(CopyEngine):
         await self._copy("gather", plan, lease, after)
 
     async def scatter(
-        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+        self,
+        plan: CopyPlan,
+        lease: StagingLease,
+        after: OrderMark | None = None,
+        *,
+        start_by: float | None = None,
     ) -> None:
         """Staging slots → device cache blocks, after ``after``; returns once the bytes are
-        in the cache. Cancellation and errors: as for :meth:`gather`."""
-        await self._copy("scatter", plan, lease, after)
+        in the cache. Cancellation and errors: as for :meth:`gather`.
+
+        Args:
+            start_by: An event-loop time by which the copy must have its scratch set: one
+                still waiting for scratch then queues nothing and raises
+                :class:`~kvpipe._workers.NotStarted`; one that has it runs to its end.
+        """
+        await self._copy("scatter", plan, lease, after, start_by)
 
     def close_by(self, deadline: float) -> None:
         """Every wait of this engine ends by ``deadline``: one still pending then raises
@@ -246,7 +259,12 @@ class CudaEngine(CopyEngine):
             raise RuntimeError("the CUDA engine is closed")
 
     async def _copy(
-        self, direction: Direction, plan: CopyPlan, lease: StagingLease, after: OrderMark | None
+        self,
+        direction: Direction,
+        plan: CopyPlan,
+        lease: StagingLease,
+        after: OrderMark | None,
+        start_by: float | None = None,
     ) -> None:
         self._check_open()
         if after is not None and not isinstance(after, ProducerMark):
@@ -264,8 +282,12 @@ class CudaEngine(CopyEngine):
         self._calls += 1
         self._idle = anyio.Event() if self._calls == 1 else self._idle
         try:
+            scratch: Scratch | None = None
             try:
-                scratch = await self._scratch.acquire()
+                with anyio.move_on_at(math.inf if start_by is None else start_by):
+                    scratch = await self._scratch.acquire()
+                if scratch is None:  # still waiting at start_by (a cancelled wait takes none)
+                    raise NotStarted(f"no CUDA scratch set by {start_by:.3f}")
             except BaseException:
                 if after is not None:
                     after.release()

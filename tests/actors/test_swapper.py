@@ -75,3 +75,38 @@ async def test_a_finished_read_is_never_scattered() -> None:
         )
         assert all(np.array_equal(a, b) for a, b in zip(before, h.ctx.cache.byte_rows, strict=True))
         assert h.ctx.pool.in_use == 0
+
+
+class TestVirtualTime:
+    @pytest.fixture
+    def anyio_backend(self) -> tuple[str, dict[str, object]]:
+        import trio.testing
+
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+    async def test_a_slice_that_reaches_it_after_the_read_s_deadline_is_not_scattered(
+        self,
+    ) -> None:
+        """The job waited in the swapper's inbox past the read's deadline (its workers were
+        busy) before the deadline guard ended the read: it is not scattered, and the read
+        stops there as ``total_timeout``."""
+        import anyio
+
+        async with harness(kvpipe.MemoryStore(), slice_blocks=6) as h:
+            state = h.read_state(TOKENS, np.arange(50, 56), timeout=5)
+            state.plan(plan_slices(0, 6, 6, BLOCK, len(TOKENS)))
+            lease = await h.ctx.pool.acquire(6)
+            for i in range(6):
+                lease.view(i)[: h.ctx.payload_nbytes] = i + 1
+            before = [rows.copy() for rows in h.ctx.cache.byte_rows]
+            await anyio.sleep(6)
+            await Swapper(h.ctx, h.inboxes["swapper"]).handle(
+                SliceJob(state, state.slices[0], lease, valid=6)
+            )
+            assert all(
+                np.array_equal(a, b) for a, b in zip(before, h.ctx.cache.byte_rows, strict=True)
+            )
+            assert state.result is not None
+            assert (state.result.loaded, state.result.stop_reason) == (0, "total_timeout")
+            assert h.ctx.metrics.slices["read_total_timeout"] == 1
+            assert h.ctx.pool.in_use == 0

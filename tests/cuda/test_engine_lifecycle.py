@@ -298,3 +298,58 @@ async def test_close_waits_for_a_call_that_got_its_scratch_after_close_began(
     mark.release()
     lease.release()
     free_device_cache(fake, cache)
+
+
+class TestVirtualTime:
+    @pytest.fixture
+    def anyio_backend(self) -> tuple[str, dict[str, object]]:
+        import trio.testing
+
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+    async def test_a_scatter_still_waiting_for_scratch_at_its_start_by_never_starts(
+        self, fake: FakeDriver, producer: int
+    ) -> None:
+        """One scratch set, held by a gather waiting on the model's stream: a scatter given
+        ``start_by`` gives up waiting then (``NotStarted``), queues nothing, and takes no
+        scratch; the cache blocks it would have written keep their bytes."""
+        from kvpipe._workers import NotStarted
+        from tests.cuda.devcache import device_rows
+
+        cache = fake_device_cache(fake, _layout(), 4)
+        fill_device(fake, cache, seed=6)
+        segs = layout_segments(cache.layout)
+        async with engine(fake, cache, options=CudaOptions(max_calls=1)) as (eng, pool):
+            model = Gate()
+            fake.host_op(producer, lambda: None, gate=model, label="model kernel")
+            mark = eng.mark(producer)
+            held, lease = await pool.acquire(1), await pool.acquire(1)
+            pool.buffer[lease.slots[0]] = 0x5A
+            before = device_rows(fake, cache)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    functools.partial(
+                        eng.gather, copy_plan(segs, [0], held.slots), held, after=mark
+                    )
+                )
+                start = anyio.current_time()
+                try:
+                    while eng.accounting().scratch_in_use == 0:  # the gather takes it
+                        await anyio.lowlevel.checkpoint()
+                    launches = len(fake.launches)
+                    with anyio.fail_after(50), pytest.raises(NotStarted):
+                        await eng.scatter(
+                            copy_plan(segs, [3], lease.slots), lease, start_by=start + 5
+                        )
+                    assert anyio.current_time() == pytest.approx(start + 5, abs=0.01)
+                    assert len(fake.launches) == launches
+                    assert eng.accounting().scratch_in_use == 1
+                finally:
+                    model.open()  # the gather (shielded) can end
+            mark.release()
+            fake.run_until_idle()
+            after = device_rows(fake, cache)
+            assert all((new[3] == old[3]).all() for old, new in zip(before, after, strict=True))
+            held.release()
+            lease.release()
+        free_device_cache(fake, cache)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -260,3 +261,58 @@ async def test_device_cache_without_cuda_is_unsupported(fake: FakeDriver) -> Non
         async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore()):
             pytest.fail("opened")  # pragma: no cover
     free_device_cache(fake, cache)
+
+
+class TestVirtualTime:
+    @pytest.fixture
+    def anyio_backend(self) -> tuple[str, dict[str, object]]:
+        import trio.testing
+
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+    async def test_a_scatter_not_started_by_the_read_s_deadline_never_starts(
+        self, fake: FakeDriver, producer: int
+    ) -> None:
+        """The swapper's one worker is held by a gather waiting on the model's stream; a
+        read's verified slice waits in its inbox past the read's deadline (within the
+        slack). When the worker frees, that slice must not be scattered into the cache:
+        the read stops as ``total_timeout`` with nothing loaded, the cache as it was."""
+        layout = LAYOUTS["gqa"]()
+        cache = fake_device_cache(fake, layout, 6)
+        fill_device(fake, cache, seed=4)
+        stored, other = np.arange(2 * layout.block_size), np.arange(500, 500 + layout.block_size)
+        cfg = _config(slice=2, copy_threads=1, deadline_slack=60)
+        async with kvpipe.open_pipeline(
+            cache, kvpipe.MemoryStore(), config=cfg, device_driver=fake
+        ) as pipe:
+            assert (await pipe.write(stored, [0, 1], stream=producer)).complete
+            engine = pipe._runtime.engine
+            assert engine is not None
+            gate = Gate()
+            fake.host_op(producer, lambda: None, gate=gate, label="the model, still running")
+            before = device_rows(fake, cache)
+            results: dict[str, object] = {}
+
+            async def write() -> None:
+                results["write"] = await pipe.write(other, [5], stream=producer, timeout=1000)
+
+            async def read() -> None:
+                results["read"] = await pipe.read(stored, [3, 4], stream=producer, timeout=10)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write)
+                while engine.accounting().scratch_in_use == 0:  # the gather holds the worker
+                    await anyio.lowlevel.checkpoint()
+                start = anyio.current_time()
+                tg.start_soon(read)
+                await anyio.sleep_until(start + 11)  # past the read's deadline, in its slack
+                assert "read" not in results
+                gate.open()
+            got = results["read"]
+            assert isinstance(got, kvpipe.ReadResult)
+            assert (got.loaded, got.stop_reason) == (0, "total_timeout")
+            assert anyio.current_time() < start + 10 + cfg.deadline_slack
+        after = device_rows(fake, cache)
+        for old, new in zip(before, after, strict=True):
+            assert np.array_equal(old[3:5], new[3:5])  # nothing scattered after the deadline
+        free_device_cache(fake, cache)
