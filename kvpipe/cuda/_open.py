@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from typing import TYPE_CHECKING, Literal
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from .._cache import KVCache
 from .._device_tensors import parse_device
-from .._errors import LayoutError, Unsupported
+from .._errors import DeviceError, LayoutError, Unsupported
 from .._plan import layout_segments
 from .._staging import StagingPool, stride_for
 from ._driver import CudaDriver, Driver
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from . import DeviceProbe
 
 __all__ = ("open_cuda_engine", "open_device_path")
+
+log = logging.getLogger("kvpipe.cuda")
 
 
 def open_cuda_engine(
@@ -53,7 +56,9 @@ def open_cuda_engine(
     Raises:
         LayoutError: ``cache`` is not a device cache.
         Unsupported: No driver, no device, or no NVRTC.
-        DeviceError: A driver call or the compile failed (everything acquired is released).
+        DeviceError: A driver call or the compile failed (everything acquired is released),
+            or the pointer table's upload did not complete within ``options.drain_timeout``
+            (what the upload may still use, and the context, are kept; logged).
         ValueError: The staging does not fit ``budget``.
     """
     ordinal = parse_device(cache.device)
@@ -62,8 +67,14 @@ def open_cuda_engine(
     opts = options if options is not None else CudaOptions()
     drv = driver if driver is not None else CudaDriver()
     info = drv.open(ordinal)
+    keep_context = False  # a stuck upload's memory lives as long as the context: keep both
+
+    def release_context() -> None:
+        if not keep_context:
+            drv.close()
+
     with contextlib.ExitStack() as undo:
-        undo.callback(drv.close)
+        undo.callback(release_context)
         image = load_kernels(info.capability, cache_dir=opts.kernel_cache)
         module = drv.module_load(image.image)
         undo.callback(drv.module_unload, module)
@@ -80,7 +91,11 @@ def open_cuda_engine(
             capacity * stride, budget=budget, mapped=info.can_map_host_memory
         )
         undo.callback(ledger.pinned_free, staging)
-        table = _upload_table(drv, ledger, events, cache)
+        try:
+            table = _upload_table(drv, ledger, events, cache, opts.drain_timeout)
+        except _UploadStuck:
+            keep_context = True
+            raise
         undo.callback(ledger.mem_free, table)
         engine = CudaEngine(
             driver=drv,
@@ -106,10 +121,24 @@ def open_cuda_engine(
     return engine
 
 
-def _upload_table(drv: Driver, ledger: Ledger, events: EventPool, cache: KVCache) -> int:
-    """Copy the pointer table to the device and wait for it (once, at open)."""
+class _UploadStuck(DeviceError):
+    """The pointer table's upload did not complete in time; what it uses is kept."""
+
+
+def _upload_table(
+    drv: Driver, ledger: Ledger, events: EventPool, cache: KVCache, timeout: float
+) -> int:
+    """Copy the pointer table to the device and wait for it (once, at open), ``timeout``
+    seconds at most.
+
+    Raises:
+        DeviceError: A driver call failed, or the upload had not completed after
+            ``timeout`` seconds (a stream that never completes): then the memory, stream and
+            event it may still use are left allocated (logged), never freed under it.
+    """
     data = segment_table(cache.pointers, layout_segments(cache.layout))
     table = ledger.mem_alloc(len(data))
+    stuck = False
     try:
         with contextlib.ExitStack() as done:  # released in reverse order
             host = ledger.pinned_alloc(len(data), mapped=False)
@@ -121,10 +150,26 @@ def _upload_table(drv: Driver, ledger: Ledger, events: EventPool, cache: KVCache
             done.callback(events.put, event)
             drv.memcpy_htod_async(table, host.host_ptr, len(data), stream)
             drv.event_record(event, stream)
+            give_up = time.monotonic() + timeout
             while not drv.event_query(event):
+                if time.monotonic() >= give_up:
+                    stuck = True
+                    done.pop_all()  # the copy may still read and write these: keep them
+                    log.error(
+                        "the CUDA pointer table's upload did not complete in %.3g s; leaving "
+                        "its memory, stream and event allocated",
+                        timeout,
+                    )
+                    raise _UploadStuck(
+                        "cuEventQuery",
+                        "",
+                        f"the pointer table's upload did not complete in {timeout:.3g} s "
+                        "(drain_timeout)",
+                    )
                 time.sleep(50e-6)
     except BaseException:
-        ledger.mem_free(table)
+        if not stuck:
+            ledger.mem_free(table)
         raise
     return table
 

@@ -51,7 +51,8 @@ class CudaOptions:
         max_calls: Scratch sets, i.e. calls in flight at once (more wait).
         poll_max: Longest sleep between two completion polls, in seconds.
         drain_timeout: How long close waits for the device before leaking (not freeing)
-            memory it may still be using.
+            memory it may still be using; also how long opening waits for the pointer
+            table's upload (then :class:`~kvpipe.DeviceError`).
         kernel_cache: Directory of compiled kernels (default: :func:`kernel_cache_dir`).
     """
 

@@ -102,6 +102,42 @@ async def test_a_failure_while_opening_releases_everything(fake: FakeDriver, cal
     fake.assert_clean()
 
 
+async def test_an_upload_that_never_completes_fails_the_open_and_frees_nothing_it_uses(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pointer table's upload stream never completes: opening gives up after
+    ``drain_timeout`` with a DeviceError (it used to poll for ever), releases what the upload
+    does not use, and keeps what it may still read or write (its pinned copy, the table, its
+    stream and event) and the context they live in."""
+    cache = fake_device_cache(fake, _layout(), 2)
+    stuck = True
+    query = fake.event_query
+    monkeypatch.setattr(fake, "event_query", lambda event: query(event) and not stuck)
+    slot = value_nbytes(cache.layout.block_nbytes)
+    opener = functools.partial(
+        open_cuda_engine,
+        cache,
+        slot_nbytes=slot,
+        capacity=4,
+        budget=4 * stride_for(slot),
+        max_blocks=4,
+        driver=fake,
+        options=CudaOptions(drain_timeout=0.05),
+    )
+    try:
+        with anyio.fail_after(10), pytest.raises(kvpipe.DeviceError, match="did not complete"):
+            await anyio.to_thread.run_sync(opener, abandon_on_cancel=True)
+    finally:
+        stuck = False  # (unbounded, the open's thread polls until the stream completes)
+    assert fake.violations == []  # nothing freed or destroyed under the queued copy
+    live = fake.live()
+    assert (live["pinned_allocations"], live["streams"], live["events"]) == (1, 1, 1)
+    assert live["modules"] == 0 and live["contexts"] == 1
+    assert live["device_allocations"] == 1 + len(cache.pointers)  # the table, the cache's
+    fake.make_current()
+    fake.run_until_idle()
+
+
 async def test_a_failed_launch_is_reported_and_the_engine_recovers(fake: FakeDriver) -> None:
     layout = _layout()
     cache = fake_device_cache(fake, layout, 6)
