@@ -11,8 +11,9 @@ allocation calls block; the engine makes them at open, close, or once per scratc
 from __future__ import annotations
 
 import abc
+import contextlib
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -52,8 +53,9 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def open(self, ordinal: int) -> DeviceInfo:
-        """Initialise the driver, retain device ``ordinal``'s primary context (the one
-        Paddle and PyTorch use) and make it current on this thread.
+        """Initialise the driver and retain device ``ordinal``'s primary context (the one
+        Paddle and PyTorch use). The calling thread's current context is left as it was:
+        work on the opened context runs under :meth:`current`.
 
         Raises:
             Unsupported: No driver or no such device.
@@ -61,7 +63,30 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def make_current(self) -> None:
-        """Make the opened context current on the calling thread (cheap; call before work)."""
+        """Make the opened context current on the calling thread, and leave it current."""
+
+    @abc.abstractmethod
+    def get_current(self) -> int:
+        """The handle of the context current on the calling thread (``0``: none)."""
+
+    @abc.abstractmethod
+    def set_current(self, context: int) -> None:
+        """Make ``context`` (a handle from :meth:`get_current`; ``0``: none) current on the
+        calling thread."""
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """The opened context current on the calling thread inside the block; then whatever
+        was current before (the caller's own context, or none) is current again, also when
+        the block raises. kvpipe's calls run on the caller's threads (the event loop's):
+        they must not leave its device switched. Never await inside the block: another task
+        on the thread could run in between and find the wrong context current."""
+        previous = self.get_current()
+        self.make_current()
+        try:
+            yield
+        finally:
+            self.set_current(previous)
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -188,7 +213,6 @@ class CudaDriver(Driver):
         self._ctx = self._call("cuDevicePrimaryCtxRetain", dev)
         self._dev = dev
         try:
-            self._call("cuCtxSetCurrent", self._ctx)
             attr = cu.CUdevice_attribute
             major = self._call(
                 "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev
@@ -210,6 +234,12 @@ class CudaDriver(Driver):
 
     def make_current(self) -> None:
         self._call("cuCtxSetCurrent", self._ctx)
+
+    def get_current(self) -> int:
+        return int(self._call("cuCtxGetCurrent"))
+
+    def set_current(self, context: int) -> None:
+        self._call("cuCtxSetCurrent", self._cu.CUcontext(context))
 
     def close(self) -> None:
         if self._dev is not None:

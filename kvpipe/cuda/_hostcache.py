@@ -22,7 +22,8 @@ def create_host_cache(
 ) -> KVCache:
     """Allocate a zeroed host cache in pinned memory: per role, exactly the bytes of the
     device cache of the same layout. :meth:`KVCache.free` frees the pinned memory and
-    releases the driver context.
+    releases the driver context. Neither changes the calling thread's current CUDA context
+    (the caller's framework may have another device's current).
 
     Args:
         layout: The layout to allocate.
@@ -45,7 +46,8 @@ def create_host_cache(
         tensors: dict[tuple[str, int], np.ndarray[tuple[int, ...], np.dtype[np.generic]]] = {}
         for spec in layout.role_specs:
             per_layer = num_blocks * spec.block_nbytes
-            buf = PinnedBuffer(drv, layout.num_layers * per_layer, mapped=False)
+            with drv.current():  # the caller's thread keeps its own current context
+                buf = PinnedBuffer(drv, layout.num_layers * per_layer, mapped=False)
             buffers.append(buf)
             raw = buf.array()
             raw[:] = 0
@@ -68,9 +70,9 @@ def create_host_cache(
 
 
 def _release(driver: Driver, buffers: list[PinnedBuffer]) -> None:
-    driver.make_current()
     try:
-        for buf in buffers:
-            buf.free()
+        with driver.current():  # the calling thread keeps its own current context
+            for buf in buffers:
+                buf.free()
     finally:
         driver.close()

@@ -68,56 +68,57 @@ def open_cuda_engine(
     drv = driver if driver is not None else CudaDriver()
     info = drv.open(ordinal)
     keep_context = False  # a stuck upload's memory lives as long as the context: keep both
-
-    def release_context() -> None:
+    try:
+        # Current on this thread while opening, then whatever was current before: this is
+        # a worker thread of the event loop library's, which other callers' work shares.
+        with drv.current(), contextlib.ExitStack() as undo:
+            image = load_kernels(info.capability, cache_dir=opts.kernel_cache)
+            module = drv.module_load(image.image)
+            undo.callback(drv.module_unload, module)
+            functions = {name: drv.module_function(module, name) for name in KERNELS}
+            streams: dict[Literal["gather", "scatter"], int] = {"gather": drv.stream_create()}
+            undo.callback(drv.stream_destroy, streams["gather"])
+            streams["scatter"] = drv.stream_create()
+            undo.callback(drv.stream_destroy, streams["scatter"])
+            ledger = Ledger(drv)
+            events = EventPool(drv)
+            undo.callback(events.close)
+            stride = stride_for(slot_nbytes)
+            staging = ledger.pinned_alloc(
+                capacity * stride, budget=budget, mapped=info.can_map_host_memory
+            )
+            undo.callback(ledger.pinned_free, staging)
+            try:
+                table = _upload_table(drv, ledger, events, cache, opts.drain_timeout)
+            except _UploadStuck:
+                keep_context = True
+                raise
+            undo.callback(ledger.mem_free, table)
+            engine = CudaEngine(
+                driver=drv,
+                info=info,
+                cache=cache,
+                ledger=ledger,
+                events=events,
+                staging=staging,
+                slot_nbytes=slot_nbytes,
+                capacity=capacity,
+                max_blocks=max_blocks,
+                module=module,
+                functions=functions,
+                streams=streams,
+                table=table,
+                options=opts,
+                note=(
+                    f"cuda:{ordinal} {info.name} sm_{info.capability[0]}{info.capability[1]}; "
+                    f"kernels {image.kind} for {image.arch}; driver {drv.name}"
+                ),
+            )
+            undo.pop_all()
+    except BaseException:
         if not keep_context:
             drv.close()
-
-    with contextlib.ExitStack() as undo:
-        undo.callback(release_context)
-        image = load_kernels(info.capability, cache_dir=opts.kernel_cache)
-        module = drv.module_load(image.image)
-        undo.callback(drv.module_unload, module)
-        functions = {name: drv.module_function(module, name) for name in KERNELS}
-        streams: dict[Literal["gather", "scatter"], int] = {"gather": drv.stream_create()}
-        undo.callback(drv.stream_destroy, streams["gather"])
-        streams["scatter"] = drv.stream_create()
-        undo.callback(drv.stream_destroy, streams["scatter"])
-        ledger = Ledger(drv)
-        events = EventPool(drv)
-        undo.callback(events.close)
-        stride = stride_for(slot_nbytes)
-        staging = ledger.pinned_alloc(
-            capacity * stride, budget=budget, mapped=info.can_map_host_memory
-        )
-        undo.callback(ledger.pinned_free, staging)
-        try:
-            table = _upload_table(drv, ledger, events, cache, opts.drain_timeout)
-        except _UploadStuck:
-            keep_context = True
-            raise
-        undo.callback(ledger.mem_free, table)
-        engine = CudaEngine(
-            driver=drv,
-            info=info,
-            cache=cache,
-            ledger=ledger,
-            events=events,
-            staging=staging,
-            slot_nbytes=slot_nbytes,
-            capacity=capacity,
-            max_blocks=max_blocks,
-            module=module,
-            functions=functions,
-            streams=streams,
-            table=table,
-            options=opts,
-            note=(
-                f"cuda:{ordinal} {info.name} sm_{info.capability[0]}{info.capability[1]}; "
-                f"kernels {image.kind} for {image.arch}; driver {drv.name}"
-            ),
-        )
-        undo.pop_all()
+        raise
     return engine
 
 

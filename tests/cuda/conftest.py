@@ -47,6 +47,7 @@ def fake() -> Iterator[FakeDriver]:
 def producer(fake: FakeDriver) -> Iterator[int]:
     """A stream of "the model" (the framework holds its own context, as Paddle would)."""
     fake.open(0)
+    fake.make_current()  # the framework's own context, current on its (this) thread
     stream = fake.stream_create()
     yield stream
     fake.make_current()

@@ -26,7 +26,13 @@ checking what the engine asks of the driver:
   it should have waited for).
 * **Lifetimes.** Contexts, streams, events, modules and allocations are counted so tests can
   check that close frees everything; freeing memory that queued work still uses is a
-  violation; calls from a thread without the context current are violations.
+  violation.
+* **Current contexts.** Each thread has its own current context: none, the device's primary
+  context (:attr:`FakeDriver.CONTEXT`, made current by ``make_current`` / ``set_current``;
+  ``open`` leaves it as it was), or another one the test sets (:attr:`FakeDriver.FOREIGN`, a
+  framework's context on another device). A call other than ``open``, ``close`` and the
+  context calls from a thread whose current context is not the primary one is a violation;
+  tests check that kvpipe gives the caller's thread back its own context.
 
 Violations raise :class:`DriverViolation` (an ``AssertionError``) at the call or at the op's
 execution, and are kept in :attr:`FakeDriver.violations` for the test to assert on.
@@ -72,6 +78,10 @@ class FakeDriver(FakeDevice, Driver):  # TEST DOUBLE: not evidence of GPU speed
     """
 
     name = "FakeDriver (test double)"
+    #: The handle of the device's primary context.
+    CONTEXT = 0xC7C7
+    #: A context the driver does not own (the caller's framework's, on another device).
+    FOREIGN = 0xF0F0
 
     def __init__(
         self,
@@ -89,7 +99,7 @@ class FakeDriver(FakeDevice, Driver):  # TEST DOUBLE: not evidence of GPU speed
         self.opened = 0
         self.calls: list[str] = []
         self.launches: list[tuple[str, tuple[int, int, int], tuple[int, int, int]]] = []
-        self._current: set[int] = set()
+        self._current: dict[int, int] = {}  # thread ident -> its current context (0: none)
         self._modules: dict[int, bytes] = {}
         self._functions: dict[int, str] = {}
         self._fn_owner: dict[int, tuple[int, str]] = {}
@@ -117,9 +127,13 @@ class FakeDriver(FakeDevice, Driver):  # TEST DOUBLE: not evidence of GPU speed
         assert self.violations == [], self.violations
         assert all(v == 0 for v in self.live().values()), self.live()
 
+    def current_of(self, ident: int | None = None) -> int:
+        """The context current on thread ``ident`` (default: the calling one; 0: none)."""
+        return self._current.get(threading.get_ident() if ident is None else ident, 0)
+
     def _check(self, call: str) -> None:
         self.calls.append(call)
-        if threading.get_ident() not in self._current and call not in ("open",):
+        if self.current_of() != self.CONTEXT and call not in ("open", "close"):
             raise self.violation(f"{call}: no current context on this thread")
         code = self._fail.pop(call, None)
         if code is not None:
@@ -134,15 +148,26 @@ class FakeDriver(FakeDevice, Driver):  # TEST DOUBLE: not evidence of GPU speed
                 raise Unsupported(f"no CUDA device {ordinal} (fake has {self.device_count})")
             self.contexts += 1
             self.opened += 1
-            self._current.add(threading.get_ident())
             return DeviceInfo(ordinal, "FakeGPU", self.capability, self.can_map_host_memory)
 
     def make_current(self) -> None:
         with self._lock:
             if self.contexts == 0:
                 raise self.violation("make_current without an open context")
-            self._current.add(threading.get_ident())
+            self._current[threading.get_ident()] = self.CONTEXT
             self.calls.append("make_current")
+
+    def get_current(self) -> int:
+        with self._lock:
+            self.calls.append("get_current")
+            return self.current_of()
+
+    def set_current(self, context: int) -> None:
+        with self._lock:
+            self.calls.append("set_current")
+            if context == self.CONTEXT and self.contexts == 0:
+                raise self.violation("set_current to the primary context, which is released")
+            self._current[threading.get_ident()] = context
 
     def close(self) -> None:
         with self._lock:

@@ -64,3 +64,102 @@ def test_an_open_that_fails_after_retaining_the_context_releases_it() -> None:
     assert bindings.retained == 0  # else the device's primary context is held for good
     driver.close()  # nothing left to release
     assert bindings.retained == 0
+
+
+class _Context:
+    """A ``CUcontext``: an opaque handle that converts to its address."""
+
+    def __init__(self, handle: int = 0) -> None:
+        self.handle = int(handle)
+
+    def __int__(self) -> int:
+        return self.handle
+
+
+PRIMARY, FRAMEWORK = 0xC0, 0xF1  # device 0's primary context; the caller's (device 1's)
+
+
+class _Thread(_Bindings):
+    """The calls of an open that succeeds, pinned allocations, and the calling thread's
+    current context (one thread: these tests make every call from it)."""
+
+    CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTALLOC_DEVICEMAP = 1, 2
+    CUcontext = _Context
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = FRAMEWORK
+        self.memory: dict[int, Any] = {}
+        self.allocated_in: set[int] = set()
+        self.freed_in: set[int] = set()
+
+    def cuDevicePrimaryCtxRetain(self, _dev: int) -> tuple[Any, ...]:
+        self.retained += 1
+        return (_Result.CUDA_SUCCESS, _Context(PRIMARY))
+
+    def cuDeviceGetAttribute(self, _attr: int, _dev: int) -> tuple[Any, ...]:
+        return (_Result.CUDA_SUCCESS, 1)
+
+    def cuDeviceGetName(self, _n: int, _dev: int) -> tuple[Any, ...]:
+        return (_Result.CUDA_SUCCESS, b"StandIn\0")
+
+    def cuCtxGetCurrent(self) -> tuple[Any, ...]:
+        return (_Result.CUDA_SUCCESS, _Context(self.current))
+
+    def cuCtxSetCurrent(self, ctx: _Context) -> tuple[Any, ...]:
+        self.current = int(ctx)
+        return (_Result.CUDA_SUCCESS,)
+
+    def cuMemHostAlloc(self, nbytes: int, _flags: int) -> tuple[Any, ...]:
+        import numpy as np
+
+        buf = np.empty(nbytes, np.uint8)
+        self.memory[buf.ctypes.data] = buf
+        self.allocated_in.add(self.current)
+        return (_Result.CUDA_SUCCESS, buf.ctypes.data)
+
+    def cuMemFreeHost(self, ptr: int) -> tuple[Any, ...]:
+        del self.memory[ptr]
+        self.freed_in.add(self.current)
+        return (_Result.CUDA_SUCCESS,)
+
+
+def _driver_over(bindings: _Bindings) -> CudaDriver:
+    driver = CudaDriver.__new__(CudaDriver)  # without importing cuda-python
+    driver._cu, driver._ctx, driver._dev = bindings, None, None
+    return driver
+
+
+def test_a_host_cache_leaves_the_caller_s_current_context_as_it_was() -> None:
+    """The caller's thread has its framework's context (device 1's) current: allocating a
+    pinned host cache, and freeing it, work in device 0's primary context and give the
+    thread its own back (they used to leave device 0's current: the caller's later CUDA
+    work silently ran on the wrong device)."""
+    import kvpipe
+    from kvpipe.cuda._hostcache import create_host_cache
+
+    bindings = _Thread()
+    layout = kvpipe.CacheLayout.gqa(
+        num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="float16"
+    )
+    cache = create_host_cache(layout, 3, device_driver=_driver_over(bindings))
+    assert bindings.current == FRAMEWORK
+    assert bindings.allocated_in == {PRIMARY} and len(bindings.memory) == 2
+    cache.free()
+    assert bindings.current == FRAMEWORK
+    assert bindings.freed_in == {PRIMARY} and bindings.memory == {}
+    assert bindings.retained == 0
+
+
+def test_open_leaves_the_current_context_and_current_restores_it() -> None:
+    bindings = _Thread()
+    driver = _driver_over(bindings)
+    driver.open(0)
+    assert bindings.current == FRAMEWORK
+    with pytest.raises(RuntimeError, match="inside"):
+        with driver.current():
+            assert bindings.current == PRIMARY
+            raise RuntimeError("inside")
+    assert bindings.current == FRAMEWORK
+    driver.close()
+    assert bindings.retained == 0

@@ -250,6 +250,22 @@ def test_host_cache_allocation_failure_frees_what_was_allocated(fake: FakeDriver
     fake.assert_clean()
 
 
+def test_host_cache_leaves_the_thread_s_current_context_as_it_was(fake: FakeDriver) -> None:
+    """The caller's thread has another device's context current (its framework's): making
+    a host cache, freeing it, or failing to make one gives it that context back."""
+    layout = LAYOUTS["gqa"]()
+    fake.set_current(fake.FOREIGN)
+    cache = kvpipe.create_host_cache(layout, 3, device_driver=fake)
+    assert fake.current_of() == fake.FOREIGN
+    cache.free()
+    assert fake.current_of() == fake.FOREIGN
+    fake.fail_next("host_alloc", "CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(kvpipe.DeviceError):
+        kvpipe.create_host_cache(layout, 3, device_driver=fake)
+    assert fake.current_of() == fake.FOREIGN
+    fake.assert_clean()
+
+
 def test_host_cache_without_a_driver_is_unsupported() -> None:
     if probe_device().available:
         pytest.skip("a CUDA driver is present here")

@@ -14,6 +14,7 @@ import kvpipe
 from kvpipe._blockformat import value_nbytes
 from kvpipe._plan import copy_plan, layout_segments
 from kvpipe._staging import stride_for
+from kvpipe.cuda._engine import CudaEngine
 from kvpipe.cuda._kernels import PAIR_NBYTES, SEGMENT_NBYTES
 from kvpipe.cuda._open import open_cuda_engine
 from kvpipe.cuda._resources import CudaOptions
@@ -98,6 +99,42 @@ async def test_a_failure_while_opening_releases_everything(fake: FakeDriver, cal
     fake.fail_next(call, "CUDA_ERROR_OUT_OF_MEMORY")
     with pytest.raises(kvpipe.DeviceError, match="CUDA_ERROR_OUT_OF_MEMORY"):
         await open_engine(fake, cache)
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+
+
+@pytest.mark.parametrize("fails", [None, "module_load", "memcpy_htod_async"])
+async def test_opening_gives_its_thread_back_the_context_it_had(
+    fake: FakeDriver, fails: str | None
+) -> None:
+    """open_cuda_engine runs in a worker thread others share; whether it opens or fails, the
+    thread's current context is the one it had before (here another device's)."""
+    cache = fake_device_cache(fake, _layout(), 2)
+    slot = value_nbytes(cache.layout.block_nbytes)
+    if fails is not None:
+        fake.fail_next(fails)
+
+    def open_from_a_thread_with_its_own_context() -> tuple[object, int]:
+        fake.set_current(fake.FOREIGN)
+        try:
+            return open_cuda_engine(
+                cache,
+                slot_nbytes=slot,
+                capacity=4,
+                budget=4 * stride_for(slot),
+                max_blocks=4,
+                driver=fake,
+            ), fake.current_of()
+        except kvpipe.DeviceError as exc:
+            return exc, fake.current_of()
+
+    opened, current = await anyio.to_thread.run_sync(open_from_a_thread_with_its_own_context)
+    assert current == fake.FOREIGN
+    if fails is None:
+        assert isinstance(opened, CudaEngine)
+        await opened.aclose()
+    else:
+        assert isinstance(opened, kvpipe.DeviceError)
     free_device_cache(fake, cache)
     fake.assert_clean()
 

@@ -18,6 +18,7 @@ from tests.cuda.fake_driver import DriverViolation, FakeDriver, Gate
 def drv() -> FakeDriver:
     d = FakeDriver(latency=0)
     d.open(0)
+    d.make_current()
     return d
 
 
@@ -167,6 +168,7 @@ def test_calls_need_a_current_context() -> None:
 
     drv = FakeDriver()
     drv.open(0)
+    drv.make_current()
     errors: list[BaseException] = []
 
     def other() -> None:

@@ -40,6 +40,7 @@ ALL = {**LAYOUTS, **ODD_LAYOUTS}
 def gpu() -> Iterator[CudaDriver]:
     drv = CudaDriver()
     drv.open(0)
+    drv.make_current()
     yield drv
     drv.close()
 
