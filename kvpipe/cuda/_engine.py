@@ -7,6 +7,11 @@ producer's mark; upload the (cache block, slot) pairs; run the copy path
 the scratch wait is shielded: once work is queued the call returns only when it finished.
 Completion is polled (``SPIN_SECONDS`` of yields, then back-off up to ``poll_max``), not
 awaited in a thread that could not be interrupted (``docs/cuda.md``).
+
+The engine's driver calls run on the event loop's thread, the server's own, whose framework
+may have another device's context current there: the engine's context is current only
+around each run of driver calls between two awaits (:meth:`Driver.current`), and whatever
+was current before is current again after it.
 """
 
 from __future__ import annotations
@@ -139,13 +144,13 @@ class CudaEngine(CopyEngine):
             stream = current_stream(self._cache.framework, self.info.ordinal)
         elif isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
             raise RequestError(f"stream must be a CUstream handle (an int >= 0), got {stream!r}")
-        event = self._events.get()
-        try:
-            self._driver.make_current()
-            self._driver.event_record(event, stream)
-        except BaseException:
-            self._events.put(event)
-            raise
+        with self._driver.current():
+            event = self._events.get()
+            try:
+                self._driver.event_record(event, stream)
+            except BaseException:
+                self._events.put(event)
+                raise
         return ProducerMark(event, self._events.put)
 
     async def gather(
@@ -211,24 +216,24 @@ class CudaEngine(CopyEngine):
             if waited.cancelled_caught:
                 log.error("CUDA copies still running at the close deadline; leaking the memory")
                 return
-            self._driver.make_current()
             drained = await self._drain()
         if not drained:
             log.error("CUDA streams did not drain at close; leaking the engine's memory")
             return
         try:
-            self._scratch.close()
-            self._ledger.mem_free(self._table)
-            for stream in self._streams.values():
-                self._driver.stream_destroy(stream)
-            self._streams = {}
-            self._events.close()
-            self._driver.module_unload(self._module)
-            if staging_in_use:
-                # Pinned memory lives as long as its context: keep both for the thread.
-                log.error("staging may still be in use at close; leaving it allocated")
-                return
-            self._ledger.pinned_free(self.staging)
+            with self._driver.current():
+                self._scratch.close()
+                self._ledger.mem_free(self._table)
+                for stream in self._streams.values():
+                    self._driver.stream_destroy(stream)
+                self._streams = {}
+                self._events.close()
+                self._driver.module_unload(self._module)
+                if staging_in_use:
+                    # Pinned memory lives as long as its context: keep both for the thread.
+                    log.error("staging may still be in use at close; leaving it allocated")
+                    return
+                self._ledger.pinned_free(self.staging)
         except DeviceError as exc:
             log.error("freeing CUDA resources at close failed: %s", exc)
         self._driver.close()
@@ -274,7 +279,6 @@ class CudaEngine(CopyEngine):
             return
         if plan.blocks > self._scratch.max_blocks:
             raise ValueError(f"{plan.blocks} blocks exceed {self._scratch.max_blocks} per call")
-        self._driver.make_current()  # this thread may allocate (a new scratch set)
         if after is not None:
             after.retain()
         # In flight from here, while it waits for scratch too: a call that gets its scratch
@@ -310,11 +314,11 @@ class CudaEngine(CopyEngine):
         stream = self._streams[direction]
         try:
             try:
-                self._driver.make_current()
-                if after is not None:
-                    assert isinstance(after, ProducerMark)
-                    self._driver.stream_wait_event(stream, after.event)
-                path = self._enqueue(direction, plan, scratch, stream)
+                with self._driver.current():
+                    if after is not None:
+                        assert isinstance(after, ProducerMark)
+                        self._driver.stream_wait_event(stream, after.event)
+                    path = self._enqueue(direction, plan, scratch, stream)
             finally:
                 if after is not None:
                     after.release()
@@ -383,7 +387,7 @@ class CudaEngine(CopyEngine):
         """Poll until ``event`` has completed: yielding, then backing off."""
         start = time.monotonic()
         delay = POLL_MIN
-        while not self._driver.event_query(event):
+        while not self._done(event):
             if self._abandon_at is not None and anyio.current_time() >= self._abandon_at:
                 raise DeviceError("cuEventQuery", "", "abandoned at the close deadline")
             if time.monotonic() - start < SPIN_SECONDS:
@@ -392,11 +396,17 @@ class CudaEngine(CopyEngine):
                 await anyio.sleep(delay)
                 delay = min(delay * 2, self.options.poll_max)
 
+    def _done(self, event: int) -> bool:
+        """Whether ``event`` has completed (one query, the engine's context current)."""
+        with self._driver.current():
+            return self._driver.event_query(event)
+
     async def _recover(self, stream: int, scratch: Scratch, lease: StagingLease) -> None:
         """Wait for the stream after a failure before reusing anything; if even that fails,
         retire the scratch and the lease's slots."""
         try:
-            self._driver.event_record(scratch.done, stream)
+            with self._driver.current():
+                self._driver.event_record(scratch.done, stream)
             with anyio.fail_after(self.options.drain_timeout):
                 await self._wait(scratch.done)
         except (DeviceError, TimeoutError) as exc:
@@ -415,9 +425,11 @@ class CudaEngine(CopyEngine):
         try:
             with anyio.fail_after(self.options.drain_timeout):
                 for stream in self._streams.values():
-                    event = self._events.get()
+                    with self._driver.current():
+                        event = self._events.get()
                     try:
-                        self._driver.event_record(event, stream)
+                        with self._driver.current():
+                            self._driver.event_record(event, stream)
                         await self._wait(event)
                     finally:
                         self._events.put(event)

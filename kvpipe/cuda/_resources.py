@@ -280,6 +280,10 @@ class ScratchPool:
         return scratch
 
     def _create(self) -> Scratch:
+        with self._ledger.driver.current():  # called on the caller's (event loop's) thread
+            return self._create_set()
+
+    def _create_set(self) -> Scratch:
         nbytes = self.max_blocks * PAIR_NBYTES
         done = self._events.get()
         try:

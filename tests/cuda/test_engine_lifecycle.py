@@ -139,6 +139,46 @@ async def test_opening_gives_its_thread_back_the_context_it_had(
     fake.assert_clean()
 
 
+async def test_the_engine_leaves_the_event_loop_thread_s_context_as_it_was(
+    fake: FakeDriver, producer: int
+) -> None:
+    """The engine's calls run on the event loop's thread, the server's, where its framework
+    has its own context current (another device's here). A mark, a copy (while it waits
+    for the device, other tasks of the loop run), a copy that allocates a scratch set, and
+    close each make the engine's context current only around their driver calls."""
+    cache = fake_device_cache(fake, _layout(), 4)
+    fill_device(fake, cache, seed=9)
+    segs = layout_segments(cache.layout)
+    eng, pool = await open_engine(fake, cache, options=CudaOptions(max_calls=2))
+    fake.set_current(fake.FOREIGN)
+    model = Gate()
+    fake.host_op(producer, lambda: None, gate=model, label="model kernel")
+    mark = eng.mark(producer)
+    assert fake.current_of() == fake.FOREIGN
+    lease = await pool.acquire(4)
+    seen: list[int] = []
+    async with anyio.create_task_group() as tg:
+        gather = copy_plan(segs, [0, 1], lease.slots[:2])
+        tg.start_soon(functools.partial(eng.gather, gather, lease, after=mark))
+        polls = fake.calls.count("event_query")
+        while fake.calls.count("event_query") < polls + 5:  # it waits for the model
+            await anyio.lowlevel.checkpoint()
+            seen.append(fake.current_of())
+        # A second call at once: a second scratch set is created for it.
+        await eng.scatter(copy_plan(segs, [2, 3], lease.slots[2:]), lease)
+        assert eng.accounting().scratch_buffers == 2
+        seen.append(fake.current_of())
+        model.open()
+    assert set(seen) == {fake.FOREIGN}
+    assert fake.current_of() == fake.FOREIGN
+    mark.release()
+    lease.release()
+    await eng.aclose()
+    assert fake.current_of() == fake.FOREIGN
+    assert fake.violations == []  # every driver call ran with the engine's context current
+    free_device_cache(fake, cache)
+
+
 async def test_an_upload_that_never_completes_fails_the_open_and_frees_nothing_it_uses(
     fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -269,6 +309,7 @@ async def test_close_can_leave_staging_to_a_thread_still_using_it(fake: FakeDriv
     assert live["pinned_allocations"] == 1 and live["streams"] == 0
     assert live["contexts"] == 1  # pinned memory lives as long as its context: kept
     assert not staging.freed
+    fake.make_current()  # (close gave the thread back its context: none)
     staging.free()  # as the process would at exit: free it by hand here
     fake.close()
     free_device_cache(fake, cache)
