@@ -17,6 +17,25 @@ import kvpipe
 from kvpipe.integrations._portal import LoopThread
 from kvpipe.integrations.fastdeploy import KVPipeAttentionStore, KVPipeStorage
 
+
+def _outcome_of(
+    call: Callable[[], object],
+) -> tuple[list[BaseException | None], Callable[[], None]]:
+    """A list, and a function for a thread that runs ``call`` and appends to the list what
+    it raised (``None`` when it returned)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    return outcome, run
+
+
 LAYERS, BLOCKS, BS = 2, 8, 4
 
 
@@ -56,20 +75,12 @@ def test_a_call_cut_off_by_close_is_pipeline_closed() -> None:
     failure; it is ``PipelineClosed`` now."""
     loop = LoopThread("test-cut-off", close_timeout=1.0)
     started = threading.Event()
-    outcome: list[BaseException | None] = []
 
     async def forever() -> None:
         started.set()
         await anyio.Event().wait()
 
-    def caller() -> None:
-        try:
-            loop.call(forever, wait=60.0)
-        except BaseException as exc:
-            outcome.append(exc)
-        else:
-            outcome.append(None)
-
+    outcome, caller = _outcome_of(lambda: loop.call(forever, wait=60.0))
     thread = threading.Thread(target=caller)
     thread.start()
     assert started.wait(30)
@@ -122,16 +133,7 @@ def test_an_enter_that_completes_while_close_runs_is_exited_and_refused() -> Non
 
     first.on_exit = let_late_enter_then_wait_for_its_exit
     loop.enter(first)
-    outcome: list[BaseException | None] = []
-
-    def enter_late() -> None:
-        try:
-            loop.enter(late, wait=30.0)
-        except BaseException as exc:
-            outcome.append(exc)
-        else:
-            outcome.append(None)
-
+    outcome, enter_late = _outcome_of(lambda: loop.enter(late, wait=30.0))
     thread = threading.Thread(target=enter_late)
     thread.start()
     assert late.started.wait(30)  # entering, held until close() runs first's exit
