@@ -1,7 +1,8 @@
 """Mooncake Store as a kvpipe backend.
 
-Zero-copy: the staging memory is registered once and every slice moves with
-``batch_upsert_from`` / ``batch_get_into`` straight from / into it, in worker threads. Per-key
+Zero-copy: the staging memory is registered once and every slice moves straight from / into
+it (``batch_put_from``, ``batch_upsert_from`` only to replace a stored value that differs, and
+``batch_get_into``), in worker threads. Per-key
 result codes are translated, never trusted blindly, and a key that fails to read is not
 trusted by ``exists`` again until stored anew (see ``docs/backends.md``). The vendor import
 happens only here; without the package, :class:`MooncakeStore` raises
@@ -34,6 +35,8 @@ T = TypeVar("T")
 
 NO_SPACE: Final = -200
 NOT_FOUND: Final = -704
+#: The code of keys whose vendor write call raised (after others were published).
+_RAISED: Final = -1
 _DISTRUST_MAX: Final = 100_000
 
 
@@ -80,6 +83,111 @@ def _each_key_once(
         return out
 
     return batch_get_into
+
+
+def _codes(name: str, codes: Sequence[int], n: int) -> list[int]:
+    """``codes`` as a list of ints, after checking there is one per key."""
+    if len(codes) != n:
+        raise BackendError("mooncake", name, f"{len(codes)} codes for {n}")
+    return [int(c) for c in codes]
+
+
+def _put_from_staging(
+    client: Any, distrusted: frozenset[str]
+) -> Callable[[list[str], list[int], int, list[memoryview]], list[tuple[int, str]]]:
+    """The blocking body of :meth:`MooncakeStore.put_blocks` (worker thread only).
+
+    The vendor's upsert of a stored key hides it from ``batch_is_exist`` while it runs, and
+    one that fails can remove the stored value (seen for a value of another size in a full
+    store); its ``batch_put_from`` of a stored key answers 0 and keeps the stored value. So:
+
+    1. ``batch_is_exist`` sorts the keys; a key answered with an error code fails with it.
+    2. A stored key is read (``batch_get_into`` a scratch buffer registered for the
+       call); when it holds exactly the bytes being put it is left alone
+       (``"unchanged"``): such a re-put never hides the key nor puts it at risk. kvpipe's
+       keys are content-derived, so a pipeline's re-puts are of this kind.
+    3. New keys, and stored ones gone by the time they were read, are put with
+       ``batch_put_from`` (``"put"``).
+    4. The rest, stored keys whose value differs or cannot be read, and distrusted ones (a
+       read failed earlier: not read again here, it may hang), are replaced with
+       ``batch_upsert_from`` (``"replaced"``).
+
+    The writes come last, so an exception before them leaves the store as it was; one from
+    the second write, after the first published values, fails only that write's keys
+    (logged): a value this call published is reported, never taken back.
+
+    Returns:
+        Per key, the vendor's code (0: stored) and how it was stored.
+    """
+
+    def put(
+        keys: list[str], addresses: list[int], size: int, views: list[memoryview]
+    ) -> list[tuple[int, str]]:
+        n = len(keys)
+        out: list[tuple[int, str]] = [(0, "put")] * n
+        stored = _codes("batch_is_exist", client.batch_is_exist(keys), n)
+        fresh = [i for i in range(n) if stored[i] == 0]
+        replace = [i for i in range(n) if stored[i] > 0 and keys[i] in distrusted]
+        known = [i for i in range(n) if stored[i] > 0 and keys[i] not in distrusted]
+        for i in range(n):
+            if stored[i] < 0:
+                out[i] = (stored[i], "put")
+        if known:
+            scratch = np.empty((len(known), size), np.uint8)
+            base = int(scratch.ctypes.data)
+            rc = int(client.register_buffer(base, scratch.nbytes))
+            if rc != 0:
+                raise BackendError("mooncake", "register_buffer", f"scratch: returned {rc}")
+            get_into = client.batch_get_into
+            if len({keys[i] for i in known}) < len(known):
+                get_into = _each_key_once(get_into, [row.data for row in scratch])
+            try:
+                got = _codes(
+                    "batch_get_into",
+                    get_into(
+                        [keys[i] for i in known],
+                        [base + j * size for j in range(len(known))],
+                        [size] * len(known),
+                    ),
+                    len(known),
+                )
+            finally:
+                client.unregister_buffer(base)
+            for i, row, code in zip(known, scratch, got, strict=True):
+                if code == NOT_FOUND:
+                    fresh.append(i)
+                elif code == size and np.array_equal(row, np.frombuffer(views[i], np.uint8, size)):
+                    out[i] = (0, "unchanged")
+                else:  # another value, of this size or another (-600: a longer one)
+                    replace.append(i)
+        published = False
+        for name, picked, how in (
+            ("batch_put_from", sorted(fresh), "put"),
+            ("batch_upsert_from", sorted(replace), "replaced"),
+        ):
+            if not picked:
+                continue
+            try:
+                codes = _codes(
+                    name,
+                    getattr(client, name)(
+                        [keys[i] for i in picked],
+                        [addresses[i] for i in picked],
+                        [size] * len(picked),
+                    ),
+                    len(picked),
+                )
+            except Exception as exc:
+                if not published:
+                    raise
+                log.error("mooncake: %s raised after values were published: %r", name, exc)
+                codes = [_RAISED] * len(picked)
+            for i, code in zip(picked, codes, strict=True):
+                out[i] = (code, how)
+                published = published or code == 0
+        return out
+
+    return put
 
 
 @final
@@ -334,19 +442,38 @@ class MooncakeStore(StorageBackend):
                     raise BackendError(self.name, "unregister_buffer", f"returned {rc}")
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
-        """Zero-copy put: ``batch_upsert_from`` the batch's staging buffers (a put of a stored
-        key replaces its value).
+        """Zero-copy put from the batch's staging buffers, in one worker thread (see
+        :func:`_put_from_staging`): a new key is stored with ``batch_put_from``, a stored key
+        that already holds the same bytes is left alone, and only a stored key whose value
+        differs (or that this store distrusts) is replaced, with ``batch_upsert_from``.
 
-        Cancellation: the wait stops; the vendor call runs on with the staging leased.
+        Cancellation: the wait stops; the vendor calls run on with the staging leased.
         """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        codes = await self._vendor(batch, client.batch_upsert_from, keys)
+        distrusted = frozenset(k for k in keys if k in self._distrust)
+        put = _put_from_staging(client, distrusted)
+        try:
+            outcomes = await batch.run_sync(
+                self._inflight.track(put),
+                keys,
+                batch.buffer_addresses(),
+                batch.value_nbytes,
+                batch.staging_views(),
+            )
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise BackendError(self.name, "put", repr(exc)) from exc
+        if len(outcomes) != len(keys):
+            raise BackendError(self.name, "put", f"{len(outcomes)} codes for {len(keys)}")
         out = []
-        for key, code in zip(keys, codes, strict=True):
+        for key, (code, how) in zip(keys, outcomes, strict=True):
             if code == 0:
                 out.append(BlockStatus.OK)
                 self._distrust.pop(key, None)
+                if how != "put":
+                    self._counters[f"blocks_{how}"] += 1
             else:
                 out.append(BlockStatus.NO_SPACE if code == NO_SPACE else BlockStatus.FAILED)
                 self._counters[f"put_code_{code}"] += 1

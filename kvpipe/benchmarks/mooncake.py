@@ -4,12 +4,13 @@ direct Mooncake client, on the same client, the same value sizes, in the same ru
 Per block size and placement, interleaved rounds (after one warm-up) of four contenders:
 
 - ``pipeline``: ``pipe.write`` of N blocks from a layer-major cache (dedup probe, gather into
-  registered staging, checksum trailer, ``batch_upsert_from`` per slice), then ``pipe.read``
-  into another cache (probe, ``batch_get_into`` per slice, verify, scatter).
+  registered staging, checksum trailer, ``batch_is_exist`` and ``batch_put_from`` per slice),
+  then ``pipe.read`` into another cache (probe, ``batch_get_into`` per slice, verify, scatter).
 - ``put_from``: one ``batch_put_from`` of N values (``block_nbytes + 48`` bytes each, the size
   the pipeline stores) from a contiguous buffer registered with the same client, then one
   ``batch_get_into`` of them into another registered buffer.
-- ``upsert_from``: the same with ``batch_upsert_from`` (the call the backend uses).
+- ``upsert_from``: the same with ``batch_upsert_from`` (the call the backend replaces a stored
+  value with).
 - ``loop``: the least a gathered offload must do, by hand (:mod:`._mooncake_baselines`):
   per slice of the pipeline's size, gather, XXH3 and ``batch_upsert_from``; then
   ``batch_get_into``, verify and scatter, in one thread. The write and read ratios are

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 import kvpipe
-from kvpipe.backends import StorageBackend
+from kvpipe.backends import BlockStatus, StorageBackend
+from kvpipe.backends._values import ValueClient
 from kvpipe.backends.mooncake_local import LocalMooncake
 from kvpipe.testing import BackendConformance
 from tests.backends.mooncake_fixtures import mooncake, mooncake_client  # noqa: F401
@@ -33,12 +34,54 @@ class TestMooncakeConformance(BackendConformance):
         ) as store:
             yield store
 
-    async def test_a_published_block_stays_until_deleted(self, backend: StorageBackend) -> None:
-        pytest.skip(
-            "MooncakeStore breaks this: batch_upsert_from of a stored key hides it from "
-            "batch_is_exist until the upsert completes (about half of the probes during "
-            "re-puts answer False); see docs/backends.md, MooncakeStore"
-        )
+
+class Recording:
+    """A vendor client whose calls are named in :attr:`calls` as they are made."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any) -> Any:
+            self.calls.append(name)
+            return attr(*args)
+
+        call.__name__ = name
+        return call
+
+
+async def test_a_re_put_of_the_stored_bytes_leaves_the_value_alone(
+    mooncake: LocalMooncake,  # noqa: F811
+    mooncake_client: Any,  # noqa: F811
+) -> None:
+    """The vendor's upsert of a stored key hides it while it runs and may remove it when it
+    fails, so a put of the bytes a key already holds (every re-put of a content-derived key)
+    writes nothing; only a different value is written over the stored one."""
+    mooncake_client.remove_all()
+    client = Recording(mooncake_client)
+    keys, values = ["mc-same-a", "mc-same-b"], [b"\x01" * 4096, b"\x02" * 4096]
+    async with (
+        kvpipe.MooncakeStore(
+            mooncake.master_address, mooncake.metadata_url, client=client
+        ) as store,
+        ValueClient(store) as vc,
+    ):
+        assert await vc.put(keys, values) == [BlockStatus.OK] * 2
+        client.calls.clear()
+        assert await vc.put(keys, values) == [BlockStatus.OK] * 2
+        assert not {"batch_upsert_from", "batch_put_from"} & set(client.calls), client.calls
+        assert store.statistics()["blocks_unchanged"] == 2
+        client.calls.clear()
+        assert await vc.put(keys[:1], [b"\x03" * 4096]) == [BlockStatus.OK]
+        assert client.calls.count("batch_upsert_from") == 1
+        assert store.statistics()["blocks_replaced"] == 1
+        got = await vc.get(keys, [4096, 4096])
+        assert got == [(BlockStatus.OK, b"\x03" * 4096), (BlockStatus.OK, values[1])]
 
 
 async def test_unreachable_master_is_a_backend_error() -> None:
