@@ -127,7 +127,9 @@ class ValueClient:
     async def put(
         self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]
     ) -> list[BlockStatus]:
-        """Store ``values[i]`` under ``keys[i]`` (copied into staging first).
+        """Store ``values[i]`` under ``keys[i]`` (copied into staging first). A stored key's
+        value is replaced, though a store may refuse (``FAILED``, the stored value kept) to
+        replace it with one of another size: ``MooncakeStore`` does, delete the key first.
 
         Returns:
             One status per key.

@@ -35,8 +35,13 @@ T = TypeVar("T")
 
 NO_SPACE: Final = -200
 NOT_FOUND: Final = -704
+INVALID_PARAMS: Final = -600
 #: The code of keys whose vendor write call raised (after others were published).
 _RAISED: Final = -1
+#: What a stored value of the put's size but other bytes reads as (not a vendor code).
+_DIFFERENT: Final = -1_000_000
+#: Put scratch memory the vendor would not unregister: never freed under it.
+_KEPT: list[Any] = []
 _DISTRUST_MAX: Final = 100_000
 
 
@@ -98,26 +103,32 @@ def _put_from_staging(
     """The blocking body of :meth:`MooncakeStore.put_blocks` (worker thread only).
 
     The vendor's upsert of a stored key hides it from ``batch_is_exist`` while it runs, and
-    one that fails can remove the stored value (seen for a value of another size in a full
-    store); its ``batch_put_from`` of a stored key answers 0 and keeps the stored value. So:
+    one of a value of another size drops the stored value before it knows the new one fits
+    (in a full store it then fails with ``-200`` and the key is gone, its space not at once
+    reusable); its ``batch_put_from`` of a stored key answers 0 and keeps the stored value.
+    So:
 
     1. ``batch_is_exist`` sorts the keys; a key answered with an error code fails with it.
     2. A stored key is read (``batch_get_into`` a scratch buffer registered for the
        call); when it holds exactly the bytes being put it is left alone
        (``"unchanged"``): such a re-put never hides the key nor puts it at risk. kvpipe's
-       keys are content-derived, so a pipeline's re-puts are of this kind.
+       keys are content-derived, so a pipeline's re-puts are of this kind. One holding a
+       value of another size is not replaced: it fails (``"other_size"``) and keeps its
+       value, which only a delete removes.
     3. New keys, and stored ones gone by the time they were read, are put with
        ``batch_put_from`` (``"put"``).
-    4. The rest, stored keys whose value differs or cannot be read, and distrusted ones (a
-       read failed earlier: not read again here, it may hang), are replaced with
-       ``batch_upsert_from`` (``"replaced"``).
+    4. Stored keys holding other bytes of this size, and distrusted ones (a read failed
+       earlier: not read again here, it may hang), are replaced with ``batch_upsert_from``
+       (``"replaced"``). A stored key that could not be read now fails (``"unreadable"``),
+       its value untouched; the store distrusts it, so the next put of it replaces it.
 
     The writes come last, so an exception before them leaves the store as it was; one from
     the second write, after the first published values, fails only that write's keys
     (logged): a value this call published is reported, never taken back.
 
     Returns:
-        Per key, the vendor's code (0: stored) and how it was stored.
+        Per key, the vendor's code (0: stored; for ``"other_size"``, the stored size) and
+        how it was stored.
     """
 
     def put(
@@ -133,33 +144,17 @@ def _put_from_staging(
             if stored[i] < 0:
                 out[i] = (stored[i], "put")
         if known:
-            scratch = np.empty((len(known), size), np.uint8)
-            base = int(scratch.ctypes.data)
-            rc = int(client.register_buffer(base, scratch.nbytes))
-            if rc != 0:
-                raise BackendError("mooncake", "register_buffer", f"scratch: returned {rc}")
-            get_into = client.batch_get_into
-            if len({keys[i] for i in known}) < len(known):
-                get_into = _each_key_once(get_into, [row.data for row in scratch])
-            try:
-                got = _codes(
-                    "batch_get_into",
-                    get_into(
-                        [keys[i] for i in known],
-                        [base + j * size for j in range(len(known))],
-                        [size] * len(known),
-                    ),
-                    len(known),
-                )
-            finally:
-                client.unregister_buffer(base)
-            for i, row, code in zip(known, scratch, got, strict=True):
+            for i, code in _read_and_compare(client, [keys[i] for i in known], known, size, views):
                 if code == NOT_FOUND:
                     fresh.append(i)
-                elif code == size and np.array_equal(row, np.frombuffer(views[i], np.uint8, size)):
+                elif code == 0:
                     out[i] = (0, "unchanged")
-                else:  # another value, of this size or another (-600: a longer one)
+                elif code == _DIFFERENT:
                     replace.append(i)
+                elif code > 0:
+                    out[i] = (code, "other_size")
+                else:  # not read: the value is kept, and not trusted until stored anew
+                    out[i] = (code, "unreadable")
         published = False
         for name, picked, how in (
             ("batch_put_from", sorted(fresh), "put"),
@@ -188,6 +183,51 @@ def _put_from_staging(
         return out
 
     return put
+
+
+def _read_and_compare(
+    client: Any, keys: list[str], at: list[int], size: int, views: list[memoryview]
+) -> list[tuple[int, int]]:
+    """Read stored ``keys`` (at positions ``at`` of ``views``) into scratch memory registered
+    for the call and compare them with the ``size``-byte values being put.
+
+    Returns:
+        Per key, its position and: 0 (it holds those bytes), :data:`_DIFFERENT` (other
+        bytes of this size), its stored size (another size), :data:`NOT_FOUND` (gone
+        since), or the vendor's negative code (the read, or ``get_size``, failed).
+    """
+    scratch = np.empty((len(keys), size), np.uint8)
+    base = int(scratch.ctypes.data)
+    rc = int(client.register_buffer(base, scratch.nbytes))
+    if rc != 0:
+        raise BackendError("mooncake", "register_buffer", f"scratch: returned {rc}")
+    get_into = client.batch_get_into
+    if len(set(keys)) < len(keys):
+        get_into = _each_key_once(get_into, [row.data for row in scratch])
+    try:
+        got = _codes(
+            "batch_get_into",
+            get_into(keys, [base + j * size for j in range(len(keys))], [size] * len(keys)),
+            len(keys),
+        )
+    finally:
+        rc = int(client.unregister_buffer(base))
+        if rc != 0:  # still registered: never freed under the transfer engine
+            _KEPT.append(scratch)
+            log.error("mooncake: unregister_buffer of put scratch returned %d; kept", rc)
+    out = []
+    for key, i, row, code in zip(keys, at, scratch, got, strict=True):
+        if code == size:
+            same = np.array_equal(row, np.frombuffer(views[i], np.uint8, size))
+            out.append((i, 0 if same else _DIFFERENT))
+        elif 0 < code < size:
+            out.append((i, code))
+        elif code == INVALID_PARAMS:  # what a value longer than the buffer answers
+            length = int(client.get_size(key))
+            out.append((i, length if length > size else code if length > 0 else length))
+        else:
+            out.append((i, code))
+    return out
 
 
 @final
@@ -444,8 +484,10 @@ class MooncakeStore(StorageBackend):
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
         """Zero-copy put from the batch's staging buffers, in one worker thread (see
         :func:`_put_from_staging`): a new key is stored with ``batch_put_from``, a stored key
-        that already holds the same bytes is left alone, and only a stored key whose value
-        differs (or that this store distrusts) is replaced, with ``batch_upsert_from``.
+        that already holds the same bytes is left alone, one holding a value of another size
+        fails (``FAILED``, its value kept: the vendor's replacement of it could drop it), and
+        only a stored key holding other bytes of the same size (or that this store
+        distrusts) is replaced, with ``batch_upsert_from``.
 
         Cancellation: the wait stops; the vendor calls run on with the staging leased.
         """
@@ -474,6 +516,13 @@ class MooncakeStore(StorageBackend):
                 self._distrust.pop(key, None)
                 if how != "put":
                     self._counters[f"blocks_{how}"] += 1
+            elif how == "other_size":
+                out.append(BlockStatus.FAILED)
+                self._counters["put_other_size"] += 1
+            elif how == "unreadable":
+                out.append(BlockStatus.FAILED)
+                self._counters[f"put_read_code_{code}"] += 1
+                self._distrust_key(key)
             else:
                 out.append(BlockStatus.NO_SPACE if code == NO_SPACE else BlockStatus.FAILED)
                 self._counters[f"put_code_{code}"] += 1

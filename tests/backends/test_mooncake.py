@@ -84,6 +84,30 @@ async def test_a_re_put_of_the_stored_bytes_leaves_the_value_alone(
         assert got == [(BlockStatus.OK, b"\x03" * 4096), (BlockStatus.OK, values[1])]
 
 
+async def test_a_key_that_failed_to_read_is_replaced_by_a_put_of_any_size(
+    mooncake: LocalMooncake,  # noqa: F811
+    mooncake_client: Any,  # noqa: F811
+) -> None:
+    """A put of a stored key with a value of another size is refused (the vendor's upsert
+    could drop the stored value), but not for a key this store distrusts: it failed to read,
+    is not trusted by ``exists``, and a put must be able to store it anew."""
+    mooncake_client.remove_all()
+    async with (
+        kvpipe.MooncakeStore(
+            mooncake.master_address, mooncake.metadata_url, client=mooncake_client
+        ) as store,
+        ValueClient(store) as vc,
+    ):
+        assert await vc.put(["odd"], [b"\x01" * 8192]) == [BlockStatus.OK]
+        assert await vc.put(["odd"], [b"\x02" * 4096]) == [BlockStatus.FAILED]
+        ((status, _),) = await vc.get(["odd"], [4096])  # a read of the wrong size fails
+        assert status is BlockStatus.FAILED
+        assert await vc.exists(["odd"]) == [False]
+        assert await vc.put(["odd"], [b"\x02" * 4096]) == [BlockStatus.OK]
+        assert await vc.exists(["odd"]) == [True]
+        assert await vc.get(["odd"], [4096]) == [(BlockStatus.OK, b"\x02" * 4096)]
+
+
 async def test_unreachable_master_is_a_backend_error() -> None:
     from kvpipe.backends.mooncake_local import free_port
 

@@ -35,6 +35,8 @@ import pytest
 
 import kvpipe
 from kvpipe._keys import as_tokens, block_keys
+from kvpipe.backends import BlockStatus
+from kvpipe.backends._values import ValueClient
 from kvpipe.backends.mooncake_local import LocalMooncake
 from tests.backends.file_worker import fill_request, prefill_layout, request_tokens
 from tests.backends.mooncake_fixtures import make_client
@@ -621,6 +623,47 @@ async def test_full_store_default_master_result_is_honest_though_it_may_evict(
     assert o.stored <= w.written, (o.stored, w.written)
     assert o.read.loaded <= o.stored and o.exact, (o.read, o.stored)
     assert not o.read.complete and o.read.failed_blocks[0] == o.read.loaded, o.read
+
+
+async def test_a_put_of_another_size_in_a_full_store_leaves_the_stored_value(
+    local_mooncake: Callable[..., LocalMooncake],
+) -> None:
+    """A ``ValueClient`` may store a key again with a value of another size. The vendor's
+    upsert of it drops the stored value first, and in a full store that does not evict it
+    then fails (``-200``) with the key gone. Such a put fails instead, touching nothing: the
+    key stays visible and reads back as it was. A value of the same size is replaced in
+    place (the vendor reuses its space, full store or not), and after a delete a value of
+    another size is stored as a new one. (``--eviction_ratio=0`` alone still lets the master
+    evict objects above its high watermark, 0.9 by default.)"""
+    server = await start_server(
+        local_mooncake, "--eviction_ratio=0", "--eviction_high_watermark_ratio=1.0"
+    )
+    size = 1 << 20
+    old, new = bytes(range(256)) * (size // 256), b"\x05" * size
+    with anyio.fail_after(60):
+        async with (
+            kvpipe.MooncakeStore(
+                server.master_address, server.metadata_url, global_segment_size=16 << 20
+            ) as store,
+            ValueClient(store, slots=2) as values,
+        ):
+            assert await values.put(["kept"], [old]) == [BlockStatus.OK]
+            for i in range(64):
+                (status,) = await values.put([f"fill-{i}"], [b"\x07" * size])
+                if status is not BlockStatus.OK:
+                    break
+            assert status is BlockStatus.NO_SPACE, "the store never filled up"
+            for other in (size // 2, 2 * size):
+                assert await values.put(["kept"], [b"\x09" * other]) == [BlockStatus.FAILED]
+                assert await values.exists(["kept"]) == [True]
+                assert await values.get(["kept"], [size]) == [(BlockStatus.OK, old)]
+            assert store.statistics()["put_other_size"] == 2
+            assert await values.put(["kept"], [new]) == [BlockStatus.OK]
+            assert await values.get(["kept"], [size]) == [(BlockStatus.OK, new)]
+            await values.delete(["kept"])
+            half = b"\x09" * (size // 2)
+            assert await values.put(["kept"], [half]) == [BlockStatus.OK]
+            assert await values.get(["kept"], [size // 2]) == [(BlockStatus.OK, half)]
 
 
 # -- closing while a vendor call still runs --------------------------------------------------
