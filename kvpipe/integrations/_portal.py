@@ -158,8 +158,10 @@ class LoopThread:
             if not closing:
                 self._closers.append(leave)
         if closing:  # close() took its closers before this one: exit it here
-            with contextlib.suppress(Exception):
+            try:
                 leave()
+            except Exception:
+                log.exception("%s: error while closing", self.name)
             raise self._closed_error()
 
         async def start_leaving() -> None:
