@@ -10,6 +10,7 @@ import anyio
 import numpy as np
 import pytest
 import trio.testing
+import xxhash
 
 import kvpipe
 from kvpipe._keys import as_tokens, block_keys
@@ -17,6 +18,7 @@ from kvpipe.actors import _base as base_module
 from kvpipe.actors import reader as reader_module
 from kvpipe.actors import scheduler as scheduler_module
 from kvpipe.actors import writer as writer_module
+from kvpipe.backends import BlockStatus, GetBatch
 from tests.fakes import Act, ScriptedStore
 from tests.helpers import fill_random
 
@@ -424,6 +426,70 @@ async def test_a_refetched_block_whose_check_waits_for_a_busy_thread_ends_at_the
             assert (r.loaded, r.stop_reason) == (2, "total_timeout")
             assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
             assert anyio.current_time() - start == pytest.approx(5.0)
+            go_on.set()
+    finally:
+        go_on.set()
+
+
+class _OwnBuffersStore(ScriptedStore):
+    """Hands the values before ``own`` to the batch's sink from buffers of its own, as the
+    file store does (staging keeps nothing of them: zeroed here); the rest are fetched into
+    staging. Its first get damages the value at ``own`` (reported ``OK``)."""
+
+    uses_sink = True
+
+    def __init__(self, own: int) -> None:
+        super().__init__(gets={0: Act(corrupt=[own])})
+        self.own = own
+
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        statuses = list(await super().get_blocks(batch))
+        sink, buffers = batch.sink, batch.buffers
+        if sink is None:
+            return statuses
+
+        # On the event loop, not in a thread: virtual time would jump while one runs.
+        for i in range(min(self.own, len(buffers))):
+            value = bytes(buffers[i])
+            buffers[i][:] = bytes(len(value))
+            if not sink.fetched(i, xxhash.xxh3_64_intdigest(value), memoryview(value)):
+                statuses[i] = BlockStatus.CORRUPT
+        return statuses
+
+
+async def test_a_stage_back_waiting_for_a_busy_thread_ends_the_read_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store hands blocks 0-2 to the sink from its own buffers, and block 3 fails
+    verification, then passes when fetched again: blocks 0-2 must be copied back from the
+    cache into staging for the swapper. The one copy thread is stuck (another write's
+    gather): that copy never starts after the read's deadline, and the read ends at its
+    deadline with the blocks placed already, not by the deadline guard later."""
+    go_on = threading.Event()
+    stuck = _held(base_module.gather_sealed, go_on, 5)
+    store = _OwnBuffersStore(own=3)
+    cache = _cache()
+    try:
+        config = _config(copy_threads=1)
+        async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+            assert (await pipe.write(TOKENS, IDS)).complete
+            payload = cache.layout.block_nbytes
+            # Copies of one block inline (the checks of block 3), of more in a thread (the
+            # copy back of blocks 0-2, a write's gather of four).
+            monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
+            monkeypatch.setattr(base_module, "INLINE_COPY_BYTES", payload)
+            monkeypatch.setattr(base_module, "gather_sealed", stuck)
+            w = await pipe.write(TOKENS + 1000, IDS, timeout=1)  # its gather holds the thread
+            assert (w.written, w.stop_reason) == (0, "total_timeout")
+            start = anyio.current_time()
+            r = await pipe.read(TOKENS[: 4 * BLOCK], np.arange(20, 24), timeout=5)
+            assert len(store.calls_of("get")) == 2  # block 3 was fetched again
+            assert anyio.current_time() - start == pytest.approx(5.0)
+            assert r.elapsed == pytest.approx(5.0)
+            assert (r.loaded, r.stop_reason) == (3, "total_timeout")
+            assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+            for rows in cache.byte_rows:
+                assert np.array_equal(rows[0:3], rows[20:23])
             go_on.set()
     finally:
         go_on.set()

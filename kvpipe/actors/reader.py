@@ -195,21 +195,43 @@ class Reader(Actor[ReadState | SliceJob]):
             job.valid = 0
             state.resolve(spec.index, valid)  # a no-op when already resolved
             return corrupt
-        if elsewhere and scattered:  # placed from the store's buffers: the swapper needs staging
-            await self._stage_back(job, scattered)
+        # Placed from the store's buffers: the swapper needs them in staging.
+        if elsewhere and scattered and not await self._stage_back(job, scattered, elapsed):
+            return corrupt  # loading stopped after the blocks in the cache already
         job.valid = valid  # the swapper scatters the leading sound run (again, for some)
         return corrupt
 
-    async def _stage_back(self, job: SliceJob, count: int) -> None:
+    async def _stage_back(self, job: SliceJob, count: int, elapsed: float) -> bool:
         """Copy the first ``count`` blocks of a slice from the cache (where they were placed)
-        into their staging slots."""
+        into their staging slots; ``False`` when the copy could not start by the read's
+        deadline (the copy threads were busy): loading then stops after those ``count``
+        blocks, as ``total_timeout``, and the slice is resolved with them."""
         ctx, spec, state = self.ctx, job.spec, job.state
+        assert isinstance(state, ReadState)
         first = spec.first_block
         blocks = state.block_ids[first : first + count]
         plan = copy_plan(ctx.segments, blocks, job.lease.slots[:count])
         rows, staging = ctx.cache.row_groups(ctx.segments), job.lease.pool.buffer
-        with anyio.CancelScope(shield=True):
-            await ctx.run_copy(plan.nbytes, gather, plan, rows, staging, hold=job.lease)
+        try:
+            with anyio.CancelScope(shield=True):
+                await ctx.run_copy(
+                    plan.nbytes,
+                    gather,
+                    plan,
+                    rows,
+                    staging,
+                    hold=job.lease,
+                    start_by=state.deadline,
+                )
+        except NotStarted:
+            detail = f"slice {spec.index}: deadline passed waiting for a copy thread"
+            ctx.metrics.slices["read_total_timeout"] += 1
+            self._debug(state, job, "total_timeout", count, elapsed, detail)
+            everything = list(range(first + count, spec.end_block))
+            state.stop_at(first + count, "total_timeout", everything, detail)
+            state.resolve(spec.index, count)
+            return False
+        return True
 
     async def _get_and_place(
         self, job: SliceJob, batch: GetBatch, deadline: float, claimed: bool
