@@ -439,3 +439,35 @@ def test_gather_seal_blocks_checks_its_arguments_before_copying(hashing: str) ->
     frozen.flags.writeable = False
     with pytest.raises((ValueError, BufferError)):  # a value that cannot be written
         gather_seal_blocks(rows, ids[:1], TABLE, [frozen], PAYLOAD, digests[:1])
+
+
+@pytest.mark.parametrize("shift", [0, 1, 8, 15])
+@pytest.mark.parametrize("width", [4096, 4097, 40_003])
+def test_place_if_sound_copies_large_pieces_to_any_alignment(
+    hashing: str, shift: int, width: int
+) -> None:
+    """Pieces of 4 KiB and more go through the extension's streaming copy: every byte lands,
+    whatever the destination's alignment and the piece's length, and nothing around it."""
+    payload = 2 * width
+    value = np.zeros(value_nbytes(payload), np.uint8)
+    value[:payload] = np.random.default_rng(width + shift).integers(0, 256, payload, np.uint8)
+    seal_block(value, payload, DIGEST, True)
+    blocks = 3
+    rows = []
+    for _ in range(2):  # rows at ``shift`` bytes past an aligned buffer's start
+        raw = np.full(blocks * width + shift + 64, 0xAA, np.uint8)
+        rows.append(raw[shift : shift + blocks * width].reshape(blocks, width))
+    table = np.array([(1, 0, width), (0, width, width)], np.int64)
+    whole = xxhash.xxh3_64_intdigest(value.tobytes())
+    verdict = place_if_sound(value, payload, whole, DIGEST, True, rows, 1, table)
+    if hashing == "python":  # nothing decided, nothing copied
+        assert verdict is None and all(bool((r == 0xAA).all()) for r in rows)
+        return
+    assert verdict == PLACED
+    assert rows[1][1].tobytes() == value[:width].tobytes()
+    assert rows[0][1].tobytes() == value[width:payload].tobytes()
+    for r in rows:
+        assert bool((r[[0, 2]] == 0xAA).all())
+        assert bool((r.base[:shift] == 0xAA).all()) and bool(
+            (r.base[shift + blocks * width :] == 0xAA).all()
+        )
