@@ -231,9 +231,25 @@ def check_and_scatter(
     Returns:
         Each value's check, ``None`` for a sound one (as :func:`check_blocks`).
     """
-    done = 0
-    if _native is not None and payload_nbytes >= PLACE_EACH_FROM_NBYTES:
-        done = _place_leading(values, payload_nbytes, digests, verify, cache_blocks, rows)
+    done = 0  # the leading values checked and copied natively, one call each
+    each = _native is not None and payload_nbytes >= PLACE_EACH_FROM_NBYTES
+    while each and done < len(values):
+        try:
+            verdict = place_if_sound(
+                values[done],
+                payload_nbytes,
+                None,
+                digests[done],
+                verify,
+                rows.rows,
+                int(cache_blocks[done]),
+                rows.table,
+            )
+        except (ValueError, IndexError, BufferError):  # rows or a value it does not take
+            break
+        if verdict != PLACED:  # the first that fails, or one it cannot decide: numpy's
+            break
+        done += 1
     rest = (
         check_blocks(values[done:], payload_nbytes, digests[done:], verify)
         if done < len(values)
@@ -250,35 +266,6 @@ def check_and_scatter(
             staging, slots = staged
             scatter(copy_plan(segments, blocks, slots[done:k]), staging, rows)
     return checks
-
-
-def _place_leading(
-    values: Sequence[Rows],
-    payload_nbytes: int,
-    digests: Sequence[bytes],
-    verify: bool,
-    cache_blocks: Sequence[int] | npt.NDArray[np.int64],
-    rows: RowGroups,
-) -> int:
-    """Check and copy values one by one natively while they pass; how many did. The first
-    that does not (or one the extension cannot decide) is left to the caller."""
-    for i, value in enumerate(values):
-        try:
-            verdict = place_if_sound(
-                value,
-                payload_nbytes,
-                None,
-                digests[i],
-                verify,
-                rows.rows,
-                int(cache_blocks[i]),
-                rows.table,
-            )
-        except (ValueError, IndexError, BufferError):  # rows or a value it does not take
-            return i
-        if verdict != PLACED:
-            return i
-    return len(values)
 
 
 def scatter_values(
