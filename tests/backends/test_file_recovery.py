@@ -159,8 +159,12 @@ async def test_temp_files_of_live_writers_are_kept(
 _NAMESPACED_WRITER = """
 import os, sys
 root, want, shard, name = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-    f.write(str(want - 1))
+try:
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(want - 1))
+except OSError as exc:  # the namespace's pids cannot be chosen here: nothing to test
+    print(f"no pid to choose: {exc}", flush=True)
+    sys.exit(0)
 child = os.fork()
 if child:
     os._exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
@@ -205,12 +209,9 @@ async def test_a_live_writer_in_another_pid_namespace_keeps_its_temp_file(
         async with await anyio.open_process(argv, env=env) as writer:
             assert writer.stdin is not None and writer.stdout is not None
             lines = BufferedByteReceiveStream(writer.stdout)
-            try:
-                said = await lines.receive_until(b"\n", 1024)
-            except anyio.IncompleteRead:
-                assert writer.stderr is not None
-                why = await writer.stderr.receive()
-                pytest.skip(f"cannot run a writer in a PID namespace of its own: {why!r}")
+            said = await lines.receive_until(b"\n", 1024)  # the writer's crash fails here
+            if said.startswith(b"no pid to choose"):
+                pytest.skip(f"cannot run a writer at a chosen pid: {said!r}")
             assert said == b"written"
             temps = [p for p in shard.iterdir() if p.name.startswith(f".{final}.tmp.")]
             assert len(temps) == 1 and f".{pid}." in temps[0].name
