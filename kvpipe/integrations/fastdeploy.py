@@ -356,7 +356,7 @@ class KVPipeAttentionStore:
             raise RequestError(f"start block index must be an int >= 0, got {start!r}")
         return [0] * start + list(gpu_block_ids)
 
-    def _bound(
+    def _on_pipe(
         self,
         what: str,
         task_id: str,
@@ -364,29 +364,33 @@ class KVPipeAttentionStore:
         val_cache: Sequence[Any],
         scales: Sequence[Any] | None,
         timeout: float,
-    ) -> tuple[_Open, float] | None:
-        """:meth:`_pipe` and the seconds left of ``timeout``; ``None`` (after one WARNING)
-        when it did not open in time or the store failed while it opened."""
+        fn: Callable[[Pipeline, float], int],
+    ) -> int:
+        """``fn(pipeline, seconds left of timeout)`` over :meth:`_pipe`'s pipeline, counted as
+        in use meanwhile; 0 (after one WARNING) when it did not open in time or the store
+        failed while it opened."""
         start = time.monotonic()
         opened = not self._has_pipe(key_cache, val_cache, scales)
         try:
-            pipe = self._pipe(key_cache, val_cache, scales, timeout)
+            entry = self._pipe(key_cache, val_cache, scales, timeout)
         except (TimeoutError, BackendError, PipelineClosed, OSError) as exc:
             log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
-            return None
+            return 0
         except ConfigError as exc:
             if exc.field != "store":  # a wrong setting: raised, as programming errors are
                 raise
             # The store refused the staging (down, say): a store failure like any other.
             log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
-            return None
-        if opened:  # the call gets what is left of its timeout
-            timeout -= time.monotonic() - start
-            if timeout <= 0:
-                log.warning("kvpipe %s %s: opening the pipeline took its timeout", what, task_id)
-                self._put_back(pipe)
-                return None
-        return pipe, timeout
+            return 0
+        with self._using(entry) as pipe:
+            if opened:  # the call gets what is left of its timeout
+                timeout -= time.monotonic() - start
+                if timeout <= 0:
+                    log.warning(
+                        "kvpipe %s %s: opening the pipeline took its timeout", what, task_id
+                    )
+                    return 0
+            return fn(pipe, timeout)
 
     def _call(self, what: str, task_id: str, fn: Any, timeout: float) -> int:
         """``fn``'s count; 0 (after one WARNING) when the store failed or the deadline passed."""
@@ -417,14 +421,17 @@ class KVPipeAttentionStore:
         ``scale_cache`` (block-wise fp8): the ``layer_num`` key scales then the ``layer_num``
         value scales. ``timeout`` is the total deadline; slices follow the config.
         """
-        bound = self._bound("write", task_id, key_cache, val_cache, scale_cache, timeout)
-        if bound is None:
-            return 0
-        entry, timeout = bound
-        with self._using(entry) as pipe:
-            return self._write(
-                pipe, task_id, token_ids, gpu_block_ids, start_write_block_idx, timeout
-            )
+        return self._on_pipe(
+            "write",
+            task_id,
+            key_cache,
+            val_cache,
+            scale_cache,
+            timeout,
+            lambda pipe, left: self._write(
+                pipe, task_id, token_ids, gpu_block_ids, start_write_block_idx, left
+            ),
+        )
 
     def _write(
         self,
@@ -467,14 +474,17 @@ class KVPipeAttentionStore:
         were loaded (verified).
         On the decode side of PD via storage, every block (the partial one too) is required:
         a shortfall logs one WARNING and returns the honest count."""
-        bound = self._bound("read", task_id, key_cache, val_cache, scale_cache, timeout)
-        if bound is None:
-            return 0
-        entry, timeout = bound
-        with self._using(entry) as pipe:
-            return self._read(
-                pipe, task_id, token_ids, gpu_block_ids, start_read_block_idx, timeout
-            )
+        return self._on_pipe(
+            "read",
+            task_id,
+            key_cache,
+            val_cache,
+            scale_cache,
+            timeout,
+            lambda pipe, left: self._read(
+                pipe, task_id, token_ids, gpu_block_ids, start_read_block_idx, left
+            ),
+        )
 
     def _read(
         self,
