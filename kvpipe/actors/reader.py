@@ -231,10 +231,10 @@ class Reader(Actor[ReadState | SliceJob]):
     def _stop_late(self, state: ReadState, job: SliceJob, placed: int, elapsed: float) -> None:
         """A copy of the slice could not start by the read's deadline (the copy threads were
         busy): loading stops after its first ``placed`` blocks (in the cache already), as
-        ``total_timeout``, and the slice is resolved with them."""
+        ``total_timeout``, and the slice is resolved with them. Counts no slice outcome: a
+        slice is counted once, by its caller."""
         spec = job.spec
         detail = f"slice {spec.index}: deadline passed waiting for a copy thread"
-        self.ctx.metrics.slices["read_total_timeout"] += 1
         self._debug(state, job, "total_timeout", placed, elapsed, detail)
         at = spec.first_block + placed
         state.stop_at(at, "total_timeout", list(range(at, spec.end_block)), detail)
@@ -311,6 +311,7 @@ class Reader(Actor[ReadState | SliceJob]):
                 checks = await self._verify(job, 0, fetched, start_by=state.deadline)
         except NotStarted:  # the copy threads were busy until the read's deadline
             placed = leading_run(sink.placed[:fetched]) if sink is not None else 0
+            ctx.metrics.slices["read_total_timeout"] += 1  # its one count: none came before
             self._stop_late(state, job, placed, elapsed)
             return None
         return statuses, checks, scattered, elapsed, sink is not None and sink.elsewhere

@@ -101,10 +101,10 @@ class Swapper(Actor[SliceJob]):
 
     def _not_started(self, state: ReadState, job: SliceJob) -> None:
         """The slice's scatter did not start by the read's deadline: loading stops at the
-        slice (``total_timeout``), which is resolved with nothing loaded."""
+        slice (``total_timeout``), which is resolved with nothing loaded. No slice outcome is
+        counted: the reader counted the slice's fetch, its one count."""
         spec = job.spec
         detail = f"slice {spec.index}: deadline passed before its scatter started"
-        self.ctx.metrics.slices["read_total_timeout"] += 1
         everything = list(range(spec.first_block, spec.end_block))
         state.stop_at(spec.first_block, "total_timeout", everything, detail)
         state.resolve(spec.index, 0)

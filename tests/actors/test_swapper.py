@@ -108,5 +108,40 @@ class TestVirtualTime:
             )
             assert state.result is not None
             assert (state.result.loaded, state.result.stop_reason) == (0, "total_timeout")
-            assert h.ctx.metrics.slices["read_total_timeout"] == 1
+            assert h.ctx.metrics.slices == {}  # the reader counts a slice, once, as fetched
+            assert h.ctx.pool.in_use == 0
+
+    async def test_a_fetched_slice_whose_scatter_starts_too_late_is_counted_once(
+        self,
+    ) -> None:
+        """A device cache's slice fetched in time (the reader counts it, ``read_complete``)
+        whose scatter reaches the swapper after the read's deadline: the read stops there as
+        ``total_timeout``, and the slice stays counted once, as its fetch ended, as the
+        observers saw it — not a second time as ``read_total_timeout``."""
+        import anyio
+
+        from kvpipe.actors import Reader, Writer
+
+        async with harness(kvpipe.MemoryStore(), slice_blocks=6) as h:
+            h.ctx.engine.name = "cuda"  # a device cache: the swapper scatters
+            seen: list[tuple[str, str]] = []
+            assert h.ctx.observers is not None
+            h.ctx.observers.add(lambda kind, _s, outcome: seen.append((kind, outcome)))
+            write = h.write_state(TOKENS, np.arange(6))
+            swapper = Swapper(h.ctx, h.inboxes["swapper"])
+            await swapper.handle(SliceJob(write, write.slices[0], await h.ctx.pool.acquire(6)))
+            for job in h.sent("writer"):
+                await Writer(h.ctx, h.inboxes["writer"]).handle(job)
+            assert write.result is not None and write.result.complete
+            state = h.read_state(TOKENS, np.arange(50, 56), timeout=5)
+            state.plan(plan_slices(0, 6, 6, BLOCK, len(TOKENS)))
+            job = SliceJob(state, state.slices[0], await h.ctx.pool.acquire(6))
+            await Reader(h.ctx, h.inboxes["reader"]).handle(job)
+            (job,) = h.sent("swapper")
+            await anyio.sleep(6)  # its job waited in the swapper's inbox past the deadline
+            await swapper.handle(job)
+            assert state.result is not None
+            assert (state.result.loaded, state.result.stop_reason) == (0, "total_timeout")
+            assert h.ctx.metrics.slices == {"complete": 1, "read_complete": 1}
+            assert seen == [("write_slice", "complete"), ("read_slice", "complete")]
             assert h.ctx.pool.in_use == 0
