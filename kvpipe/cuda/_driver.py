@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import ctypes
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, final
@@ -57,8 +58,14 @@ class Driver(abc.ABC):
         Paddle and PyTorch use). The calling thread's current context is left as it was:
         work on the opened context runs under :meth:`current`.
 
+        Opens nest: one driver may be opened again for the same device (e.g. passed to
+        both :func:`~kvpipe.cuda.create_host_cache` and ``open_pipeline``); each open needs
+        its own :meth:`close`, and the context stays retained until the last one. A driver
+        holds one device's context: opening another device while it is open is refused.
+
         Raises:
             Unsupported: No driver or no such device.
+            RuntimeError: The driver is open on another device.
         """
 
     @abc.abstractmethod
@@ -90,7 +97,7 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the primary context retained by :meth:`open`."""
+        """Undo one :meth:`open`; the last one releases the primary context it retained."""
 
     @abc.abstractmethod
     def stream_create(self) -> int:
@@ -182,9 +189,16 @@ class CudaDriver(Driver):
             from cuda.bindings import driver
         except ImportError as exc:
             raise Unsupported(f"cuda-python is not importable: {exc}") from exc
-        self._cu: Any = driver
+        self._bind(driver)
+
+    def _bind(self, bindings: Any) -> None:
+        """Start closed, over ``bindings`` (``cuda.bindings.driver``, or a test's stand-in)."""
+        self._cu: Any = bindings
         self._ctx: Any = None
         self._dev: Any = None
+        self._info: DeviceInfo | None = None
+        self._opens = 0  # opens not yet closed (they nest: see Driver.open)
+        self._lock = threading.Lock()
 
     def _call(self, name: str, *args: Any) -> Any:
         """Call ``cu<name>``, raise on a failed ``CUresult``; its outputs (one unwrapped)."""
@@ -199,6 +213,20 @@ class CudaDriver(Driver):
         return out[0] if len(out) == 1 else out
 
     def open(self, ordinal: int) -> DeviceInfo:
+        with self._lock:
+            if self._info is not None:
+                if ordinal != self._info.ordinal:
+                    raise RuntimeError(
+                        f"this CudaDriver is open on CUDA device {self._info.ordinal}; "
+                        f"open device {ordinal} with another CudaDriver"
+                    )
+                self._opens += 1  # the same context, retained once: see Driver.open
+                return self._info
+            self._info = self._open(ordinal)
+            self._opens = 1
+            return self._info
+
+    def _open(self, ordinal: int) -> DeviceInfo:
         cu = self._cu
         try:
             self._call("cuInit", 0)
@@ -242,9 +270,14 @@ class CudaDriver(Driver):
         self._call("cuCtxSetCurrent", self._cu.CUcontext(context))
 
     def close(self) -> None:
-        if self._dev is not None:
-            self._call("cuDevicePrimaryCtxRelease", self._dev)
-            self._dev = self._ctx = None
+        with self._lock:
+            if self._opens > 1:
+                self._opens -= 1
+                return
+            if self._dev is not None:
+                self._call("cuDevicePrimaryCtxRelease", self._dev)
+                self._dev = self._ctx = self._info = None
+                self._opens = 0
 
     def stream_create(self) -> int:
         flags = self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING

@@ -97,6 +97,7 @@ class FakeDriver(FakeDevice, Driver):  # TEST DOUBLE: not evidence of GPU speed
         self.can_map_host_memory = can_map_host_memory
         self.contexts = 0
         self.opened = 0
+        self._ordinal = 0  # the device of the open context (opens nest, as in Driver.open)
         self.calls: list[str] = []
         self.launches: list[tuple[str, tuple[int, int, int], tuple[int, int, int]]] = []
         self._current: dict[int, int] = {}  # thread ident -> its current context (0: none)
@@ -146,6 +147,9 @@ class FakeDriver(FakeDevice, Driver):  # TEST DOUBLE: not evidence of GPU speed
             self._check("open")
             if not 0 <= ordinal < self.device_count:
                 raise Unsupported(f"no CUDA device {ordinal} (fake has {self.device_count})")
+            if self.contexts and ordinal != self._ordinal:  # as CudaDriver: one device
+                raise RuntimeError(f"the fake is open on CUDA device {self._ordinal}")
+            self._ordinal = ordinal
             self.contexts += 1
             self.opened += 1
             return DeviceInfo(ordinal, "FakeGPU", self.capability, self.can_map_host_memory)

@@ -58,7 +58,7 @@ class _Bindings:
 def test_an_open_that_fails_after_retaining_the_context_releases_it() -> None:
     bindings = _Bindings()
     driver = CudaDriver.__new__(CudaDriver)  # without importing cuda-python
-    driver._cu, driver._ctx, driver._dev = bindings, None, None
+    driver._bind(bindings)
     with pytest.raises(DeviceError, match="CUDA_ERROR_INVALID_VALUE"):
         driver.open(0)
     assert bindings.retained == 0  # else the device's primary context is held for good
@@ -126,7 +126,7 @@ class _Thread(_Bindings):
 
 def _driver_over(bindings: _Bindings) -> CudaDriver:
     driver = CudaDriver.__new__(CudaDriver)  # without importing cuda-python
-    driver._cu, driver._ctx, driver._dev = bindings, None, None
+    driver._bind(bindings)
     return driver
 
 
@@ -161,5 +161,43 @@ def test_open_leaves_the_current_context_and_current_restores_it() -> None:
             assert bindings.current == PRIMARY
             raise RuntimeError("inside")
     assert bindings.current == FRAMEWORK
+    driver.close()
+    assert bindings.retained == 0
+
+
+def test_a_second_open_of_the_same_device_nests_until_its_own_close() -> None:
+    """One driver opened twice (given to ``create_host_cache`` and ``open_pipeline``, say):
+    closing one user's open leaves the context to the other, and the last close releases
+    it. (A second open used to retain the context again and a first close forget it: the
+    other user's calls ran without a context, and one retain was never released.)"""
+    bindings = _Thread()
+    driver = _driver_over(bindings)
+    first = driver.open(0)
+    assert driver.open(0) == first
+    driver.close()
+    with driver.current():
+        assert bindings.current == PRIMARY  # still open for the second user
+    assert bindings.current == FRAMEWORK
+    driver.close()
+    assert bindings.retained == 0
+    driver.close()  # nothing left to release
+    assert bindings.retained == 0
+
+
+class _TwoDevices(_Thread):
+    def cuDeviceGetCount(self) -> tuple[Any, ...]:
+        return (_Result.CUDA_SUCCESS, 2)
+
+
+def test_opening_another_device_on_an_open_driver_is_refused() -> None:
+    """A driver holds one device's context: opening device 1 on a driver open on device 0
+    is refused, and device 0's context stays the one its user works in. (It used to
+    replace it silently: the first user's copies went to the other device.)"""
+    bindings = _TwoDevices()
+    driver = _driver_over(bindings)
+    driver.open(0)
+    with pytest.raises(RuntimeError, match="open on CUDA device 0"):
+        driver.open(1)
+    assert bindings.retained == 1
     driver.close()
     assert bindings.retained == 0

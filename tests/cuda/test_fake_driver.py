@@ -188,3 +188,16 @@ def test_failures_can_be_injected(drv: FakeDriver) -> None:
     with pytest.raises(kvpipe.DeviceError, match="OUT_OF_MEMORY"):
         drv.mem_alloc(16)
     assert drv.mem_alloc(16)
+
+
+def test_opens_nest_on_one_device_and_another_device_is_refused() -> None:
+    d = FakeDriver(device_count=2)
+    d.open(1)
+    d.open(1)
+    with pytest.raises(RuntimeError, match="open on CUDA device 1"):
+        d.open(0)
+    d.close()
+    d.close()
+    d.open(0)  # closed: any device again
+    d.close()
+    d.assert_clean()
