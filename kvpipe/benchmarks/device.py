@@ -104,11 +104,13 @@ class _DeviceArray:
 
 
 async def _on_device(drv: Driver, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a worker thread with the driver's context current there."""
+    """``fn(*args)`` in a worker thread with the driver's context current there, and what
+    was current there before again after it: the thread is the event loop library's, shared
+    with the caller's other work (:meth:`Driver.current`)."""
 
     def call() -> T:
-        drv.make_current()
-        return fn(*args)
+        with drv.current():
+            return fn(*args)
 
     return await run_sync(call)
 

@@ -3,6 +3,8 @@ nothing there: ``FakeDriver`` is not evidence of GPU speed)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvpipe.benchmarks import device, report
@@ -60,3 +62,15 @@ async def test_a_plain_loop_that_drops_a_block_is_caught(monkeypatch: pytest.Mon
     monkeypatch.setattr(device._Bench, "_plain_slice", lossy)
     with pytest.raises(RuntimeError, match="plain read back differ"):
         await run_device_bench(SMALL, driver=FakeDriver())
+
+
+async def test_leaves_no_context_current_in_the_threads_it_ran_on() -> None:
+    """The benchmark's device work runs in the event loop library's shared worker threads:
+    afterwards none has the driver's context current. (It used to leave it current there:
+    a server's later work on those threads would run in kvpipe's context, on whatever
+    device the benchmark used.)"""
+    fake = FakeDriver()
+    await run_device_bench(SMALL, driver=fake)
+    fake.assert_clean()
+    left = [(t.name, fake.current_of(t.ident)) for t in threading.enumerate() if t.ident]
+    assert [(name, ctx) for name, ctx in left if ctx] == []
