@@ -8,7 +8,8 @@ sound blocks before a failed one, which the reader leaves it to scatter.
 Copies are the copy engine's, ordered after the producer's mark ``state.after``. A scatter is
 shielded from cancellation, so when a read ends nothing is still writing into its cache; one
 that has not started by the read's deadline (its job waited in the inbox, or the copy waited
-for a copy thread or device scratch) never starts: the read stops there as ``total_timeout``.
+for a copy thread, device scratch, or the model's work on the read's stream) never starts:
+the read stops there as ``total_timeout``.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Swapper(Actor[SliceJob]):
                         await ctx.engine.scatter(
                             plan, job.lease, after=state.after, start_by=state.deadline
                         )
-            except NotStarted:  # a copy thread or device scratch was busy until the deadline
+            except NotStarted:  # a copy thread, device scratch or the model's stream was busy
                 self._not_started(state, job)
                 return
             ctx.metrics.counters["blocks_read"] += valid

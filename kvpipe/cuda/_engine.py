@@ -1,10 +1,12 @@
 """The CUDA copy engine: device cache ↔ pinned staging with the kernels of ``ext/``.
 
 A call (a slice's gather or scatter) runs on its direction's stream (the two overlap): wait
-for a scratch set (the only point where a cancelled call takes nothing); wait on the
-producer's mark; upload the (cache block, slot) pairs; run the copy path
-(:func:`._kernels.choose_path`); record the scratch set's event and poll it. Everything after
-the scratch wait is shielded: once work is queued the call returns only when it finished.
+for a scratch set (a scatter given ``start_by``, a read's, first polls the producer's mark
+until it completes: it never sits queued behind the model's work; these waits are the only
+points where a cancelled call takes nothing); wait on the producer's mark; upload the
+(cache block, slot) pairs; run the copy path (:func:`._kernels.choose_path`); record the
+scratch set's event and poll it. Everything after the scratch wait is shielded: once work
+is queued the call returns only when it finished.
 Completion is polled (``SPIN_SECONDS`` of yields, then back-off up to ``poll_max``), not
 awaited in a thread that could not be interrupted (``docs/cuda.md``).
 
@@ -180,9 +182,11 @@ class CudaEngine(CopyEngine):
         in the cache. Cancellation and errors: as for :meth:`gather`.
 
         Args:
-            start_by: An event-loop time by which the copy must have its scratch set: one
-                still waiting for scratch then queues nothing and raises
-                :class:`~kvpipe._workers.NotStarted`; one that has it runs to its end.
+            start_by: An event-loop time by which the copy must have started: the work
+                queued on ``after``'s stream before the mark has completed (polled, before
+                anything is queued) and the copy has its scratch set. One still waiting for
+                either then queues nothing and raises :class:`~kvpipe._workers.NotStarted`;
+                one that has both runs to its end.
         """
         await self._copy("scatter", plan, lease, after, start_by)
 
@@ -289,9 +293,18 @@ class CudaEngine(CopyEngine):
             scratch: Scratch | None = None
             try:
                 with anyio.move_on_at(math.inf if start_by is None else start_by):
+                    if start_by is not None and after is not None:
+                        # Queued, the copy would wait on the device for the producer's work,
+                        # however late it ends, and its caller with it (shielded): first
+                        # let that work complete, by start_by, with nothing queued yet.
+                        assert isinstance(after, ProducerMark)
+                        await self._wait(after.event)
                     scratch = await self._scratch.acquire()
                 if scratch is None:  # still waiting at start_by (a cancelled wait takes none)
-                    raise NotStarted(f"no CUDA scratch set by {start_by:.3f}")
+                    raise NotStarted(
+                        f"not started by {start_by:.3f}: the producer's work or a CUDA "
+                        "scratch set still pending"
+                    )
             except BaseException:
                 if after is not None:
                     after.release()

@@ -467,3 +467,51 @@ class TestVirtualTime:
             held.release()
             lease.release()
         free_device_cache(fake, cache)
+
+    async def test_a_scatter_whose_producer_is_still_busy_at_its_start_by_never_starts(
+        self, fake: FakeDriver, producer: int
+    ) -> None:
+        """The model's work the scatter is ordered after is still running at ``start_by``:
+        the scatter gives up then (``NotStarted``) and queues nothing. (It used to queue its
+        copy behind the model's work at once and wait for it, shielded: its caller, a read
+        past its deadline, waited as long as the model's stream stayed busy, and the copy
+        wrote into the cache whenever that ended.)"""
+        from kvpipe._workers import NotStarted
+        from tests.cuda.devcache import device_rows
+
+        cache = fake_device_cache(fake, _layout(), 4)
+        fill_device(fake, cache, seed=7)
+        segs = layout_segments(cache.layout)
+        async with engine(fake, cache) as (eng, pool):
+            model = Gate()
+            fake.host_op(producer, lambda: None, gate=model, label="model kernel")
+            mark = eng.mark(producer)
+            lease = await pool.acquire(1)
+            pool.buffer[lease.slots[0]] = 0x5A
+            before = device_rows(fake, cache)
+            launches = len(fake.launches)
+            start = anyio.current_time()
+            outcome: list[object] = []
+
+            async def model_ends() -> None:
+                await anyio.sleep_until(start + 20)
+                model.open()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(model_ends)
+                try:
+                    await eng.scatter(
+                        copy_plan(segs, [3], lease.slots), lease, after=mark, start_by=start + 5
+                    )
+                    outcome.append(("scattered", anyio.current_time() - start))
+                except NotStarted:
+                    outcome.append(("not started", anyio.current_time() - start))
+            assert outcome == [("not started", pytest.approx(5, abs=0.01))]
+            assert len(fake.launches) == launches
+            assert eng.accounting().scratch_in_use == 0
+            mark.release()
+            fake.run_until_idle()
+            after = device_rows(fake, cache)
+            assert all((new[3] == old[3]).all() for old, new in zip(before, after, strict=True))
+            lease.release()
+        free_device_cache(fake, cache)

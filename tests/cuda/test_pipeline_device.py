@@ -316,3 +316,47 @@ class TestVirtualTime:
         for old, new in zip(before, after, strict=True):
             assert np.array_equal(old[3:5], new[3:5])  # nothing scattered after the deadline
         free_device_cache(fake, cache)
+
+    async def test_a_read_whose_producer_is_busy_past_its_deadline_ends_by_it(
+        self, fake: FakeDriver, producer: int
+    ) -> None:
+        """The model's stream (the read is ordered after it) stays busy past the read's
+        deadline: the read ends by its deadline as ``total_timeout`` with nothing loaded, and
+        nothing is scattered into the cache when the model's work ends. (The scatter used to
+        queue behind the model's work and the read waited for it, past its deadline and past
+        ``deadline_slack``, however long the stream stayed busy.)"""
+        layout = LAYOUTS["gqa"]()
+        cache = fake_device_cache(fake, layout, 6)
+        fill_device(fake, cache, seed=5)
+        stored = np.arange(2 * layout.block_size)
+        cfg = _config(slice=2, deadline_slack=60)
+        async with kvpipe.open_pipeline(
+            cache, kvpipe.MemoryStore(), config=cfg, device_driver=fake
+        ) as pipe:
+            assert (await pipe.write(stored, [0, 1], stream=producer)).complete
+            gate = Gate()
+            fake.host_op(producer, lambda: None, gate=gate, label="the model, still running")
+            before = device_rows(fake, cache)
+            results: dict[str, object] = {}
+            start = anyio.current_time()
+
+            async def read() -> None:
+                results["read"] = await pipe.read(stored, [3, 4], stream=producer, timeout=10)
+                results["after"] = anyio.current_time() - start
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                try:
+                    await anyio.sleep_until(start + 30)  # past the deadline, in the slack
+                finally:
+                    gate.open()  # the model's work ends
+            got = results["read"]
+            assert isinstance(got, kvpipe.ReadResult)
+            assert (got.loaded, got.stop_reason) == (0, "total_timeout")
+            assert results["after"] == pytest.approx(10, abs=0.1)
+            assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+            fake.run_until_idle()
+        after = device_rows(fake, cache)
+        for old, new in zip(before, after, strict=True):
+            assert np.array_equal(old[3:5], new[3:5])  # nothing scattered after the deadline
+        free_device_cache(fake, cache)
