@@ -397,7 +397,12 @@ class CudaEngine(CopyEngine):
         )
 
     async def _wait(self, event: int) -> None:
-        """Poll until ``event`` has completed: yielding, then backing off."""
+        """Poll until ``event`` has completed: yielding, then backing off (never sleeping
+        past the close deadline, if one is set).
+
+        Raises:
+            DeviceError: The close deadline passed first (see :meth:`close_by`).
+        """
         start = time.monotonic()
         delay = POLL_MIN
         while not self._done(event):
@@ -406,7 +411,10 @@ class CudaEngine(CopyEngine):
             if time.monotonic() - start < SPIN_SECONDS:
                 await anyio.lowlevel.checkpoint()
             else:
-                await anyio.sleep(delay)
+                sleep = delay
+                if self._abandon_at is not None:  # wake at the close deadline, not past it
+                    sleep = max(0.0, min(sleep, self._abandon_at - anyio.current_time()))
+                await anyio.sleep(sleep)
                 delay = min(delay * 2, self.options.poll_max)
 
     def _done(self, event: int) -> bool:

@@ -515,3 +515,19 @@ class TestVirtualTime:
             assert all((new[3] == old[3]).all() for old, new in zip(before, after, strict=True))
             lease.release()
         free_device_cache(fake, cache)
+
+    async def test_close_ends_at_its_deadline_whatever_poll_max(self, fake: FakeDriver) -> None:
+        """A stream that never drains: close gives up at its deadline exactly, not at the
+        end of a back-off sleep of up to ``poll_max`` begun before it (it used to: with
+        ``poll_max`` 5 s, a close due at +1 s returned at +1.64 s)."""
+        cache = fake_device_cache(fake, _layout(), 2)
+        options = CudaOptions(poll_max=5.0, drain_timeout=100.0)
+        eng, _pool = await open_engine(fake, cache, options=options)
+        gate = Gate()
+        fake.host_op(eng._streams["gather"], lambda: None, gate=gate, label="hung kernel")
+        start = anyio.current_time()
+        await eng.aclose(deadline=start + 1)
+        assert anyio.current_time() - start == pytest.approx(1, abs=1e-3)
+        assert fake.live()["pinned_allocations"] == 1  # leaked on purpose, and logged
+        gate.open()
+        fake.run_until_idle()
