@@ -58,8 +58,10 @@ class SliceOutcome:
         written: Leading blocks of it the backend stored (what counts).
         elapsed: Seconds from sending it to the backend to its outcome.
         outcome: ``"complete"``, ``"incomplete"``, ``"slice_timeout"``, ``"total_timeout"``,
-            or ``"backend_error"`` (a slice cut short by the caller's cancellation is not
-            recorded: the request had already ended).
+            or ``"backend_error"``. A slice the write's deadline cut off in its store call
+            is ``"total_timeout"`` with nothing written, whichever part of the pipeline
+            reached the deadline first; one cut short by the caller's cancellation or an
+            actor's crash is not recorded (the request had already ended).
     """
 
     index: int
@@ -85,7 +87,8 @@ class WriteResult:
         written: Blocks newly stored, contiguous right after the skipped ones.
         complete: ``skipped + written == requested``.
         stop_reason: Why it stopped early, or ``None``.
-        slices: One :class:`SliceOutcome` per slice sent to the backend.
+        slices: One :class:`SliceOutcome` per slice sent to the backend (but for one an
+            actor's crash cut off in its store call: see :attr:`SliceOutcome.outcome`).
         elapsed: Seconds from the call to the result.
         error: A description of the error behind ``backend_error`` / ``actor_crashed``.
     """

@@ -6,6 +6,10 @@ time only as an input (``now``). It alone knows a write's invariants:
   that falls short ends the write: no later slice is sent.
 - **Counted is stored.** A slice's blocks count only through :meth:`~WriteMachine.slice_done`
   with the backend's own leading run, and only while the write has not ended.
+- **One outcome per slice sent.** A slice sent to the store (:meth:`~WriteMachine.sent`) gets
+  its outcome from :meth:`~WriteMachine.slice_done`, or, when the total deadline ends the
+  write first (whichever task reaches it first), from :meth:`~WriteMachine.end`: then it is
+  ``total_timeout`` with nothing counted, whatever its store call reports later.
 - **Settled exactly once.** The first ending wins (:attr:`~WriteMachine.ended`); every later
   event is ignored, so the result (or the error) never changes once it exists.
 - **Deadlines never extended**: :func:`slice_deadline`.
@@ -41,11 +45,13 @@ class WriteMachine:
     """
 
     __slots__ = (
+        "cut_off",
         "end_block",
         "error",
         "outcomes",
         "request_id",
         "result",
+        "sent_at",
         "skipped",
         "slices",
         "start_block",
@@ -67,6 +73,11 @@ class WriteMachine:
         self.outcomes: list[SliceOutcome] = []
         #: The index of the slice whose turn it is to go to the store.
         self.turn = 0
+        #: When slice ``turn`` was sent to the store, while its outcome is still to come.
+        self.sent_at: float | None = None
+        #: The outcome :meth:`end` recorded for the slice then in its store call (the total
+        #: deadline cut it off), if any.
+        self.cut_off: SliceOutcome | None = None
         self.stop_reason: StopReason | None = None
         self.stop_detail: str | None = None
         self.result: WriteResult | None = None
@@ -106,6 +117,19 @@ class WriteMachine:
         if not slices:
             self._settle(now)
 
+    def sent(self, index: int, now: float) -> None:
+        """Slice ``index`` went to the store at ``now``. Its outcome comes through
+        :meth:`slice_done`, or through :meth:`end` if the total deadline ends the write first.
+
+        Raises:
+            ValueError: Not this slice's turn.
+        """
+        if self.ended:
+            return
+        if index != self.turn or self.turn >= len(self.slices):
+            raise ValueError(f"slice {index} sent out of turn (turn {self.turn})")
+        self.sent_at = now
+
     def slice_done(self, outcome: SliceOutcome, detail: str | None, now: float) -> None:
         """A slice's store call ended with ``outcome``; the first incomplete slice ends the
         write, the last complete one settles it.
@@ -124,6 +148,7 @@ class WriteMachine:
         self.outcomes.append(outcome)
         self.written += outcome.written
         self.turn += 1
+        self.sent_at = None
         if outcome.outcome != "complete":
             self.stop_reason = (
                 "incomplete_slice" if outcome.outcome == "incomplete" else outcome.outcome
@@ -134,9 +159,20 @@ class WriteMachine:
             self._settle(now)
 
     def end(self, cause: Ending, detail: str | None, now: float) -> None:
-        """End now with what has been written (no later slice is sent)."""
+        """End now with what has been written (no later slice is sent). At the total
+        deadline, a slice still in its store call is recorded as ``total_timeout`` with
+        nothing written (:attr:`cut_off`): the deadline cut it off, whoever reported that
+        first. (Cut off by the caller's cancellation or a crash, it is not recorded.)"""
         if self.ended:
             return
+        if cause == "total_timeout" and self.sent_at is not None:
+            spec = self.slices[self.turn]
+            self.cut_off = SliceOutcome(
+                spec.index, spec.first_block, spec.count, 0, now - self.sent_at, "total_timeout"
+            )
+            self.outcomes.append(self.cut_off)
+            self.turn += 1
+            self.sent_at = None
         self.stop_reason = cause
         self.stop_detail = detail
         self._settle(now)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvpipe._plan import plan_slices
 from kvpipe._results import SliceOutcome, SliceStatus
-from kvpipe._write_machine import WriteMachine, slice_deadline
+from kvpipe._write_machine import Ending, WriteMachine, slice_deadline
 
 _FAILURES: tuple[SliceStatus, ...] = ("slice_timeout", "total_timeout", "backend_error")
 
@@ -42,12 +42,20 @@ def test_random_event_orders_keep_every_invariant(
     settled = m.result
     expected_written = 0
     stopped = False
+    in_flight: int | None = None  # the slice sent whose outcome is still to come
+    cut_off: int | None = None  # the slice the total deadline cut off in its store call
     now = 1.0
-    for _ in range(data.draw(st.integers(0, 3 * len(slices) + 3))):
+    for _ in range(data.draw(st.integers(0, 4 * len(slices) + 3))):
         now += 1
-        event = data.draw(st.sampled_from(["slice", "slice", "slice", "end", "fail", "wrong"]))
+        event = data.draw(
+            st.sampled_from(["send", "slice", "slice", "slice", "end", "fail", "wrong"])
+        )
         was_ended = m.ended
-        if event == "slice" and m.turn < len(slices):
+        if event == "send" and m.turn < len(slices):
+            m.sent(m.turn, now)
+            if not was_ended:
+                in_flight = m.turn
+        elif event == "slice" and m.turn < len(slices):
             spec = slices[m.turn]
             kind = data.draw(st.sampled_from(["ok", "ok", "short", *_FAILURES]))
             out = _outcome(
@@ -57,6 +65,7 @@ def test_random_event_orders_keep_every_invariant(
             if not was_ended and not stopped:
                 expected_written += out.written
                 stopped = out.outcome != "complete"
+                in_flight = None
         elif event == "wrong" and len(slices) > 1:
             wrong = (m.turn + 1) % len(slices)
             spec = slices[wrong]
@@ -67,11 +76,10 @@ def test_random_event_orders_keep_every_invariant(
                 with pytest.raises(ValueError):
                     m.slice_done(out, None, now)
         elif event == "end":
-            m.end(
-                data.draw(st.sampled_from(["total_timeout", "cancelled", "actor_crashed"])),
-                "x",
-                now,
-            )
+            cause = data.draw(st.sampled_from(["total_timeout", "cancelled", "actor_crashed"]))
+            m.end(cause, "x", now)
+            if not was_ended and cause == "total_timeout" and in_flight is not None:
+                cut_off = in_flight
         elif event == "fail":
             m.fail(RuntimeError("closing"))
         # exactly once: whatever came first stays
@@ -92,6 +100,13 @@ def test_random_event_orders_keep_every_invariant(
         assert (r.stop_reason is None) == r.complete
         if not r.complete and r.slices and r.slices[-1].outcome == "incomplete":
             assert r.stop_reason == "incomplete_slice"
+        # a slice sent when the total deadline ended the write has its one outcome
+        if cut_off is not None:
+            last = r.slices[-1]
+            assert (last.index, last.outcome, last.written) == (cut_off, "total_timeout", 0)
+            assert m.cut_off is last and r.stop_reason == "total_timeout"
+        else:
+            assert m.cut_off is None
 
 
 def test_nothing_to_write_settles_at_once() -> None:
@@ -114,3 +129,38 @@ def test_a_slice_claiming_more_than_it_carries_is_refused() -> None:
 def test_a_slice_deadline_never_extends_the_total_one(now: float, per: float, total: float) -> None:
     d = slice_deadline(now, per, total)
     assert d <= total and d <= now + per and d in (total, now + per)
+
+
+def _sent_slice_1() -> WriteMachine:
+    m = WriteMachine("w", 0, 8, started=0.0)
+    m.planned(0, plan_slices(0, 8, 4, 16, 128), now=0.0)
+    m.slice_done(SliceOutcome(0, 0, 4, 4, 1.0, "complete"), None, 1.0)
+    m.sent(1, 2.0)
+    return m
+
+
+def test_the_total_deadline_records_the_slice_in_its_store_call_whoever_reports_it() -> None:
+    m = _sent_slice_1()
+    m.end("total_timeout", "deadline passed waiting for staging", 5.0)
+    cut_off = SliceOutcome(1, 4, 4, 0, 3.0, "total_timeout")
+    assert m.cut_off == cut_off
+    assert m.result is not None and m.result.slices[-1] == cut_off
+    assert (m.result.written, m.result.stop_reason) == (4, "total_timeout")
+    # the put's own report, later, changes nothing: nothing of it is counted
+    m.slice_done(SliceOutcome(1, 4, 4, 4, 3.0, "complete"), None, 5.0)
+    assert m.result.slices == (SliceOutcome(0, 0, 4, 4, 1.0, "complete"), cut_off)
+    assert m.result.written == 4
+
+
+@pytest.mark.parametrize("cause", ["cancelled", "actor_crashed"])
+def test_a_slice_cut_off_by_cancellation_or_a_crash_is_not_recorded(cause: Ending) -> None:
+    m = _sent_slice_1()
+    m.end(cause, "x", 5.0)
+    assert m.cut_off is None
+    assert m.result is not None and [o.index for o in m.result.slices] == [0]
+
+
+def test_a_slice_sent_out_of_turn_is_refused() -> None:
+    m = _sent_slice_1()
+    with pytest.raises(ValueError):
+        m.sent(0, 3.0)

@@ -279,6 +279,10 @@ class WriteState(SlicedState):
         self.machine.planned(skipped, slices, anyio.current_time())
         self._sync()
 
+    def sent(self, index: int, now: float) -> None:
+        """Slice ``index`` went to the store at ``now`` (:meth:`WriteMachine.sent`)."""
+        self.machine.sent(index, now)
+
     def slice_done(
         self, outcome: SliceOutcome, detail: str | None = None, now: float | None = None
     ) -> None:

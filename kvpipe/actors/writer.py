@@ -158,6 +158,7 @@ class Writer(Actor[WriteState | SliceJob]):
         # this frame (and the job's staging) in a cycle through its traceback.
         error: str | None = None
         scope = anyio.CancelScope(deadline=deadline)
+        state.sent(spec.index, started)
         state.watch(scope, job, spec.first_block)
         try:
             with scope:
@@ -168,6 +169,11 @@ class Writer(Actor[WriteState | SliceJob]):
         finally:
             state.unwatch(job)
         if state.done:
+            # Another task ended the write first. At the total deadline that recorded this
+            # slice's outcome (``total_timeout``, nothing counted); it is counted here, once.
+            cut_off = state.machine.cut_off
+            if cut_off is not None and cut_off.index == spec.index:
+                self._count(state, spec, cut_off, "the write's deadline passed during the put")
             return
         now = anyio.current_time()
         elapsed = now - started
@@ -186,11 +192,24 @@ class Writer(Actor[WriteState | SliceJob]):
             outcome = "complete" if written == spec.count else "incomplete"
             if written < spec.count:
                 detail = f"block {spec.first_block + written}: {statuses[written].value}"
-        ctx.observe("write_slice", elapsed, outcome)
+        done = SliceOutcome(spec.index, spec.first_block, spec.count, written, elapsed, outcome)
+        self._count(state, spec, done, detail)
+        state.slice_done(done, detail, now)
+        if statuses is not None and written < spec.count:
+            strays = sum(s is BlockStatus.OK for s in statuses[written + 1 :])
+            if strays:
+                ctx.metrics.counters["blocks_stored_past_a_failure"] += strays
+
+    def _count(
+        self, state: WriteState, spec: SliceSpec, done: SliceOutcome, detail: str | None
+    ) -> None:
+        """Count and report a slice's outcome (once per slice sent to the store)."""
+        ctx = self.ctx
+        ctx.observe("write_slice", done.elapsed, done.outcome)
         m = ctx.metrics
-        m.slices[outcome] += 1
-        m.counters["blocks_written"] += written
-        m.counters["bytes_written"] += written * ctx.payload_nbytes
+        m.slices[done.outcome] += 1
+        m.counters["blocks_written"] += done.written
+        m.counters["bytes_written"] += done.written * ctx.payload_nbytes
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "write %s slice %d (blocks %d-%d): %s, %d of %d written in %.4f s%s",
@@ -198,18 +217,9 @@ class Writer(Actor[WriteState | SliceJob]):
                 spec.index,
                 spec.first_block,
                 spec.end_block - 1,
-                outcome,
-                written,
+                done.outcome,
+                done.written,
                 spec.count,
-                elapsed,
+                done.elapsed,
                 f" ({detail})" if detail else "",
             )
-        state.slice_done(
-            SliceOutcome(spec.index, spec.first_block, spec.count, written, elapsed, outcome),
-            detail,
-            now,
-        )
-        if statuses is not None and written < spec.count:
-            strays = sum(s is BlockStatus.OK for s in statuses[written + 1 :])
-            if strays:
-                ctx.metrics.counters["blocks_stored_past_a_failure"] += strays

@@ -226,6 +226,43 @@ class TestVirtualTime:
             assert len(store.calls_of("put")) == 1
             assert h.ctx.pool.in_use == 0
 
+    @pytest.mark.parametrize("first", ["writer", "elsewhere"])
+    async def test_a_put_cut_off_at_the_deadline_is_recorded_once_whoever_ends_the_write(
+        self, first: str
+    ) -> None:
+        """Slice 1's put hangs. Whether the writer's own cancel scope reports the deadline
+        first, or another task (the slicer waiting for staging, the swapper, a gather ahead;
+        here the test, while the put is held in flight) ends the write as ``total_timeout``
+        first, the slice sent has one outcome, ``total_timeout`` with nothing counted, one
+        slice count and one observation."""
+        store = ScriptedStore(puts={1: Act(hang=True)})
+        async with harness(store, slice_blocks=4) as h:
+            seen: list[tuple[str, str]] = []
+            assert h.ctx.observers is not None
+            h.ctx.observers.add(lambda kind, _s, outcome: seen.append((kind, outcome)))
+            state = h.write_state(TOKENS, np.arange(12), timeout=7)
+            jobs = await _gathered_jobs(h, state)
+            writer = Writer(h.ctx, h.inboxes["writer"])
+            async with anyio.create_task_group() as tg:
+                for job in jobs:
+                    tg.start_soon(writer.handle, job)
+                await store.wait_calls("put", 2)  # slice 1 is in its store call
+                if first == "elsewhere":
+                    state.end("total_timeout", "deadline passed waiting for staging")
+            state.end("total_timeout", "the deadline guard")  # too late: ignored
+            r = state.result
+            assert r is not None
+            assert (r.written, r.stop_reason) == (4, "total_timeout")
+            assert [(o.index, o.outcome, o.written) for o in r.slices] == [
+                (0, "complete", 4),
+                (1, "total_timeout", 0),
+            ]
+            assert store.calls_of("put")[1].cancelled and len(store.calls_of("put")) == 2
+            assert h.ctx.metrics.slices == {"complete": 1, "total_timeout": 1}
+            assert seen == [("write_slice", "complete"), ("write_slice", "total_timeout")]
+            assert h.ctx.metrics.counters["blocks_written"] == 4 == len(store.inner.keys())
+            assert h.ctx.pool.in_use == 0
+
 
 def test_only_puts_over_32_kib_are_gathered_into_memory_the_store_keeps() -> None:
     assert not keeps_own_memory(1, 1024)
