@@ -312,6 +312,7 @@ class Reader(Actor[ReadState | SliceJob]):
         except NotStarted:  # the copy threads were busy until the read's deadline
             placed = leading_run(sink.placed[:fetched]) if sink is not None else 0
             ctx.metrics.slices["read_total_timeout"] += 1  # its one count: none came before
+            ctx.observe("read_slice", elapsed, "total_timeout")  # and its one report
             self._stop_late(state, job, placed, elapsed)
             return None
         return statuses, checks, scattered, elapsed, sink is not None and sink.elsewhere

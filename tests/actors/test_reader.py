@@ -12,7 +12,8 @@ import trio.testing
 
 import kvpipe
 from kvpipe._plan import plan_slices
-from kvpipe.actors import Reader, SliceJob, Swapper, Writer
+from kvpipe._workers import NotStarted
+from kvpipe.actors import ActorContext, Reader, SliceJob, Swapper, Writer
 from kvpipe.actors import reader as reader_module
 from kvpipe.backends import StorageBackend
 from tests.actors.harness import BLOCK, Harness, harness
@@ -201,6 +202,40 @@ class TestVirtualTime:
             assert (state.result.loaded, state.result.stop_reason) == (0, "total_timeout")
             assert state.machine.pending == set()
             hog.release()
+            assert h.ctx.pool.in_use == 0
+
+    async def test_a_slice_whose_check_never_starts_is_counted_and_observed_once(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The copy threads stay busy until the read's deadline, so the check-and-scatter
+        of a slice whose ``get_blocks`` finished never starts: that backend call is counted
+        once (``read_total_timeout``) and reported once to the observers, as every other
+        slice is."""
+        async with harness(ScriptedStore(), slice_blocks=8) as h:
+            await _store_all(h)
+
+            async def busy_until(  # type: ignore[no-untyped-def]
+                ctx, nbytes, fn, *args, hold, start_by=None
+            ):
+                """No copy thread comes free before ``start_by``."""
+                assert start_by is not None
+                await anyio.sleep_until(start_by)
+                raise NotStarted
+
+            monkeypatch.setattr(reader_module, "INLINE_COPY_BYTES", 0)
+            monkeypatch.setattr(ActorContext, "run_copy", busy_until)
+            seen: list[tuple[str, str]] = []
+            assert h.ctx.observers is not None
+            h.ctx.observers.add(lambda kind, _s, outcome: seen.append((kind, outcome)))
+            state = h.read_state(TOKENS, np.arange(30, 38), timeout=5)
+            state.plan(plan_slices(0, 8, 8, BLOCK, len(TOKENS)))
+            job = SliceJob(state, state.slices[0], await h.ctx.pool.acquire(8))
+            await Reader(h.ctx, h.inboxes["reader"]).handle(job)
+            assert state.result is not None
+            assert (state.result.loaded, state.result.stop_reason) == (0, "total_timeout")
+            read_counts = {k: v for k, v in h.ctx.metrics.slices.items() if k.startswith("read")}
+            assert read_counts == {"read_total_timeout": 1}
+            assert seen == [("read_slice", "total_timeout")]
             assert h.ctx.pool.in_use == 0
 
 
