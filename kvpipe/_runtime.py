@@ -247,7 +247,7 @@ class Runtime:
             metrics=ctx.metrics,
             on_escalate=self._escalate,
         )
-        tg.start_soon(self._supervisor.run, name="kvpipe-supervisor")
+        tg.start_soon(_run_shielded, self._supervisor, name="kvpipe-supervisor")
         self._open = True
         log.info(
             "pipeline open: %s; namespace=%s rank=%d/%d; store=%s; staging %d slots x %d B; "
@@ -445,3 +445,13 @@ class Runtime:
             backend=dict(self.store.statistics()),
             threads_running=self._runner.running if self._runner is not None else 0,
         )
+
+
+async def _run_shielded(supervisor: Supervisor) -> None:
+    """Run the actors, shielded from the cancellation of the task that opened the pipeline:
+    they stop when :meth:`Runtime.aclose` (which always follows) closes their inboxes, or
+    cancels them at the close deadline. Cancelled with that task, they would drop the
+    requests in flight (their callers then wait for the close deadline) and, ending
+    cancelled, hold their frames in reference cycles."""
+    with anyio.CancelScope(shield=True):
+        await supervisor.run()

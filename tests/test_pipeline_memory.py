@@ -1,7 +1,7 @@
 """Nothing a closed pipeline owned stays alive: with the cyclic garbage collector disabled,
 the staging is freed by reference counting the moment ``open_pipeline`` exits — after a
-normal close, after the body raised, after an actor crash — and resident memory stays flat
-over many open/close rounds."""
+normal close, after the body raised, after an actor crash, after the task that opened it was
+cancelled — and resident memory stays flat over many open/close rounds."""
 
 from __future__ import annotations
 
@@ -53,31 +53,42 @@ async def _round(store: kvpipe.MemoryStore, how: str) -> tuple[weakref.ref[Any],
     config = kvpipe.PipelineConfig(staging_bytes=STAGING)
     refs: tuple[weakref.ref[Any], ...] = ()
     try:
-        async with kvpipe.open_pipeline(cache, store, config=config, hooks=hooks) as pipe:
-            staging = pipe._runtime._pool.buffer  # type: ignore[union-attr]
-            staging.fill(1)  # every page resident
-            refs = (weakref.ref(staging.base), weakref.ref(pipe), weakref.ref(pipe._runtime))
-            del staging
-            w = await pipe.write(TOKENS, np.arange(8), request_id=how)
-            r = await pipe.read(TOKENS, np.arange(8, 16))
-            if how == "crash":
-                assert w.stop_reason == "actor_crashed" and pipe.statistics().restarts
-            else:
-                assert w.complete and r.complete
-            del w, r, pipe
-            if how == "raise":
-                raise _Boom
+        with anyio.CancelScope() as opener:
+            async with kvpipe.open_pipeline(cache, store, config=config, hooks=hooks) as pipe:
+                staging = pipe._runtime._pool.buffer  # type: ignore[union-attr]
+                staging.fill(1)  # every page resident
+                refs = (
+                    weakref.ref(staging.base),
+                    weakref.ref(pipe),
+                    weakref.ref(pipe._runtime),
+                    weakref.ref(pipe._runtime._ctx),
+                )
+                del staging
+                w = await pipe.write(TOKENS, np.arange(8), request_id=how)
+                r = await pipe.read(TOKENS, np.arange(8, 16))
+                if how == "crash":
+                    assert w.stop_reason == "actor_crashed" and pipe.statistics().restarts
+                else:
+                    assert w.complete and r.complete
+                del w, r, pipe
+                if how == "raise":
+                    raise _Boom
+                if how == "cancel":  # the task that opened it is cancelled (a server's lifespan)
+                    opener.cancel()
+                    await anyio.lowlevel.checkpoint()
     except _Boom:
         pass
     return refs
 
 
-@pytest.mark.parametrize("how", ["close", "raise", "crash"])
+@pytest.mark.parametrize("how", ["close", "raise", "crash", "cancel"])
 async def test_staging_is_freed_when_the_block_exits(how: str, no_cyclic_gc: None) -> None:
     store = kvpipe.MemoryStore()
-    staging, pipe, runtime = await _round(store, how)
+    staging, pipe, runtime, actors = await _round(store, how)
     assert staging() is None, "the staging outlived the pipeline"
     assert pipe() is None and runtime() is None, "the pipeline is held in a reference cycle"
+    if how != "crash":
+        assert actors() is None, "the actors' context is held in a reference cycle"
 
 
 async def test_resident_memory_stays_flat_over_rounds(no_cyclic_gc: None) -> None:

@@ -498,3 +498,38 @@ async def test_a_stage_back_waiting_for_a_busy_thread_ends_the_read_at_its_deadl
             go_on.set()
     finally:
         go_on.set()
+
+
+async def test_cancelling_the_task_that_opened_the_pipeline_lets_in_flight_writes_finish() -> None:
+    """A server's lifespan task holds the pipeline; a request handler in another task is
+    writing when the lifespan task is cancelled. The close lets the write finish (its put
+    takes 1 s of the 5 s close deadline): the actors are not cancelled with the task that
+    opened the pipeline, so the caller gets its result at once, not PipelineClosed at the
+    close deadline."""
+    store = ScriptedStore(puts={0: Act(delay=1.0)})
+    config = _config(total_timeout=100, slice_timeout=100, close_timeout=5)
+    lifespan = anyio.CancelScope()
+    got: list[object] = []
+
+    async def serve(*, task_status: anyio.abc.TaskStatus[kvpipe.Pipeline]) -> None:
+        with lifespan:
+            async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+                task_status.started(pipe)
+                await anyio.sleep_forever()
+
+    async def handle(pipe: kvpipe.Pipeline) -> None:
+        start = anyio.current_time()
+        try:
+            got.append(await pipe.write(TOKENS[: 4 * BLOCK], IDS[:4]))
+        except kvpipe.PipelineClosed as exc:
+            got.append(exc)
+        got.append(anyio.current_time() - start)
+
+    async with anyio.create_task_group() as tg:
+        pipe = await tg.start(serve)
+        tg.start_soon(handle, pipe)
+        await store.wait_calls("put")
+        lifespan.cancel()
+    result, took = got
+    assert isinstance(result, kvpipe.WriteResult) and result.complete, result
+    assert took == pytest.approx(1.0)
