@@ -6,6 +6,7 @@ cancelled — and resident memory stays flat over many open/close rounds."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,10 @@ import numpy as np
 import pytest
 
 import kvpipe
+from kvpipe.actors import _base as base_module
+from kvpipe.actors import writer as writer_module
 from tests.fakes import CrashHooks
+from tests.helpers import until
 
 pytestmark = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 
@@ -87,8 +91,7 @@ async def test_staging_is_freed_when_the_block_exits(how: str, no_cyclic_gc: Non
     staging, pipe, runtime, actors = await _round(store, how)
     assert staging() is None, "the staging outlived the pipeline"
     assert pipe() is None and runtime() is None, "the pipeline is held in a reference cycle"
-    if how != "crash":
-        assert actors() is None, "the actors' context is held in a reference cycle"
+    assert actors() is None, "the actors' context is held in a reference cycle"
 
 
 async def test_resident_memory_stays_flat_over_rounds(no_cyclic_gc: None) -> None:
@@ -113,3 +116,112 @@ async def test_a_closed_pipeline_kept_by_the_caller_holds_no_staging(no_cyclic_g
     assert staging() is None  # while `pipe` is still in scope
     assert pipe.statistics().counters["blocks_written"] == 8
     await anyio.lowlevel.checkpoint()
+
+
+class _HoldingStore(kvpipe.MemoryStore):
+    """Keeps no values (puts and gets go through staging); once armed, its next put or get
+    holds the batch's staging views and never returns."""
+
+    keeps_values = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.hung = anyio.Event()
+
+    async def _hold(self, views: object) -> None:
+        if self.armed:
+            self.armed = False
+            self.hung.set()
+            await anyio.sleep_forever()
+
+    async def put_blocks(self, batch: kvpipe.backends.PutBatch) -> list[kvpipe.BlockStatus]:
+        await self._hold(batch.values)
+        return list(await super().put_blocks(batch))
+
+    async def get_blocks(self, batch: kvpipe.backends.GetBatch) -> list[kvpipe.BlockStatus]:
+        await self._hold(batch.buffers)
+        return list(await super().get_blocks(batch))
+
+
+@pytest.mark.parametrize("actor", ["writer", "reader"])
+async def test_a_crash_beside_a_store_call_on_staging_leaves_no_cycle(
+    actor: str, no_cyclic_gc: None
+) -> None:
+    """An actor crashes while another of its requests waits in a store call over staging:
+    that call's task ends cancelled with the actor (on asyncio anyio keeps such a task's
+    exception in a reference cycle, frames and all). The staging and the actors are still
+    freed by reference counting when the block exits."""
+    store = _HoldingStore()
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    config = kvpipe.PipelineConfig(staging_bytes=STAGING)
+    async with kvpipe.open_pipeline(
+        cache, store, config=config, hooks=CrashHooks(actor, ["crash"])
+    ) as pipe:
+        staging = weakref.ref(pipe._runtime._pool.buffer.base)  # type: ignore[union-attr]
+        actors = weakref.ref(pipe._runtime._ctx)
+        call = pipe.write if actor == "writer" else pipe.read
+        if actor == "reader":
+            await pipe.write(TOKENS, np.arange(8))
+        store.armed = True
+        outcomes: list[str | None] = []
+
+        async def run(call: Any, request_id: str) -> None:
+            result = await call(TOKENS, np.arange(8, 16), request_id=request_id)
+            outcomes.append(result.stop_reason)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, call, "held")
+            await store.hung.wait()
+            tg.start_soon(run, call, "crash")
+        assert outcomes == ["actor_crashed", "actor_crashed"]
+        del pipe, call
+    await store.aclose()
+    assert staging() is None, "the staging outlived the pipeline"
+    assert actors() is None, "the actors' context is held in a reference cycle"
+
+
+async def test_a_crash_beside_a_gather_in_a_thread_leaves_no_cycle(
+    no_cyclic_gc: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer crashes while another write's slice is being gathered in a copy thread,
+    from a task of that write's own (cancelled with the actor): once the thread is done the
+    staging and the actors are freed by reference counting when the block exits."""
+    go_on = threading.Event()
+    gather_sealed = base_module.gather_sealed
+
+    def held(*args: Any) -> Any:
+        go_on.wait(30)
+        return gather_sealed(*args)
+
+    monkeypatch.setattr(base_module, "INLINE_COPY_BYTES", 0)
+    monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
+    monkeypatch.setattr(base_module, "gather_sealed", held)
+    store = _HoldingStore()
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    config = kvpipe.PipelineConfig(staging_bytes=STAGING)
+    async with kvpipe.open_pipeline(
+        cache, store, config=config, hooks=CrashHooks("writer", ["crash"])
+    ) as pipe:
+        staging = weakref.ref(pipe._runtime._pool.buffer.base)  # type: ignore[union-attr]
+        actors = weakref.ref(pipe._runtime._ctx)
+        runner = pipe._runtime._runner
+        assert runner is not None
+        outcomes: list[str | None] = []
+
+        async def write(pipe: kvpipe.Pipeline, request_id: str) -> None:
+            result = await pipe.write(TOKENS, np.arange(8), request_id=request_id)
+            outcomes.append(result.stop_reason)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write, pipe, "held")
+            await until(lambda: runner.running == 1)
+            tg.start_soon(write, pipe, "crash")
+            await until(lambda: len(outcomes) == 2)
+            go_on.set()
+        assert outcomes == ["actor_crashed", "actor_crashed"]
+        await until(lambda: runner.running == 0)
+        del pipe
+    await store.aclose()
+    assert staging() is None, "the staging outlived the pipeline"
+    assert actors() is None, "the actors' context is held in a reference cycle"

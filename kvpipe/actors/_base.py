@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ __all__ = (
     "as_backend_error",
     "backend_call",
     "leading_ok",
+    "task",
 )
 
 M = TypeVar("M")
@@ -265,6 +267,20 @@ def check_statuses(
     return out
 
 
+async def task(fn: Callable[..., Awaitable[object]], *args: Any) -> None:
+    """Run ``fn(*args)`` as a task of an actor's: when it ends cancelled (its actor crashed,
+    or was cancelled at the close deadline), the frames of its traceback let go of what they
+    hold first. On asyncio the exception of a task that ended cancelled is kept in a
+    reference cycle (anyio's task group), and with it those frames: the actor, its requests
+    and their staging would outlive the pipeline until the cyclic collector ran."""
+    try:
+        await fn(*args)
+    except anyio.get_cancelled_exc_class() as exc:
+        traceback.clear_frames(exc.__traceback__)
+        del fn, args
+        raise
+
+
 def leading_ok(statuses: list[BlockStatus]) -> int:
     """How many leading statuses are :attr:`~BlockStatus.OK` (stop at the first other)."""
     n = len(statuses)
@@ -316,7 +332,7 @@ class Actor(abc.ABC, Generic[M]):
     def _spawn(self) -> None:
         assert self._tg is not None
         self._workers += 1
-        self._tg.start_soon(self._worker)
+        self._tg.start_soon(task, self._worker)
 
     async def _worker(self) -> None:
         while True:

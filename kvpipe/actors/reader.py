@@ -26,7 +26,15 @@ from .._results import ReadStopReason
 from .._staging import StagingLease
 from .._workers import NotStarted
 from ..backends._base import BlockStatus, GetBatch
-from ._base import Actor, SliceJob, as_backend_error, backend_call, check_statuses, leading_ok
+from ._base import (
+    Actor,
+    SliceJob,
+    as_backend_error,
+    backend_call,
+    check_statuses,
+    leading_ok,
+    task,
+)
 from ._rowsink import RowSink
 from ._state import ReadState, RequestState, describe_error
 
@@ -81,7 +89,7 @@ class Reader(Actor[ReadState | SliceJob]):
                     continue
             job = SliceJob(state, spec, lease)
             if tg is not None and self._in_task(spec):
-                tg.start_soon(self._slice, job)
+                tg.start_soon(task, self._slice, job)
                 # Let it start before the next: slices reach the store in planned order.
                 await anyio.lowlevel.checkpoint()
             else:

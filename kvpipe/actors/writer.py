@@ -24,7 +24,7 @@ from .._plan import SliceSpec
 from .._results import SliceOutcome, SliceStatus
 from .._staging import StagingLease
 from ..backends._base import BlockStatus, PutBatch
-from ._base import Actor, as_backend_error, check_statuses, leading_ok
+from ._base import Actor, as_backend_error, check_statuses, leading_ok, task
 from ._channels import SliceJob
 from ._state import RequestState, WriteState, describe_error
 
@@ -92,7 +92,7 @@ class Writer(Actor[WriteState | SliceJob]):
             if tg is not None and spec.count * ctx.payload_nbytes > INLINE_COPY_BYTES:
                 gathered = anyio.Event()
                 ahead.append((job, gathered))
-                tg.start_soon(self._gather, job, gathered)
+                tg.start_soon(task, self._gather, job, gathered)
                 if len(ahead) > ctx.config.copy_threads:
                     await self._put_first(ahead)
             else:
