@@ -343,6 +343,9 @@ class ThreadRunner:
             if not started:
                 box.clear()  # queued in its lane: its arguments go now, not when it is taken
                 self._finish(hold)  # it never ran, and now never will
+            elif done.is_set():  # its report came first (the wait after start_by was cut)
+                call.outcome = None
+                self._finish(hold)
             raise  # else its report finishes the call when it returns
         self._finish(hold)
         outcome, call.outcome = call.outcome, None

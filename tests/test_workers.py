@@ -11,12 +11,14 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
 from trio.testing import MockClock
 
+from kvpipe import _workers as workers_module
 from kvpipe._staging import StagingLease, StagingPool
 from kvpipe._workers import Lane, NotStarted, ThreadRunner, WorkerThreads, lower_priority
 from tests.helpers import checkpoints, until
@@ -395,3 +397,32 @@ async def test_a_call_not_started_by_its_start_by_never_runs_and_one_started_run
             gate.set()
     running.release()
     assert ran == [] and pool.in_use == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_call_cancelled_just_as_its_thread_reports_lets_go_of_its_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller (with ``start_by``) is cancelled in the turn of the loop its thread's
+    report arrives in (a crash, the close deadline): the call raises the cancellation, and
+    its hold on the staging goes all the same, not kept leased for good."""
+    pool = StagingPool(16, 1)
+    lease = await pool.acquire(1)
+    scope = anyio.CancelScope()
+    call_soon = workers_module._call_soon
+
+    def report_then_cancel(token: Any, fn: Callable[..., None], *args: Any) -> None:
+        def both() -> None:  # in one turn of the loop: the caller cannot resume in between
+            fn(*args)
+            scope.cancel()
+
+        call_soon(token, both)
+
+    monkeypatch.setattr(workers_module, "_call_soon", report_then_cancel)
+    async with ThreadRunner(0.1) as runner:
+        with scope:
+            await runner.run(int, hold=lease, start_by=anyio.current_time() + 100)
+        assert scope.cancelled_caught
+        assert runner.running == 0
+    lease.release()
+    assert lease.released and pool.in_use == 0
