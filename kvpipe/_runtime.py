@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 import anyio
 import anyio.abc
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 __all__ = ("Runtime",)
 
 log = logging.getLogger("kvpipe.pipeline")
+_State = TypeVar("_State", bound=RequestState)
+_Marked = TypeVar("_Marked", WriteState, ReadState)
 _STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
 #: Seconds :meth:`Runtime.aclose` waits for actors it cancelled at the close deadline to
 #: unwind (they release their staging as they do).
@@ -326,16 +328,18 @@ class Runtime:
 
     # -- the common path ---------------------------------------------------------------------
 
-    async def run_marked(self, state: WriteState | ReadState, stream: int | None) -> None:
+    async def run_marked(self, state: _Marked, stream: int | None) -> _Marked:
         """:meth:`run` with the producer's mark recorded now (device caches) and released
         when the request has ended (copies still in flight hold their own reference)."""
         self.check_loop()
         engine = self.engine if self._open else None
-        state.after = engine.mark(stream) if engine is not None else None
+        mark: OrderMark | None = engine.mark(stream) if engine is not None else None
+        state.after = mark
+        call = self.run(state)
+        del state  # as in run: no frame the request's error passes holds the request
         try:
-            await self.run(state)
+            return await call
         finally:
-            mark: OrderMark | None = state.after
             if mark is not None:
                 mark.release()
 
@@ -356,8 +360,16 @@ class Runtime:
                 "the call to its loop)"
             )
 
-    async def run(self, state: RequestState) -> None:
-        """Submit ``state`` and wait for its end, by its deadline plus the slack."""
+    async def run(self, state: _State) -> _State:
+        """Submit ``state`` and wait for its end, by its deadline plus the slack; returns it.
+
+        Raises:
+            BaseException: The error the request ended with. The request keeps it, and its
+                traceback every frame it passes: none of them holds the request (callers
+                pass it in and take it back from the return value), or the request, the
+                error and those frames (this runtime, the caller's) would be a reference
+                cycle, freed only by the cyclic garbage collector.
+        """
         self.check_loop()
         if not self._open:
             raise PipelineClosed(f"pipeline is not open ({self._closed_reason or 'not started'})")
@@ -397,8 +409,14 @@ class Runtime:
                 self._idle.set()
             if self.observers.active:
                 self._observe(state, cancelled)
-        if state.error is not None:
-            raise state.error
+        error = state.error
+        if error is None:
+            return state
+        del state
+        try:
+            raise error
+        finally:
+            error = None
 
     def _observe(self, state: RequestState, cancelled: bool) -> None:
         """Report the call's latency and outcome to the observers."""

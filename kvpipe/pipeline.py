@@ -156,8 +156,11 @@ class Pipeline:
             stored (a contiguous prefix).
         """
         checked = self._checked(token_ids, block_ids, start_block, include_partial, timeout)
-        state = WriteState(request_id or _new_id("write"), *checked)
-        await self._runtime.run_marked(state, stream)
+        # Bound only on return: a frame holding the request while its error passes would
+        # make a reference cycle (see Runtime.run).
+        state = await self._runtime.run_marked(
+            WriteState(request_id or _new_id("write"), *checked), stream
+        )
         assert state.result is not None
         return state.result
 
@@ -207,8 +210,9 @@ class Pipeline:
             finished, so nothing writes into ``block_ids`` after it returns.
         """
         checked = self._checked(token_ids, block_ids, start_block, include_partial, timeout)
-        state = ReadState(request_id or _new_id("read"), *checked, require_all=require_all)
-        await self._runtime.run_marked(state, stream)
+        state = await self._runtime.run_marked(  # bound only on return, as in write
+            ReadState(request_id or _new_id("read"), *checked, require_all=require_all), stream
+        )
         result = state.result
         assert result is not None
         if require_all and not result.complete:
@@ -318,8 +322,9 @@ class Pipeline:
         tokens = check_tokens(token_ids)
         limit = check_timeout(timeout, self.config.lookup_timeout)
         now = anyio.current_time()
-        state = CallState(_new_id(op), now + limit, now, op, tokens, include_partial, **params)
-        await self._runtime.run(state)
+        state = await self._runtime.run(  # bound only on return, as in write
+            CallState(_new_id(op), now + limit, now, op, tokens, include_partial, **params)
+        )
         return state.value
 
     # -- introspection -----------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import kvpipe
 from kvpipe.actors import _base as base_module
 from kvpipe.actors import writer as writer_module
-from tests.fakes import CrashHooks
+from tests.fakes import Act, CrashHooks, ScriptedStore
 from tests.helpers import until
 
 pytestmark = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
@@ -225,3 +225,27 @@ async def test_a_crash_beside_a_gather_in_a_thread_leaves_no_cycle(
     await store.aclose()
     assert staging() is None, "the staging outlived the pipeline"
     assert actors() is None, "the actors' context is held in a reference cycle"
+
+
+@pytest.mark.parametrize("call", ["lookup", "write"])
+async def test_a_call_that_raised_leaves_no_cycle(call: str, no_cyclic_gc: None) -> None:
+    """A call raises the error its request ended with (a lookup's BackendError; a write's
+    PipelineClosed when the pipeline closes under it, here by escalation). The request
+    keeps that error, and the error's traceback the frames it passed: none of them may hold
+    the request, or the pipeline stays in a reference cycle."""
+    store = ScriptedStore(exists={0: Act(error=OSError("injected"))})
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    config = kvpipe.PipelineConfig(staging_bytes=STAGING, max_restarts=1)
+    hooks = CrashHooks("writer", ["crash", "crash"])  # the second crash escalates
+    async with kvpipe.open_pipeline(cache, store, config=config, hooks=hooks) as pipe:
+        refs = (weakref.ref(pipe), weakref.ref(pipe._runtime))
+        if call == "write":
+            first = await pipe.write(TOKENS, np.arange(8), request_id="crash")
+            assert first.stop_reason == "actor_crashed"
+        with pytest.raises(kvpipe.BackendError if call == "lookup" else kvpipe.PipelineClosed):
+            if call == "lookup":
+                await pipe.lookup(TOKENS)
+            else:
+                await pipe.write(TOKENS, np.arange(8), request_id="crash")
+        del pipe
+    assert [ref() for ref in refs] == [None, None], "the pipeline is held in a reference cycle"

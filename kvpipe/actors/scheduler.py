@@ -185,9 +185,12 @@ class Scheduler(Actor[RequestState]):
                     state.succeed(await self._locate(state))
             except (BackendError, OperationTimeout) as exc:
                 # The frames below have returned: their locals (batches, staging) need not
-                # live as long as the error the caller gets.
+                # live as long as the error the caller gets. This one's entry goes: its frame
+                # holds the request, which keeps the error (a reference cycle).
                 traceback.clear_frames(exc.__traceback__)
-                state.fail(exc)
+                tb = exc.__traceback__
+                state.fail(exc.with_traceback(tb.tb_next if tb is not None else None))
+                del tb
         if scope.cancelled_caught:
             state.fail(OperationTimeout(f"{state.op} {state.request_id} timed out"))
 
