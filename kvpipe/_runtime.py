@@ -131,6 +131,8 @@ class Runtime:
         self.metrics = Metrics()
         self.observers = Observers(self.metrics.counters)
         self._supervisor: Supervisor | None = None
+        #: The scope the actors run in, shielded from the opening task's cancellation.
+        self._actors_scope: anyio.CancelScope | None = None
         self._loop: object = None
         self._thread = 0
         #: When closing must be over (event-loop clock): set once, by :meth:`aclose`.
@@ -192,6 +194,7 @@ class Runtime:
             log.error("staging still leased after close; keeping it allocated")
         self._ctx = None
         self._supervisor = None
+        self._actors_scope = None
         self._runner = None
         self._outboxes = None
         self._inboxes = None
@@ -249,7 +252,8 @@ class Runtime:
             metrics=ctx.metrics,
             on_escalate=self._escalate,
         )
-        tg.start_soon(_run_shielded, self._supervisor, name="kvpipe-supervisor")
+        self._actors_scope = anyio.CancelScope(shield=True)
+        tg.start_soon(_run_shielded, self._supervisor, self._actors_scope, name="kvpipe-supervisor")
         self._open = True
         log.info(
             "pipeline open: %s; namespace=%s rank=%d/%d; store=%s; staging %d slots x %d B; "
@@ -315,6 +319,13 @@ class Runtime:
                 self._drain(recv)
                 recv.close()
             self._ctx = None
+
+    def cancel_actors(self) -> None:
+        """Cancel the actors if they still run (a no-op once they stopped): what ends them
+        when :meth:`aclose` could not, so the task group that runs them is never left
+        waiting on them (they are shielded from its cancellation)."""
+        if self._actors_scope is not None:
+            self._actors_scope.cancel()
 
     @staticmethod
     def _drain(recv: MemoryObjectReceiveStream[Any]) -> None:
@@ -465,11 +476,12 @@ class Runtime:
         )
 
 
-async def _run_shielded(supervisor: Supervisor) -> None:
-    """Run the actors, shielded from the cancellation of the task that opened the pipeline:
-    they stop when :meth:`Runtime.aclose` (which always follows) closes their inboxes, or
-    cancels them at the close deadline. Cancelled with that task, they would drop the
-    requests in flight (their callers then wait for the close deadline) and, ending
-    cancelled, hold their frames in reference cycles."""
-    with anyio.CancelScope(shield=True):
+async def _run_shielded(supervisor: Supervisor, scope: anyio.CancelScope) -> None:
+    """Run the actors in ``scope`` (shielded from the cancellation of the task that opened
+    the pipeline): they stop when :meth:`Runtime.aclose` (which always follows) closes their
+    inboxes, or cancels them at the close deadline, or :meth:`Runtime.cancel_actors`.
+    Cancelled with that task, they would drop the requests in flight (their callers then
+    wait for the close deadline) and, ending cancelled, hold their frames in reference
+    cycles."""
+    with scope:
         await supervisor.run()

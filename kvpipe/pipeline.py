@@ -420,7 +420,10 @@ async def open_pipeline(
             try:
                 yield pipe
             finally:
-                await pipe.aclose()
+                try:
+                    await pipe.aclose()
+                finally:  # should aclose fail, the shielded actors must still end
+                    runtime.cancel_actors()
                 if runtime.close_deadline is not None:
                     runner.close_by(runtime.close_deadline)
     except BaseExceptionGroup as group:

@@ -533,3 +533,23 @@ async def test_cancelling_the_task_that_opened_the_pipeline_lets_in_flight_write
     result, took = got
     assert isinstance(result, kvpipe.WriteResult) and result.complete, result
     assert took == pytest.approx(1.0)
+
+
+# The broken close never closes the actors' inboxes: their streams are collected unclosed.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_close_that_fails_still_ends_the_shielded_actors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The actors run shielded from the opening task's cancellation; should ``aclose`` fail
+    before it stops them, ``open_pipeline`` still ends them and raises, instead of waiting on
+    them for ever."""
+    from kvpipe._runtime import Runtime
+
+    def broken(self: Runtime, why: str) -> None:
+        raise RuntimeError("close broke")
+
+    monkeypatch.setattr(Runtime, "_stop_all", broken)
+    with anyio.fail_after(3600):  # virtual time: a hang shows as TooSlowError
+        with pytest.raises(RuntimeError, match="close broke"):
+            async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore()):
+                pass
