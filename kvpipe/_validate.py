@@ -12,7 +12,13 @@ import numpy.typing as npt
 from ._errors import RequestError
 from ._keys import Tokens, as_tokens
 
-__all__ = ("CheckedRequest", "check_request", "check_timeout", "check_tokens")
+__all__ = (
+    "CheckedRequest",
+    "check_include_partial",
+    "check_request",
+    "check_timeout",
+    "check_tokens",
+)
 
 IntArray = npt.NDArray[np.int64]
 
@@ -70,6 +76,17 @@ def check_tokens(token_ids: Any) -> Tokens:
     return tokens
 
 
+def check_include_partial(include_partial: Any) -> bool:
+    """``include_partial`` as given, when it is a bool.
+
+    Raises:
+        RequestError: Anything else (``"no"`` is truthy: it must not include the block).
+    """
+    if not isinstance(include_partial, bool):
+        raise RequestError(f"include_partial must be a bool, got {include_partial!r}")
+    return include_partial
+
+
 def check_timeout(timeout: float | None, default: float) -> float:
     """A per-call timeout override, or the default.
 
@@ -103,8 +120,7 @@ def check_request(
         RequestError: What was wrong, naming the argument.
     """
     tokens = check_tokens(token_ids)
-    if not isinstance(include_partial, bool):
-        raise RequestError(f"include_partial must be a bool, got {include_partial!r}")
+    check_include_partial(include_partial)
     full = len(tokens) // block_size
     occupied = -(-len(tokens) // block_size)
     end = occupied if include_partial else full

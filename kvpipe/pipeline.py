@@ -30,7 +30,7 @@ from ._results import (
     WriteResult,
 )
 from ._runtime import Runtime
-from ._validate import check_request, check_timeout, check_tokens
+from ._validate import check_include_partial, check_request, check_timeout, check_tokens
 from ._workers import ThreadRunner
 from .actors import Observer, PipelineHooks
 from .actors._state import CallState, ReadState, WriteState
@@ -251,7 +251,7 @@ class Pipeline:
         """How many leading blocks of the sequence are stored, from block 0.
 
         Raises:
-            RequestError: Bad token ids.
+            RequestError: Bad token ids, or ``include_partial`` not a bool.
             BackendError: The store failed the query.
             OperationTimeout: No answer within ``timeout`` (default ``config.lookup_timeout``),
                 or one ``exists`` call of the store took longer than ``config.slice_timeout``.
@@ -285,6 +285,7 @@ class Pipeline:
         if not isinstance(residency, Residency):
             raise RequestError(f"residency must be a kvpipe.Residency, got {residency!r}")
         tokens = check_tokens(token_ids)
+        check_include_partial(include_partial)
         size = self.layout.block_size
         n = -(-len(tokens) // size) if include_partial else len(tokens) // size
         # As write and read take it: an int or a numpy integer, not a bool.
@@ -320,6 +321,7 @@ class Pipeline:
         **params: Any,
     ) -> Any:
         tokens = check_tokens(token_ids)
+        check_include_partial(include_partial)
         limit = check_timeout(timeout, self.config.lookup_timeout)
         now = anyio.current_time()
         state = await self._runtime.run(  # bound only on return, as in write

@@ -232,6 +232,21 @@ REQUESTS: list[tuple[str, str, tuple[Any, ...], dict[str, Any], str]] = [
         "include_partial",
     ),
     ("lookup: 2-D token ids", "lookup", (TOK.reshape(2, 8),), {}, "1-D"),
+    (
+        "lookup: include_partial='no'",
+        "lookup",
+        (TOK,),
+        {"include_partial": "no"},
+        "include_partial",
+    ),
+    ("locate: include_partial=1", "locate", (TOK,), {"include_partial": 1}, "include_partial"),
+    (
+        "flush_index: include_partial='no'",
+        "flush_index",
+        (TOK,),
+        {"include_partial": "no"},
+        "include_partial",
+    ),
     ("flush_index: residency 'gpu'", "flush_index", (TOK,), {"residency": "gpu"}, "Residency"),
     ("flush_index: start_block=-1", "flush_index", (TOK,), {"start_block": -1}, "start_block"),
     (
