@@ -118,14 +118,18 @@ class StagingPool:
                 f"{(capacity_slots, self.stride)}, got {buffer.dtype} {buffer.shape}"
             )
         self.buffer: Rows = buffer
-        self._free = list(range(capacity_slots))
+        # Free slots: every index from ``_fresh`` on (never leased), and the heap ``_free`` of
+        # those given back (all below ``_fresh``): no per-slot object until a slot is used, so
+        # a pool of millions of tiny slots costs nothing at open.
+        self._free: list[int] = []
+        self._fresh = 0
         self._waiters: deque[_Waiter] = deque()
         self._leases = 0
 
     @property
     def in_use(self) -> int:
         """Slots leased now."""
-        return self.capacity - len(self._free)
+        return self.capacity - self._available()
 
     @property
     def waiters(self) -> int:
@@ -139,7 +143,7 @@ class StagingPool:
 
     def try_acquire(self, count: int) -> StagingLease | None:
         """Lease ``count`` slots if they are free now and nobody is waiting; else ``None``."""
-        if not self._waiters and 1 <= count <= len(self._free):
+        if not self._waiters and 1 <= count <= self._available():
             return self._lease(self._take(count))
         return None
 
@@ -154,9 +158,9 @@ class StagingPool:
         """
         if not 1 <= count <= self.capacity:
             raise ValueError(f"cannot lease {count} of {self.capacity} staging slots")
-        if not self._waiters and len(self._free) >= count:
+        if not self._waiters and self._available() >= count:
             await anyio.lowlevel.checkpoint()
-            if not self._waiters and len(self._free) >= count:
+            if not self._waiters and self._available() >= count:
                 return self._lease(self._take(count))
         waiter = _Waiter(count)
         self._waiters.append(waiter)
@@ -172,8 +176,16 @@ class StagingPool:
         assert waiter.slots is not None
         return self._lease(waiter.slots)
 
+    def _available(self) -> int:
+        return len(self._free) + self.capacity - self._fresh
+
     def _take(self, count: int) -> list[int]:
-        return [heapq.heappop(self._free) for _ in range(count)]
+        """The ``count`` lowest free slots (given-back ones lie below the never-leased)."""
+        free = self._free
+        given = [heapq.heappop(free) for _ in range(min(count, len(free)))]
+        fresh = self._fresh
+        self._fresh = fresh + count - len(given)
+        return given + list(range(fresh, self._fresh))
 
     def _lease(self, slots: list[int]) -> StagingLease:
         self._leases += 1
@@ -189,7 +201,7 @@ class StagingPool:
         self._give_back(slots)
 
     def _serve(self) -> None:
-        while self._waiters and len(self._free) >= self._waiters[0].count:
+        while self._waiters and self._available() >= self._waiters[0].count:
             waiter = self._waiters.popleft()
             waiter.slots = self._take(waiter.count)
             waiter.event.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import tracemalloc
 
 import anyio
 import anyio.lowlevel
@@ -115,6 +116,40 @@ async def test_released_slots_are_reused() -> None:
 
 
 # ---------------------------------------------------------------- fairness and cancellation
+
+
+def test_a_pool_of_millions_of_tiny_slots_keeps_no_object_per_slot() -> None:
+    # 4M slots of 16 B (64 MiB, never touched): the free slots are a count, not a list of
+    # 4M ints (about 150 MB of Python objects, and a second at every pipeline open).
+    slots = 1 << 22
+    buffer = np.empty((slots, 64), np.uint8)
+    tracemalloc.start()
+    try:
+        pool = StagingPool(16, slots, buffer)
+        lease = pool.try_acquire(3)
+        python_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert python_bytes < 1 << 20, python_bytes
+    assert lease is not None and lease.slots == (0, 1, 2)
+    assert pool.in_use == 3
+
+
+async def test_the_lowest_free_slots_are_leased_first() -> None:
+    pool = StagingPool(16, 8)
+    a = await pool.acquire(3)
+    b = await pool.acquire(2)
+    assert (a.slots, b.slots) == ((0, 1, 2), (3, 4))
+    a.release()
+    c = await pool.acquire(4)  # the three given back, then the first never leased
+    assert c.slots == (0, 1, 2, 5)
+    b.release()
+    d = await pool.acquire(4)
+    assert d.slots == (3, 4, 6, 7)
+    assert pool.in_use == 8 and pool.try_acquire(1) is None
+    c.release()
+    d.release()
+    assert pool.in_use == 0
 
 
 async def test_fifo_big_waiter_not_overtaken_by_small() -> None:
