@@ -273,6 +273,9 @@ class FetchSink(abc.ABC):
         Thread-safe and blocking: call it from the store's worker thread, before the call
         that fetches the batch returns.
 
+        A ``value`` shorter than ``value_nbytes`` is not what the store wrote: ``False``,
+        and it is never placed.
+
         Returns:
             Whether the bytes hash to ``checksum``. ``False``: the value is not what the
             store wrote; report it ``CORRUPT``. ``None``: only with ``mapped``, see above.

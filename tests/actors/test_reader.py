@@ -4,20 +4,25 @@ and placed slice by slice, inline or in tasks)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
 import trio.testing
+import xxhash
 
 import kvpipe
+from kvpipe import _blockformat
 from kvpipe._plan import plan_slices
 from kvpipe._workers import NotStarted
 from kvpipe.actors import ActorContext, Reader, SliceJob, Swapper, Writer
 from kvpipe.actors import reader as reader_module
-from kvpipe.backends import StorageBackend
-from tests.actors.harness import BLOCK, Harness, harness
+from kvpipe.backends import BlockStatus, GetBatch, StorageBackend
+from tests.actors.harness import BLOCK, Harness, harness, small_layout
 from tests.fakes import Act, ScriptedStore
+from tests.helpers import needs_native_digests
 
 TOKENS = np.arange(8 * BLOCK)
 
@@ -253,3 +258,64 @@ async def test_work_on_blocks_past_where_loading_stopped_is_cancelled_as_it_star
         assert not before.cancelled_caught and past.cancelled_caught
         state.resolve(0, 2)
         state.resolve(1, 0)
+
+
+class _ShortValueStore(ScriptedStore):
+    """A third-party store that hands each value to the batch's sink from a buffer of its
+    own, the one of block ``short`` cut to ``keep`` bytes (shorter than a block), with the
+    checksum of what it hands. ``lies``: it reports every block ``OK`` whatever the sink
+    said; otherwise ``CORRUPT`` where the sink said the value is not what it wrote."""
+
+    uses_sink = True
+
+    def __init__(self, short: int, keep: int, lies: bool) -> None:
+        super().__init__()
+        self.short, self.keep, self.lies = short, keep, lies
+        self.verdicts: list[bool | None] = []
+
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        statuses = list(await super().get_blocks(batch))
+        sink = batch.sink
+        assert sink is not None
+        for i, buffer in enumerate(batch.buffers):
+            value = bytes(buffer)
+            if batch.first_block + i == self.short:
+                value = value[: self.keep]
+            verdict = sink.fetched(i, xxhash.xxh3_64_intdigest(value), memoryview(value))
+            self.verdicts.append(verdict)
+            if not verdict and not self.lies:
+                statuses[i] = BlockStatus.CORRUPT
+        return statuses
+
+
+@pytest.mark.parametrize("placing", ["native", "python"])
+@pytest.mark.parametrize("cut", ["payload", "trailer"])
+@pytest.mark.parametrize("lies", [False, True], ids=["reports_corrupt", "reports_ok"])
+async def test_a_value_shorter_than_a_block_from_a_store_is_not_loaded(
+    monkeypatch: pytest.MonkeyPatch, placing: str, cut: str, lies: bool
+) -> None:
+    """A store of someone else's that hands the sink a value shorter than a block (cut in
+    its payload or its trailer): the sink says it is not what the store wrote (no
+    ``struct.error`` out of the store's call), the block is not loaded, and the read stops
+    there cleanly with the blocks before it — whether the store then reports it ``CORRUPT``
+    or, lying, ``OK``."""
+    if placing == "python":
+        monkeypatch.setattr(_blockformat, "native", None)
+    else:
+        needs_native_digests()
+    payload = small_layout().block_nbytes
+    keep = {"payload": payload - 1, "trailer": payload + 8}[cut]
+    store = _ShortValueStore(short=3, keep=keep, lies=lies)
+    async with harness(store, slice_blocks=8) as h:
+        await _store_all(h)
+        before = [rows[33].copy() for rows in h.ctx.cache.byte_rows]
+        state = _whole_read(h, 8)
+        await Reader(h.ctx, h.inboxes["reader"]).handle(state)
+        assert state.result is not None
+        assert (state.result.loaded, state.result.stop_reason) == (3, "failed_block")
+        assert 3 in state.result.failed_blocks
+        assert store.verdicts[3] is False
+        assert _loaded_rows_match(h, 3)
+        for rows, old in zip(h.ctx.cache.byte_rows, before, strict=True):
+            assert np.array_equal(rows[33], old)  # the short value placed nothing
+        assert h.ctx.pool.in_use == 0
