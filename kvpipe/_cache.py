@@ -9,6 +9,7 @@ and the CUDA engine (:mod:`kvpipe.cuda`) moves their blocks.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, cast, final
 
@@ -93,6 +94,39 @@ def _rows_for(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
     return _generic_rows(spec, layer, t, num_blocks)
 
 
+def _check_disjoint(
+    order: Sequence[tuple[str, int]], starts: Sequence[int], extents: Sequence[int]
+) -> None:
+    """Refuse tensors whose memory overlaps: a read would write one's blocks over the other's.
+
+    Args:
+        order: ``(role, layer)`` of each tensor (contract order), for the message.
+        starts: Each tensor's base address, all in one address space (a host cache's, or one
+            device's).
+        extents: Each tensor's bytes from its base address (empty ones overlap nothing).
+
+    Raises:
+        LayoutError: Two tensors share memory (the same tensor given twice, or views of one
+            buffer that overlap); names both.
+    """
+    spans = sorted(
+        (start, start + extent, i)
+        for i, (start, extent) in enumerate(zip(starts, extents, strict=True))
+        if extent > 0
+    )
+    # Sorted by start, some two spans overlap exactly when some span starts before the end
+    # of the one just before it (if span i overlaps a later span j, span i + 1 starts no
+    # later than j, so before the end of i).
+    for before, after in itertools.pairwise(spans):
+        if after[0] < before[1]:
+            (role_a, layer_a), (role_b, layer_b) = (order[i] for i in sorted((before[2], after[2])))
+            raise LayoutError(
+                f"{role_a}[{layer_a}] and {role_b}[{layer_b}] share memory (the same tensor "
+                "twice, or overlapping views of one buffer): a read would write one over the "
+                "other; give each (role, layer) a tensor of its own"
+            )
+
+
 def _framework_of(t: Any) -> str:
     module = type(t).__module__
     for name in ("paddle", "torch"):
@@ -110,7 +144,8 @@ def _leading_dim(t: Any) -> int:
 
 @final
 class KVCache:
-    """The caller's KV cache: one tensor per ``(role, layer)``, in contract order.
+    """The caller's KV cache: one tensor per ``(role, layer)``, in contract order, no two
+    sharing memory.
 
     Build one with :func:`create_kv_cache`, :func:`kvpipe.create_host_cache` or
     :meth:`from_tensors`.
@@ -175,8 +210,10 @@ class KVCache:
         Raises:
             LayoutError: ``layout`` is not a layout or ``tensors`` not a sequence or mapping
                 of tensors; a tensor is missing, extra, or has the wrong dtype, shape,
-                contiguity, or number of blocks; or host and device tensors are mixed, or
-                the tensors are on several devices.
+                contiguity, or number of blocks; host and device tensors are mixed, or
+                the tensors are on several devices; or two tensors share memory (the same
+                tensor for two roles or layers, or overlapping views of one buffer: a read
+                would write one over the other), the message naming both.
             Unsupported: A tensor lives on a device kvpipe cannot reach.
         """
         if not isinstance(layout, CacheLayout):
@@ -206,14 +243,17 @@ class KVCache:
             raise LayoutError("a cache needs at least one block")
         framework = _framework_of(seq[0])
         infos = [None if isinstance(t, np.ndarray) else device_tensor(t) for t in seq]
+        extents = [num_blocks * layout.role(role).block_nbytes for role, _ in order]
         if any(info is not None for info in infos):
             device, pointers = device_pointers(layout, infos, num_blocks)
+            _check_disjoint(order, pointers, extents)  # all on one device
             kind = framework if framework != "numpy" else "dlpack"
             return cls(layout, seq, (), kind, device=device, pointers=pointers)
         rows = [
             _rows_for(layout.role(role), layer, t, num_blocks)
             for (role, layer), t in zip(order, seq, strict=True)
         ]
+        _check_disjoint(order, [int(r.ctypes.data) for r in rows], extents)  # all host memory
         return cls(layout, seq, rows, "paddle" if framework == "paddle" else "numpy")
 
     @property

@@ -128,6 +128,12 @@ SYNC: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "CacheLayout",
     ),
     (
+        "tensors: one tensor for key and value",
+        lambda: kvpipe.KVCache.from_tensors(L, [CACHE.tensors()[0]] * 2),
+        kvpipe.LayoutError,
+        "key[0] and value[0] share memory",
+    ),
+    (
         "pipeline: namespace '../../etc'",
         lambda: kvpipe.Pipeline(CACHE, kvpipe.MemoryStore(), namespace="../../etc"),
         kvpipe.ConfigError,

@@ -424,3 +424,100 @@ def test_rejects_unsupported_type() -> None:
         KVCache.from_tensors(GQA, [[[0]] for _ in range(4)])
     with pytest.raises(kvpipe.LayoutError):
         KVCache.from_tensors(GQA, ["not a tensor"] * 4)
+
+
+# ---------------------------------------------------------------- tensors sharing memory
+
+
+def _from_one_buffer(layout: CacheLayout, starts: list[int] | None = None) -> list[Any]:
+    """The layout's tensors cut from one buffer, back to back (no gap), or at byte offsets
+    ``starts``."""
+    specs = [
+        ((NUM_BLOCKS, *layout.role(r).block_shape), numpy_dtype(layout.role(r).dtype))
+        for r, _ in layout.tensor_order()
+    ]
+    sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs]
+    if starts is None:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    raw = np.zeros(max(a + n for a, n in zip(starts, sizes, strict=True)), np.uint8)
+    return [
+        raw[a : a + n].view(dtype).reshape(shape)
+        for a, n, (shape, dtype) in zip(starts, sizes, specs, strict=True)
+    ]
+
+
+def test_tensors_back_to_back_in_one_buffer_are_accepted(any_layout: CacheLayout) -> None:
+    """Adjacent tensors (one ends where the next starts) share no byte."""
+    tensors = _from_one_buffer(any_layout)
+    cache = KVCache.from_tensors(any_layout, tensors)
+    cache.byte_rows[-1][:] = 0xFF
+    assert not any(r.any() for r in cache.byte_rows[:-1])
+
+
+def test_rejects_the_same_tensor_for_key_and_value() -> None:
+    tensors = _np_tensors(GQA)
+    tensors[1] = tensors[0]  # value[0] is key[0]
+    with pytest.raises(kvpipe.LayoutError, match=r"key\[0\] and value\[0\] share memory"):
+        KVCache.from_tensors(GQA, tensors)
+
+
+def test_rejects_one_tensor_for_two_layers_in_a_mapping() -> None:
+    layout = CacheLayout.mla(num_layers=3, kv_lora_rank=16, rope_dim=8, block_size=2)
+    tensors = dict(zip(layout.tensor_order(), _np_tensors(layout), strict=True))
+    tensors["key", 2] = tensors["key", 0]
+    with pytest.raises(kvpipe.LayoutError, match=r"key\[0\] and key\[2\] share memory"):
+        KVCache.from_tensors(layout, tensors)
+
+
+def test_rejects_the_same_scales_for_key_and_value() -> None:
+    layout = CacheLayout.gqa(
+        num_layers=1, num_kv_heads=2, head_dim=16, block_size=2, fp8_scales=True
+    )
+    tensors = _np_tensors(layout)
+    names = layout.tensor_order()
+    key_scale, value_scale = names.index(("key_scale", 0)), names.index(("value_scale", 0))
+    tensors[value_scale] = tensors[key_scale]
+    with pytest.raises(kvpipe.LayoutError, match=r"key_scale\[0\] and value_scale\[0\]"):
+        KVCache.from_tensors(layout, tensors)
+
+
+@pytest.mark.parametrize("by", ["one element", "all but one element"])
+def test_rejects_overlapping_views_of_one_buffer(any_layout: CacheLayout, by: str) -> None:
+    """The last tensor starts inside the one before it (overlapping it by one element of its
+    own, or all but one): refused, naming both, whatever the layout (DSA's indexer
+    included)."""
+    order = any_layout.tensor_order()
+    sizes = [NUM_BLOCKS * any_layout.role(r).block_nbytes for r, _ in order]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    (role_a, layer_a), (role_b, layer_b) = order[-2], order[-1]
+    item = numpy_dtype(any_layout.role(role_b).dtype).itemsize
+    starts[-1] -= item if by == "one element" else sizes[-2] - item
+    tensors = _from_one_buffer(any_layout, starts)
+    match = rf"{role_a}\[{layer_a}\] and {role_b}\[{layer_b}\] share memory"
+    with pytest.raises(kvpipe.LayoutError, match=match):
+        KVCache.from_tensors(any_layout, tensors)
+
+
+def test_rejects_overlapping_tensors_apart_in_contract_order() -> None:
+    """key[0] and value[1] (first and last in contract order) overlap; value[0] and key[1]
+    lie after both in the buffer."""
+    n = NUM_BLOCKS * GQA.role("key").block_nbytes
+    assert GQA.tensor_order()[0] == ("key", 0) and GQA.tensor_order()[3] == ("value", 1)
+    tensors = _from_one_buffer(GQA, [0, 2 * n, 3 * n, n // 2])
+    with pytest.raises(kvpipe.LayoutError, match=r"key\[0\] and value\[1\] share memory"):
+        KVCache.from_tensors(GQA, tensors)
+
+
+def test_rejects_one_data_ptr_tensor_for_two_roles() -> None:
+    layout = CacheLayout.gqa(num_layers=1, num_kv_heads=2, head_dim=4, block_size=2)
+    arrays = _np_tensors(layout, 3)
+    shared = _TorchLike(arrays[0], "bfloat16")
+    with pytest.raises(kvpipe.LayoutError, match=r"key\[0\] and value\[0\] share memory"):
+        KVCache.from_tensors(layout, [shared, shared])
+
+
+def test_rejects_one_paddle_tensor_for_two_roles() -> None:
+    tensors = _paddle_tensors(GQA)
+    tensors[3] = tensors[2]
+    with pytest.raises(kvpipe.LayoutError, match=r"key\[1\] and value\[1\] share memory"):
+        KVCache.from_tensors(GQA, tensors)

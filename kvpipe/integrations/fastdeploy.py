@@ -287,6 +287,9 @@ class KVPipeAttentionStore:
         ``timeout``.
 
         Raises:
+            ValueError: The tensors do not make a cache of the inferred layout (as
+                :meth:`kvpipe.KVCache.from_tensors` refuses them: wrong dtype or shape, or
+                two of them sharing memory, such as one tensor for key and value).
             TimeoutError: The pipeline did not open within ``timeout`` (another thread's
                 opening included).
         """

@@ -185,6 +185,57 @@ def test_dlpack_strides_and_dtype_are_checked(fake: FakeDriver) -> None:
     fake.device_free(ptr)
 
 
+# ---------------------------------------------------------------- device tensors sharing memory
+
+
+def test_one_cuda_tensor_for_key_and_value_is_refused(fake: FakeDriver) -> None:
+    layout = LAYOUTS["gqa"]()
+    tensors: list[Any] = [FakeCudaTensor(fake, s, d) for s, d in _specs(layout, 3)]
+    own_value = tensors[1]
+    tensors[1] = tensors[0]  # value[0] is key[0]
+    with pytest.raises(kvpipe.LayoutError, match=r"key\[0\] and value\[0\] share memory"):
+        kvpipe.KVCache.from_tensors(layout, tensors)
+    for t in {id(t): t for t in [*tensors, own_value]}.values():
+        fake.device_free(t.ptr)
+
+
+@pytest.mark.parametrize("overlap", [0, 2, None], ids=["adjacent", "one_element", "same"])
+def test_dlpack_views_of_one_allocation_must_not_overlap(
+    fake: FakeDriver, overlap: int | None
+) -> None:
+    """DLPack tensors cut from one device allocation (data + byte_offset): back to back they
+    make a cache; the second starting ``overlap`` bytes before the first ends (or at the same
+    address) is refused."""
+    layout = kvpipe.CacheLayout.mla(
+        num_layers=2, kv_lora_rank=4, rope_dim=4, block_size=2, dtype="float16"
+    )
+    shape = (3, 1, 2, 8)
+    nbytes = math.prod(shape) * 2
+    base = fake.device_alloc(2 * nbytes)
+    second = base + (0 if overlap is None else nbytes - overlap)
+    tensors = [DLPackCudaTensor(p, shape, 2, 16, offset=p - base) for p in (base, second)]
+    if overlap == 0:
+        assert kvpipe.KVCache.from_tensors(layout, tensors).pointers == (base, base + nbytes)
+    else:
+        with pytest.raises(kvpipe.LayoutError, match=r"key\[0\] and key\[1\] share memory"):
+            kvpipe.KVCache.from_tensors(layout, tensors)
+    fake.device_free(base)
+
+
+def test_overlapping_paddle_gpu_tensors_are_refused(fake: FakeDriver) -> None:
+    layout = ODD_LAYOUTS["gqa_fp8_odd"]()
+    specs = _specs(layout, 4)
+    sizes = [math.prod(s) * numpy_dtype(d).itemsize for s, d in specs]
+    base = fake.device_alloc(sum(sizes))
+    ptrs = [base + sum(sizes[:i]) for i in range(len(sizes))]
+    ptrs[-1] = ptrs[-2] + 2  # inside the one before it
+    tensors = [PaddleLikeGpuTensor(s, d, p) for (s, d), p in zip(specs, ptrs, strict=True)]
+    (ra, la), (rb, lb) = layout.tensor_order()[-2:]
+    with pytest.raises(kvpipe.LayoutError, match=rf"{ra}\[{la}\] and {rb}\[{lb}\] share"):
+        kvpipe.KVCache.from_tensors(layout, tensors)
+    fake.device_free(base)
+
+
 # ---------------------------------------------------------------- create_kv_cache on a GPU
 
 

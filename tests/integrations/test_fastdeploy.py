@@ -269,7 +269,8 @@ def test_process_exit_without_close_is_prompt(tmp_path: Path) -> None:
         paddle.set_device("cpu")
         a = KVPipeAttentionStore(layer_num=1, block_token_size=4, store=kvpipe.MemoryStore())
         k = [paddle.ones([4, 1, 4, 8], dtype="bfloat16")]
-        assert a.write("t", k, k, list(range(8)), [0, 1], 0) == 2
+        v = [paddle.ones([4, 1, 4, 8], dtype="bfloat16")]
+        assert a.write("t", k, v, list(range(8)), [0, 1], 0) == 2
         s = KVPipeStorage(file_path={str(tmp_path)!r}, namespace="m")
         b = ctypes.create_string_buffer(64)
         assert s.batch_set(["x"], [ctypes.addressof(b)], [64]) == [0]
