@@ -4,7 +4,10 @@ into them holding staging until each call returns (:class:`ThreadRunner`).
 
 They are not the event loop library's shared threads because a raised nice value cannot be
 lowered again without privileges. Threads start on demand and leave after ``idle_timeout``
-seconds without work, or when the pool shuts down.
+seconds without work, or when the pool shuts down. A new thread is started by the pool's
+starter thread, never by the caller: ``threading.Thread.start`` waits until the new thread
+runs, which on a machine whose processors are busy took the event loop's thread 5-60 ms
+(docs/performance.md, "A new worker thread started from the event loop").
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ class WorkerThreads:
         self._idle: list[queue.SimpleQueue[_Item]] = []
         self._threads = 0
         self._closed = False
+        # Inboxes of threads to start (None: the starter leaves); the starter itself starts
+        # with the first of them, from the caller's thread, once per pool.
+        self._to_start: queue.SimpleQueue[queue.SimpleQueue[_Item] | None] = queue.SimpleQueue()
+        self._starter: threading.Thread | None = None
 
     @property
     def threads(self) -> int:
@@ -133,13 +140,18 @@ class WorkerThreads:
             inbox = self._idle.pop() if self._idle else None
             if inbox is None:
                 self._threads += 1
+                starter = self._starter is None
+                if starter:
+                    self._starter = threading.Thread(
+                        target=self._start_threads, name="kvpipe-worker-starter", daemon=True
+                    )
         if inbox is None:
             inbox = queue.SimpleQueue()
-            thread = threading.Thread(
-                target=self._work, args=(inbox,), name="kvpipe-worker", daemon=True
-            )
             inbox.put((fn, lane))
-            thread.start()
+            self._to_start.put(inbox)
+            if starter:  # once per pool (raises like any thread start that fails)
+                assert self._starter is not None
+                self._starter.start()
         else:
             inbox.put((fn, lane))
 
@@ -150,6 +162,24 @@ class WorkerThreads:
             idle, self._idle = self._idle, []
         for inbox in idle:
             inbox.put(None)
+        self._to_start.put(None)
+
+    def _start_threads(self) -> None:
+        """The starter thread: start a worker for each inbox handed to it. Where a thread
+        cannot be started (the system's limit), its call runs here instead: never lost."""
+        while (inbox := self._to_start.get()) is not None:
+            thread = threading.Thread(
+                target=self._work, args=(inbox,), name="kvpipe-worker", daemon=True
+            )
+            try:
+                thread.start()
+            except RuntimeError as exc:
+                log.error("could not start a worker thread (%s); running its call here", exc)
+                with self._lock:
+                    self._threads -= 1
+                item = inbox.get_nowait()
+                assert item is not None  # a new thread's inbox holds just its first call
+                self._run(*item)
 
     def _work(self, inbox: queue.SimpleQueue[_Item]) -> None:
         lower_priority(self.nice)
@@ -165,18 +195,8 @@ class WorkerThreads:
                     continue  # handed work just as it timed out
                 if item is None:
                     return
-                fn, lane = item
+                self._run(*item)
                 del item
-                while True:
-                    fn()
-                    del fn
-                    with self._lock:
-                        if lane is None or not lane._queue:
-                            if lane is not None:
-                                lane._running -= 1
-                            break
-                        fn = lane._queue.popleft()  # the lane's next call, in this thread
-                del lane
                 with self._lock:
                     if self._closed:
                         return
@@ -184,6 +204,18 @@ class WorkerThreads:
         finally:
             with self._lock:
                 self._threads -= 1
+
+    def _run(self, fn: Callable[[], None], lane: Lane | None) -> None:
+        """Run ``fn``, then the calls queued in its ``lane`` meanwhile, in order."""
+        while True:
+            fn()
+            del fn
+            with self._lock:
+                if lane is None or not lane._queue:
+                    if lane is not None:
+                        lane._running -= 1
+                    return
+                fn = lane._queue.popleft()  # the lane's next call, in this thread
 
 
 class NotStarted(Exception):
@@ -229,8 +261,19 @@ class ThreadRunner:
         return self._running
 
     async def __aenter__(self) -> ThreadRunner:
-        self._open = True
+        self.open()
         return self
+
+    def open(self) -> None:
+        """Take calls from now on (what entering does), for a runner that is never left but
+        :meth:`shutdown`, calls given up on running on."""
+        self._open = True
+
+    def shutdown(self) -> None:
+        """Take no more calls; idle threads leave now, busy ones when their call returns
+        (what leaving does once its wait for running threads is over)."""
+        self._open = False
+        self._threads.shutdown()
 
     def close_by(self, deadline: float) -> None:
         """Wait for running threads at exit until ``deadline`` (event-loop clock) rather than
@@ -243,8 +286,7 @@ class ThreadRunner:
             deadline = anyio.current_time() + self._close_timeout
         with anyio.move_on_at(deadline, shield=True) as scope:
             await self._idle.wait()
-        self._open = False
-        self._threads.shutdown()
+        self.shutdown()
         if scope.cancelled_caught and self._running:
             log.error(
                 "%d worker thread(s) still running at the close deadline; abandoning them "

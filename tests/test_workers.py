@@ -63,6 +63,69 @@ def test_an_idle_thread_is_reused_and_leaves_after_its_timeout() -> None:
     pool.shutdown()
 
 
+def _record_starts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """Every ``Thread.start`` from now on: (the starting thread's ident, the new one's name)."""
+    starts: list[tuple[int, str]] = []
+    start = threading.Thread.start
+
+    def recorded(self: threading.Thread) -> None:
+        starts.append((threading.get_ident(), self.name))
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", recorded)
+    return starts
+
+
+def test_new_threads_are_started_by_the_pool_not_by_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Thread.start`` waits until the new thread runs (5-60 ms on busy processors, measured
+    on the event loop's thread): the caller starts the pool's starter once, never a worker."""
+    starts = _record_starts(monkeypatch)
+    pool = WorkerThreads()
+    go_on, entered = threading.Event(), threading.Semaphore(0)
+
+    def busy() -> None:  # each call holds its thread: every submit needs a new one
+        entered.release()
+        go_on.wait(10)
+
+    try:
+        for _ in range(4):
+            pool.submit(busy)
+        for _ in range(4):
+            assert entered.acquire(timeout=10)
+    finally:
+        go_on.set()
+        pool.shutdown()
+    me = threading.get_ident()
+    assert [name for who, name in starts if who == me] == ["kvpipe-worker-starter"]
+    assert [name for who, name in starts if who != me] == ["kvpipe-worker"] * 4
+
+
+def test_a_call_whose_thread_cannot_start_runs_in_the_starter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = WorkerThreads()
+    _run(pool, lambda: None)  # the starter runs
+    start = threading.Thread.start
+
+    def refused(self: threading.Thread) -> None:
+        if self.name == "kvpipe-worker":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    go_on = threading.Event()
+    ran: list[str] = []
+    pool.submit(lambda: go_on.wait(10))  # takes the idle worker
+    try:
+        _run(pool, lambda: ran.append(threading.current_thread().name))  # needs a new one
+    finally:
+        go_on.set()
+        pool.shutdown()
+    assert ran == ["kvpipe-worker-starter"]
+
+
 def test_a_shut_down_pool_takes_no_work() -> None:
     pool = WorkerThreads()
     pool.shutdown()

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar, final
 
 import anyio
-import anyio.to_thread
 
 from .._errors import BackendError
+from .._workers import ThreadRunner
 
 __all__ = ("InFlight", "ThreadGate")
 
@@ -74,9 +74,14 @@ class InFlight:
 @final
 class ThreadGate:
     """Runs a backend's short blocking calls in worker threads, ``width`` at once, for callers
-    that may stop waiting: the thread then runs on and its place is free at once (anyio's
+    that may stop waiting: the thread then runs on and its place is free at once (as anyio's
     ``abandon_on_cancel``). Once ``width`` calls beyond that are still running (storage that
     stopped answering), new calls are refused rather than each given one more thread.
+
+    The threads are kvpipe's own (:class:`~kvpipe._workers.ThreadRunner`), not the event loop
+    library's shared ones: a new one is never started by the event loop's thread (anyio's
+    are, and the start waited for the new thread to run: 5-60 ms on busy processors).
+    :meth:`close` lets them go.
 
     Args:
         backend: The backend's name, for errors.
@@ -88,6 +93,9 @@ class ThreadGate:
         self.width = width
         self._limiter = anyio.CapacityLimiter(width)
         self._calls = InFlight(RuntimeError)  # counts only: it is never drained
+        self._runner = ThreadRunner()
+        self._runner.open()
+        self._closed = False
 
     @property
     def running(self) -> int:
@@ -100,18 +108,26 @@ class ThreadGate:
         Cancellation: stops waiting at once; the thread runs on to the end of ``fn``.
 
         Raises:
-            BackendError: ``width`` calls given up on are still running (``op``: the call's
-                name in the error). Exceptions from ``fn`` propagate.
+            BackendError: ``width`` calls given up on are still running, or the gate is
+                closed (``op``: the call's name in the error). Exceptions from ``fn``
+                propagate.
         """
+        if self._closed:
+            raise BackendError(self.backend, op, "the store is closed")
         self._check(op, self._calls.running)
 
         def capped(*a: Any) -> T:  # checked again: it may have waited for its place
             self._check(op, self._calls.running - 1)  # counted already
             return fn(*a)
 
-        return await anyio.to_thread.run_sync(
-            self._calls.track(capped), *args, limiter=self._limiter, abandon_on_cancel=True
-        )
+        async with self._limiter:  # let go of at once by a caller that stops waiting
+            return await self._runner.run(self._calls.track(capped), *args)
+
+    def close(self) -> None:
+        """Take no more calls; idle threads leave now, those of calls given up on when their
+        call returns."""
+        self._closed = True
+        self._runner.shutdown()
 
     def _check(self, op: str, running: int) -> None:
         if running >= 2 * self.width:

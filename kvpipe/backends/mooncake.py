@@ -376,11 +376,13 @@ class MooncakeStore(StorageBackend):
                 client = self._client
                 if client is None:  # never opened (or closed): refuse every later call
                     self._inflight.drain(0)  # nothing runs without a client
+                    self._gate.close()
                     return
                 own = anyio.CapacityLimiter(1)
                 idle = await anyio.to_thread.run_sync(
                     self._inflight.drain, self.setup_timeout, limiter=own
                 )
+                self._gate.close()  # its calls are refused, or still run (given up on)
                 if not idle:
                     log.error(
                         "mooncake: %d vendor call(s) still running after %.0f s; the "

@@ -78,3 +78,36 @@ async def test_a_call_that_waited_for_its_place_is_checked_again_when_it_gets_it
     finally:
         go_on.set()
     assert outcomes == ["refused"]
+
+
+async def test_the_gate_never_starts_a_worker_thread_from_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread start waits until the new thread runs (5-60 ms of a stalled event loop on
+    busy processors): the gate's threads are started by its pool's starter, not the loop."""
+    starts: list[tuple[int, str]] = []
+    start = threading.Thread.start
+
+    def recorded(self: threading.Thread) -> None:
+        starts.append((threading.get_ident(), self.name))
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", recorded)
+    gate = ThreadGate("test", 3)
+    go_on, entered, hung = _hung()
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):  # three at once: three threads
+                tg.start_soon(gate.run, "probe", hung)
+            for _ in range(3):
+                await anyio.to_thread.run_sync(entered.acquire)
+            go_on.set()
+    finally:
+        go_on.set()
+        gate.close()
+    loop = threading.get_ident()
+    mine = [(who, name) for who, name in starts if name.startswith("kvpipe")]  # not the test's
+    assert [name for who, name in mine if who == loop] == ["kvpipe-worker-starter"]
+    assert [name for who, name in mine if who != loop] == ["kvpipe-worker"] * 3
+    with pytest.raises(kvpipe.BackendError, match="closed"):
+        await gate.run("probe", lambda: None)

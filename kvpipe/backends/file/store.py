@@ -258,6 +258,7 @@ class FileStore(StorageBackend):
                     return
                 await anyio.to_thread.run_sync(self._close_sync, limiter=own)
             finally:
+                self._gate.close()
                 self._open_lock.release()
 
     def _close_sync(self) -> None:
