@@ -47,7 +47,7 @@ from .actors._channels import Inboxes, Outboxes, open_channels
 from .actors._state import CallState, ReadState, RequestState, WriteState
 from .backends import StorageBackend
 from .backends._registration import Registrations
-from .cuda import probe_device
+from .cuda import DeviceProbe, probe_device
 
 if TYPE_CHECKING:
     from .cuda._driver import Driver
@@ -118,7 +118,9 @@ class Runtime:
                 self.slice_blocks,
             )
         self._hooks = hooks if hooks is not None else PipelineHooks()
-        self._device = probe_device()
+        #: CUDA's probe, made by :meth:`prepare` in a worker thread: the first of a process
+        #: imports ``cuda-python`` (43-67 ms measured), not to be spent on the event loop.
+        self._device: DeviceProbe | None = None
         self._in_flight: set[RequestState] = set()
         self._idle = anyio.Event()
         self._idle.set()
@@ -149,6 +151,8 @@ class Runtime:
         """Before the actors' task group (so errors reach the caller as they are): for a
         device cache open the CUDA engine, whose pinned memory becomes the staging pool's
         buffer; then register the staging with the store."""
+        if self._device is None:
+            self._device = await anyio.to_thread.run_sync(probe_device)
         if self._pool is None:
             from .cuda._open import open_device_path
 
@@ -209,6 +213,7 @@ class Runtime:
         pool = self._pool
         assert pool is not None
         if self.engine is None:
+            assert self._device is not None  # probed in prepare
             self.engine = HostEngine(self.cache, pool, runner, copy_limiter, self._device.note)
         engine = self.engine
         self._outboxes, self._inboxes = outboxes, inbox = open_channels(cfg.queue_depth)
@@ -457,7 +462,11 @@ class Runtime:
         return PipelineStatistics(
             open=self._open,
             device_path=ctx.engine.name if ctx is not None else "host",
-            device_note=ctx.engine.note if ctx is not None else self._device.note,
+            device_note=(
+                ctx.engine.note
+                if ctx is not None
+                else (self._device.note if self._device is not None else "not probed yet")
+            ),
             in_flight=dict(kinds),
             queue_depths={
                 stage: inboxes[stage].statistics().current_buffer_used if inboxes else 0

@@ -40,3 +40,24 @@ async def test_a_call_from_another_threads_loop_is_refused_at_once(call: str) ->
         assert isinstance(outcome, RuntimeError)
         # the pipeline's own loop is unaffected
         assert (await pipe.write(TOKENS, np.arange(4))).complete
+
+
+async def test_the_device_probe_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first probe of a process imports cuda-python (43-67 ms measured): not on the
+    loop's thread."""
+    import threading
+
+    from kvpipe import _runtime
+    from kvpipe.cuda import DeviceProbe
+
+    probed_in: list[int] = []
+
+    def probe() -> DeviceProbe:
+        probed_in.append(threading.get_ident())
+        return DeviceProbe(False, 0, "no CUDA here (test)")
+
+    monkeypatch.setattr(_runtime, "probe_device", probe)
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=8)
+    async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore()) as opened:
+        assert opened.statistics().device_note == "no CUDA here (test)"
+    assert probed_in and threading.get_ident() not in probed_in
