@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sysconfig
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -103,3 +104,16 @@ async def ends_with_host_threads_busy(call: Callable[[], Awaitable[object]]) -> 
             with anyio.move_on_after(5):
                 await ended.wait()
             return ended.is_set()
+
+
+def record_thread_starts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """Every ``Thread.start`` from now on: (the starting thread's ident, the new one's name)."""
+    starts: list[tuple[int, str]] = []
+    start = threading.Thread.start
+
+    def recorded(self: threading.Thread) -> None:
+        starts.append((threading.get_ident(), self.name))
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", recorded)
+    return starts

@@ -21,7 +21,7 @@ from trio.testing import MockClock
 from kvpipe import _workers as workers_module
 from kvpipe._staging import StagingLease, StagingPool
 from kvpipe._workers import Lane, NotStarted, ThreadRunner, WorkerThreads, lower_priority
-from tests.helpers import checkpoints, until
+from tests.helpers import checkpoints, record_thread_starts, until
 
 
 def _run(pool: WorkerThreads, fn: object) -> None:
@@ -63,25 +63,12 @@ def test_an_idle_thread_is_reused_and_leaves_after_its_timeout() -> None:
     pool.shutdown()
 
 
-def _record_starts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
-    """Every ``Thread.start`` from now on: (the starting thread's ident, the new one's name)."""
-    starts: list[tuple[int, str]] = []
-    start = threading.Thread.start
-
-    def recorded(self: threading.Thread) -> None:
-        starts.append((threading.get_ident(), self.name))
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", recorded)
-    return starts
-
-
 def test_new_threads_are_started_by_the_pool_not_by_the_caller(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``Thread.start`` waits until the new thread runs (5-60 ms on busy processors, measured
     on the event loop's thread): the caller starts the pool's starter once, never a worker."""
-    starts = _record_starts(monkeypatch)
+    starts = record_thread_starts(monkeypatch)
     pool = WorkerThreads()
     go_on, entered = threading.Event(), threading.Semaphore(0)
 

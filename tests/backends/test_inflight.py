@@ -11,6 +11,7 @@ import pytest
 
 import kvpipe
 from kvpipe.backends._inflight import ThreadGate
+from tests.helpers import record_thread_starts
 
 
 def _hung() -> tuple[threading.Event, threading.Semaphore, Callable[[], str]]:
@@ -85,14 +86,7 @@ async def test_the_gate_never_starts_a_worker_thread_from_the_event_loop(
 ) -> None:
     """A thread start waits until the new thread runs (5-60 ms of a stalled event loop on
     busy processors): the gate's threads are started by its pool's starter, not the loop."""
-    starts: list[tuple[int, str]] = []
-    start = threading.Thread.start
-
-    def recorded(self: threading.Thread) -> None:
-        starts.append((threading.get_ident(), self.name))
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", recorded)
+    starts = record_thread_starts(monkeypatch)
     gate = ThreadGate("test", 3)
     go_on, entered, hung = _hung()
     try:
