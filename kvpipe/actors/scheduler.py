@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 
@@ -19,6 +19,7 @@ from .._errors import BackendError, OperationTimeout
 from .._keys import BlockKeys, Tokens, block_keys
 from .._plan import leading_run, plan_slices
 from .._results import BlockLocation, Holder, ReadStopReason, Residency, ResidencyEntry
+from ..backends._base import KeyBatch
 from ._base import Actor, ActorContext, backend_call
 from ._state import CallState, ReadState, RequestState, WriteState, describe_error
 
@@ -34,13 +35,23 @@ PROBE_CHUNK_MIN = 64
 
 
 async def probe_leading(
-    ctx: ActorContext, request_id: str, keys: Sequence[str], first: int, tokens: Tokens
+    ctx: ActorContext,
+    request_id: str,
+    keys: Sequence[str],
+    first: int,
+    tokens: Tokens,
+    on_error: Callable[[BackendError | OperationTimeout], None] | None = None,
 ) -> int:
     """How many of ``keys`` (blocks ``first``...) are stored, counting from the first one.
 
     Asks the backend a chunk at a time (``slice_blocks`` keys, at least
     :data:`PROBE_CHUNK_MIN`) and stops at the first chunk with a miss. Each call gets at most
     ``slice_timeout``.
+
+    Args:
+        on_error: Given, a failed call is handed to it and the blocks the calls before found
+            stored are returned (a write's dedup: what is known stored need not be written
+            again); else the error is raised.
 
     Raises:
         BackendError: The backend failed an ``exists`` call.
@@ -50,23 +61,33 @@ async def probe_leading(
     step = max(ctx.slice_blocks, PROBE_CHUNK_MIN)
     for lo in range(0, len(keys), step):
         chunk = keys[lo : lo + step]
-        batch = ctx.key_batch(request_id, chunk, first + lo, tokens)
-        with anyio.move_on_after(ctx.config.slice_timeout) as call:
-            flags = await backend_call(ctx.backend, "exists", ctx.backend.exists, batch)
-        if call.cancelled_caught:
-            raise OperationTimeout(
-                f"exists on {len(chunk)} keys took longer than slice_timeout "
-                f"({ctx.config.slice_timeout} s)"
-            )
-        if len(flags) != len(chunk):
-            raise BackendError(
-                ctx.backend.name, "exists", f"{len(flags)} answers for {len(chunk)} keys"
-            )
-        run = leading_run(bool(f) for f in flags)
+        try:
+            run = await _probe_chunk(ctx, ctx.key_batch(request_id, chunk, first + lo, tokens))
+        except (BackendError, OperationTimeout) as exc:
+            if on_error is None:
+                raise
+            on_error(exc)
+            return found
         found += run
         if run < len(chunk):
             break
     return found
+
+
+async def _probe_chunk(ctx: ActorContext, batch: KeyBatch) -> int:
+    """The leading run of stored keys of one ``exists`` call, bounded by ``slice_timeout``."""
+    with anyio.move_on_after(ctx.config.slice_timeout) as call:
+        flags = await backend_call(ctx.backend, "exists", ctx.backend.exists, batch)
+    if call.cancelled_caught:
+        raise OperationTimeout(
+            f"exists on {len(batch.keys)} keys took longer than slice_timeout "
+            f"({ctx.config.slice_timeout} s)"
+        )
+    if len(flags) != len(batch.keys):
+        raise BackendError(
+            ctx.backend.name, "exists", f"{len(flags)} answers for {len(batch.keys)} keys"
+        )
+    return leading_run(bool(f) for f in flags)
 
 
 class Scheduler(Actor[RequestState]):
@@ -105,18 +126,20 @@ class Scheduler(Actor[RequestState]):
         ctx = self.ctx
         assert state.keys is not None
         keys = state.keys.keys[state.start_block : state.end_block]
+
+        def failed(exc: BackendError | OperationTimeout) -> None:
+            # Deduplication is an optimisation: without it the blocks are rewritten.
+            ctx.metrics.counters["probe_errors"] += 1
+            log.warning(
+                "write %s: dedup probe failed, writing the blocks not found stored before: %s",
+                state.request_id,
+                exc,
+            )
+
         with state.bound(state.deadline) as scope:
-            skipped = 0
-            try:
-                skipped = await probe_leading(
-                    ctx, state.request_id, keys, state.start_block, state.tokens
-                )
-            except (BackendError, OperationTimeout) as exc:
-                # Deduplication is an optimisation: without it every block is rewritten.
-                ctx.metrics.counters["probe_errors"] += 1
-                log.warning(
-                    "write %s: dedup probe failed, writing all blocks: %s", state.request_id, exc
-                )
+            skipped = await probe_leading(
+                ctx, state.request_id, keys, state.start_block, state.tokens, failed
+            )
             ctx.metrics.counters["blocks_skipped"] += skipped
             state.planned(
                 skipped,

@@ -91,6 +91,24 @@ async def test_failed_dedup_probe_writes_everything() -> None:
         assert h.ctx.metrics.counters["probe_errors"] == 1
 
 
+async def test_a_dedup_probe_failing_on_a_later_chunk_keeps_what_the_earlier_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunks of 2: [0,1] stored, the call on [2,3] fails: blocks 0-1 are known stored and
+    are not written again (before: every block was)."""
+    monkeypatch.setattr(scheduler_module, "PROBE_CHUNK_MIN", 1)
+    store = ScriptedStore(exists={1: Act(error=OSError("down"))})
+    async with harness(store, slice_blocks=2) as h:
+        state = h.write_state(TOKENS, np.arange(10))
+        assert state.keys is not None
+        store.inner._data.update({k: b"x" for k in state.keys.keys[:3]})
+        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+        assert [(c.first_block, len(c.keys)) for c in store.calls_of("exists")] == [(0, 2), (2, 2)]
+        assert state.machine.skipped == 2
+        assert [(s.first_block, s.count) for s in state.slices] == [(2, 2), (4, 2), (6, 2), (8, 2)]
+        assert h.ctx.metrics.counters["probe_errors"] == 1
+
+
 async def test_read_stops_at_the_first_block_not_stored(engine: str) -> None:
     store = kvpipe.MemoryStore()
     async with harness(store) as h:
