@@ -114,11 +114,18 @@ class CacheLayout:
         block_size: int,
         dtype: str = "bfloat16",
         fp8_scales: bool = False,
+        scale_dtype: str = "bfloat16",
     ) -> CacheLayout:
         """GQA / MHA: key and value ``[kv_heads, block_size, head_dim]`` per block.
 
-        With ``fp8_scales`` (block-wise fp8) the caches are ``uint8`` and two bf16 scale
-        roles ``key_scale`` / ``value_scale`` of ``[kv_heads, block_size]`` are added.
+        With ``fp8_scales`` (block-wise fp8) the caches are ``uint8`` and two scale roles
+        ``key_scale`` / ``value_scale`` of ``[kv_heads, block_size]`` and ``scale_dtype``
+        are added (FastDeploy makes its scales in paddle's default dtype: ``float32``, or the
+        model's where it set that default).
+
+        Raises:
+            LayoutError: A size is not positive, a dtype unknown, or ``scale_dtype`` given
+                without ``fp8_scales``.
         """
         _positive("num_layers", num_layers)
         _positive("num_kv_heads", num_kv_heads)
@@ -127,6 +134,9 @@ class CacheLayout:
         numpy_dtype(dtype)
         if not isinstance(fp8_scales, bool):
             raise LayoutError(f"fp8_scales must be a bool, got {fp8_scales!r}")
+        numpy_dtype(scale_dtype)
+        if scale_dtype != "bfloat16" and not fp8_scales:
+            raise LayoutError(f"scale_dtype={scale_dtype!r} needs fp8_scales=True")
         shape = (num_kv_heads, block_size, head_dim)
         roles: tuple[RoleSpec, ...]
         if fp8_scales:
@@ -134,8 +144,8 @@ class CacheLayout:
             roles = (
                 RoleSpec("key", "uint8", shape),
                 RoleSpec("value", "uint8", shape),
-                RoleSpec("key_scale", "bfloat16", scale),
-                RoleSpec("value_scale", "bfloat16", scale),
+                RoleSpec("key_scale", scale_dtype, scale),
+                RoleSpec("value_scale", scale_dtype, scale),
             )
         else:
             roles = (RoleSpec("key", dtype, shape), RoleSpec("value", dtype, shape))

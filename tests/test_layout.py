@@ -66,6 +66,20 @@ def test_gqa_fp8_scales_shapes_and_dtypes() -> None:
     assert layout.block_nbytes == (2048 + 2048 + 64 + 64) * 4 == 16896
 
 
+def test_gqa_fp8_scales_of_another_dtype() -> None:
+    bf16 = CacheLayout.gqa(**GQA_ARGS, fp8_scales=True)
+    fp16 = CacheLayout.gqa(**GQA_ARGS, fp8_scales=True, scale_dtype="float16")
+    assert _specs(fp16)["key_scale"] == _specs(fp16)["value_scale"] == ("float16", (2, 16))
+    assert fp16.block_nbytes == bf16.block_nbytes  # two bytes either way, but other bytes:
+    assert fp16.fingerprint != bf16.fingerprint  # never loaded into the other
+    explicit = CacheLayout.gqa(**GQA_ARGS, fp8_scales=True, scale_dtype="bfloat16")
+    assert explicit.fingerprint == bf16.fingerprint  # the default's keys are unchanged
+    with pytest.raises(kvpipe.LayoutError, match="needs fp8_scales"):
+        CacheLayout.gqa(**GQA_ARGS, scale_dtype="float16")
+    with pytest.raises(kvpipe.LayoutError, match="unknown dtype"):
+        CacheLayout.gqa(**GQA_ARGS, fp8_scales=True, scale_dtype="fp16")
+
+
 def test_mla_shapes_and_dtypes() -> None:
     layout = CacheLayout.mla(**MLA_ARGS)
     assert layout.kind == "mla"

@@ -128,6 +128,8 @@ def infer_layout(
         block_size=block_size,
         dtype=dtype,
         fp8_scales=bool(key_scales),
+        # FastDeploy's scales are of paddle's default dtype (float32, or the model's)
+        scale_dtype=str(key_scales[0].dtype).removeprefix("paddle.") if key_scales else "bfloat16",
     )
 
 

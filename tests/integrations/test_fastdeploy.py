@@ -57,7 +57,9 @@ def _store(**kw: object) -> KVPipeAttentionStore:
 # -- attention_store ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["gqa-bf16", "gqa-fp8", "mla"])
+@pytest.mark.parametrize(
+    "kind", ["gqa-bf16", "gqa-fp8", "gqa-fp8-float16-scales", "gqa-fp8-float32-scales", "mla"]
+)
 def test_attention_store_round_trip_from_8_threads(kind: str) -> None:
     """8 threads write 8 sequences and read them back into other blocks: byte-exact; the
     counts are FastDeploy's (blocks from the start index); a second write counts the
@@ -68,11 +70,13 @@ def test_attention_store_round_trip_from_8_threads(kind: str) -> None:
         dst_k = [paddle.zeros([BLOCKS, 1, BS, 72], dtype="bfloat16") for _ in range(LAYERS)]
         src_v: list = []
         dst_v: list = []
-    elif kind == "gqa-fp8":
+    elif kind.startswith("gqa-fp8"):
+        # FastDeploy's scales are of paddle's default dtype: float32, or the model's
+        sd = kind.split("-")[2] if kind.endswith("-scales") else "bfloat16"
         src_k, src_v = _gqa(True, "uint8")
         dst_k, dst_v = _gqa(False, "uint8")
-        scales_src = [paddle.randn([BLOCKS, 2, BS]).astype("bfloat16") for _ in range(2 * LAYERS)]
-        scales_dst = [paddle.zeros([BLOCKS, 2, BS], dtype="bfloat16") for _ in range(2 * LAYERS)]
+        scales_src = [paddle.randn([BLOCKS, 2, BS]).astype(sd) for _ in range(2 * LAYERS)]
+        scales_dst = [paddle.zeros([BLOCKS, 2, BS], dtype=sd) for _ in range(2 * LAYERS)]
     else:
         src_k, src_v = _gqa(True)
         dst_k, dst_v = _gqa(False)
