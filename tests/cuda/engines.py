@@ -30,21 +30,35 @@ async def open_engine(
     max_blocks: int = 8,
     options: CudaOptions | None = None,
 ) -> tuple[CudaEngine, StagingPool]:
+    engine = await anyio.to_thread.run_sync(
+        engine_opener(fake, cache, capacity=capacity, max_blocks=max_blocks, options=options)
+    )
     slot = value_nbytes(cache.layout.block_nbytes)
-    stride = stride_for(slot)
-    opener = functools.partial(
+    pool = StagingPool(slot, capacity, buffer=engine.staging.array((capacity, stride_for(slot))))
+    return engine, pool
+
+
+def engine_opener(
+    fake: FakeDriver,
+    cache: kvpipe.KVCache,
+    *,
+    capacity: int = 16,
+    max_blocks: int = 8,
+    options: CudaOptions | None = None,
+) -> functools.partial[CudaEngine]:
+    """``open_cuda_engine`` over ``cache`` with staging of ``capacity`` slots, to call in a
+    worker thread."""
+    slot = value_nbytes(cache.layout.block_nbytes)
+    return functools.partial(
         open_cuda_engine,
         cache,
         slot_nbytes=slot,
         capacity=capacity,
-        budget=capacity * stride,
+        budget=capacity * stride_for(slot),
         max_blocks=max_blocks,
         driver=fake,
         options=options,
     )
-    engine = await anyio.to_thread.run_sync(opener)
-    pool = StagingPool(slot, capacity, buffer=engine.staging.array((capacity, stride)))
-    return engine, pool
 
 
 @asynccontextmanager

@@ -19,7 +19,7 @@ from kvpipe.cuda._kernels import PAIR_NBYTES, SEGMENT_NBYTES
 from kvpipe.cuda._open import open_cuda_engine
 from kvpipe.cuda._resources import CudaOptions
 from tests.cuda.devcache import fake_device_cache, fill_device, free_device_cache
-from tests.cuda.engines import engine, open_engine
+from tests.cuda.engines import engine, engine_opener, open_engine
 from tests.cuda.fake_driver import FakeDriver, Gate
 from tests.helpers import LAYOUTS
 
@@ -110,21 +110,13 @@ async def test_opening_gives_its_thread_back_the_context_it_had(
     """open_cuda_engine runs in a worker thread others share; whether it opens or fails, the
     thread's current context is the one it had before (here another device's)."""
     cache = fake_device_cache(fake, _layout(), 2)
-    slot = value_nbytes(cache.layout.block_nbytes)
     if fails is not None:
         fake.fail_next(fails)
 
     def open_from_a_thread_with_its_own_context() -> tuple[object, int]:
         fake.set_current(fake.FOREIGN)
         try:
-            return open_cuda_engine(
-                cache,
-                slot_nbytes=slot,
-                capacity=4,
-                budget=4 * stride_for(slot),
-                max_blocks=4,
-                driver=fake,
-            ), fake.current_of()
+            return engine_opener(fake, cache, capacity=4, max_blocks=4)(), fake.current_of()
         except kvpipe.DeviceError as exc:
             return exc, fake.current_of()
 
@@ -190,16 +182,8 @@ async def test_an_upload_that_never_completes_fails_the_open_and_frees_nothing_i
     stuck = True
     query = fake.event_query
     monkeypatch.setattr(fake, "event_query", lambda event: query(event) and not stuck)
-    slot = value_nbytes(cache.layout.block_nbytes)
-    opener = functools.partial(
-        open_cuda_engine,
-        cache,
-        slot_nbytes=slot,
-        capacity=4,
-        budget=4 * stride_for(slot),
-        max_blocks=4,
-        driver=fake,
-        options=CudaOptions(drain_timeout=0.05),
+    opener = engine_opener(
+        fake, cache, capacity=4, max_blocks=4, options=CudaOptions(drain_timeout=0.05)
     )
     try:
         with anyio.fail_after(10), pytest.raises(kvpipe.DeviceError, match="did not complete"):

@@ -5,9 +5,10 @@ entered is exited."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -143,11 +144,29 @@ def test_an_enter_that_completes_while_close_runs_is_exited_and_refused() -> Non
     assert len(outcome) == 1 and isinstance(outcome[0], kvpipe.PipelineClosed), outcome
 
 
-def _caches(paddle: Any) -> tuple[list[Any], list[Any]]:
+Caches = tuple[list[Any], list[Any]]
+
+
+def _caches(paddle: Any) -> Caches:
     def one() -> Any:
         return paddle.randn([BLOCKS, 2, BS, 8]).astype("bfloat16")
 
     return [one() for _ in range(LAYERS)], [one() for _ in range(LAYERS)]
+
+
+@contextlib.contextmanager
+def _written_from_old_caches() -> Iterator[tuple[KVPipeAttentionStore, Caches, Caches, list[int]]]:
+    """An adapter that wrote two blocks from one set of caches, and another set of caches
+    (the ones FastDeploy replaces them with)."""
+    paddle = pytest.importorskip("paddle")
+    paddle.set_device("cpu")
+    old, new = _caches(paddle), _caches(paddle)
+    tokens = list(range(2 * BS))
+    with KVPipeAttentionStore(
+        layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore()
+    ) as store:
+        assert store.write("t1", *old, tokens, [0, 1], 0) == 2
+        yield store, old, new, tokens
 
 
 def _exits_started(store: KVPipeAttentionStore) -> None:
@@ -162,15 +181,7 @@ def test_replaced_caches_close_their_pipeline() -> None:
     reference to the old tensors, so their memory) until the adapter closed. Now a call
     with new caches closes the pipeline over the old ones; the store is shared, so what was
     written is still there."""
-    paddle = pytest.importorskip("paddle")
-    paddle.set_device("cpu")
-    old_k, old_v = _caches(paddle)
-    new_k, new_v = _caches(paddle)
-    tokens = list(range(2 * BS))
-    with KVPipeAttentionStore(
-        layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore()
-    ) as store:
-        assert store.write("t1", old_k, old_v, tokens, [0, 1], 0) == 2
+    with _written_from_old_caches() as (store, (old_k, old_v), (new_k, new_v), tokens):
         (old,) = store._pipes.values()
         assert store.read("t2", new_k, new_v, tokens, [4, 5], 0) == 2  # the new caches
         _exits_started(store)
@@ -185,15 +196,7 @@ def test_replaced_caches_close_their_pipeline() -> None:
 def test_a_replaced_pipeline_in_use_closes_when_its_call_ends() -> None:
     """A call still using the old caches' pipeline finishes on it; the pipeline closes
     after, not under it."""
-    paddle = pytest.importorskip("paddle")
-    paddle.set_device("cpu")
-    old_k, old_v = _caches(paddle)
-    new_k, new_v = _caches(paddle)
-    tokens = list(range(2 * BS))
-    with KVPipeAttentionStore(
-        layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore()
-    ) as store:
-        assert store.write("t1", old_k, old_v, tokens, [0, 1], 0) == 2
+    with _written_from_old_caches() as (store, _, (new_k, new_v), tokens):
         ident = next(iter(store._pipes))
         held = store._take(ident)  # as a call on the old caches does, until it returns
         assert held is not None
