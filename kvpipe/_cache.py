@@ -16,7 +16,7 @@ from typing import Any, Literal, cast, final
 import numpy as np
 import numpy.typing as npt
 
-from ._device_tensors import device_pointers, device_tensor, dtype_name, parse_device
+from ._device_tensors import DeviceTensor, device_tensor, dtype_name, parse_device
 from ._errors import LayoutError, Unsupported
 from ._hostcopy import RowGroups
 from ._layout import CacheLayout, RoleSpec, numpy_dtype
@@ -62,15 +62,6 @@ def _data_ptr_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteR
     return rows
 
 
-def _paddle_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
-    if not t.place.is_cpu_place():
-        raise Unsupported(
-            f"{spec.name}[{layer}] is a Paddle tensor on {t.place}; device caches need the "
-            "CUDA device path, which is not available in this build"
-        )
-    return _data_ptr_rows(spec, layer, t, num_blocks)
-
-
 def _generic_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
     device = getattr(t, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
@@ -90,25 +81,44 @@ def _rows_for(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
     if isinstance(t, np.ndarray):
         return _numpy_rows(spec, layer, t, num_blocks)
     if type(t).__module__.startswith("paddle"):
-        return _paddle_rows(spec, layer, t, num_blocks)
+        if not t.place.is_cpu_place():
+            raise Unsupported(
+                f"{spec.name}[{layer}] is a Paddle tensor on {t.place}; device caches need the "
+                "CUDA device path, which is not available in this build"
+            )
+        return _data_ptr_rows(spec, layer, t, num_blocks)
     return _generic_rows(spec, layer, t, num_blocks)
+
+
+def _device_pointers(
+    layout: CacheLayout, infos: Sequence[DeviceTensor | None], num_blocks: int
+) -> tuple[str, list[int]]:
+    """Check device tensors against ``layout`` (contract order); their device and pointers."""
+    if any(info is None for info in infos):
+        raise LayoutError("a cache cannot mix host and device tensors")
+    devices = sorted({info.device for info in infos if info is not None})
+    if len(devices) != 1:
+        raise LayoutError(f"a cache's tensors must be on one device, got {devices}")
+    pointers = []
+    for (role, layer), info in zip(layout.tensor_order(), infos, strict=True):
+        assert info is not None
+        spec = layout.role(role)
+        if info.dtype != spec.dtype:
+            raise LayoutError(f"{role}[{layer}]: dtype {info.dtype}, expected {spec.dtype}")
+        _check_shape(spec, layer, info.shape, num_blocks)
+        if not info.contiguous:
+            raise LayoutError(f"{role}[{layer}]: tensor is not contiguous")
+        if info.pointer == 0:
+            raise LayoutError(f"{role}[{layer}]: null device pointer")
+        pointers.append(info.pointer)
+    return devices[0], pointers
 
 
 def _check_disjoint(
     order: Sequence[tuple[str, int]], starts: Sequence[int], extents: Sequence[int]
 ) -> None:
-    """Refuse tensors whose memory overlaps: a read would write one's blocks over the other's.
-
-    Args:
-        order: ``(role, layer)`` of each tensor (contract order), for the message.
-        starts: Each tensor's base address, all in one address space (a host cache's, or one
-            device's).
-        extents: Each tensor's bytes from its base address (empty ones overlap nothing).
-
-    Raises:
-        LayoutError: Two tensors share memory (the same tensor given twice, or views of one
-            buffer that overlap); names both.
-    """
+    """Refuse tensors whose memory overlaps (``starts`` all in one address space; empty
+    extents overlap nothing): a read would write one's blocks over the other's."""
     spans = sorted(
         (start, start + extent, i)
         for i, (start, extent) in enumerate(zip(starts, extents, strict=True))
@@ -245,7 +255,7 @@ class KVCache:
         infos = [None if isinstance(t, np.ndarray) else device_tensor(t) for t in seq]
         extents = [num_blocks * layout.role(role).block_nbytes for role, _ in order]
         if any(info is not None for info in infos):
-            device, pointers = device_pointers(layout, infos, num_blocks)
+            device, pointers = _device_pointers(layout, infos, num_blocks)
             _check_disjoint(order, pointers, extents)  # all on one device
             kind = framework if framework != "numpy" else "dlpack"
             return cls(layout, seq, (), kind, device=device, pointers=pointers)

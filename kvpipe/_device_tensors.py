@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, final
 
 from ._errors import LayoutError, RequestError
-from ._layout import CacheLayout
 
 __all__ = (
     "DeviceTensor",
     "current_stream",
-    "device_pointers",
     "device_tensor",
     "dtype_name",
     "parse_device",
@@ -130,38 +127,6 @@ def device_tensor(t: Any) -> DeviceTensor | None:
         if kind in (_KDL_CUDA, _KDL_CUDA_MANAGED):
             return _from_dlpack(t, index)
     return None
-
-
-def device_pointers(
-    layout: CacheLayout, infos: Sequence[DeviceTensor | None], num_blocks: int
-) -> tuple[str, list[int]]:
-    """Check device tensors against ``layout`` (contract order); their device and pointers.
-
-    Raises:
-        LayoutError: Host and device tensors mixed, several devices, or a tensor with the
-            wrong dtype, shape or contiguity.
-    """
-    if any(info is None for info in infos):
-        raise LayoutError("a cache cannot mix host and device tensors")
-    devices = sorted({info.device for info in infos if info is not None})
-    if len(devices) != 1:
-        raise LayoutError(f"a cache's tensors must be on one device, got {devices}")
-    pointers = []
-    for (role, layer), info in zip(layout.tensor_order(), infos, strict=True):
-        assert info is not None
-        spec = layout.role(role)
-        where = f"{role}[{layer}]"
-        if info.dtype != spec.dtype:
-            raise LayoutError(f"{where}: dtype {info.dtype}, expected {spec.dtype}")
-        want = (num_blocks, *spec.block_shape)
-        if info.shape != want:
-            raise LayoutError(f"{where}: shape {list(info.shape)}, expected {list(want)}")
-        if not info.contiguous:
-            raise LayoutError(f"{where}: tensor is not contiguous")
-        if info.pointer == 0:
-            raise LayoutError(f"{where}: null device pointer")
-        pointers.append(info.pointer)
-    return devices[0], pointers
 
 
 def _from_dlpack(t: Any, index: int) -> DeviceTensor:
