@@ -42,11 +42,7 @@ class CheckedRequest:
 
 
 def _as_array(value: Any, name: str) -> npt.NDArray[Any]:
-    """``np.asarray(value)``, its refusals (ragged nesting, say) as :class:`RequestError`.
-
-    Raises:
-        RequestError: numpy cannot make an array of ``value``.
-    """
+    """``np.asarray(value)``, its refusals (ragged nesting, say) as :class:`RequestError`."""
     try:
         return np.asarray(value)
     except (ValueError, TypeError) as exc:
