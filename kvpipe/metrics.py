@@ -60,8 +60,8 @@ _GAUGES: Final = {
     "threads_running": "kvpipe worker threads running.",
     "slice_blocks": "Blocks per slice in use.",
 }
-_WRITE_OUTCOMES: Final = ("complete", "incomplete", "slice_timeout", "total_timeout")
 _TIMEOUTS: Final = ("slice_timeout", "total_timeout")
+_SLICE_OUTCOMES: Final = ("complete", "incomplete", *_TIMEOUTS, "backend_error")
 _KINDS: Final = ("write", "read", "lookup", "locate", "flush")
 _BASE: Final = ("pipeline", "backend")
 
@@ -73,7 +73,7 @@ class _Tracked:
     pipe: Pipeline
     label: str
     backend: str
-    observer: Observer | None = None
+    observer: Observer = field(init=False)
     children: dict[tuple[str, str], Histogram] = field(default_factory=dict)
 
 
@@ -185,8 +185,7 @@ class PipelineMetrics:
         tracked = self._tracked.pop(pipe, None)
         if tracked is None:
             return
-        if tracked.observer is not None:
-            pipe.remove_observer(tracked.observer)
+        pipe.remove_observer(tracked.observer)
         for op, outcome in tracked.children:
             hist = self._slice if op.endswith("_slice") else self._request
             hist.remove(tracked.label, tracked.backend, op.removesuffix("_slice"), outcome)
@@ -261,8 +260,7 @@ class PipelineMetrics:
         restarts = counter("restarts", "Actor restarts after a crash.", "actor")
         for t, s in snapshots:
             base = [t.label, t.backend]
-            outcomes = (*_WRITE_OUTCOMES, "backend_error")
-            by_op = {(op, o): 0 for op in ("write", "read") for o in outcomes}
+            by_op = {(op, o): 0 for op in ("write", "read") for o in _SLICE_OUTCOMES}
             for key, n in s.slices.items():
                 op, outcome = ("read", key[5:]) if key.startswith("read_") else ("write", key)
                 by_op[(op, outcome)] = n
