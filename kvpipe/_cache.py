@@ -389,19 +389,13 @@ def create_kv_cache(
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
     ordinal = parse_device(device)
-    order = layout.tensor_order()
+    specs = [layout.role(role) for role, _ in layout.tensor_order()]
     if framework == "numpy":
         if ordinal is not None:
             raise Unsupported(
                 f"device {device!r}: numpy allocates host memory only; use framework='paddle'"
             )
-        arrays = _zeros_on_pages(
-            [
-                ((num_blocks, *layout.role(role).block_shape), numpy_dtype(layout.role(role).dtype))
-                for role, _ in order
-            ]
-        )
-        return KVCache.from_tensors(layout, arrays)
+        return KVCache.from_tensors(layout, _zeros_on_pages(specs, num_blocks))
     if framework == "paddle":
         try:
             import paddle
@@ -411,31 +405,27 @@ def create_kv_cache(
             raise Unsupported(f"device {device!r}: this Paddle build has no CUDA support")
         where = "cpu" if ordinal is None else f"gpu:{ordinal}"
         tensors = [
-            paddle.zeros(
-                [num_blocks, *layout.role(role).block_shape],
-                dtype=cast(Any, layout.role(role).dtype),
-                device=where,
-            )
-            for role, _ in order
+            paddle.zeros([num_blocks, *s.block_shape], dtype=cast(Any, s.dtype), device=where)
+            for s in specs
         ]
         return KVCache.from_tensors(layout, tensors)
     raise LayoutError(f"unknown framework {framework!r}; expected 'numpy' or 'paddle'")
 
 
-def _zeros_on_pages(
-    specs: Sequence[tuple[tuple[int, ...], np.dtype[Any]]],
-) -> list[npt.NDArray[Any]]:
-    """Zeroed arrays of the given ``(shape, dtype)`` in one buffer, each starting on a page.
+def _zeros_on_pages(specs: Sequence[RoleSpec], num_blocks: int) -> list[npt.NDArray[Any]]:
+    """Zeroed ``[num_blocks, *block_shape]`` arrays of ``specs`` in one buffer, each starting
+    on a page.
 
     Page-aligned like staging slots, so copies between them are aligned; in one buffer at
     equal steps, so ``_hostcopy.RowGroups`` copies them as one 3-D view per run of blocks.
     """
-    sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs]
+    sizes = [num_blocks * spec.block_nbytes for spec in specs]
     steps = [-(-n // _PAGE) * _PAGE for n in sizes]
     raw = np.zeros(sum(steps) + _PAGE, np.uint8)  # calloc: pages are mapped when first touched
     at = -raw.ctypes.data % _PAGE
     out = []
-    for (shape, dtype), nbytes, step in zip(specs, sizes, steps, strict=True):
-        out.append(raw[at : at + nbytes].view(dtype).reshape(shape))
+    for spec, nbytes, step in zip(specs, sizes, steps, strict=True):
+        array = raw[at : at + nbytes].view(numpy_dtype(spec.dtype))
+        out.append(array.reshape(num_blocks, *spec.block_shape))
         at += step
     return out
