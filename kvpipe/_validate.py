@@ -137,13 +137,13 @@ def check_request(
     start = int(start_block)
     if not 0 <= start <= end:
         raise RequestError(f"start_block {start} is outside [0, {end}]")
-    if len(ids[start:end]):
+    moved = ids[start:end]
+    if len(moved):
         # Checked in the ids' own dtype: a huge uint64 would wrap negative in int64.
-        lo, hi = int(ids[start:end].min()), int(ids[start:end].max())
+        lo, hi = int(moved.min()), int(moved.max())
         if lo < 0 or hi >= num_cache_blocks:
             bad = lo if lo < 0 else hi
             raise RequestError(f"block id {bad} is outside the cache's [0, {num_cache_blocks})")
-    moved = ids[start:end].tolist()
-    if len(set(moved)) != len(moved):
+    if len(set(moved.tolist())) != len(moved):
         raise RequestError("block_ids repeats a cache block within the blocks to move")
     return CheckedRequest(tokens, ids[:end].astype(np.int64), start, end)
