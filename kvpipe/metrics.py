@@ -28,10 +28,7 @@ SLICE_BUCKETS: Final = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 )  # fmt: skip
 #: Histogram buckets (seconds) of a whole call (write, read, lookup, locate, flush).
-REQUEST_BUCKETS: Final = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-    60.0,
-)  # fmt: skip
+REQUEST_BUCKETS: Final = (*SLICE_BUCKETS, 60.0)
 
 #: ``statistics().counters`` exported as their own counters (0 until they first count).
 #: Counters not listed here are exported too, once they appear.
