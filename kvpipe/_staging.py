@@ -265,11 +265,6 @@ class StagingLease:
         """The bytes of the ``i``-th leased slot."""
         return self._pool.slot(self.slots[i])
 
-    def memoryviews(self, count: int | None = None) -> list[memoryview]:
-        """Writable memoryviews of the first ``count`` leased slots (all by default)."""
-        n = len(self.slots) if count is None else count
-        return [self.view(i).data for i in range(n)]
-
 
 def private_lease(slot_nbytes: int, count: int, buffer: Rows | None = None) -> StagingLease:
     """``count`` slots of memory of their own (a pool made for them alone, over ``buffer``
