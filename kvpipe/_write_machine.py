@@ -12,7 +12,6 @@ time only as an input (``now``). It alone knows a write's invariants:
   ``total_timeout`` with nothing counted, whatever its store call reports later.
 - **Settled exactly once.** The first ending wins (:attr:`~WriteMachine.ended`); every later
   event is ignored, so the result (or the error) never changes once it exists.
-- **Deadlines never extended**: :func:`slice_deadline`.
 """
 
 from __future__ import annotations
@@ -22,15 +21,10 @@ from typing import Literal, final
 from ._plan import SliceSpec
 from ._results import SliceOutcome, StopReason, WriteResult
 
-__all__ = ("Ending", "WriteMachine", "slice_deadline")
+__all__ = ("Ending", "WriteMachine")
 
 #: Why a request ends from outside its own slices (the pipeline closing is :meth:`fail`).
 Ending = Literal["total_timeout", "cancelled", "actor_crashed"]
-
-
-def slice_deadline(now: float, slice_timeout: float, deadline: float) -> float:
-    """When a slice sent at ``now`` must end: ``min(now + slice_timeout, deadline)``."""
-    return min(now + slice_timeout, deadline)
 
 
 @final
