@@ -279,10 +279,6 @@ class WriteState(SlicedState):
         self.machine.planned(skipped, slices, anyio.current_time())
         self._sync()
 
-    def sent(self, index: int, now: float) -> None:
-        """Slice ``index`` went to the store at ``now`` (:meth:`WriteMachine.sent`)."""
-        self.machine.sent(index, now)
-
     def slice_done(
         self, outcome: SliceOutcome, detail: str | None = None, now: float | None = None
     ) -> None:
@@ -364,10 +360,6 @@ class ReadState(SlicedState):
     def stopped_before(self, block: int) -> bool:
         """Whether ``block`` is at or past where loading stopped (or the read ended)."""
         return self.machine.stopped_before(block)
-
-    def loadable(self, first: int, count: int) -> int:
-        """:meth:`ReadMachine.loadable`."""
-        return self.machine.loadable(first, count)
 
     def stop_at(
         self,

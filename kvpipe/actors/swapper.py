@@ -62,7 +62,7 @@ class Swapper(Actor[SliceJob]):
         state = job.state
         assert isinstance(state, ReadState)
         first = spec.first_block
-        valid = state.loadable(first, job.valid)  # nothing past where loading stopped
+        valid = state.machine.loadable(first, job.valid)  # nothing past where loading stopped
         late = anyio.current_time() >= state.deadline
         if valid and late and not state.stopped_before(first):
             self._not_started(state, job)  # its job waited for the swapper until too late

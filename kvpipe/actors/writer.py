@@ -158,7 +158,7 @@ class Writer(Actor[WriteState | SliceJob]):
         # this frame (and the job's staging) in a cycle through its traceback.
         error: str | None = None
         scope = anyio.CancelScope(deadline=deadline)
-        state.sent(spec.index, started)
+        state.machine.sent(spec.index, started)
         state.watch(scope, job, spec.first_block)
         try:
             with scope:
