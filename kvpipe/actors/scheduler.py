@@ -17,7 +17,7 @@ import anyio
 
 from .._errors import BackendError, OperationTimeout
 from .._keys import BlockKeys, Tokens, block_keys
-from .._plan import leading_run, plan_slices
+from .._plan import SliceSpec, leading_run, plan_slices
 from .._results import BlockLocation, Holder, ReadStopReason, Residency, ResidencyEntry
 from ..backends._base import KeyBatch
 from ._base import Actor, ActorContext, backend_call
@@ -122,6 +122,10 @@ class Scheduler(Actor[RequestState]):
             return block_keys(*args)
         return await ctx.runner.run(block_keys, *args, lane=ctx.copy_limiter)
 
+    def _slices(self, state: WriteState | ReadState, first: int, end: int) -> tuple[SliceSpec, ...]:
+        ctx = self.ctx
+        return plan_slices(first, end, ctx.slice_blocks, ctx.layout.block_size, len(state.tokens))
+
     async def _write(self, state: WriteState) -> None:
         ctx = self.ctx
         assert state.keys is not None
@@ -142,14 +146,7 @@ class Scheduler(Actor[RequestState]):
             )
             ctx.metrics.counters["blocks_skipped"] += skipped
             state.planned(
-                skipped,
-                plan_slices(
-                    state.start_block + skipped,
-                    state.end_block,
-                    ctx.slice_blocks,
-                    ctx.layout.block_size,
-                    len(state.tokens),
-                ),
+                skipped, self._slices(state, state.start_block + skipped, state.end_block)
             )
             if state.done:
                 return
@@ -177,15 +174,7 @@ class Scheduler(Actor[RequestState]):
             if available < state.requested:
                 first_missing = state.start_block + available
                 state.stop_at(first_missing, "not_stored", [first_missing])
-            state.plan(
-                plan_slices(
-                    state.start_block,
-                    state.start_block + available,
-                    ctx.slice_blocks,
-                    ctx.layout.block_size,
-                    len(state.tokens),
-                )
-            )
+            state.plan(self._slices(state, state.start_block, state.start_block + available))
             if state.slices:
                 outbox = ctx.outboxes.reader if ctx.host_copies else ctx.outboxes.slicer
                 await self.send(outbox, state)
