@@ -38,7 +38,6 @@ __all__ = (
     "SlicedState",
     "WriteState",
     "describe_error",
-    "error_label",
 )
 
 log = logging.getLogger("kvpipe.requests")
@@ -127,7 +126,17 @@ class RequestState(abc.ABC):
     def outcome(self) -> str:
         """How the request ended, as a metrics label (see :class:`~kvpipe.actors.Observer`)."""
         error = self.error
-        return "ok" if error is None else error_label(error)
+        if error is None:
+            return "ok"
+        if isinstance(error, PipelineClosed):
+            return "closed"
+        if isinstance(error, OperationTimeout):
+            return "timeout"
+        if isinstance(error, BackendError):
+            return "backend_error"
+        if isinstance(error, ActorCrashed):
+            return "actor_crashed"
+        return "error"
 
 
 @final
@@ -429,19 +438,6 @@ _READ_STOP_LEVELS: dict[str, int] = {
     "failed_block": logging.DEBUG,
     "cancelled": logging.INFO,
 }
-
-
-def error_label(exc: BaseException) -> str:
-    """A short label for the error a call ended with (metrics ``outcome``)."""
-    if isinstance(exc, PipelineClosed):
-        return "closed"
-    if isinstance(exc, OperationTimeout):
-        return "timeout"
-    if isinstance(exc, BackendError):
-        return "backend_error"
-    if isinstance(exc, ActorCrashed):
-        return "actor_crashed"
-    return "error"
 
 
 def describe_error(exc: BaseException) -> str:
