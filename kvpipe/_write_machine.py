@@ -50,8 +50,6 @@ class WriteMachine:
         "slices",
         "start_block",
         "started",
-        "stop_detail",
-        "stop_reason",
         "turn",
         "written",
     )
@@ -72,8 +70,6 @@ class WriteMachine:
         #: The outcome :meth:`end` recorded for the slice then in its store call (the total
         #: deadline cut it off), if any.
         self.cut_off: SliceOutcome | None = None
-        self.stop_reason: StopReason | None = None
-        self.stop_detail: str | None = None
         self.result: WriteResult | None = None
         self.error: BaseException | None = None
 
@@ -144,11 +140,10 @@ class WriteMachine:
         self.turn += 1
         self.sent_at = None
         if outcome.outcome != "complete":
-            self.stop_reason = (
+            reason: StopReason = (
                 "incomplete_slice" if outcome.outcome == "incomplete" else outcome.outcome
             )
-            self.stop_detail = detail
-            self._settle(now)
+            self._settle(now, reason, detail)
         elif self.turn == len(self.slices):
             self._settle(now)
 
@@ -167,16 +162,16 @@ class WriteMachine:
             self.outcomes.append(self.cut_off)
             self.turn += 1
             self.sent_at = None
-        self.stop_reason = cause
-        self.stop_detail = detail
-        self._settle(now)
+        self._settle(now, cause, detail)
 
     def fail(self, error: BaseException) -> None:
         """End with an error the caller sees instead of a result (the pipeline closing)."""
         if not self.ended:
             self.error = error
 
-    def _settle(self, now: float) -> None:
+    def _settle(
+        self, now: float, reason: StopReason | None = None, detail: str | None = None
+    ) -> None:
         stored = self.skipped + self.written
         self.result = WriteResult(
             request_id=self.request_id,
@@ -184,10 +179,10 @@ class WriteMachine:
             skipped=self.skipped,
             written=self.written,
             complete=stored == self.requested,
-            stop_reason=self.stop_reason,
+            stop_reason=reason,
             slices=tuple(self.outcomes),
             elapsed=now - self.started,
-            error=self.stop_detail,
+            error=detail,
         )
 
     # -- for logs ----------------------------------------------------------------------------
