@@ -542,12 +542,19 @@ class MooncakeStore(StorageBackend):
         get_into = client.batch_get_into
         if len(set(keys)) < len(keys):
             get_into = _each_key_once(get_into, batch.buffers)
+        sizes = [batch.value_nbytes] * len(keys)
         try:
-            codes = await self._vendor(batch, get_into, keys)
+            codes = await batch.run_sync(
+                self._inflight.track(get_into), keys, batch.buffer_addresses(), sizes
+            )
         except anyio.get_cancelled_exc_class():  # a segment owner hanging or gone
             for key in keys:
                 self._distrust_key(key)
             raise
+        except Exception as exc:
+            raise BackendError(self.name, get_into.__name__, repr(exc)) from exc
+        if len(codes) != len(keys):
+            raise BackendError(self.name, get_into.__name__, f"{len(codes)} codes for {len(keys)}")
         out = []
         for key, code in zip(keys, codes, strict=True):
             if code == batch.value_nbytes:
@@ -560,21 +567,6 @@ class MooncakeStore(StorageBackend):
                 self._distrust_key(key)
         self._counters["blocks_got"] += out.count(BlockStatus.OK)
         return out
-
-    async def _vendor(
-        self, batch: PutBatch | GetBatch, fn: Callable[..., Any], keys: list[str]
-    ) -> Any:
-        """``fn(keys, addresses, sizes)`` over the batch's staging buffers, one code per key."""
-        sizes = [batch.value_nbytes] * len(keys)
-        try:
-            codes = await batch.run_sync(
-                self._inflight.track(fn), keys, batch.buffer_addresses(), sizes
-            )
-        except Exception as exc:
-            raise BackendError(self.name, fn.__name__, repr(exc)) from exc
-        if len(codes) != len(batch.keys):
-            raise BackendError(self.name, fn.__name__, f"{len(codes)} codes for {len(batch)}")
-        return codes
 
     def _distrust_key(self, key: str) -> None:
         self._distrust[key] = None
