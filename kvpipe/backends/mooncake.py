@@ -98,8 +98,13 @@ def _codes(name: str, codes: Sequence[int], n: int) -> list[int]:
 
 
 def _put_from_staging(
-    client: Any, distrusted: frozenset[str]
-) -> Callable[[list[str], list[int], int, list[memoryview]], list[tuple[int, str]]]:
+    client: Any,
+    distrusted: frozenset[str],
+    keys: list[str],
+    addresses: list[int],
+    size: int,
+    views: list[memoryview],
+) -> list[tuple[int, str]]:
     """The blocking body of :meth:`MooncakeStore.put_blocks` (worker thread only).
 
     The vendor's upsert of a stored key hides it from ``batch_is_exist`` while it runs, and
@@ -131,58 +136,53 @@ def _put_from_staging(
         how it was stored.
     """
 
-    def put(
-        keys: list[str], addresses: list[int], size: int, views: list[memoryview]
-    ) -> list[tuple[int, str]]:
-        n = len(keys)
-        out: list[tuple[int, str]] = [(0, "put")] * n
-        stored = _codes("batch_is_exist", client.batch_is_exist(keys), n)
-        fresh = [i for i in range(n) if stored[i] == 0]
-        replace = [i for i in range(n) if stored[i] > 0 and keys[i] in distrusted]
-        known = [i for i in range(n) if stored[i] > 0 and keys[i] not in distrusted]
-        for i in range(n):
-            if stored[i] < 0:
-                out[i] = (stored[i], "put")
-        if known:
-            for i, code in _read_and_compare(client, [keys[i] for i in known], known, size, views):
-                if code == NOT_FOUND:
-                    fresh.append(i)
-                elif code == 0:
-                    out[i] = (0, "unchanged")
-                elif code == _DIFFERENT:
-                    replace.append(i)
-                elif code > 0:
-                    out[i] = (code, "other_size")
-                else:  # not read: the value is kept, and not trusted until stored anew
-                    out[i] = (code, "unreadable")
-        published = False
-        for name, picked, how in (
-            ("batch_put_from", sorted(fresh), "put"),
-            ("batch_upsert_from", sorted(replace), "replaced"),
-        ):
-            if not picked:
-                continue
-            try:
-                codes = _codes(
-                    name,
-                    getattr(client, name)(
-                        [keys[i] for i in picked],
-                        [addresses[i] for i in picked],
-                        [size] * len(picked),
-                    ),
-                    len(picked),
-                )
-            except Exception as exc:
-                if not published:
-                    raise
-                log.error("mooncake: %s raised after values were published: %r", name, exc)
-                codes = [_RAISED] * len(picked)
-            for i, code in zip(picked, codes, strict=True):
-                out[i] = (code, how)
-                published = published or code == 0
-        return out
-
-    return put
+    n = len(keys)
+    out: list[tuple[int, str]] = [(0, "put")] * n
+    stored = _codes("batch_is_exist", client.batch_is_exist(keys), n)
+    fresh = [i for i in range(n) if stored[i] == 0]
+    replace = [i for i in range(n) if stored[i] > 0 and keys[i] in distrusted]
+    known = [i for i in range(n) if stored[i] > 0 and keys[i] not in distrusted]
+    for i in range(n):
+        if stored[i] < 0:
+            out[i] = (stored[i], "put")
+    if known:
+        for i, code in _read_and_compare(client, [keys[i] for i in known], known, size, views):
+            if code == NOT_FOUND:
+                fresh.append(i)
+            elif code == 0:
+                out[i] = (0, "unchanged")
+            elif code == _DIFFERENT:
+                replace.append(i)
+            elif code > 0:
+                out[i] = (code, "other_size")
+            else:  # not read: the value is kept, and not trusted until stored anew
+                out[i] = (code, "unreadable")
+    published = False
+    for name, picked, how in (
+        ("batch_put_from", sorted(fresh), "put"),
+        ("batch_upsert_from", sorted(replace), "replaced"),
+    ):
+        if not picked:
+            continue
+        try:
+            codes = _codes(
+                name,
+                getattr(client, name)(
+                    [keys[i] for i in picked],
+                    [addresses[i] for i in picked],
+                    [size] * len(picked),
+                ),
+                len(picked),
+            )
+        except Exception as exc:
+            if not published:
+                raise
+            log.error("mooncake: %s raised after values were published: %r", name, exc)
+            codes = [_RAISED] * len(picked)
+        for i, code in zip(picked, codes, strict=True):
+            out[i] = (code, how)
+            published = published or code == 0
+    return out
 
 
 def _read_and_compare(
@@ -496,10 +496,11 @@ class MooncakeStore(StorageBackend):
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
         distrusted = frozenset(k for k in keys if k in self._distrust)
-        put = _put_from_staging(client, distrusted)
         try:
             outcomes = await batch.run_sync(
-                self._inflight.track(put),
+                self._inflight.track(_put_from_staging),
+                client,
+                distrusted,
                 keys,
                 batch.buffer_addresses(),
                 batch.value_nbytes,
