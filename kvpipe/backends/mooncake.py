@@ -474,14 +474,12 @@ class MooncakeStore(StorageBackend):
         region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
         if self._registered[region] <= 0:
             return
-        self._registered[region] -= 1
-        if self._registered[region] == 0:
-            del self._registered[region]
-            if self._client is not None:
-                rc = await self._call(self._client.unregister_buffer, region[0])
-                if rc != 0:  # still registered: aclose tries again; the caller keeps it
-                    self._registered[region] += 1
-                    raise BackendError(self.name, "unregister_buffer", f"returned {rc}")
+        self._uncount(region)
+        if region not in self._registered and self._client is not None:
+            rc = await self._call(self._client.unregister_buffer, region[0])
+            if rc != 0:  # still registered: aclose tries again; the caller keeps it
+                self._registered[region] += 1
+                raise BackendError(self.name, "unregister_buffer", f"returned {rc}")
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
         """Zero-copy put from the batch's staging buffers, in one worker thread (see
