@@ -2,11 +2,10 @@
 
 Zero-copy: the staging memory is registered once and every slice moves straight from / into
 it (``batch_put_from``, ``batch_upsert_from`` only to replace a stored value that differs, and
-``batch_get_into``), in worker threads. Per-key
-result codes are translated, never trusted blindly, and a key that fails to read is not
-trusted by ``exists`` again until stored anew (see ``docs/backends.md``). The vendor import
-happens only here; without the package, :class:`MooncakeStore` raises
-:class:`kvpipe.Unsupported`.
+``batch_get_into``), in worker threads. Per-key result codes are translated, never trusted
+blindly, and a key that fails to read is not trusted by ``exists`` again until stored anew (see
+``docs/backends.md``). The vendor import happens only here; without the package,
+:class:`MooncakeStore` raises :class:`kvpipe.Unsupported`.
 """
 
 from __future__ import annotations
