@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 import trio.testing
@@ -45,14 +46,24 @@ def _config(**kw: float) -> kvpipe.PipelineConfig:
     return kvpipe.PipelineConfig(**base)  # type: ignore[arg-type]
 
 
-def _held(fn: Callable[..., Any], go_on: threading.Event, seconds: float) -> Callable[..., Any]:
+class _Held:
     """``fn`` held in its (worker) thread until ``go_on`` is set, ``seconds`` at most."""
 
-    def held(*args: Any) -> Any:
-        go_on.wait(seconds)
-        return fn(*args)
+    def __init__(self, fn: Callable[..., Any], go_on: threading.Event, seconds: float) -> None:
+        self.fn, self.go_on, self.seconds = fn, go_on, seconds
+        self.entered = threading.Event()
 
-    return held
+    def __call__(self, *args: Any) -> Any:
+        self.entered.set()
+        self.go_on.wait(self.seconds)
+        return self.fn(*args)
+
+    async def wait_entered(self) -> None:
+        """Until a call is held, keeping the loop busy: were it idle, virtual time would jump
+        to the deadline of the request waiting for the call's thread to start."""
+        # Polled: the call runs in a kvpipe thread, which has no way into the loop's Event.
+        while not self.entered.is_set():
+            await anyio.lowlevel.checkpoint()
 
 
 TOKENS = np.arange(16 * BLOCK)  # 16 blocks → 4 slices of 4
@@ -280,7 +291,7 @@ async def test_a_gather_waiting_for_a_copy_thread_ends_at_the_deadline(
     """The copy thread is stuck at the deadline (its slice gathered in a thread): the write
     ends at its deadline, not by the deadline guard ``deadline_slack`` later."""
     go_on = threading.Event()
-    stuck = _held(base_module.gather_sealed, go_on, 30)
+    stuck = _Held(base_module.gather_sealed, go_on, 30)
 
     monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
     monkeypatch.setattr(base_module, "INLINE_COPY_BYTES", 0)
@@ -304,7 +315,7 @@ async def test_keys_hashed_in_a_busy_thread_end_the_request_at_its_deadline(
     """A long sequence's keys are hashed in a copy thread; that thread is stuck at the
     deadline: the request ends at its deadline, not by the guard ``deadline_slack`` later."""
     go_on = threading.Event()
-    stuck = _held(scheduler_module.block_keys, go_on, 30)
+    stuck = _Held(scheduler_module.block_keys, go_on, 30)
 
     monkeypatch.setattr(scheduler_module, "_THREAD_KEYS_TOKENS", 0)
     monkeypatch.setattr(scheduler_module, "block_keys", stuck)
@@ -332,7 +343,7 @@ async def test_a_read_whose_copy_waits_for_a_busy_thread_ends_at_its_deadline(
     back: the read's check-and-scatter never starts, and the read ends at its deadline with
     nothing loaded, not once the thread is free."""
     go_on = threading.Event()
-    stuck = _held(base_module.gather_sealed, go_on, 5)
+    stuck = _Held(base_module.gather_sealed, go_on, 5)
 
     async def write_stuck(pipe: kvpipe.Pipeline) -> None:
         await pipe.write(TOKENS + 1000, IDS, timeout=1)
@@ -345,6 +356,7 @@ async def test_a_read_whose_copy_waits_for_a_busy_thread_ends_at_its_deadline(
             monkeypatch.setattr(base_module, "gather_sealed", stuck)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(write_stuck, pipe)
+                await stuck.wait_entered()
                 await anyio.sleep(2)  # that write has ended; its gather's thread has not
                 start = anyio.current_time()
                 dst = np.arange(16, 32)
@@ -400,12 +412,15 @@ async def test_a_refetched_block_whose_check_waits_for_a_busy_thread_ends_at_the
     read's deadline: the read ends at its deadline with the blocks before it, not by the
     deadline guard ``deadline_slack`` later."""
     go_on = threading.Event()
-    stuck = _held(base_module.gather_sealed, go_on, 5)
+    stuck = _Held(base_module.gather_sealed, go_on, 5)
     store = ScriptedStore(gets={0: Act(corrupt=[2]), 1: Act(delay=2)})
     outcome: dict[str, kvpipe.ReadResult] = {}
 
     async def read(pipe: kvpipe.Pipeline) -> None:
         outcome["read"] = await pipe.read(TOKENS[: 4 * BLOCK], np.arange(20, 24), timeout=5)
+
+    async def write_stuck(pipe: kvpipe.Pipeline) -> None:
+        await pipe.write(TOKENS + 1000, IDS, timeout=1)
 
     try:
         config = _config(copy_threads=1)
@@ -420,7 +435,8 @@ async def test_a_refetched_block_whose_check_waits_for_a_busy_thread_ends_at_the
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read, pipe)
                 await store.wait_calls("get", 2)  # the refetch of blocks 2..: the thread is free
-                await pipe.write(TOKENS + 1000, IDS, timeout=1)  # its gather takes the thread
+                tg.start_soon(write_stuck, pipe)  # its gather takes the thread
+                await stuck.wait_entered()
             r = outcome["read"]
             assert r.elapsed == pytest.approx(5.0)
             assert (r.loaded, r.stop_reason) == (2, "total_timeout")
@@ -466,7 +482,7 @@ async def test_a_stage_back_waiting_for_a_busy_thread_ends_the_read_at_its_deadl
     gather): that copy never starts after the read's deadline, and the read ends at its
     deadline with the blocks placed already, not by the deadline guard later."""
     go_on = threading.Event()
-    stuck = _held(base_module.gather_sealed, go_on, 5)
+    stuck = _Held(base_module.gather_sealed, go_on, 5)
     store = _OwnBuffersStore(own=3)
     cache = _cache()
     try:
@@ -479,8 +495,15 @@ async def test_a_stage_back_waiting_for_a_busy_thread_ends_the_read_at_its_deadl
             monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
             monkeypatch.setattr(base_module, "INLINE_COPY_BYTES", payload)
             monkeypatch.setattr(base_module, "gather_sealed", stuck)
-            w = await pipe.write(TOKENS + 1000, IDS, timeout=1)  # its gather holds the thread
-            assert (w.written, w.stop_reason) == (0, "total_timeout")
+            written: list[kvpipe.WriteResult] = []
+
+            async def write_stuck() -> None:
+                written.append(await pipe.write(TOKENS + 1000, IDS, timeout=1))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write_stuck)  # its gather holds the thread
+                await stuck.wait_entered()
+            assert [(w.written, w.stop_reason) for w in written] == [(0, "total_timeout")]
             start = anyio.current_time()
             r = await pipe.read(TOKENS[: 4 * BLOCK], np.arange(20, 24), timeout=5)
             assert len(store.calls_of("get")) == 2  # block 3 was fetched again
