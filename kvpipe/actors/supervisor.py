@@ -84,7 +84,6 @@ class Supervisor:
         self._on_escalate = on_escalate
         self._scope: anyio.CancelScope | None = None
         self._stopped = anyio.Event()
-        self.current: dict[str, Actor[Any]] = {}
 
     async def run(self) -> None:
         """Run every child until its inbox is closed and drained (or an escalation, or
@@ -96,7 +95,6 @@ class Supervisor:
                     tg.start_soon(self._supervise, child, name=f"kvpipe-{child.name}")
         finally:
             self._scope = None
-            self.current.clear()
             self._children = ()
             self._on_escalate = _ignore_escalation
             self._stopped.set()
@@ -119,7 +117,6 @@ class Supervisor:
         crashes: deque[float] = deque()
         while True:
             actor = child.factory()
-            self.current[child.name] = actor
             try:
                 await actor.run()
                 return
