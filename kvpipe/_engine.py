@@ -7,13 +7,14 @@ on a stream. Both fill staging in the same block-major layout, so what follows i
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import final
 
 import anyio
 
 from ._cache import KVCache
 from ._errors import RequestError
-from ._hostcopy import RowGroups, gather, scatter
+from ._hostcopy import gather, scatter
 from ._plan import CopyPlan
 from ._staging import StagingLease, StagingPool
 from ._workers import Lane, ThreadRunner
@@ -131,14 +132,12 @@ class HostEngine(CopyEngine):
         self.limiter = limiter
         self.note = note
 
-    def _rows(self, plan: CopyPlan) -> RowGroups:
-        return self.cache.row_groups(plan.segments)
-
     async def gather(
         self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
     ) -> None:
         """See :meth:`CopyEngine.gather` (``after`` is always ``None`` for host caches)."""
-        await self._run(plan, gather, plan, self._rows(plan), lease.pool.buffer, hold=lease)
+        rows = self.cache.row_groups(plan.segments)
+        await self._run(plan, gather, plan, rows, lease.pool.buffer, hold=lease)
 
     async def scatter(
         self,
@@ -149,25 +148,19 @@ class HostEngine(CopyEngine):
         start_by: float | None = None,
     ) -> None:
         """See :meth:`CopyEngine.scatter` (a small copy runs at once, on the event loop)."""
-        rows = self._rows(plan)
+        rows = self.cache.row_groups(plan.segments)
         await self._run(plan, scatter, plan, lease.pool.buffer, rows, hold=lease, start_by=start_by)
 
     async def _run(
         self,
         plan: CopyPlan,
-        fn: object,
+        fn: Callable[..., object],
         *args: object,
         hold: StagingLease,
         start_by: float | None = None,
     ) -> None:
         if plan.nbytes <= INLINE_COPY_BYTES:
             await anyio.lowlevel.checkpoint()
-            fn(*args)  # type: ignore[operator]
+            fn(*args)
         else:
-            await self.runner.run(
-                fn,  # type: ignore[arg-type]
-                *args,
-                hold=hold,
-                lane=self.limiter,
-                start_by=start_by,
-            )
+            await self.runner.run(fn, *args, hold=hold, lane=self.limiter, start_by=start_by)
