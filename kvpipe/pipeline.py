@@ -259,8 +259,7 @@ class Pipeline:
 
         Cancellation: cancelling the caller abandons the query; nothing changes in the store.
         """
-        value = await self._call("lookup", token_ids, include_partial, timeout)
-        return int(value)
+        return int(await self._call("lookup", token_ids, include_partial, timeout))
 
     async def flush_index(
         self,
@@ -309,8 +308,7 @@ class Pipeline:
             RequestError, BackendError, OperationTimeout, PipelineClosed: as for
             :meth:`lookup`.
         """
-        value = await self._call("locate", token_ids, include_partial, timeout)
-        return list(value)
+        return list(await self._call("locate", token_ids, include_partial, timeout))
 
     async def _call(
         self,
