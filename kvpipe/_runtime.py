@@ -313,7 +313,7 @@ class Runtime:
                     await supervisor.wait_stopped()
                 if not supervisor.stopped:
                     log.error("actors still running at the close deadline; cancelling them")
-                    supervisor.cancel()
+                    self.cancel_actors()
                     # They release their staging as they unwind, which takes a few turns of
                     # the loop (nothing waits past a cancellation unbounded): return after.
                     with anyio.move_on_after(UNWIND_GRACE):
@@ -326,9 +326,10 @@ class Runtime:
             self._ctx = None
 
     def cancel_actors(self) -> None:
-        """Cancel the actors if they still run (a no-op once they stopped): what ends them
-        when :meth:`aclose` could not, so the task group that runs them is never left
-        waiting on them (they are shielded from its cancellation)."""
+        """Cancel the actors if they still run (a no-op once they stopped): :meth:`aclose`'s
+        fallback at the close deadline, and what ends them when :meth:`aclose` could not, so
+        the task group that runs them is never left waiting on them (they are shielded from
+        its cancellation)."""
         if self._actors_scope is not None:
             self._actors_scope.cancel()
 

@@ -6,9 +6,9 @@ loop's clock) escalate: that actor is not restarted, and ``on_escalate`` closes 
 
 Stopping is not cancelling: once the inboxes are closed, every actor leaves its loop when its
 inbox is empty and :meth:`Supervisor.run` returns normally (an actor task ending cancelled
-would hold its frames, and staging, in a reference cycle); :meth:`Supervisor.cancel` is the
-fallback at the close deadline. When :meth:`Supervisor.run` returns, the supervisor lets go
-of its actors and callback.
+would hold its frames, and staging, in a reference cycle); cancelling the scope it runs in
+(``Runtime.cancel_actors``) is the fallback at the close deadline. When :meth:`Supervisor.run`
+returns, the supervisor lets go of its actors and callback.
 """
 
 from __future__ import annotations
@@ -82,19 +82,16 @@ class Supervisor:
         self._window = window
         self._metrics = metrics
         self._on_escalate = on_escalate
-        self._scope: anyio.CancelScope | None = None
         self._stopped = anyio.Event()
 
     async def run(self) -> None:
-        """Run every child until its inbox is closed and drained (or an escalation, or
-        :meth:`cancel`); then let go of the actors and the callback."""
+        """Run every child until its inbox is closed and drained (or an escalation, or a
+        cancellation); then let go of the actors and the callback."""
         try:
             async with anyio.create_task_group() as tg:
-                self._scope = tg.cancel_scope
                 for child in self._children:
                     tg.start_soon(self._supervise, child, name=f"kvpipe-{child.name}")
         finally:
-            self._scope = None
             self._children = ()
             self._on_escalate = _ignore_escalation
             self._stopped.set()
@@ -107,11 +104,6 @@ class Supervisor:
     async def wait_stopped(self) -> None:
         """Wait until :meth:`run` has returned."""
         await self._stopped.wait()
-
-    def cancel(self) -> None:
-        """Cancel every child (the fallback when they do not stop by the close deadline)."""
-        if self._scope is not None:
-            self._scope.cancel()
 
     async def _supervise(self, child: ChildSpec) -> None:
         crashes: deque[float] = deque()
