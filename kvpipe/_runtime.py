@@ -326,10 +326,9 @@ class Runtime:
             self._ctx = None
 
     def cancel_actors(self) -> None:
-        """Cancel the actors if they still run (a no-op once they stopped): :meth:`aclose`'s
-        fallback at the close deadline, and what ends them when :meth:`aclose` could not, so
-        the task group that runs them is never left waiting on them (they are shielded from
-        its cancellation)."""
+        """Cancel the actors if they still run (a no-op once they stopped): at the close
+        deadline, and should :meth:`aclose` fail, so the task group that runs them is never
+        left waiting on them (they are shielded from its cancellation)."""
         if self._actors_scope is not None:
             self._actors_scope.cancel()
 
