@@ -164,11 +164,8 @@ class LoopThread:
                 log.exception("%s: error while closing", self.name)
             raise self._closed_error()
 
-        async def start_leaving() -> None:
-            assert held.leave is not None
-            held.leave.set()
-
         def leave_soon() -> None:
+            assert held.leave is not None
             with self._lock:
                 if self._closed or leave not in self._closers:
                     return  # close() exits it, or it is leaving already
@@ -176,7 +173,7 @@ class LoopThread:
                 self._leaving.add(task)
             task.add_done_callback(self._leaving.discard)
             with contextlib.suppress(RuntimeError):  # the loop stopped: exited by then
-                self.portal.start_task_soon(start_leaving)
+                self.portal.start_task_soon(held.leave.set)
 
         return value, leave_soon
 
@@ -226,14 +223,10 @@ class LoopThread:
         atexit.unregister(self._atexit)
 
         def close_all() -> None:
-            for closer in closers:
+            # then wait for the exits started early (leave_soon) too
+            for closer in closers + [f.result for f in list(self._leaving)]:
                 try:
                     closer()
-                except Exception:
-                    log.exception("%s: error while closing", self.name)
-            for leaving in list(self._leaving):  # exits started early: wait for them too
-                try:
-                    leaving.result()
                 except Exception:
                     log.exception("%s: error while closing", self.name)
 
