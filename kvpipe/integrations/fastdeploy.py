@@ -22,7 +22,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -244,12 +244,6 @@ class KVPipeAttentionStore:
     def _ident(tensors: Sequence[Any]) -> tuple[Any, ...]:
         return tuple((t.data_ptr(), tuple(t.shape), str(t.dtype)) for t in tensors)
 
-    def _has_pipe(
-        self, key_cache: Sequence[Any], val_cache: Sequence[Any], scales: Sequence[Any] | None
-    ) -> bool:
-        tensors = list(key_cache) + list(val_cache) + list(scales or ())
-        return self._ident(tensors) in self._pipes
-
     def _take(self, ident: tuple[Any, ...] | None) -> _Open | None:
         """The open pipeline for ``ident`` (``None``: the most recently used), counted as in
         use until :meth:`_put_back`; ``None`` when there is none."""
@@ -276,17 +270,18 @@ class KVPipeAttentionStore:
         finally:
             self._put_back(entry)
 
-    def _pipe(
+    def _open(
         self,
+        ident: tuple[Any, ...],
         key_cache: Sequence[Any],
         val_cache: Sequence[Any],
         scales: Sequence[Any] | None,
         timeout: float,
     ) -> _Open:
-        """The pipeline over these tensors, counted as in use (:meth:`_put_back`): built once
-        per distinct set of tensors; opening one more than ``cache_sets`` retires the least
-        recently used. Opening (staging registered with the store) is bounded by the call's
-        ``timeout``.
+        """The pipeline over these tensors (``ident``), counted as in use (:meth:`_put_back`),
+        opened unless another call opened it meanwhile; opening one more than ``cache_sets``
+        retires the least recently used. Opening (staging registered with the store) is
+        bounded by the call's ``timeout``.
 
         Raises:
             ValueError: The tensors do not make a cache of the inferred layout (as
@@ -295,11 +290,6 @@ class KVPipeAttentionStore:
             TimeoutError: The pipeline did not open within ``timeout`` (another thread's
                 opening included).
         """
-        tensors = list(key_cache) + list(val_cache) + list(scales or ())
-        ident = self._ident(tensors)
-        entry = self._take(ident)
-        if entry is not None:
-            return entry
         deadline = time.monotonic() + timeout
         if not self._open_lock.acquire(timeout=max(0.0, timeout)):
             raise TimeoutError("another call is still opening the pipeline")
@@ -353,14 +343,6 @@ class KVPipeAttentionStore:
             self._open_lock.release()
         return entry
 
-    @staticmethod
-    def _from_block_zero(gpu_block_ids: Sequence[int], start: int) -> list[int]:
-        """The pipeline's block ids (``[i]`` = sequence block ``i``) for FastDeploy's, which
-        begin at sequence block ``start``; blocks before it are not moved (placeholder 0)."""
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise RequestError(f"start block index must be an int >= 0, got {start!r}")
-        return [0] * start + list(gpu_block_ids)
-
     def _on_pipe(
         self,
         what: str,
@@ -368,39 +350,71 @@ class KVPipeAttentionStore:
         key_cache: Sequence[Any],
         val_cache: Sequence[Any],
         scales: Sequence[Any] | None,
+        gpu_block_ids: Sequence[int],
+        start: int,
         timeout: float,
-        fn: Callable[[Pipeline, float], int],
+        fn: Callable[[Pipeline, list[int], float], Awaitable[int]],
     ) -> int:
-        """``fn(pipeline, seconds left of timeout)`` over :meth:`_pipe`'s pipeline, counted as
-        in use meanwhile; 0 (after one WARNING) when it did not open in time or the store
-        failed while it opened."""
-        start = time.monotonic()
-        opened = not self._has_pipe(key_cache, val_cache, scales)
-        try:
-            entry = self._pipe(key_cache, val_cache, scales, timeout)
-        except (TimeoutError, BackendError, PipelineClosed, OSError) as exc:
-            log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
-            return 0
-        except ConfigError as exc:
-            if exc.field != "store":  # a wrong setting: raised, as programming errors are
-                raise
-            # The store refused the staging (down, say): a store failure like any other.
-            log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
-            return 0
+        """``fn(pipeline, block ids, seconds left of timeout)``'s count, run as :meth:`_call`
+        runs it, over the pipeline of these tensors (opened by the first call on them),
+        counted as in use meanwhile; 0 (after one WARNING) when it did not open in time or
+        the store failed while it opened.
+
+        The block ids are the pipeline's (``[i]`` = sequence block ``i``) for FastDeploy's
+        ``gpu_block_ids``, which begin at sequence block ``start``; blocks before it are not
+        moved (placeholder 0).
+        """
+        begun = time.monotonic()
+        ident = self._ident([*key_cache, *val_cache, *(scales or ())])
+        entry = self._take(ident)
+        opened = entry is None
+        if entry is None:
+            try:
+                entry = self._open(ident, key_cache, val_cache, scales, timeout)
+            except (TimeoutError, BackendError, PipelineClosed, OSError) as exc:
+                log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
+                return 0
+            except ConfigError as exc:
+                if exc.field != "store":  # a wrong setting: raised, as programming errors are
+                    raise
+                # The store refused the staging (down, say): a store failure like any other.
+                log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
+                return 0
         with self._using(entry) as pipe:
             if opened:  # the call gets what is left of its timeout
-                timeout -= time.monotonic() - start
+                timeout -= time.monotonic() - begun
                 if timeout <= 0:
                     log.warning(
                         "kvpipe %s %s: opening the pipeline took its timeout", what, task_id
                     )
                     return 0
-            return fn(pipe, timeout)
+            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+                raise RequestError(f"start block index must be an int >= 0, got {start!r}")
+            block_ids = [0] * start + list(gpu_block_ids)
+            return self._call(what, task_id, timeout, fn, pipe, block_ids, timeout)
 
-    def _call(self, what: str, task_id: str, fn: Any, timeout: float) -> int:
-        """``fn``'s count; 0 (after one WARNING) when the store failed or the deadline passed."""
+    def _on_last_pipe(
+        self, what: str, task_id: str, timeout: float, fn: Callable[[Pipeline], Awaitable[int]]
+    ) -> int:
+        """``fn(pipeline)``'s count over the most recently used pipeline, run as :meth:`_call`
+        runs it; 0 when no caches are bound yet (after one WARNING when closed)."""
+        entry = self._take(None)
+        if entry is None:
+            if self._loop.closed:
+                log.warning(
+                    "kvpipe %s %s: %r", what, task_id, PipelineClosed("the store is closed")
+                )
+            else:
+                log.debug("kvpipe %s %s: no caches bound yet, nothing to do", what, task_id)
+            return 0
+        with self._using(entry) as pipe:
+            return self._call(what, task_id, timeout, fn, pipe)
+
+    def _call(self, what: str, task_id: str, timeout: float, fn: Any, *args: Any) -> int:
+        """``fn(*args)``'s count; 0 (after one WARNING) when the store failed or the deadline
+        passed."""
         try:
-            return int(self._loop.call(fn, wait=timeout + HOP_SLACK))
+            return int(self._loop.call(fn, *args, wait=timeout + HOP_SLACK))
         except (RequestError, TypeError):
             raise
         except (KVPipeError, OSError, TimeoutError) as exc:
@@ -426,30 +440,8 @@ class KVPipeAttentionStore:
         ``scale_cache`` (block-wise fp8): the ``layer_num`` key scales then the ``layer_num``
         value scales. ``timeout`` is the total deadline; slices follow the config.
         """
-        return self._on_pipe(
-            "write",
-            task_id,
-            key_cache,
-            val_cache,
-            scale_cache,
-            timeout,
-            lambda pipe, left: self._write(
-                pipe, task_id, token_ids, gpu_block_ids, start_write_block_idx, left
-            ),
-        )
 
-    def _write(
-        self,
-        pipe: Pipeline,
-        task_id: str,
-        token_ids: list[int],
-        gpu_block_ids: list[int],
-        start_write_block_idx: int,
-        timeout: float,
-    ) -> int:
-        block_ids = self._from_block_zero(gpu_block_ids, start_write_block_idx)
-
-        async def run() -> int:
+        async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
             r = await pipe.write(
                 token_ids,
                 block_ids,
@@ -461,7 +453,17 @@ class KVPipeAttentionStore:
             # an incomplete write is logged once, by the pipeline (request id = task id)
             return r.skipped + r.written
 
-        return self._call("write", task_id, run, timeout)
+        return self._on_pipe(
+            "write",
+            task_id,
+            key_cache,
+            val_cache,
+            scale_cache,
+            gpu_block_ids,
+            start_write_block_idx,
+            timeout,
+            run,
+        )
 
     def read(
         self,
@@ -479,30 +481,8 @@ class KVPipeAttentionStore:
         were loaded (verified).
         On the decode side of PD via storage, every block (the partial one too) is required:
         a shortfall logs one WARNING and returns the honest count."""
-        return self._on_pipe(
-            "read",
-            task_id,
-            key_cache,
-            val_cache,
-            scale_cache,
-            timeout,
-            lambda pipe, left: self._read(
-                pipe, task_id, token_ids, gpu_block_ids, start_read_block_idx, left
-            ),
-        )
 
-    def _read(
-        self,
-        pipe: Pipeline,
-        task_id: str,
-        token_ids: list[int],
-        gpu_block_ids: list[int],
-        start_read_block_idx: int,
-        timeout: float,
-    ) -> int:
-        block_ids = self._from_block_zero(gpu_block_ids, start_read_block_idx)
-
-        async def run() -> int:
+        async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
             try:
                 r = await pipe.read(
                     token_ids,
@@ -530,29 +510,31 @@ class KVPipeAttentionStore:
                 return partial.loaded
             return r.loaded
 
-        return self._call("read", task_id, run, timeout)
+        return self._on_pipe(
+            "read",
+            task_id,
+            key_cache,
+            val_cache,
+            scale_cache,
+            gpu_block_ids,
+            start_read_block_idx,
+            timeout,
+            run,
+        )
 
     def query(
         self, task_id: str, token_ids: list[int], start_match_block_idx: int, timeout: float = 10.0
     ) -> int:
         """The leading stored run from ``start_match_block_idx``. Before the first ``write``
         or ``read`` bound the caches (and so the layout, part of every key) it is 0."""
-        entry = self._take(None)
-        if entry is None:
-            if self._loop.closed:
-                log.warning("kvpipe query %s: %r", task_id, PipelineClosed("the store is closed"))
-            else:
-                log.debug("kvpipe query %s: no caches bound yet, nothing to match", task_id)
-            return 0
-        with self._using(entry) as pipe:
 
-            async def run() -> int:
-                n = await pipe.lookup(
-                    token_ids, include_partial=self.all_or_nothing_read, timeout=timeout
-                )
-                return max(0, n - int(start_match_block_idx))
+        async def run(pipe: Pipeline) -> int:
+            n = await pipe.lookup(
+                token_ids, include_partial=self.all_or_nothing_read, timeout=timeout
+            )
+            return max(0, n - int(start_match_block_idx))
 
-            return self._call("query", task_id, run, timeout)
+        return self._on_last_pipe("query", task_id, timeout, run)
 
     def flush_token_index(
         self, task_id: str, token_ids: list[int], start_block_idx: int, reside_in_gpu: bool
@@ -560,20 +542,12 @@ class KVPipeAttentionStore:
         """Record that this pod holds blocks ``start_block_idx ..`` in GPU (``reside_in_gpu``)
         or CPU memory (``flush_index``), within ``config.lookup_timeout``; failures are
         logged, not raised."""
-        entry = self._take(None)
-        if entry is None:
-            if self._loop.closed:
-                log.warning("kvpipe flush %s: %r", task_id, PipelineClosed("the store is closed"))
-            else:
-                log.debug("kvpipe flush %s: no caches bound yet, nothing recorded", task_id)
-            return
         residency = Residency.GPU if reside_in_gpu else Residency.CPU
         timeout = self.config.lookup_timeout
-        with self._using(entry) as pipe:
 
-            async def run() -> int:
-                return await pipe.flush_index(
-                    token_ids, start_block=start_block_idx, residency=residency, timeout=timeout
-                )
+        async def run(pipe: Pipeline) -> int:
+            return await pipe.flush_index(
+                token_ids, start_block=start_block_idx, residency=residency, timeout=timeout
+            )
 
-            self._call("flush_token_index", task_id, run, timeout)
+        self._on_last_pipe("flush_token_index", task_id, timeout, run)
