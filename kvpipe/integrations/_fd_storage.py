@@ -3,6 +3,7 @@ store. Re-exported by :mod:`kvpipe.integrations.fastdeploy`, where the mapping i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -12,7 +13,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
 
 import anyio
@@ -42,23 +43,15 @@ def _key(namespace: str, key: str) -> str:
     return f"fd@{h}"
 
 
-def _trailer(payload: memoryview, key: str) -> bytes:
-    return _TRAILER.pack(
-        _MAGIC,
-        1,
-        payload.nbytes,
-        xxhash.xxh3_64_intdigest(payload),
-        xxhash.xxh3_64_intdigest(key.encode()),
-    )
-
-
 def _copied(ptr: int, nbytes: int, key: str) -> bytearray:
     """``nbytes`` at ``ptr`` and their trailer, copied on the caller's thread: nothing reads
     its buffer after its call returned."""
     value = bytearray(nbytes + _TRAILER.size)
     ctypes.memmove((ctypes.c_char * nbytes).from_buffer(value), ptr, nbytes)
     payload = memoryview(value)[:nbytes]
-    value[nbytes:] = _trailer(payload, key)
+    value[nbytes:] = _TRAILER.pack(
+        _MAGIC, 1, nbytes, xxhash.xxh3_64_intdigest(payload), xxhash.xxh3_64_intdigest(key.encode())
+    )
     payload.release()
     return value
 
@@ -176,7 +169,7 @@ class KVPipeStorage:
         self._dedup = 0
         self._loop = LoopThread("kvpipe-fastdeploy-storage", close_timeout)
         try:
-            self._loop.enter(_Closing(store))
+            self._loop.enter(_closing(store))
             self._client: ValueClient = self._loop.enter(
                 ValueClient(store, namespace="fastdeploy", close_timeout=close_timeout)
             )
@@ -318,13 +311,8 @@ class KVPipeStorage:
         ptrs = [_int(p, "target_location") for p in target_locations]
         out = [-1] * n
         valid = [i for i in range(n) if sizes[i] > 0 and ptrs[i] > 0]
-
-        async def get() -> list[tuple[BlockStatus, bytes]]:
-            return await self._client.get(
-                [ours[i] for i in valid], [sizes[i] + _TRAILER.size for i in valid]
-            )
-
-        got = self._run("batch_get", get) if valid else []
+        args = [ours[i] for i in valid], [sizes[i] + _TRAILER.size for i in valid]
+        got = self._run("batch_get", self._client.get, *args) if valid else []
         if got is None:
             return out
         bad = 0
@@ -398,16 +386,12 @@ class KVPipeStorage:
         return True
 
 
-class _Closing:
+@contextlib.asynccontextmanager
+async def _closing(store: StorageBackend) -> AsyncIterator[StorageBackend]:
     """Enters a store (not a file store: it opens lazily) and closes it on exit."""
-
-    def __init__(self, store: StorageBackend) -> None:
-        self.store = store
-
-    async def __aenter__(self) -> StorageBackend:
-        if not isinstance(self.store, FileStore):
-            await self.store.__aenter__()
-        return self.store
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.store.aclose()
+    if not isinstance(store, FileStore):
+        await store.__aenter__()
+    try:
+        yield store
+    finally:
+        await store.aclose()
