@@ -64,10 +64,6 @@ def _namespace(namespace: str, model_version: str) -> str:
     return f"{clean}.{hashlib.blake2b(raw.encode(), digest_size=6).hexdigest()}"
 
 
-def _flag(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def infer_layout(
     key_cache: Sequence[Any],
     val_cache: Sequence[Any],
@@ -203,7 +199,8 @@ class KVPipeAttentionStore:
         self.splitwise_role = splitwise_role
         self.rope_dim = rope_dim
         if pd_via_storage is None:
-            pd_via_storage = _flag(env.get("FD_PD_TRANSFER_VIA_STORAGE"))
+            flag = env.get("FD_PD_TRANSFER_VIA_STORAGE", "").strip().lower()
+            pd_via_storage = flag in ("1", "true", "yes", "on")
         #: write includes the partial last block (prefill side of PD via storage)
         self.include_partial_on_write = pd_via_storage and splitwise_role == "prefill"
         #: read includes it and requires every block (decode side)
