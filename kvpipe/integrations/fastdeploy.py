@@ -22,8 +22,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,10 +236,6 @@ class KVPipeAttentionStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    @staticmethod
-    def _ident(tensors: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple((t.data_ptr(), tuple(t.shape), str(t.dtype)) for t in tensors)
-
     def _take(self, ident: tuple[Any, ...] | None) -> _Open | None:
         """The open pipeline for ``ident`` (``None``: the most recently used), counted as in
         use until :meth:`_put_back`; ``None`` when there is none."""
@@ -259,13 +254,6 @@ class KVPipeAttentionStore:
             leave = entry.retired and entry.users == 0
         if leave:
             entry.leave()
-
-    @contextmanager
-    def _using(self, entry: _Open) -> Iterator[Pipeline]:
-        try:
-            yield entry.pipe
-        finally:
-            self._put_back(entry)
 
     def _open(
         self,
@@ -362,22 +350,21 @@ class KVPipeAttentionStore:
         moved (placeholder 0).
         """
         begun = time.monotonic()
-        ident = self._ident([*key_cache, *val_cache, *(scales or ())])
+        tensors = [*key_cache, *val_cache, *(scales or ())]
+        ident = tuple((t.data_ptr(), tuple(t.shape), str(t.dtype)) for t in tensors)
         entry = self._take(ident)
         opened = entry is None
         if entry is None:
             try:
                 entry = self._open(ident, key_cache, val_cache, scales, timeout)
-            except (TimeoutError, BackendError, PipelineClosed, OSError) as exc:
+            except (TimeoutError, BackendError, PipelineClosed, OSError, ConfigError) as exc:
+                if isinstance(exc, ConfigError) and exc.field != "store":
+                    raise  # a wrong setting: raised, as programming errors are
+                # ConfigError on "store": the store refused the staging (down, say), a store
+                # failure like any other
                 log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
                 return 0
-            except ConfigError as exc:
-                if exc.field != "store":  # a wrong setting: raised, as programming errors are
-                    raise
-                # The store refused the staging (down, say): a store failure like any other.
-                log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
-                return 0
-        with self._using(entry) as pipe:
+        try:
             if opened:  # the call gets what is left of its timeout
                 timeout -= time.monotonic() - begun
                 if timeout <= 0:
@@ -388,7 +375,9 @@ class KVPipeAttentionStore:
             if isinstance(start, bool) or not isinstance(start, int) or start < 0:
                 raise RequestError(f"start block index must be an int >= 0, got {start!r}")
             block_ids = [0] * start + list(gpu_block_ids)
-            return self._call(what, task_id, timeout, fn, pipe, block_ids, timeout)
+            return self._call(what, task_id, timeout, fn, entry.pipe, block_ids, timeout)
+        finally:
+            self._put_back(entry)
 
     def _on_last_pipe(
         self, what: str, task_id: str, timeout: float, fn: Callable[[Pipeline], Awaitable[int]]
@@ -404,8 +393,10 @@ class KVPipeAttentionStore:
             else:
                 log.debug("kvpipe %s %s: no caches bound yet, nothing to do", what, task_id)
             return 0
-        with self._using(entry) as pipe:
-            return self._call(what, task_id, timeout, fn, pipe)
+        try:
+            return self._call(what, task_id, timeout, fn, entry.pipe)
+        finally:
+            self._put_back(entry)
 
     def _call(self, what: str, task_id: str, timeout: float, fn: Any, *args: Any) -> int:
         """``fn(*args)``'s count; 0 (after one WARNING) when the store failed or the deadline
