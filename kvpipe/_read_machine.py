@@ -39,7 +39,6 @@ class ReadMachine:
     __slots__ = (
         "_ending",
         "_error",
-        "_scatters",
         "aborted",
         "end_block",
         "error",
@@ -48,6 +47,7 @@ class ReadMachine:
         "pending",
         "request_id",
         "result",
+        "scatters",
         "slices",
         "start_block",
         "started",
@@ -75,7 +75,8 @@ class ReadMachine:
         self.error: BaseException | None = None
         self._error: BaseException | None = None
         self._ending: tuple[Ending, str | None] | None = None
-        self._scatters = 0
+        #: Scatters into the caller's cache running now.
+        self.scatters = 0
 
     @property
     def requested(self) -> int:
@@ -86,11 +87,6 @@ class ReadMachine:
     def ended(self) -> bool:
         """Whether the read is settled (a result or an error exists)."""
         return self.result is not None or self.error is not None
-
-    @property
-    def scatters(self) -> int:
-        """Scatters into the caller's cache running now."""
-        return self._scatters
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -145,22 +141,22 @@ class ReadMachine:
             raise ValueError(f"slice {index}: loaded {loaded} of {spec.count}")
         self.pending.discard(index)
         self.loaded_per_slice[index] = loaded
-        if not self.pending and self._scatters == 0:
+        if not self.pending and self.scatters == 0:
             self._settle(now)
 
     def scatter_begin(self) -> bool:
         """Claim the right to write into the caller's cache; ``False`` once aborted."""
         if self.aborted or self.ended:
             return False
-        self._scatters += 1
+        self.scatters += 1
         return True
 
     def scatter_end(self, now: float) -> None:
         """A scatter claimed by :meth:`scatter_begin` has finished."""
-        if self._scatters <= 0:
+        if self.scatters <= 0:
             raise ValueError("scatter_end without scatter_begin")
-        self._scatters -= 1
-        if self._scatters == 0 and (self.aborted or not self.pending):
+        self.scatters -= 1
+        if self.scatters == 0 and (self.aborted or not self.pending):
             self._settle(now)
 
     def end(self, cause: Ending, detail: str | None, now: float) -> None:
@@ -169,7 +165,7 @@ class ReadMachine:
             return
         self.aborted = True
         self._ending = (cause, detail)
-        if self._scatters == 0:
+        if self.scatters == 0:
             self._settle(now)
 
     def fail(self, error: BaseException, now: float) -> None:
@@ -178,7 +174,7 @@ class ReadMachine:
             return
         self.aborted = True
         self._error = error
-        if self._scatters == 0:
+        if self.scatters == 0:
             self._settle(now)
 
     # -- the result ----------------------------------------------------------------------------
