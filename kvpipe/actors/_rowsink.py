@@ -143,11 +143,6 @@ class RowSink(FetchSink):
                 self._exit()
         return True
 
-    def covers(self, count: int) -> bool:
-        """Whether the first ``count`` values were all handed over (``0``: whether none
-        was)."""
-        return all(self.seen[:count]) if count else not any(self.seen)
-
     def _enter(self) -> bool:
         with self._lock:
             if self._closed:

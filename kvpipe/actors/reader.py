@@ -304,7 +304,7 @@ class Reader(Actor[ReadState | SliceJob]):
         scattered = 0
         try:
             if fetched and claimed:
-                if sink is None or sink.covers(0):  # none handed over: verify, scatter, one call
+                if sink is None or not any(sink.seen):  # none handed over: verify, scatter at once
                     checks = await self._verify_and_scatter(job, fetched)
                     scattered = leading_run(c is None for c in checks)
                 else:  # those the store's threads did not check and place: in one call
