@@ -73,8 +73,12 @@ class RowSink(FetchSink):
         data: npt.NDArray[np.uint8] | memoryview
         if value is None:
             data = self._values[index]
-        elif (nbytes := memoryview(value).nbytes) < self._payload + TRAILER_NBYTES:
-            return self._short(index, nbytes)
+        elif (nbytes := memoryview(value).nbytes) < (want := self._payload + TRAILER_NBYTES):
+            # Not what the store wrote (every value kvpipe writes is a block long): never
+            # placed nor read past its end; if the store reports it OK, its check says why.
+            self.checks[index] = f"value of {nbytes} bytes, shorter than a block ({want} bytes)"
+            self.seen[index] = True
+            return False
         else:  # the store's own buffer: staging will not hold this value
             data = value
             self.elsewhere = True
@@ -105,16 +109,6 @@ class RowSink(FetchSink):
         if mapped:
             return None  # its pages may fault, and only the extension's read is guarded
         return self._fetched_slowly(index, checksum, np.frombuffer(data, np.uint8), block)
-
-    def _short(self, index: int, nbytes: int) -> bool:
-        """A value of the store's own shorter than a block (a store of someone else's that
-        misbehaves; every value kvpipe writes is a block long): not what the store wrote, so
-        never placed, nor read past its end by the checks; if the store reports it ``OK``
-        all the same, its check says why it fails."""
-        want = self._payload + TRAILER_NBYTES
-        self.checks[index] = f"value of {nbytes} bytes, shorter than a block ({want} bytes)"
-        self.seen[index] = True
-        return False
 
     def _fetched_slowly(
         self, index: int, checksum: int, data: npt.NDArray[np.uint8], block: int
