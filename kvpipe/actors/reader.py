@@ -198,7 +198,7 @@ class Reader(Actor[ReadState | SliceJob]):
         ctx.metrics.slices[f"read_{outcome}"] += 1
         ctx.observe("read_slice", elapsed, outcome)
         if log.isEnabledFor(logging.DEBUG):
-            self._debug(state, job, outcome, valid, elapsed, None)
+            self._debug(job, outcome, valid, elapsed, None)
         if scattered >= valid:  # every sound block is in the cache already: nothing to scatter
             job.valid = 0
             state.resolve(spec.index, valid)  # a no-op when already resolved
@@ -243,7 +243,7 @@ class Reader(Actor[ReadState | SliceJob]):
         slice is counted once, by its caller."""
         spec = job.spec
         detail = f"slice {spec.index}: deadline passed waiting for a copy thread"
-        self._debug(state, job, "total_timeout", placed, elapsed, detail)
+        self._debug(job, "total_timeout", placed, elapsed, detail)
         at = spec.first_block + placed
         state.stop_at(at, "total_timeout", list(range(at, spec.end_block)), detail)
         state.resolve(spec.index, placed)
@@ -295,7 +295,7 @@ class Reader(Actor[ReadState | SliceJob]):
                 detail = f"slice {spec.index} ran out of time"
             ctx.metrics.slices[f"read_{reason}"] += 1
             ctx.observe("read_slice", elapsed, reason)
-            self._debug(state, job, reason, 0, elapsed, detail)
+            self._debug(job, reason, 0, elapsed, detail)
             everything = list(range(first, spec.end_block))
             state.stop_at(first, reason, everything, detail)
             state.resolve(spec.index, 0)
@@ -326,19 +326,12 @@ class Reader(Actor[ReadState | SliceJob]):
         return statuses, checks, scattered, elapsed, sink is not None and sink.elsewhere
 
     @staticmethod
-    def _debug(
-        state: ReadState,
-        job: SliceJob,
-        outcome: str,
-        valid: int,
-        elapsed: float,
-        detail: str | None,
-    ) -> None:
+    def _debug(job: SliceJob, outcome: str, valid: int, elapsed: float, detail: str | None) -> None:
         """The slice's one line, at DEBUG."""
         spec = job.spec
         log.debug(
             "read %s slice %d (blocks %d-%d): %s, %d of %d verified, fetched in %.4f s%s",
-            state.request_id,
+            job.state.request_id,
             spec.index,
             spec.first_block,
             spec.end_block - 1,
