@@ -316,7 +316,7 @@ class Reader(Actor[ReadState | SliceJob]):
                     ctx.metrics.counters["bytes_read"] += scattered * ctx.payload_nbytes
                     state.resolve(spec.index, scattered)
             else:
-                checks = await self._verify(job, 0, fetched, start_by=state.deadline)
+                checks = await self._verify(job, 0, fetched)
         except NotStarted:  # the copy threads were busy until the read's deadline
             placed = leading_run(sink.placed[:fetched]) if sink is not None else 0
             ctx.metrics.slices["read_total_timeout"] += 1  # its one count: none came before
@@ -342,11 +342,9 @@ class Reader(Actor[ReadState | SliceJob]):
             f" ({detail})" if detail else "",
         )
 
-    async def _verify(
-        self, job: SliceJob, lo: int, hi: int, start_by: float | None = None
-    ) -> list[str | None]:
+    async def _verify(self, job: SliceJob, lo: int, hi: int) -> list[str | None]:
         """Check slots ``[lo, hi)`` of a fetched slice (trailer, key, checksum); in a copy
-        thread started by ``start_by`` (else :class:`NotStarted`)."""
+        thread started by the read's deadline (else :class:`NotStarted`)."""
         ctx, spec, state = self.ctx, job.spec, job.state
         return await ctx.run_copy(
             (hi - lo) * ctx.payload_nbytes if ctx.config.verify_checksums else 0,
@@ -356,7 +354,7 @@ class Reader(Actor[ReadState | SliceJob]):
             ctx.digests_of(state, spec)[lo:hi],
             ctx.config.verify_checksums,
             hold=job.lease,
-            start_by=start_by,
+            start_by=state.deadline,
         )
 
     async def _verify_and_scatter(self, job: SliceJob, fetched: int) -> list[str | None]:
@@ -426,7 +424,7 @@ class Reader(Actor[ReadState | SliceJob]):
         spec, state = job.spec, job.state
         assert isinstance(state, ReadState)
         try:
-            return await self._verify(job, lo, lo + leading_ok(again), start_by=state.deadline)
+            return await self._verify(job, lo, lo + leading_ok(again))
         except NotStarted:
             first = spec.first_block + lo
             detail = f"slice {spec.index}: deadline passed waiting for a copy thread"
