@@ -169,7 +169,6 @@ class Reader(Actor[ReadState | SliceJob]):
             again = await self._refetch(job, bad, fetched, deadline)
             checks2 = None if again is None else await self._check_again(job, bad, again)
             if again is not None and checks2 is not None:
-                ok_again = len(checks2)
                 confirmed = {
                     bad + i
                     for i, c in enumerate(checks2)
@@ -177,7 +176,7 @@ class Reader(Actor[ReadState | SliceJob]):
                 }
                 statuses[bad:fetched] = again
                 checks = checks[:bad] + checks2
-                fetched = bad + ok_again
+                fetched = bad + len(checks2)
                 ctx.metrics.counters["blocks_refetched"] += len(again)
         valid = leading_run(c is None for c in checks)
         corrupt = [batch.keys[i] for i in sorted(confirmed)]
@@ -212,8 +211,7 @@ class Reader(Actor[ReadState | SliceJob]):
     async def _stage_back(self, job: SliceJob, count: int, elapsed: float) -> bool:
         """Copy the first ``count`` blocks of a slice from the cache (where they were placed)
         into their staging slots; ``False`` when the copy could not start by the read's
-        deadline (the copy threads were busy): loading then stops after those ``count``
-        blocks, as ``total_timeout``, and the slice is resolved with them."""
+        deadline (then :meth:`_stop_late`)."""
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, ReadState)
         first = spec.first_block
