@@ -294,8 +294,7 @@ class Reader(Actor[ReadState | SliceJob]):
             ctx.metrics.slices[f"read_{reason}"] += 1
             ctx.observe("read_slice", elapsed, reason)
             self._debug(job, reason, 0, elapsed, detail)
-            everything = list(range(first, spec.end_block))
-            state.stop_at(first, reason, everything, detail)
+            state.stop_at(first, reason, range(first, spec.end_block), detail)
             state.resolve(spec.index, 0)
             return None
         fetched = leading_ok(statuses)
@@ -364,13 +363,11 @@ class Reader(Actor[ReadState | SliceJob]):
         sources = job.sources(0, fetched)
         digests = ctx.digests_of(state, spec)[:fetched]
         blocks = state.block_ids[first : first + fetched]
-        slots = job.lease.slots[:fetched]
         payload, check_sums = ctx.payload_nbytes, ctx.config.verify_checksums
-        segments = ctx.segments
-        staging, rows, lent = job.lease.pool.buffer, ctx.cache.row_groups(segments), bool(job.lent)
+        segments, rows = ctx.segments, ctx.cache.row_groups(ctx.segments)
+        staged = None if job.lent else (job.lease.pool.buffer, job.lease.slots[:fetched])
 
         def work() -> list[str | None]:
-            staged = None if lent else (staging, slots)
             return check_and_scatter(
                 segments, sources, payload, digests, check_sums, blocks, rows, staged
             )
