@@ -119,7 +119,6 @@ class Reader(Actor[ReadState | SliceJob]):
         """Fetch, verify and place one slice; passes its staging on to the swapper or lets go
         of it. Returns the keys of blocks that failed verification twice (to delete)."""
         owned = True
-        corrupt: list[str] = []
         try:
             corrupt = await self._fetch(msg)
             if msg.valid:
