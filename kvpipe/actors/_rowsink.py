@@ -20,10 +20,11 @@ from .._blockformat import (
     TRAILER_NBYTES,
     UNREADABLE,
     WHOLE_MISMATCH,
+    check_blocks,
     check_trailer,
     place_if_sound,
 )
-from .._hostcopy import scatter_values
+from .._hostcopy import Rows, scatter_values
 from ..backends._base import FetchSink
 from ._base import ActorContext
 from ._channels import SliceJob
@@ -136,6 +137,20 @@ class RowSink(FetchSink):
             finally:
                 self._exit()
         return True
+
+    def place_unseen(self, unseen: list[int], sources: list[Rows]) -> None:
+        """Check values ``unseen``, never handed over, in ``sources`` (one each) and copy the
+        sound ones into the cache, recording their verdicts. Blocking; the caller holds the
+        read's claim on the cache (after :meth:`close`)."""
+        checks = check_blocks(
+            sources, self._payload, [self._digests[i] for i in unseen], self._verify
+        )
+        sound = [j for j, c in enumerate(checks) if c is None]
+        if sound:
+            blocks = [int(self._blocks[unseen[j]]) for j in sound]
+            scatter_values(self._segments, [sources[j] for j in sound], blocks, self._groups)
+        for i, check in zip(unseen, checks, strict=True):
+            self.checks[i], self.seen[i], self.placed[i] = check, True, check is None
 
     def _enter(self) -> bool:
         with self._lock:

@@ -20,7 +20,7 @@ import anyio.lowlevel
 from .._blockformat import check_blocks
 from .._engine import INLINE_COPY_BYTES
 from .._errors import BackendError
-from .._hostcopy import check_and_scatter, gather, scatter_values
+from .._hostcopy import check_and_scatter, gather
 from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
 from .._staging import StagingLease
@@ -380,34 +380,17 @@ class Reader(Actor[ReadState | SliceJob]):
         return checks
 
     async def _place_unseen(self, job: SliceJob, sink: RowSink, fetched: int) -> None:
-        """Check the leading ``fetched`` blocks the store did not hand to ``sink`` and copy the
-        sound ones into the cache, in one shielded call; their verdicts go into ``sink``."""
-        ctx, spec, state = self.ctx, job.spec, job.state
+        """:meth:`RowSink.place_unseen` of the leading ``fetched`` blocks the store did not
+        hand to ``sink``, in one shielded call."""
         unseen = [i for i in range(fetched) if not sink.seen[i]]
         if not unseen:
             return
-        first = spec.first_block
         sources = [job.sources(i, i + 1)[0] for i in unseen]
-        digests = ctx.digests_of(state, spec)
-        blocks = [int(state.block_ids[first + i]) for i in unseen]
-        payload, check_sums = ctx.payload_nbytes, ctx.config.verify_checksums
-        segments, rows = ctx.segments, ctx.cache.row_groups(ctx.segments)
-
-        def work() -> list[str | None]:
-            checks = check_blocks(sources, payload, [digests[i] for i in unseen], check_sums)
-            sound = [j for j, c in enumerate(checks) if c is None]
-            if sound:
-                scatter_values(
-                    segments, [sources[j] for j in sound], [blocks[j] for j in sound], rows
-                )
-            return checks
-
+        nbytes, deadline = len(unseen) * self.ctx.payload_nbytes, job.state.deadline
         with anyio.CancelScope(shield=True):
-            checks = await ctx.run_copy(
-                len(unseen) * payload, work, hold=job.lease, start_by=state.deadline
+            await self.ctx.run_copy(
+                nbytes, sink.place_unseen, unseen, sources, hold=job.lease, start_by=deadline
             )
-        for i, check in zip(unseen, checks, strict=True):
-            sink.checks[i], sink.seen[i], sink.placed[i] = check, True, check is None
 
     async def _check_again(
         self, job: SliceJob, lo: int, again: list[BlockStatus]
