@@ -103,21 +103,16 @@ class Spares:
             self._files -= 1
         return "/".join((*parts, name)).encode()
 
-    def drain(self, root: Root) -> int:
-        """Remove every held file (at close, or when the disk is full); how many were."""
+    def drain(self, root: Root) -> None:
+        """Remove every held file (at close, or when the disk is full)."""
         with self._lock:
             held = self._by_size
             self._by_size = {}
             for size, queue in held.items():
                 self._held -= size * len(queue)
                 self._files -= len(queue)
-        removed = 0
         for parts, name in (entry for queue in held.values() for entry in queue):
-            try:
-                removed += root.remove_temp(parts, name)
-            except OSError as exc:
-                log.warning("file store %s: cannot remove %s: %s", root.path, name, exc)
-        return removed
+            _remove(root, parts, name)
 
     def _room(self, nbytes: int) -> bool:
         """Reserve room for a file of ``nbytes``; whether there was."""
@@ -138,10 +133,14 @@ def remove_taken(root: Root, taken: Sequence[bytes | None]) -> None:
     """Remove spare files taken out of a pool (:meth:`Spares.take`) that a write did not get
     to use (it failed before it began); any already gone are skipped. Never raises."""
     for path in taken:
-        if path is None:
-            continue
-        *parts, name = path.decode().split("/")
-        try:
-            root.remove_temp(parts, name)
-        except OSError as exc:
-            log.warning("file store %s: cannot remove %s: %s", root.path, name, exc)
+        if path is not None:
+            *parts, name = path.decode().split("/")
+            _remove(root, parts, name)
+
+
+def _remove(root: Root, parts: Sequence[str], name: str) -> None:
+    """Remove a spare file; an error is logged, not raised."""
+    try:
+        root.remove_temp(parts, name)
+    except OSError as exc:
+        log.warning("file store %s: cannot remove %s: %s", root.path, name, exc)
