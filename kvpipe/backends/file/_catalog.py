@@ -61,6 +61,11 @@ CREATE TABLE IF NOT EXISTS residency (
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('bytes', 0);
 """
+#: The record of a block file found published: (key, namespace, nbytes, created, last_access).
+_INSERT_READY: Final = (
+    "INSERT INTO blocks (key, parent, namespace, nbytes, created, last_access, ready) "
+    "VALUES (?, NULL, ?, ?, ?, ?, 1)"
+)
 
 
 class CatalogFull(OSError):
@@ -350,11 +355,7 @@ class Catalog:
                 change += size - row[0]
             else:  # published, its record dropped meanwhile (another put of it failed)
                 at = now or time.time()
-                db.execute(
-                    "INSERT INTO blocks (key, parent, namespace, nbytes, created, last_access, "
-                    "ready) VALUES (?, NULL, ?, ?, ?, ?, 1)",
-                    (key, key_namespace(key), size, at, at),
-                )
+                db.execute(_INSERT_READY, (key, key_namespace(key), size, at, at))
                 change += size
         if change:
             db.execute("UPDATE meta SET value=value+? WHERE name='bytes'", (change,))
@@ -383,11 +384,7 @@ class Catalog:
                 if row and not row[0] and there:
                     db.execute("UPDATE blocks SET ready=1 WHERE key=?", (key,))
                 return False
-            db.execute(
-                "INSERT INTO blocks (key, parent, namespace, nbytes, created, last_access, "
-                "ready) VALUES (?, NULL, ?, ?, ?, ?, 1)",
-                (key, namespace, nbytes, created, created),
-            )
+            db.execute(_INSERT_READY, (key, namespace, nbytes, created, created))
             db.execute("UPDATE meta SET value=value+? WHERE name='bytes'", (nbytes,))
         return True
 
