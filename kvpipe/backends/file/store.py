@@ -375,14 +375,7 @@ class FileStore(StorageBackend):
         if BlockStatus.NO_SPACE in statuses:
             self._spares.drain(root)
         self._count(blocks_written=len(written), bytes_written=len(written) * value_nbytes)
-        if errors:  # one line per batch, not per block
-            log.warning(
-                "file store %s: %d of %d blocks failed to write: %s",
-                root.path,
-                len(errors),
-                len(keys),
-                _some(errors),
-            )
+        _warn(root, errors, len(keys), "failed to write")
         return statuses
 
     def _write(
@@ -496,14 +489,7 @@ class FileStore(StorageBackend):
             return self._read(hooks, root, keys, buffers, fingerprint, part)
 
         statuses = self._in_shares(share, list(range(len(keys))))
-        if errors:  # one line per batch, not per block
-            log.warning(
-                "file store %s: %d of %d blocks could not be read: %s",
-                root.path,
-                len(errors),
-                len(keys),
-                _some(errors),
-            )
+        _warn(root, errors, len(keys), "could not be read")
         bad = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.CORRUPT]
         ok = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.OK]
         if bad:
@@ -626,10 +612,15 @@ class FileStore(StorageBackend):
         return counters | spares
 
 
-def _some(errors: Sequence[str], shown: int = 3) -> str:
-    """The first ``shown`` errors of a batch, and how many more there were."""
-    more = f"; and {len(errors) - shown} more" if len(errors) > shown else ""
-    return "; ".join(errors[:shown]) + more
+def _warn(root: Root, errors: Sequence[str], total: int, what: str, shown: int = 3) -> None:
+    """Log a batch's errors in one line, not one per block: the first ``shown``, and how many
+    more there were."""
+    if errors:
+        more = f"; and {len(errors) - shown} more" if len(errors) > shown else ""
+        some = "; ".join(errors[:shown]) + more
+        log.warning(
+            "file store %s: %d of %d blocks %s: %s", root.path, len(errors), total, what, some
+        )
 
 
 def _place_read(sink: FetchSink, index: int, value: memoryview, checksum: int) -> bool:
