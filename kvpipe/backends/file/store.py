@@ -184,6 +184,7 @@ class FileStore(StorageBackend):
 
     def _open_sync(self) -> None:
         root = Root(self.path)
+        catalog: Catalog | None = None
         try:
             allowed = self.direct_io is not False and probe_direct(root.fd, self._scratch)
             if self.direct_io and not allowed:
@@ -195,16 +196,13 @@ class FileStore(StorageBackend):
             self._native = native_available() and root.confined_opens()
             self._spares = Spares(self.spare_bytes if self._native else 0)
             catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"), owner_token())
+            report = recover(root, catalog, self.stale_temp_after) if self.scan_on_open else None
         except BaseException:
+            if catalog is not None:
+                catalog.close()
             root.close()
             raise
-        if self.scan_on_open:
-            try:
-                report = recover(root, catalog, self.stale_temp_after)
-            except BaseException:
-                catalog.close()
-                root.close()
-                raise
+        if report is not None:
             self._count(
                 temp_files_removed=report.temp_removed,
                 adopted=report.adopted,
