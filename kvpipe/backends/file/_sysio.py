@@ -85,7 +85,7 @@ class _OpenHow(ctypes.Structure):
 # symbolic link or escape from the directory.
 _SYS_OPENAT2: Final = {"x86_64": 437, "aarch64": 437}.get(platform.machine())
 _RESOLVE: Final = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
-_libc: ctypes.CDLL | None = None
+_libc: Final = ctypes.CDLL(None, use_errno=True)
 _have_openat2 = _SYS_OPENAT2 is not None and sys.platform == "linux"
 
 
@@ -96,11 +96,9 @@ def openat2(dir_fd: int, rel: str, flags: int) -> int | None:
         UnsafePath: The path crosses a symbolic link or leaves the directory.
         OSError: Anything else (``FileNotFoundError`` ...).
     """
-    global _libc, _have_openat2
+    global _have_openat2
     if not _have_openat2:
         return None
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
     how = _OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE)
     fd = int(
         _libc.syscall(_SYS_OPENAT2, dir_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
@@ -191,11 +189,9 @@ _have_cachestat = _SYS_CACHESTAT is not None and sys.platform == "linux"
 def cached_pages(fd: int) -> int | None:
     """How many of the file's pages the page cache holds; ``None`` where the kernel cannot
     say."""
-    global _libc, _have_cachestat
+    global _have_cachestat
     if not _have_cachestat:
         return None
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
     stat = _CacheStat()
     whole = _CacheStatRange(0, 0)
     if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(whole), ctypes.byref(stat), 0) != 0:
