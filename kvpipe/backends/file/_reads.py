@@ -27,7 +27,6 @@ __all__ = (
     "PayloadCheck",
     "ReadHooks",
     "check_file",
-    "native_available",
     "read_batch",
     "read_cached",
     "read_mapped",
@@ -38,11 +37,6 @@ __all__ = (
 
 #: Whether a payload hashes to the checksum given (the header's); see :func:`check_file`.
 PayloadCheck = Callable[[int], bool]
-
-
-def native_available() -> bool:
-    """Whether the native batch reader was built."""
-    return _native.fileio is not None
 
 
 @final

@@ -36,6 +36,7 @@ from .._base import (
     validate_key,
 )
 from .._inflight import InFlight, ThreadGate
+from . import _native
 from ._catalog import Catalog, CatalogFull
 from ._direct import Scratch, is_aligned, probe_direct
 from ._format import PAGE, block_location, file_nbytes, key_namespace
@@ -43,7 +44,6 @@ from ._fs import Durability, Root, owner_token, store_root
 from ._inspect import recover
 from ._reads import (
     ReadHooks,
-    native_available,
     read_batch,
     read_cached,
     read_mapped,
@@ -193,7 +193,7 @@ class FileStore(StorageBackend):
             self._direct = (
                 allowed and not self.cached_writes and (self.direct_io or self.durability != "none")
             )
-            self._native = native_available() and root.confined_opens()
+            self._native = _native.fileio is not None and root.confined_opens()
             self._spares = Spares(self.spare_bytes if self._native else 0)
             catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"), owner_token())
             report = recover(root, catalog, self.stale_temp_after) if self.scan_on_open else None
