@@ -559,12 +559,11 @@ class FileStore(StorageBackend):
         def probe() -> list[bool]:
             if self._native:
                 return regular_files(root, keys)
-            out: list[bool] = []
-            for key in keys:
-                if out and not out[-1]:
-                    out.append(False)
-                else:
-                    out.append(root.exists(*block_location(key)))
+            out = [False] * len(keys)
+            for i, key in enumerate(keys):
+                if not root.exists(*block_location(key)):
+                    break
+                out[i] = True
             return out
 
         return await self._thread("exists", probe)
