@@ -409,12 +409,7 @@ class Root:
 
     def unlink(self, parts: Sequence[str], name: str) -> bool:
         """Remove ``parts/name``; ``False`` when it was not there."""
-        try:
-            with self.directory(parts, create=False) as dfd:
-                os.unlink(_check(name), dir_fd=dfd)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        return True
+        return self._unlink(parts, _check(name))
 
     def quarantine(
         self, parts: Sequence[str], name: str, valid: Callable[[int], bool] | None = None
@@ -500,6 +495,9 @@ class Root:
         """
         if parse_temp_name(name) is None:  # its full pattern: no separator, no NUL
             raise UnsafePath(errno.EINVAL, f"{name!r} is not a temporary file of the store")
+        return self._unlink(parts, name)
+
+    def _unlink(self, parts: Sequence[str], name: str) -> bool:
         try:
             with self.directory(parts, create=False) as dfd:
                 os.unlink(name, dir_fd=dfd)
