@@ -173,7 +173,6 @@ class Root:
         self.fd = os.open(self.path, _DIR_FLAGS & ~os.O_NOFOLLOW)
 
     def close(self) -> None:
-        """Close the root descriptor."""
         os.close(self.fd)
 
     def confined_opens(self) -> bool:

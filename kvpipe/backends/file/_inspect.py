@@ -73,7 +73,6 @@ def _header_of(fd: int, parts: tuple[str, ...], name: str) -> tuple[BlockHeader,
 
 
 def _is_block(parts: tuple[str, ...], name: str, fd: int) -> bool:
-    """Whether the file open at ``fd`` is a valid block file for ``parts/name``."""
     try:
         _header_of(fd, parts, name)
     except (HeaderError, OSError):

@@ -41,11 +41,9 @@ class Abandon:
         self.flag = bytearray(1)
 
     def set(self) -> None:
-        """Abandon the put."""
         self.flag[0] = 1
 
     def is_set(self) -> bool:
-        """Whether the put was abandoned."""
         return bool(self.flag[0])
 
 
