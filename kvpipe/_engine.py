@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import final
+from typing import Any, TypeVar, final
 
 import anyio
 
@@ -17,12 +17,38 @@ from ._errors import RequestError
 from ._hostcopy import gather, scatter
 from ._plan import CopyPlan
 from ._staging import StagingLease, StagingPool
-from ._workers import Lane, ThreadRunner
+from ._workers import Lane, NotStarted, ThreadRunner
 
-__all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine", "OrderMark")
+__all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine", "OrderMark", "run_copy")
+
+T = TypeVar("T")
 
 #: Copies up to this many bytes run on the event loop (cheaper than a thread hop).
 INLINE_COPY_BYTES = 256 * 1024
+
+
+async def run_copy(
+    runner: ThreadRunner,
+    lane: Lane,
+    nbytes: int,
+    fn: Callable[..., T],
+    *args: Any,
+    hold: StagingLease,
+    start_by: float | None = None,
+) -> T:
+    """``fn(*args)``, host work on ``nbytes`` of staging: inline after one checkpoint when
+    small, else in a copy worker thread of ``lane`` (holding ``hold`` until it returns).
+
+    Raises:
+        NotStarted: ``start_by`` (event-loop time) passed before the work started, inline
+            or in a thread: it never runs (a shielded caller's checkpoint is no cancel point).
+    """
+    if nbytes <= INLINE_COPY_BYTES:
+        await anyio.lowlevel.checkpoint()
+        if start_by is not None and anyio.current_time() >= start_by:
+            raise NotStarted(f"not started by {start_by:.3f}")
+        return fn(*args)
+    return await runner.run(fn, *args, hold=hold, lane=lane, start_by=start_by)
 
 
 class OrderMark(abc.ABC):
@@ -137,7 +163,16 @@ class HostEngine(CopyEngine):
     ) -> None:
         """See :meth:`CopyEngine.gather` (``after`` is always ``None`` for host caches)."""
         rows = self.cache.row_groups(plan.segments)
-        await self._run(plan, gather, plan, rows, lease.pool.buffer, hold=lease)
+        await run_copy(
+            self.runner,
+            self.limiter,
+            plan.nbytes,
+            gather,
+            plan,
+            rows,
+            lease.pool.buffer,
+            hold=lease,
+        )
 
     async def scatter(
         self,
@@ -149,18 +184,8 @@ class HostEngine(CopyEngine):
     ) -> None:
         """See :meth:`CopyEngine.scatter` (a small copy runs at once, on the event loop)."""
         rows = self.cache.row_groups(plan.segments)
-        await self._run(plan, scatter, plan, lease.pool.buffer, rows, hold=lease, start_by=start_by)
-
-    async def _run(
-        self,
-        plan: CopyPlan,
-        fn: Callable[..., object],
-        *args: object,
-        hold: StagingLease,
-        start_by: float | None = None,
-    ) -> None:
-        if plan.nbytes <= INLINE_COPY_BYTES:
-            await anyio.lowlevel.checkpoint()
-            fn(*args)
-        else:
-            await self.runner.run(fn, *args, hold=hold, lane=self.limiter, start_by=start_by)
+        buffer = lease.pool.buffer
+        await run_copy(
+            self.runner, self.limiter, plan.nbytes, scatter, plan, buffer, rows, hold=lease,
+            start_by=start_by,
+        )  # fmt: skip

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import kvpipe
+from kvpipe import _engine as engine_module
 from kvpipe.actors import _base as base_module
 from kvpipe.actors import writer as writer_module
 from tests.fakes import Act, CrashHooks, ScriptedStore
@@ -195,6 +196,8 @@ async def test_a_crash_beside_a_gather_in_a_thread_leaves_no_cycle(
         return gather_sealed(*args)
 
     monkeypatch.setattr(base_module, "INLINE_COPY_BYTES", 0)
+
+    monkeypatch.setattr(engine_module, "INLINE_COPY_BYTES", 0)
     monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
     monkeypatch.setattr(base_module, "gather_sealed", held)
     store = _HoldingStore()

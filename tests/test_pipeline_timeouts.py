@@ -14,6 +14,7 @@ import trio.testing
 import xxhash
 
 import kvpipe
+from kvpipe import _engine as engine_module
 from kvpipe._keys import as_tokens, block_keys
 from kvpipe.actors import _base as base_module
 from kvpipe.actors import reader as reader_module
@@ -295,6 +296,7 @@ async def test_a_gather_waiting_for_a_copy_thread_ends_at_the_deadline(
 
     monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
     monkeypatch.setattr(base_module, "INLINE_COPY_BYTES", 0)
+    monkeypatch.setattr(engine_module, "INLINE_COPY_BYTES", 0)
     monkeypatch.setattr(base_module, "gather_sealed", stuck)
     try:
         async with kvpipe.open_pipeline(_cache(), ScriptedStore(), config=_config()) as pipe:
@@ -351,7 +353,7 @@ async def test_a_read_whose_copy_waits_for_a_busy_thread_ends_at_its_deadline(
     try:
         async with kvpipe.open_pipeline(_cache(), ScriptedStore(), config=_config()) as pipe:
             assert (await pipe.write(TOKENS, IDS)).written == 16
-            for module in (writer_module, base_module, reader_module):
+            for module in (writer_module, base_module, engine_module, reader_module):
                 monkeypatch.setattr(module, "INLINE_COPY_BYTES", 0)
             monkeypatch.setattr(base_module, "gather_sealed", stuck)
             async with anyio.create_task_group() as tg:
@@ -428,7 +430,7 @@ async def test_a_refetched_block_whose_check_waits_for_a_busy_thread_ends_at_the
             assert (await pipe.write(TOKENS, IDS)).complete
             # Gathers and the second check in a thread; the first check-and-scatter inline,
             # so no thread runs before the stuck one (virtual time jumps while one runs).
-            for module in (writer_module, base_module):
+            for module in (writer_module, base_module, engine_module):
                 monkeypatch.setattr(module, "INLINE_COPY_BYTES", 0)
             monkeypatch.setattr(base_module, "gather_sealed", stuck)
             start = anyio.current_time()
@@ -494,6 +496,7 @@ async def test_a_stage_back_waiting_for_a_busy_thread_ends_the_read_at_its_deadl
             # copy back of blocks 0-2, a write's gather of four).
             monkeypatch.setattr(writer_module, "INLINE_COPY_BYTES", 0)
             monkeypatch.setattr(base_module, "INLINE_COPY_BYTES", payload)
+            monkeypatch.setattr(engine_module, "INLINE_COPY_BYTES", payload)
             monkeypatch.setattr(base_module, "gather_sealed", stuck)
             written: list[kvpipe.WriteResult] = []
 

@@ -21,7 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._cache import KVCache
 from .._config import PipelineConfig
-from .._engine import INLINE_COPY_BYTES, CopyEngine
+from .._engine import INLINE_COPY_BYTES, CopyEngine, run_copy
 from .._errors import BackendError
 from .._hostcopy import gather_sealed, seal_slots
 from .._keys import Scope, key_digest
@@ -189,13 +189,9 @@ class ActorContext:
         hold: StagingLease,
         start_by: float | None = None,
     ) -> T:
-        """Run host work on staging: inline when small, else in a copy worker thread (one
-        not started by ``start_by`` never starts: :class:`~kvpipe._workers.NotStarted`)."""
-        if nbytes <= INLINE_COPY_BYTES:
-            await anyio.lowlevel.checkpoint()
-            return fn(*args)
-        return await self.runner.run(
-            fn, *args, hold=hold, lane=self.copy_limiter, start_by=start_by
+        """:func:`kvpipe._engine.run_copy` in the pipeline's copy threads."""
+        return await run_copy(
+            self.runner, self.copy_limiter, nbytes, fn, *args, hold=hold, start_by=start_by
         )
 
     def digests_of(self, state: WriteState | ReadState, spec: SliceSpec) -> list[bytes]:
