@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvpipe
+import kvpipe.cuda
+from kvpipe.cuda import DeviceProbe
 
 PACKAGE = Path(kvpipe.__file__).parent
 IMPORTS_CUDA = re.compile(r"^\s*(from\s+cuda[\s.]|import\s+cuda[\s.])", re.MULTILINE)
@@ -34,3 +38,44 @@ def test_importing_the_device_path_loads_no_cuda_module() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_probing_without_the_driver_library_imports_no_cuda_module() -> None:
+    """Where ``libcuda.so.1`` does not load, the probe says so without importing
+    cuda-python (tens of ms, and ~8,000 objects every full garbage collection traverses)."""
+    code = (
+        "import ctypes, sys\n"
+        "from kvpipe.cuda import probe_device\n"
+        "try:\n"
+        "    ctypes.CDLL('libcuda.so.1')\n"
+        "    loads = True\n"
+        "except OSError:\n"
+        "    loads = False\n"
+        "probe = probe_device()\n"
+        "print(loads, probe.available, probe.note.startswith('no CUDA driver: libcuda.so.1'),\n"
+        "      sorted(m for m in sys.modules if m.split('.')[0] == 'cuda'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    )
+    if out.stdout.startswith("True"):
+        pytest.skip("the CUDA driver library loads here")
+    assert out.stdout.strip() == "False False True []"
+
+
+def test_the_probe_imports_cuda_python_only_where_the_driver_library_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # importing it raises ImportError
+
+    def absent(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(kvpipe.cuda.ctypes, "CDLL", absent)
+    probe = kvpipe.cuda.probe_device.__wrapped__()
+    assert probe == DeviceProbe(
+        False, 0, "no CUDA driver: libcuda.so.1: cannot open shared object file"
+    )
+    monkeypatch.setattr(kvpipe.cuda.ctypes, "CDLL", lambda name: None)
+    probe = kvpipe.cuda.probe_device.__wrapped__()
+    assert not probe.available and probe.note.startswith("cuda-python not importable")
