@@ -18,6 +18,13 @@ PACKAGE = Path(kvpipe.__file__).parent
 IMPORTS_CUDA = re.compile(r"^\s*(from\s+cuda[\s.]|import\s+cuda[\s.])", re.MULTILINE)
 
 
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh interpreter beside the package."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    )
+
+
 def test_only_kvpipe_cuda_imports_cuda_python() -> None:
     offenders = [
         str(path.relative_to(PACKAGE))
@@ -34,9 +41,7 @@ def test_importing_the_device_path_loads_no_cuda_module() -> None:
         "import kvpipe.cuda._nvrtc, kvpipe.cuda._kernels, kvpipe.cuda._pinned\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cuda'))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
-    )
+    out = _python(code)
     assert out.stdout.strip() == "[]"
 
 
@@ -55,9 +60,7 @@ def test_probing_without_the_driver_library_imports_no_cuda_module() -> None:
         "print(loads, probe.available, probe.note.startswith('no CUDA driver: libcuda.so.1'),\n"
         "      sorted(m for m in sys.modules if m.split('.')[0] == 'cuda'))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
-    )
+    out = _python(code)
     if out.stdout.startswith("True"):
         pytest.skip("the CUDA driver library loads here")
     assert out.stdout.strip() == "False False True []"
