@@ -16,7 +16,7 @@ from ._cache import KVCache
 from ._errors import RequestError
 from ._hostcopy import gather, scatter
 from ._plan import CopyPlan
-from ._staging import StagingLease, StagingPool
+from ._staging import StagingLease
 from ._workers import Lane, NotStarted, ThreadRunner
 
 __all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine", "OrderMark", "run_copy")
@@ -147,13 +147,11 @@ class HostEngine(CopyEngine):
     def __init__(
         self,
         cache: KVCache,
-        pool: StagingPool,
         runner: ThreadRunner,
         limiter: Lane,
         note: str = "",
     ) -> None:
         self.cache = cache
-        self.pool = pool
         self.runner = runner
         self.limiter = limiter
         self.note = note

@@ -214,7 +214,7 @@ class Runtime:
         assert pool is not None
         if self.engine is None:
             assert self._device is not None  # probed in prepare
-            self.engine = HostEngine(self.cache, pool, runner, copy_limiter, self._device.note)
+            self.engine = HostEngine(self.cache, runner, copy_limiter, self._device.note)
         engine = self.engine
         self._outboxes, self._inboxes = outboxes, inbox = open_channels(cfg.queue_depth)
         ctx = ActorContext(

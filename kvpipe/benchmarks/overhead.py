@@ -97,7 +97,7 @@ class PlainLoop:
         self.scope = Scope("plain", layout.fingerprint)
         self.pool = StagingPool(self.payload + 48, 2 * slice_blocks)
         self.limiter = Lane(2)
-        self.engine = HostEngine(cache, self.pool, runner, self.limiter)
+        self.engine = HostEngine(cache, runner, self.limiter)
 
     async def request(self, tokens: Any, ids: Any, write: bool) -> None:
         """Write (or read) one sequence, slice after slice, as the actors would."""

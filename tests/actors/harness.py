@@ -119,7 +119,7 @@ async def harness(
             io_limiter=Lane(4),
             hooks=PipelineHooks(),
             outboxes=outboxes,
-            engine=HostEngine(cache, pool, runner, Lane(2)),
+            engine=HostEngine(cache, runner, Lane(2)),
         )
         try:
             yield Harness(ctx, inboxes, sends)
