@@ -204,15 +204,23 @@ class ActorContext:
         end = min((first + len(keys)) * self.layout.block_size, len(tokens))
         return KeyBatch(self.scope, request_id, keys, first, tokens[:end])
 
-    def staged_batch(self, job: SliceJob, kind: type[PutBatch] | type[GetBatch]) -> Any:
-        """The put or get batch of a slice job, over its staging lease."""
+    def staged_batch(
+        self,
+        job: SliceJob,
+        kind: type[PutBatch] | type[GetBatch],
+        lo: int = 0,
+        hi: int | None = None,
+    ) -> Any:
+        """The put or get batch of a slice job's blocks ``[lo, hi)`` (default: all of them),
+        over their slots of its staging lease."""
         state, spec = job.state, job.spec
         assert state.keys is not None
-        first, keys = spec.first_block, state.keys.keys
+        first, keys = spec.first_block + lo, state.keys.keys
+        end = spec.end_block if hi is None else spec.first_block + hi
         batch = kind(
             self.scope,
             state.request_id,
-            keys[first : spec.end_block],
+            keys[first:end],
             first,
             state.tokens[: spec.token_end],
             keys[first - 1] if first > 0 else None,
@@ -220,6 +228,7 @@ class ActorContext:
             value_nbytes=self.value_nbytes,
             runner=self.runner,
             limiter=self.io_limiter,
+            offset=lo,
         )
         if isinstance(batch, PutBatch):
             batch.may_keep = job.data is not None

@@ -414,21 +414,7 @@ class Reader(Actor[ReadState | SliceJob]):
         """Fetch blocks ``[lo, hi)`` of a slice again into their own slots; ``None`` when
         that fails or runs out of time."""
         ctx, spec, state = self.ctx, job.spec, job.state
-        full = ctx.staged_batch(job, GetBatch)
-        batch = GetBatch(
-            full.scope,
-            full.request_id,
-            full.keys[lo:hi],
-            spec.first_block + lo,
-            full.token_prefix,
-            full.keys[lo - 1] if lo else full.parent_key,
-            lease=job.lease,
-            value_nbytes=ctx.value_nbytes,
-            runner=ctx.runner,
-            limiter=ctx.io_limiter,
-            offset=lo,
-            may_lend=ctx.keep_values,
-        )
+        batch = ctx.staged_batch(job, GetBatch, lo, hi)
         with state.bound(deadline, ("refetch", spec.index), spec.first_block + lo):
             try:
                 raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
