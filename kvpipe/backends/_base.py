@@ -136,10 +136,6 @@ class _StagedBatch(KeyBatch):
     def _views(self) -> list[memoryview]:
         return [self._lease.pool.slot(s).data for s in self._slots()]
 
-    def staging_views(self) -> list[memoryview]:
-        """Read-only views of this batch's staging slots, one per key."""
-        return [m.toreadonly() for m in self._views()]
-
     def hold(self) -> Callable[[], None]:
         """Keep this batch's staging leased past the call, for work that completes in the
         background; call the returned function when that work no longer touches the buffers

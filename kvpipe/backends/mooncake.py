@@ -501,7 +501,7 @@ class MooncakeStore(StorageBackend):
                 keys,
                 batch.buffer_addresses(),
                 batch.value_nbytes,
-                batch.staging_views(),
+                batch.values,
             )
         except BackendError:
             raise

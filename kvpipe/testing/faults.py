@@ -255,7 +255,7 @@ class FaultyStore(StorageBackend):
         call, rng, rules = self._begin("put", batch, batch.keys)
         call.addresses = tuple(batch.buffer_addresses())
         call.value_nbytes = batch.value_nbytes
-        call.digests = self._digests(batch.staging_views())
+        call.digests = self._digests(batch.values)
         return await self._run(call, self._put(batch, call, rng, rules))  # type: ignore[no-any-return]
 
     async def _put(
@@ -311,7 +311,7 @@ class FaultyStore(StorageBackend):
                     await anyio.sleep(delay)
                     box.append(list(await fn(batch)))
                     if isinstance(batch, PutBatch):
-                        call.late_digests = self._digests(batch.staging_views())
+                        call.late_digests = self._digests(batch.values)
             except Exception as exc:
                 box.append(exc)
             finally:
