@@ -259,7 +259,8 @@ class Pipeline:
 
         Cancellation: cancelling the caller abandons the query; nothing changes in the store.
         """
-        return int(await self._call("lookup", token_ids, include_partial, timeout))
+        tokens, partial = check_tokens(token_ids), check_include_partial(include_partial)
+        return int(await self._call("lookup", tokens, partial, timeout))
 
     async def flush_index(
         self,
@@ -308,18 +309,18 @@ class Pipeline:
             RequestError, BackendError, OperationTimeout, PipelineClosed: as for
             :meth:`lookup`.
         """
-        return list(await self._call("locate", token_ids, include_partial, timeout))
+        tokens, partial = check_tokens(token_ids), check_include_partial(include_partial)
+        return list(await self._call("locate", tokens, partial, timeout))
 
     async def _call(
         self,
         op: Literal["lookup", "locate", "flush"],
-        token_ids: Any,
+        tokens: Tokens,
         include_partial: bool,
         timeout: float | None,
         **params: Any,
     ) -> Any:
-        tokens = check_tokens(token_ids)
-        check_include_partial(include_partial)
+        """Run a key-only call over ``tokens`` and ``include_partial``, both checked."""
         limit = check_timeout(timeout, self.config.lookup_timeout)
         now = anyio.current_time()
         state = await self._runtime.run(  # bound only on return, as in write

@@ -244,6 +244,27 @@ async def test_backends_get_a_read_only_private_copy_of_the_tokens() -> None:
     assert not np.shares_memory(seen[0], tokens) and tokens[0] == 0
 
 
+@pytest.mark.parametrize("op", ["lookup", "locate", "flush_index"])
+async def test_key_only_calls_copy_the_tokens_once(
+    op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long sequence's tokens are checked and copied once per call, not once more on the
+    way to the actors (flush_index checks them before the call, to bound start_block)."""
+    import kvpipe.pipeline as pipeline_module
+
+    copies: list[int] = []
+    check = pipeline_module.check_tokens
+
+    def counted(token_ids: object) -> np.ndarray:
+        copies.append(1)
+        return check(token_ids)
+
+    monkeypatch.setattr(pipeline_module, "check_tokens", counted)
+    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore()) as pipe:
+        await getattr(pipe, op)(np.arange(BLOCK * 4, dtype=np.int64))
+    assert len(copies) == 1
+
+
 class HangingUnregisterStore(kvpipe.MemoryStore):
     """A store whose ``unregister_staging`` never returns (a vendor call waiting on a server
     that is gone)."""
