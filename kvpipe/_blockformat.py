@@ -23,13 +23,10 @@ import xxhash
 
 __all__ = (
     "TRAILER_NBYTES",
-    "check_block",
     "check_blocks",
     "check_trailer",
     "gather_seal_blocks",
     "place_if_sound",
-    "seal_and_digest",
-    "seal_block",
     "seal_blocks",
     "value_nbytes",
 )
@@ -56,19 +53,6 @@ def value_nbytes(payload_nbytes: int) -> int:
     return payload_nbytes + TRAILER_NBYTES
 
 
-def seal_block(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: bool) -> None:
-    """Write the trailer of ``value`` (whose payload is already in place)."""
-    seal_blocks([value], payload_nbytes, [key_digest], checksum)
-
-
-def seal_and_digest(value: Bytes, payload_nbytes: int, key_digest: bytes, checksum: bool) -> int:
-    """:func:`seal_block`, and return the XXH3-64 of the whole sealed value, from the same
-    pass over the payload (:attr:`kvpipe.backends.PutBatch.checksums`)."""
-    digests = seal_blocks([value], payload_nbytes, [key_digest], checksum, whole=True)
-    assert digests is not None
-    return digests[0]
-
-
 def seal_blocks(
     values: Sequence[Bytes],
     payload_nbytes: int,
@@ -78,7 +62,8 @@ def seal_blocks(
     whole: bool | None = None,
 ) -> list[int] | None:
     """Write the trailer of each value (payloads already in place). With ``whole`` (default:
-    ``checksum``), also return each whole sealed value's XXH3-64, else ``None``.
+    ``checksum``), also return each whole sealed value's XXH3-64, from the same pass over the
+    payload (:attr:`kvpipe.backends.PutBatch.checksums`), else ``None``.
 
     Raises:
         ValueError: The key digests do not match the values one for one.
@@ -140,22 +125,16 @@ def gather_seal_blocks(
     return digests
 
 
-def check_block(value: Bytes, payload_nbytes: int, key_digest: bytes, verify: bool) -> str | None:
-    """Check a fetched value; ``None`` when it is sound, else why it is not.
-
-    Args:
-        value: The value's bytes (at least ``payload_nbytes + TRAILER_NBYTES`` long).
-        payload_nbytes: The payload size the layout expects.
-        key_digest: Digest of the key it was fetched under.
-        verify: Also recompute the payload checksum, when the writer recorded one.
-    """
-    return check_blocks([value], payload_nbytes, [key_digest], verify)[0]
-
-
 def check_blocks(
     values: Sequence[Bytes], payload_nbytes: int, key_digests: Sequence[bytes], verify: bool
 ) -> list[str | None]:
-    """:func:`check_block` of each value.
+    """Check fetched values: for each, ``None`` when it is sound, else why it is not.
+
+    Args:
+        values: The values' bytes (each at least ``payload_nbytes + TRAILER_NBYTES`` long).
+        payload_nbytes: The payload size the layout expects.
+        key_digests: Digest of the key each was fetched under.
+        verify: Also recompute each payload checksum, when the writer recorded one.
 
     Raises:
         ValueError: The key digests do not match the values one for one.

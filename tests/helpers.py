@@ -17,6 +17,18 @@ import kvpipe
 from kvpipe import _blockformat
 
 
+def seal_block(value: np.ndarray, payload_nbytes: int, key_digest: bytes, checksum: bool) -> None:
+    """Write the trailer of one value (its payload already in place)."""
+    _blockformat.seal_blocks([value], payload_nbytes, [key_digest], checksum)
+
+
+def check_block(
+    value: np.ndarray, payload_nbytes: int, key_digest: bytes, verify: bool
+) -> str | None:
+    """One fetched value's check: ``None`` when it is sound, else why it is not."""
+    return _blockformat.check_blocks([value], payload_nbytes, [key_digest], verify)[0]
+
+
 def needs_native_digests() -> None:
     """Skip the calling test where the C extension ``kvpipe._digests`` could not be built (no
     C compiler); fail it where a compiler is present but the extension is missing: setup.py

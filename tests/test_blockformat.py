@@ -1,4 +1,4 @@
-"""The stored block format: a 48-byte trailer after the payload, and check_block's verdicts.
+"""The stored block format: a 48-byte trailer after the payload, and check_blocks' verdicts.
 
 Every test runs twice: hashing through the native extension (``kvpipe._digests``, where it
 was built) and through python-xxhash, one value at a time."""
@@ -16,17 +16,14 @@ from kvpipe._blockformat import (
     PLACED,
     TRAILER_NBYTES,
     WHOLE_MISMATCH,
-    check_block,
     check_blocks,
     gather_seal_blocks,
     place_if_sound,
-    seal_and_digest,
-    seal_block,
     seal_blocks,
     value_nbytes,
 )
 from kvpipe._keys import key_digest
-from tests.helpers import needs_native_digests
+from tests.helpers import check_block, needs_native_digests, seal_block
 
 NATIVE = blockformat.native
 
@@ -149,13 +146,23 @@ def test_empty_payload() -> None:
 
 
 @pytest.mark.parametrize("checksum", [True, False])
-def test_seal_and_digest_seals_as_seal_block_and_digests_the_whole_value(checksum: bool) -> None:
+def test_sealing_with_whole_digests_seals_the_same_and_digests_the_whole_value(
+    checksum: bool,
+) -> None:
     value = np.zeros(value_nbytes(PAYLOAD), dtype=np.uint8)
     value[:PAYLOAD] = np.arange(PAYLOAD, dtype=np.uint8) * 7
-    digest = seal_and_digest(value, PAYLOAD, DIGEST, checksum)
+    [digest] = _sealed_whole([value], PAYLOAD, [DIGEST], checksum)
     assert np.array_equal(value, _sealed(checksum))
     assert digest == xxhash.xxh3_64_intdigest(value.data)
     assert check_block(value, PAYLOAD, DIGEST, True) is None
+
+
+def _sealed_whole(
+    values: list[np.ndarray], payload: int, digests: list[bytes], checksum: bool
+) -> list[int]:
+    wholes = seal_blocks(values, payload, digests, checksum, whole=True)
+    assert wholes is not None
+    return wholes
 
 
 def _batch(sizes: list[int], seed: int) -> list[np.ndarray]:
@@ -170,7 +177,9 @@ def test_a_batch_seals_as_each_value_alone(payload: int, checksum: bool) -> None
     alone = [v.copy() for v in values]
     keys = [key_digest(f"ns@0123456789abcdef@0-1@{i:02x}") for i in range(4)]
     digests = seal_blocks(values, payload, keys, checksum)
-    wholes = [seal_and_digest(v, payload, k, checksum) for v, k in zip(alone, keys, strict=True)]
+    wholes = [
+        _sealed_whole([v], payload, [k], checksum)[0] for v, k in zip(alone, keys, strict=True)
+    ]
     for v, a in zip(values, alone, strict=True):
         assert np.array_equal(v, a)
     end = value_nbytes(payload)

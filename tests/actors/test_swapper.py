@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import kvpipe
-from kvpipe._blockformat import check_block
 from kvpipe._keys import key_digest
 from kvpipe._plan import plan_slices
 from kvpipe.actors import SliceJob, Swapper
 from tests.actors.harness import BLOCK, harness
+from tests.helpers import check_block
 
 TOKENS = np.arange(6 * BLOCK)
 

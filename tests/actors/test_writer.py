@@ -11,7 +11,6 @@ import trio.testing
 import xxhash
 
 import kvpipe
-from kvpipe._blockformat import check_block
 from kvpipe._keys import as_tokens, key_digest
 from kvpipe.actors import SliceJob, Writer
 from kvpipe.actors import writer as writer_module
@@ -19,6 +18,7 @@ from kvpipe.actors._base import keeps_own_memory
 from kvpipe.backends import BlockStatus, GetBatch
 from tests.actors.harness import BLOCK, Harness, harness
 from tests.fakes import Act, ScriptedStore
+from tests.helpers import check_block
 
 TOKENS = np.arange(12 * BLOCK)
 
