@@ -326,14 +326,13 @@ class ValueMemory:
             slot_nbytes, count, np.frombuffer(memoryview(wrapper), np.uint8).reshape(shape)
         )
 
-    def clear(self, *, hold_more: bool = True) -> None:
-        """Free every buffer held for reuse (those still in use are freed when let go);
-        with ``hold_more=False`` none is held from now on either."""
+    def clear(self) -> None:
+        """Free every buffer held for reuse, and hold none from now on (those still in use
+        are freed when let go)."""
         with self._lock:
             self._free.clear()
             self._held = 0
-            if not hold_more:
-                self.limit_bytes = 0
+            self.limit_bytes = 0
 
     def _returned(self, shape: tuple[int, int], buffer: Rows) -> None:
         with self._lock:

@@ -333,7 +333,10 @@ def test_value_memory_holds_at_most_its_limit_and_clear_frees_it() -> None:
     leases = [memory.lease(1000, 4) for _ in range(3)]
     del leases
     assert memory.held_bytes == 4 * 1024  # one buffer held, two freed
+    in_use = memory.lease(1000, 4)
     memory.clear()
+    assert memory.held_bytes == 0
+    del in_use  # let go after the clear: freed, not held
     assert memory.held_bytes == 0
     none = ValueMemory(limit_bytes=0)
     none.lease(1000, 4)

@@ -197,7 +197,7 @@ class MemoryStore(StorageBackend):
     async def aclose(self) -> None:
         """Free the memory held for reuse and hold none from now on; the values stay, and the
         store still answers calls. Not a checkpoint (nothing to cancel)."""
-        self._memory.clear(hold_more=False)
+        self._memory.clear()
 
     def statistics(self) -> Mapping[str, float]:
         """Blocks, bytes, call counters, and the memory held for reuse (``recycle_held_bytes``;
