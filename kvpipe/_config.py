@@ -67,9 +67,10 @@ class PipelineConfig:
             waiting for the actors and takes the result as it stands. A safety net: the
             actors themselves end every slice by the deadline.
         verify_checksums: Write a checksum into every block and verify it on read.
-        close_timeout: Seconds ``aclose`` waits for in-flight requests and worker threads,
-            and (separately) for the store to unregister the staging; past that, staging
-            still registered is kept allocated, never freed under the store (logged).
+        close_timeout: Seconds ``aclose`` may take: in-flight requests, worker threads, the
+            store's unregistering of the staging and the CUDA engine's drain all end by one
+            deadline, this long after the close began. Past it, what still runs is abandoned
+            (logged) and the memory it may use is kept allocated, never freed under it.
     """
 
     slice_block_num: int = 500
