@@ -22,6 +22,10 @@ in interleaved rounds after one warm-up round:
 - ``link`` (the ceiling of the PCIe link, not a contender): one ``cuMemcpyAsync`` per
   direction of ``slice_bytes`` at a time between one device buffer and pinned memory, no
   host copy at all.
+- ``host`` (the host's side alone, not a contender): ``threads`` threads copying the plain
+  loop's stored values into pinned memory a slice at a time (``copy``: what a read's store
+  does into staging), and the same copies each followed by XXH3 of what landed
+  (``copy_hash``: what a verified read's host passes read and write), no device at all.
 
 Ratios are medians over rounds of pipeline / plain speed. Every round of both contenders
 checks the blocks read back against the blocks written (outside the timed part).
@@ -38,8 +42,10 @@ from types import SimpleNamespace
 from typing import Any, TypeVar, final
 
 import numpy as np
+import xxhash
 from anyio.to_thread import run_sync
 
+from .. import _blockformat
 from .._cache import KVCache
 from .._config import PipelineConfig
 from .._layout import CacheLayout, numpy_dtype
@@ -245,6 +251,35 @@ class _Bench:
             self.drv.mem_free(dev)
         return out
 
+    def host(self) -> dict[str, float]:
+        """GB/s of the host's passes alone (see the module docstring), best of 3 each."""
+        values = [v.reshape(-1) for _, v in sorted(self.plain_store.items())]
+        nbytes, per, threads = self.layout.block_nbytes, self.per_slice, self.cfg.threads
+        native = _blockformat.native
+
+        def work(k: int, digest: bool) -> None:
+            slots = self._hosts[k].array()[: per * nbytes].reshape(per, nbytes)
+            mine = values[k::threads]
+            for first in range(0, len(mine), per):
+                batch = mine[first : first + per]
+                for slot, value in zip(slots, batch, strict=False):
+                    slot[:] = value
+                if digest and native is not None:
+                    native.payload_digests(list(slots[: len(batch)]), nbytes)
+                elif digest:
+                    for slot in slots[: len(batch)]:
+                        xxhash.xxh3_64_intdigest(slot.data)
+
+        out = {}
+        for name, digest in (("copy", False), ("copy_hash", True)):
+            best = math.inf
+            for _ in range(3):
+                started = time.perf_counter()
+                list(self._pool.map(work, range(threads), [digest] * threads))
+                best = min(best, time.perf_counter() - started)
+            out[name] = round(len(values) * nbytes / best / 1e9, 2)
+        return out
+
     def close(self) -> None:
         self._pool.shutdown()
         for stream, event, host in zip(self._streams, self._events, self._hosts, strict=True):
@@ -331,6 +366,7 @@ async def _measure(
                 tick(f"device: round {r}/{cfg.rounds}")
         path = pipe.statistics().device_path
     link = await _on_device(bench.drv, bench.link)
+    host = await run_sync(bench.host)
     return {
         "device": f"{info.name} (sm_{info.capability[0]}{info.capability[1]})",
         "device_path": path,
@@ -344,6 +380,7 @@ async def _measure(
         "verify_checksums": cfg.verify_checksums,
         "staging_bytes": cfg.staging_bytes,
         "link_gbps": link,
+        "host_gbps": host,
         "write": writes.summary("pipeline", ["plain"]),
         "read": reads.summary("pipeline", ["plain"]),
     }

@@ -214,7 +214,7 @@ def _integration(result: dict[str, Any]) -> tuple[list[str], list[list[Any]], li
 def _device(result: dict[str, Any]) -> tuple[list[str], list[list[Any]], list[str]]:
     header = ["op", "pipeline GB/s (median / best)", "plain GB/s (median / best)", "ratio"]
     rows = _op_rows(result, "plain")
-    link = result["link_gbps"]
+    link, host = result["link_gbps"], result["host_gbps"]
     note = [
         f"{result['device']}, copy path `{result['device_path']}`: "
         f"{result['blocks']} blocks of {result['block_size']} per round (Llama-3-8B layout, "
@@ -227,6 +227,10 @@ def _device(result: dict[str, Any]) -> tuple[list[str], list[list[Any]], list[st
         "",
         f"The link alone (one contiguous `cuMemcpyAsync` per slice, pinned host memory, no "
         f"host copy): **{link['d2h']} GB/s device to host, {link['h2d']} GB/s host to device**.",
+        "",
+        f"The host alone ({result['threads']} threads, no device: each stored value copied "
+        f"into pinned memory, then also hashed where it landed, as a verified read's host "
+        f"passes): **{host['copy']} GB/s copied, {host['copy_hash']} GB/s copied and hashed**.",
     ]
     return header, rows, note
 

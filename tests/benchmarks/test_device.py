@@ -34,6 +34,8 @@ async def test_runs_and_checks_what_it_read_back() -> None:
         assert result[op]["rounds"] == 2
         assert result[op]["gbps_median"] > 0 and result[op]["plain_gbps_median"] > 0
     assert set(result["link_gbps"]) == {"d2h", "h2d"}
+    assert set(result["host_gbps"]) == {"copy", "copy_hash"}
+    assert 0 < result["host_gbps"]["copy_hash"] and 0 < result["host_gbps"]["copy"]
     assert ticks == ["device: round 0/2", "device: round 1/2", "device: round 2/2"]
     results = {
         "device": result,
@@ -45,6 +47,7 @@ async def test_runs_and_checks_what_it_read_back() -> None:
     text = report.markdown(results, "device")
     assert f"| write | {result['write']['gbps_median']} / " in text
     assert f"**{result['link_gbps']['d2h']} GB/s device to host" in text
+    assert f"**{result['host_gbps']['copy']} GB/s copied, " in text
     updated, missing = report.update_doc(
         "<!-- kvpipe-bench:device -->\nold\n<!-- /kvpipe-bench:device -->", results
     )
