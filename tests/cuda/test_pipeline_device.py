@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvpipe
+from kvpipe.backends import BlockStatus, GetBatch
 from kvpipe.cuda import probe_device
 from tests.cuda.devcache import (
     ODD_LAYOUTS,
@@ -360,3 +361,56 @@ class TestVirtualTime:
         for old, new in zip(before, after, strict=True):
             assert np.array_equal(old[3:5], new[3:5])  # nothing scattered after the deadline
         free_device_cache(fake, cache)
+
+
+class _CorruptingStore(kvpipe.MemoryStore):
+    """Flips a byte of block ``block``'s value as it is fetched: on every fetch
+    (``times=None``: stored corrupt) or on the first ``times`` (corrupted in transit)."""
+
+    def __init__(self, block: int, times: int | None) -> None:
+        super().__init__()
+        self.block, self.times, self.fetches = block, times, 0
+
+    async def get_blocks(self, batch: GetBatch) -> list[BlockStatus]:
+        statuses = list(await super().get_blocks(batch))
+        for i, buffer in enumerate(batch.buffers):
+            if batch.first_block + i == self.block:
+                self.fetches += 1
+                if self.times is None or self.fetches <= self.times:
+                    buffer[100] ^= 0xFF
+        return statuses
+
+
+@pytest.mark.parametrize("stored_corrupt", [False, True])
+async def test_a_device_read_refetches_a_block_that_fails_verification(
+    fake: FakeDriver, producer: int, stored_corrupt: bool
+) -> None:
+    """Block 2 of 4 (the last of the first 3-block slice) fails verification. Corrupted in
+    transit: fetched again, it passes, and all four are loaded. Stored corrupt: it fails
+    again, loading stops before it, its stored value is deleted, and its cache rows and those
+    after it keep what they held."""
+    layout = LAYOUTS["gqa"]()
+    src = fake_device_cache(fake, layout, 4)
+    rows = fill_device(fake, src, seed=7)
+    dst = fake_device_cache(fake, layout, 4)
+    before = fill_device(fake, dst, seed=8)
+    store = _CorruptingStore(block=2, times=None if stored_corrupt else 1)
+    tokens = np.arange(4 * layout.block_size)
+    async with kvpipe.open_pipeline(src, store, config=_config(), device_driver=fake) as pipe:
+        assert (await pipe.write(tokens, [0, 1, 2, 3], stream=producer)).complete
+    async with kvpipe.open_pipeline(dst, store, config=_config(), device_driver=fake) as pipe:
+        got = await pipe.read(tokens, [0, 1, 2, 3], stream=producer)
+        counters = pipe.statistics().counters
+    assert store.fetches == 2 and counters["blocks_refetched"] >= 1
+    after = device_rows(fake, dst)
+    if stored_corrupt:
+        assert (got.loaded, got.stop_reason) == (2, "failed_block")
+        assert counters["corrupt_blocks_deleted"] == 1 and len(store.keys()) == 3
+        for want, old, have in zip(rows, before, after, strict=True):
+            assert (have[:2] == want[:2]).all() and (have[2:] == old[2:]).all()
+    else:
+        assert got.complete and got.loaded == 4 and len(store.keys()) == 4
+        for want, have in zip(rows, after, strict=True):
+            assert (have == want).all()
+    free_device_cache(fake, src)
+    free_device_cache(fake, dst)
