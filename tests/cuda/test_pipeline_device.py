@@ -22,6 +22,7 @@ from tests.cuda.devcache import (
     free_device_cache,
 )
 from tests.cuda.fake_driver import FakeDriver, Gate
+from tests.fakes import Act, ScriptedStore
 from tests.helpers import LAYOUTS
 
 ALL = {**LAYOUTS, **ODD_LAYOUTS}
@@ -412,5 +413,57 @@ async def test_a_device_read_refetches_a_block_that_fails_verification(
         assert got.complete and got.loaded == 4 and len(store.keys()) == 4
         for want, have in zip(rows, after, strict=True):
             assert (have == want).all()
+    free_device_cache(fake, src)
+    free_device_cache(fake, dst)
+
+
+async def test_a_device_write_that_fails_mid_slice_stores_a_prefix_the_read_loads(
+    fake: FakeDriver, producer: int
+) -> None:
+    """The store fails block 4 of 6 (the second of the second 3-block slice): the write
+    stops there with exactly blocks 0-3 counted and stored, and a read of all six loads
+    those four into the device cache and leaves the rows of the other two as they were."""
+    layout = LAYOUTS["mla"]()
+    src = fake_device_cache(fake, layout, 6)
+    rows = fill_device(fake, src, seed=11)
+    dst = fake_device_cache(fake, layout, 6)
+    before = fill_device(fake, dst, seed=12)
+    store = ScriptedStore(puts={1: Act(fail=[1])})
+    tokens = np.arange(6 * layout.block_size)
+    ids = list(range(6))
+    async with kvpipe.open_pipeline(src, store, config=_config(), device_driver=fake) as pipe:
+        w = await pipe.write(tokens, ids, stream=producer)
+    assert (w.written, w.stop_reason) == (4, "incomplete_slice")
+    async with kvpipe.open_pipeline(dst, store, config=_config(), device_driver=fake) as pipe:
+        r = await pipe.read(tokens, ids, stream=producer)
+    assert (r.loaded, r.stop_reason) == (4, "not_stored")
+    for want, old, have in zip(rows, before, device_rows(fake, dst), strict=True):
+        assert (have[:4] == want[:4]).all() and (have[4:] == old[4:]).all()
+    free_device_cache(fake, src)
+    free_device_cache(fake, dst)
+
+
+async def test_a_device_cache_hands_a_partial_last_block_to_decode(
+    fake: FakeDriver, producer: int
+) -> None:
+    """Prefill -> decode through the store from a device cache: two and a half blocks of
+    tokens, written with the partial last block (``:partial:N``) and read back whole."""
+    layout = LAYOUTS["gqa"]()
+    src = fake_device_cache(fake, layout, 3)
+    rows = fill_device(fake, src, seed=13)
+    dst = fake_device_cache(fake, layout, 3)
+    store = kvpipe.MemoryStore()
+    tokens = np.arange(2 * layout.block_size + layout.block_size // 2)
+    async with kvpipe.open_pipeline(src, store, config=_config(), device_driver=fake) as pipe:
+        w = await pipe.write(tokens, [0, 1, 2], include_partial=True, stream=producer)
+    assert w.complete and w.written == 3
+    assert sum(":partial:" in k for k in store.keys()) == 1
+    async with kvpipe.open_pipeline(dst, store, config=_config(), device_driver=fake) as pipe:
+        r = await pipe.read(
+            tokens, [2, 1, 0], include_partial=True, require_all=True, stream=producer
+        )
+    assert r.complete and r.loaded == 3
+    for want, have in zip(rows, device_rows(fake, dst), strict=True):
+        assert (have[[2, 1, 0]] == want).all()
     free_device_cache(fake, src)
     free_device_cache(fake, dst)
