@@ -363,6 +363,37 @@ class TestVirtualTime:
             assert np.array_equal(old[3:5], new[3:5])  # nothing scattered after the deadline
         free_device_cache(fake, cache)
 
+    async def test_a_fetch_that_hangs_ends_the_read_at_its_slice_deadline(
+        self, fake: FakeDriver, producer: int
+    ) -> None:
+        """The store's fetch of the second slice never returns: the read ends when that
+        slice's time is up (``slice_timeout``), with exactly the first slice's blocks
+        loaded and the rows of the others as they were; the pipeline reads on after."""
+        layout = LAYOUTS["mla"]()
+        src = fake_device_cache(fake, layout, 6)
+        rows = fill_device(fake, src, seed=14)
+        dst = fake_device_cache(fake, layout, 6)
+        before = fill_device(fake, dst, seed=15)
+        store = ScriptedStore(gets={1: Act(hang=True)})
+        tokens, ids = np.arange(6 * layout.block_size), list(range(6))
+        cfg = kvpipe.PipelineConfig(slice_block_num=3, slice_timeout=4, total_timeout=100)
+        async with kvpipe.open_pipeline(src, store, config=cfg, device_driver=fake) as pipe:
+            assert (await pipe.write(tokens, ids, stream=producer)).complete
+        async with kvpipe.open_pipeline(dst, store, config=cfg, device_driver=fake) as pipe:
+            start = anyio.current_time()
+            got = await pipe.read(tokens, ids, stream=producer)
+            took = anyio.current_time() - start
+            assert (got.loaded, got.stop_reason) == (3, "slice_timeout")
+            assert 4 <= took < 4.1
+            for want, old, have in zip(rows, before, device_rows(fake, dst), strict=True):
+                assert (have[:3] == want[:3]).all() and (have[3:] == old[3:]).all()
+            again = await pipe.read(tokens, ids, stream=producer)  # the third get: no script
+            assert again.complete and again.loaded == 6
+        for want, have in zip(rows, device_rows(fake, dst), strict=True):
+            assert (have == want).all()
+        free_device_cache(fake, src)
+        free_device_cache(fake, dst)
+
 
 class _CorruptingStore(kvpipe.MemoryStore):
     """Flips a byte of block ``block``'s value as it is fetched: on every fetch
