@@ -6,6 +6,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 import kvpipe
@@ -14,7 +15,7 @@ from kvpipe.backends._values import ValueClient
 from kvpipe.backends.mooncake_local import LocalMooncake
 from kvpipe.testing import BackendConformance
 from tests.backends.mooncake_fixtures import mooncake, mooncake_client  # noqa: F401
-from tests.helpers import ends_with_host_threads_busy
+from tests.helpers import LAYOUTS, ends_with_host_threads_busy
 
 
 class TestMooncakeConformance(BackendConformance):
@@ -236,3 +237,48 @@ async def test_close_takes_none_of_the_event_loop_librarys_shared_threads(
         assert ended and fake.closing.is_set(), "closing waited for one of the host's threads"
     finally:
         await listener.aclose()
+
+
+async def test_a_device_cache_round_trips_through_mooncake(
+    mooncake: LocalMooncake,  # noqa: F811
+    mooncake_client: Any,  # noqa: F811
+) -> None:
+    """A device cache (the CUDA driver's test double, whose pinned staging is real host
+    memory) written to a real Mooncake Store and read back into other blocks: the store
+    registers the engine's pinned staging and moves values from and into it, the partial
+    last block included; both pipelines unregister it at close."""
+    from tests.cuda.devcache import device_rows, fake_device_cache, fill_device, free_device_cache
+    from tests.cuda.fake_driver import FakeDriver
+
+    mooncake_client.remove_all()
+    fake = FakeDriver()
+    fake.open(0)
+    fake.make_current()
+    producer = fake.stream_create()
+    layout = LAYOUTS["gqa"]()
+    src = fake_device_cache(fake, layout, 8)
+    rows = fill_device(fake, src, seed=21)
+    tokens = np.arange(7 * layout.block_size + 3)  # 7 full blocks and a partial one
+    config = kvpipe.PipelineConfig(slice_block_num=3, staging_bytes=1 << 20)
+    async with kvpipe.MooncakeStore(
+        mooncake.master_address, mooncake.metadata_url, client=mooncake_client
+    ) as store:
+        async with kvpipe.open_pipeline(src, store, config=config, device_driver=fake) as pipe:
+            w = await pipe.write(tokens, range(8), include_partial=True, stream=producer)
+            assert w.complete and w.written == 8
+        async with kvpipe.open_pipeline(src, store, config=config, device_driver=fake) as pipe:
+            assert await pipe.lookup(tokens, include_partial=True) == 8
+            order = [7, 6, 5, 4, 3, 2, 1, 0]
+            fill_device(fake, src, seed=22)  # overwritten: only the read can restore it
+            r = await pipe.read(
+                tokens, order, include_partial=True, require_all=True, stream=producer
+            )
+            assert r.complete and r.loaded == 8
+        assert not store._registered  # both pipelines unregistered their staging
+    for want, have in zip(rows, device_rows(fake, src), strict=True):
+        assert (have[order] == want).all()
+    fake.run_until_idle()
+    free_device_cache(fake, src)
+    fake.stream_destroy(producer)
+    fake.close()
+    assert fake.violations == []
