@@ -15,6 +15,8 @@ from kvpipe.backends._values import ValueClient
 from kvpipe.backends.mooncake_local import LocalMooncake
 from kvpipe.testing import BackendConformance
 from tests.backends.mooncake_fixtures import mooncake, mooncake_client  # noqa: F401
+from tests.cuda.devcache import device_rows, fake_device_cache, fill_device, free_device_cache
+from tests.cuda.fake_driver import FakeDriver
 from tests.helpers import LAYOUTS, ends_with_host_threads_busy
 
 
@@ -247,8 +249,6 @@ async def test_a_device_cache_round_trips_through_mooncake(
     memory) written to a real Mooncake Store and read back into other blocks: the store
     registers the engine's pinned staging and moves values from and into it, the partial
     last block included; both pipelines unregister it at close."""
-    from tests.cuda.devcache import device_rows, fake_device_cache, fill_device, free_device_cache
-    from tests.cuda.fake_driver import FakeDriver
 
     mooncake_client.remove_all()
     fake = FakeDriver()
@@ -266,6 +266,7 @@ async def test_a_device_cache_round_trips_through_mooncake(
         async with kvpipe.open_pipeline(src, store, config=config, device_driver=fake) as pipe:
             w = await pipe.write(tokens, range(8), include_partial=True, stream=producer)
             assert w.complete and w.written == 8
+            assert store._registered  # the engine's pinned staging
         async with kvpipe.open_pipeline(src, store, config=config, device_driver=fake) as pipe:
             assert await pipe.lookup(tokens, include_partial=True) == 8
             order = [7, 6, 5, 4, 3, 2, 1, 0]
