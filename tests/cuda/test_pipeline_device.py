@@ -5,6 +5,8 @@ stream, concurrency, registration of pinned staging, failures and leaks."""
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import anyio
 import anyio.lowlevel
@@ -12,7 +14,10 @@ import numpy as np
 import pytest
 
 import kvpipe
+from kvpipe._keys import as_tokens, block_keys
 from kvpipe.backends import BlockStatus, GetBatch
+from kvpipe.backends.file._native import block_paths
+from kvpipe.benchmarks._file_baselines import drop_cached
 from kvpipe.cuda import probe_device
 from tests.cuda.devcache import (
     ODD_LAYOUTS,
@@ -496,5 +501,41 @@ async def test_a_device_cache_hands_a_partial_last_block_to_decode(
     assert r.complete and r.loaded == 3
     for want, have in zip(rows, device_rows(fake, dst), strict=True):
         assert (have[[2, 1, 0]] == want).all()
+    free_device_cache(fake, src)
+    free_device_cache(fake, dst)
+
+
+@pytest.mark.parametrize("durability", ["data", "none"])
+async def test_a_device_cache_round_trips_through_the_file_store(
+    fake: FakeDriver, producer: int, tmp_path: Path, durability: str
+) -> None:
+    """A device cache written to a :class:`kvpipe.FileStore` and read back, evicted from the
+    page cache in between: the store reads into the engine's pinned staging (direct I/O
+    where it can) and the engine scatters from it; a block file changed on disk is refused
+    and loading stops before it."""
+    layout = LAYOUTS["gqa"]()
+    src = fake_device_cache(fake, layout, 6)
+    rows = fill_device(fake, src, seed=31)
+    dst = fake_device_cache(fake, layout, 6)
+    before = fill_device(fake, dst, seed=32)
+    tokens, ids = np.arange(6 * layout.block_size), list(range(6))
+    config = _config(slice=2)
+    async with kvpipe.FileStore(tmp_path / "store", durability=durability) as store:  # type: ignore[arg-type]
+        async with kvpipe.open_pipeline(src, store, config=config, device_driver=fake) as pipe:
+            assert (await pipe.write(tokens, ids, stream=producer)).complete
+        files = sorted((tmp_path / "store" / "blocks").rglob("*.kvb"))
+        assert len(files) == 6
+        drop_cached(str(tmp_path / "store"))
+        # the file of block 4 changed on disk (the pipeline's own keys name it: the 5th key)
+        async with kvpipe.open_pipeline(dst, store, config=config, device_driver=fake) as pipe:
+            key = block_keys(pipe.scope, as_tokens(tokens), layout.block_size, False).keys[4]
+            path = tmp_path / "store" / os.fsdecode(block_paths([key])[0])
+            raw = bytearray(path.read_bytes())
+            raw[-100] ^= 0xFF
+            path.write_bytes(bytes(raw))
+            got = await pipe.read(tokens, ids, stream=producer)
+    assert (got.loaded, got.stop_reason) == (4, "failed_block")
+    for want, old, have in zip(rows, before, device_rows(fake, dst), strict=True):
+        assert (have[:4] == want[:4]).all() and (have[4:] == old[4:]).all()
     free_device_cache(fake, src)
     free_device_cache(fake, dst)
