@@ -277,6 +277,16 @@ class TestVirtualTime:
 
         return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
 
+    @pytest.fixture(autouse=True)
+    def _coarse_polls(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The engine polls a pending copy every ``poll_max`` (2 ms) at most: in virtual
+        time each poll costs real time, so seconds of waiting cost thousands of them. The
+        deadlines these tests check are cancel scopes, not polls: poll every 0.25 s."""
+        from kvpipe.cuda import _open
+        from kvpipe.cuda._resources import CudaOptions
+
+        monkeypatch.setattr(_open, "CudaOptions", functools.partial(CudaOptions, poll_max=0.25))
+
     async def test_a_scatter_not_started_by_the_read_s_deadline_never_starts(
         self, fake: FakeDriver, producer: int
     ) -> None:
