@@ -1,14 +1,17 @@
 """Fixtures of the device-path tests: a kernel cache per session (compiled once by NVRTC),
-and the ``cuda`` marker's skip where there is no GPU."""
+NVRTC imported up front, and the ``cuda`` marker's skip where there is no GPU."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvpipe import Unsupported
 from kvpipe.cuda import probe_device
+from kvpipe.cuda._nvrtc import nvrtc_version
 from tests.cuda.fake_driver import FakeDriver
 
 
@@ -16,6 +19,15 @@ from tests.cuda.fake_driver import FakeDriver
 def kernel_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One NVRTC output directory per session (kept out of ``~/.cache``)."""
     return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _nvrtc_imported() -> None:
+    """NVRTC's bindings imported once, before any test's event loop runs: opening an engine
+    imports them in a worker thread, and while trio's mock clock (the virtual-time tests)
+    waits for a thread its loop spins, stretching a 0.3 s import to seconds."""
+    with contextlib.suppress(Unsupported):
+        nvrtc_version()
 
 
 @pytest.fixture(autouse=True)
