@@ -21,6 +21,7 @@ from kvpipe.benchmarks._file_baselines import drop_cached
 from kvpipe.cuda import probe_device
 from tests.cuda.devcache import (
     ODD_LAYOUTS,
+    Rows,
     device_rows,
     fake_device_cache,
     fill_device,
@@ -270,6 +271,12 @@ async def test_device_cache_without_cuda_is_unsupported(fake: FakeDriver) -> Non
     free_device_cache(fake, cache)
 
 
+def _assert_loaded_up_to(n: int, written: list[Rows], before: list[Rows], now: list[Rows]) -> None:
+    """Blocks ``[0, n)`` hold what was written; the rest hold what they held before."""
+    for want, old, have in zip(written, before, now, strict=True):
+        assert (have[:n] == want[:n]).all() and (have[n:] == old[n:]).all()
+
+
 class TestVirtualTime:
     @pytest.fixture
     def anyio_backend(self) -> tuple[str, dict[str, object]]:
@@ -400,8 +407,7 @@ class TestVirtualTime:
             took = anyio.current_time() - start
             assert (got.loaded, got.stop_reason) == (3, "slice_timeout")
             assert 4 <= took < 4.1
-            for want, old, have in zip(rows, before, device_rows(fake, dst), strict=True):
-                assert (have[:3] == want[:3]).all() and (have[3:] == old[3:]).all()
+            _assert_loaded_up_to(3, rows, before, device_rows(fake, dst))
             again = await pipe.read(tokens, ids, stream=producer)  # the third get: no script
             assert again.complete and again.loaded == 6
         for want, have in zip(rows, device_rows(fake, dst), strict=True):
@@ -453,8 +459,7 @@ async def test_a_device_read_refetches_a_block_that_fails_verification(
     if stored_corrupt:
         assert (got.loaded, got.stop_reason) == (2, "failed_block")
         assert counters["corrupt_blocks_deleted"] == 1 and len(store.keys()) == 3
-        for want, old, have in zip(rows, before, after, strict=True):
-            assert (have[:2] == want[:2]).all() and (have[2:] == old[2:]).all()
+        _assert_loaded_up_to(2, rows, before, after)
     else:
         assert got.complete and got.loaded == 4 and len(store.keys()) == 4
         for want, have in zip(rows, after, strict=True):
@@ -483,8 +488,7 @@ async def test_a_device_write_that_fails_mid_slice_stores_a_prefix_the_read_load
     async with kvpipe.open_pipeline(dst, store, config=_config(), device_driver=fake) as pipe:
         r = await pipe.read(tokens, ids, stream=producer)
     assert (r.loaded, r.stop_reason) == (4, "not_stored")
-    for want, old, have in zip(rows, before, device_rows(fake, dst), strict=True):
-        assert (have[:4] == want[:4]).all() and (have[4:] == old[4:]).all()
+    _assert_loaded_up_to(4, rows, before, device_rows(fake, dst))
     free_device_cache(fake, src)
     free_device_cache(fake, dst)
 
@@ -545,7 +549,6 @@ async def test_a_device_cache_round_trips_through_the_file_store(
             path.write_bytes(bytes(raw))
             got = await pipe.read(tokens, ids, stream=producer)
     assert (got.loaded, got.stop_reason) == (4, "failed_block")
-    for want, old, have in zip(rows, before, device_rows(fake, dst), strict=True):
-        assert (have[:4] == want[:4]).all() and (have[4:] == old[4:]).all()
+    _assert_loaded_up_to(4, rows, before, device_rows(fake, dst))
     free_device_cache(fake, src)
     free_device_cache(fake, dst)
