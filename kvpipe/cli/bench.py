@@ -173,7 +173,9 @@ async def _run_new_scenario(
             server = replace(server, cache_bytes=16 << 20, passes=1, idle_seconds=0.1)
         return await run_server_bench(server, tick)
     if scenario == "device":
-        device = DeviceBenchConfig(rounds=rounds)
+        device = DeviceBenchConfig(rounds=rounds, verify_checksums=not args.no_checksums)
+        if args.device_threads is not None:
+            device = replace(device, threads=args.device_threads, concurrency=args.device_threads)
         if args.smoke:
             device = replace(device, size="256KiB", total_bytes=4 << 20, request_bytes=1 << 20)
         return await run_device_bench(device, tick)
@@ -248,7 +250,15 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
             require_matplotlib()
         except PlotsUnavailable as exc:
             raise ui.UsageError(str(exc)) from None
-    for name in ("mib", "rounds", "slice_mib", "concurrency", "io_threads", "store_threads"):
+    for name in (
+        "mib",
+        "rounds",
+        "slice_mib",
+        "concurrency",
+        "io_threads",
+        "store_threads",
+        "device_threads",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ui.UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -380,7 +390,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--concurrency", type=int, default=2, help="mooncake: pipeline requests in flight")
     add("--io-threads", type=int, default=2, help="mooncake: the pipeline's io_threads")
-    add("--no-checksums", action="store_true", help="mooncake: pipeline without checksums")
+    add(
+        "--no-checksums",
+        action="store_true",
+        help="mooncake, device: pipeline without checksums",
+    )
+    add(
+        "--device-threads",
+        type=int,
+        default=None,
+        help="device: the pipeline's copy threads and requests in flight, and the plain "
+        "loop's threads (default 4)",
+    )
     add(
         "--scaling-dir",
         metavar="DIR",

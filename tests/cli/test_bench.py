@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpipe.benchmarks.device import DeviceBenchConfig
 from kvpipe.cli import main
 
 
@@ -284,6 +285,43 @@ def test_device_bench_without_a_gpu_says_why(
     rc = main(["bench", "--scenario", "device", "--smoke"])
     assert rc == 2
     assert "needs a CUDA GPU: no driver here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "threads", "checksums"),
+    [([], 4, True), (["--device-threads", "8", "--no-checksums"], 8, False)],
+)
+def test_device_bench_options_reach_its_config(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], threads: int, checksums: bool
+) -> None:
+    """``--device-threads`` sets the copy threads, the requests in flight and the plain
+    loop's threads; ``--no-checksums`` the pipeline's verification."""
+    from kvpipe.cli import bench
+    from kvpipe.cuda import DeviceProbe
+
+    seen: list[DeviceBenchConfig] = []
+
+    async def run(cfg: DeviceBenchConfig, tick: object) -> dict[str, object]:
+        seen.append(cfg)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bench, "probe_device", lambda: DeviceProbe(True, 1, "a GPU"))
+    monkeypatch.setattr(bench, "run_device_bench", run)
+    with pytest.raises(RuntimeError, match="stop here"):
+        main(["bench", "--scenario", "device", *argv])
+    [cfg] = seen
+    assert (cfg.threads, cfg.concurrency, cfg.verify_checksums) == (threads, threads, checksums)
+
+
+def test_device_threads_below_one_is_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvpipe.cli import bench
+    from kvpipe.cuda import DeviceProbe
+
+    monkeypatch.setattr(bench, "probe_device", lambda: DeviceProbe(True, 1, "a GPU"))
+    assert main(["bench", "--scenario", "device", "--device-threads", "0"]) == 2
+    assert "--device-threads must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
