@@ -148,7 +148,8 @@ class KVPipeAttentionStore:
     else a file store under ``~/.cache/kvpipe/fastdeploy``), ``config`` (default
     ``PipelineConfig.from_env()``, so ``AS_WRITE_SLICE_*`` apply), ``pd_via_storage``
     (default ``FD_PD_TRANSFER_VIA_STORAGE``), ``rope_dim`` (MLA), ``close_timeout``,
-    ``cache_sets`` (default 1: the server's caches; see below).
+    ``cache_sets`` (default 1: the server's caches; see below), and ``device_driver``
+    (tests only: :func:`kvpipe.open_pipeline`'s stand-in for the CUDA driver).
 
     One pipeline is opened per distinct set of tensors, and kept for the ``cache_sets`` sets
     used most recently: a call with one more set closes the pipeline of the least recently
@@ -180,6 +181,7 @@ class KVPipeAttentionStore:
         rope_dim: int = 64,
         close_timeout: float | None = None,
         cache_sets: int = 1,
+        device_driver: Any = None,
         **unknown: Any,
     ) -> None:
         if isinstance(cache_sets, bool) or not isinstance(cache_sets, int) or cache_sets < 1:
@@ -211,6 +213,7 @@ class KVPipeAttentionStore:
             store = store_from_url(url) if url else _FileStore(default_store_dir())
         self.store = store
         self.cache_sets = cache_sets
+        self._device_driver = device_driver
         #: the open pipelines by tensor set, least recently used first
         self._pipes: OrderedDict[tuple[Any, ...], _Open] = OrderedDict()
         self._pipes_lock = threading.Lock()  # _pipes and the _Open entries
@@ -309,6 +312,7 @@ class KVPipeAttentionStore:
                         namespace=self.kvpipe_namespace,
                         rank=self.shard_id,
                         world_size=self.shard_num,
+                        device_driver=self._device_driver,
                     ),
                     wait=deadline - time.monotonic(),
                 )
