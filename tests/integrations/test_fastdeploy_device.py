@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,4 +119,60 @@ def test_write_query_read_through_the_cuda_path(
     assert after == before
     fake.stream_destroy(stream)
     for t in keys + values:
+        fake.device_free(t.ptr)
+
+
+def _tensors(fake: FakeDriver, n: int, shape: tuple[int, ...], dtype: str, seed: int) -> list[Any]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        t = FakePaddleGpuTensor(fake, shape, dtype)
+        fake.write_device(t.ptr, rng.integers(0, 256, t.nbytes, dtype=np.uint8).tobytes())
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gqa-fp8-float32-scales", "mla"])
+def test_every_layout_round_trips_from_4_threads(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Block-wise fp8 with its scale tensors, and MLA (no value cache): 4 threads each write
+    a sequence of 2 blocks and read it back into other blocks; every byte comes back, the
+    scales too."""
+    stream = fake.stream_create()
+    monkeypatch.setattr(cuda_engine, "current_stream", lambda framework, ordinal: stream)
+    scales: list[Any] | None = None
+    if kind == "mla":
+        keys = _tensors(fake, LAYERS, (BLOCKS * 2, 1, BLOCK, 72), "bfloat16", seed=2)
+        values: list[Any] = []
+    else:
+        keys = _tensors(fake, LAYERS, (BLOCKS * 2, HEADS, BLOCK, DIM), "uint8", seed=3)
+        values = _tensors(fake, LAYERS, (BLOCKS * 2, HEADS, BLOCK, DIM), "uint8", seed=4)
+        scales = _tensors(fake, 2 * LAYERS, (BLOCKS * 2, HEADS, BLOCK), "float32", seed=5)
+    every = keys + values + (scales or [])
+    with KVPipeAttentionStore(
+        layer_num=LAYERS,
+        block_token_size=BLOCK,
+        store=kvpipe.MemoryStore(),
+        config=kvpipe.PipelineConfig(slice_block_num=1),
+        rope_dim=8,
+        device_driver=fake,
+    ) as adapter:
+
+        def one(i: int) -> tuple[int, int]:
+            tokens = list(range(i * 1000, i * 1000 + 2 * BLOCK))
+            src, dst = [2 * i, 2 * i + 1], [BLOCKS + 2 * i + 1, BLOCKS + 2 * i]
+            w = adapter.write(f"w{i}", keys, values, tokens, src, 0, scale_cache=scales)
+            r = adapter.read(f"r{i}", keys, values, tokens, dst, 0, scale_cache=scales)
+            return w, r
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(4))) == [(2, 2)] * 4
+    for t in every:
+        n = t.nbytes // (BLOCKS * 2)
+        for i in range(4):
+            for src, dst in ((2 * i, BLOCKS + 2 * i + 1), (2 * i + 1, BLOCKS + 2 * i)):
+                assert fake.read_device(t.ptr + dst * n, n) == fake.read_device(t.ptr + src * n, n)
+    fake.stream_destroy(stream)
+    for t in every:
         fake.device_free(t.ptr)
