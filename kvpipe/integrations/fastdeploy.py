@@ -427,7 +427,8 @@ class KVPipeAttentionStore:
     ) -> int:
         """Store blocks ``start_write_block_idx ..`` from ``gpu_block_ids[0] ..``; return how
         many of them are stored after the call, as a contiguous run (already-stored ones
-        included).
+        included). ``token_ids`` may run past those blocks (the request's tokens); only
+        the blocks given are written.
 
         ``scale_cache`` (block-wise fp8): the ``layer_num`` key scales then the ``layer_num``
         value scales. ``timeout`` is the total deadline; slices follow the config.
@@ -435,7 +436,9 @@ class KVPipeAttentionStore:
 
         async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
             r = await pipe.write(
-                token_ids,
+                # only the blocks given: the manager passes the request's tokens, which may
+                # run past them (FastDeploy's AttentionStore.write slices them likewise)
+                token_ids[: len(block_ids) * self.block_token_size],
                 block_ids,
                 start_block=start_write_block_idx,
                 include_partial=self.include_partial_on_write,

@@ -146,6 +146,26 @@ def test_block_ids_begin_at_the_start_index_as_fastdeploy_passes_them() -> None:
         assert _rows(dk + dv, [10, 11, 12, 13]) == _rows(k + v, src)
 
 
+def test_write_takes_token_ids_past_the_blocks_it_is_given() -> None:
+    """FastDeploy's write-back passes the request's token ids (prompt plus output with
+    output caching: prefix_cache_manager.write_cache_to_storage) with one gpu block per key
+    of the radix-tree leaf, so the ids may cover more full blocks than ``start +
+    len(gpu_block_ids)`` (the last sampled token's block is never in the tree). Its
+    AttentionStore.write slices them to ``token_ids[: (start + slice_end) * block_token_size]``
+    and stores the blocks it was given; so does the adapter, instead of raising (which the
+    manager's _run_write_back_storage turns into 0 blocks written)."""
+    k, v = _gqa(True)
+    tokens = list(range(4 * BS))  # 4 full blocks; the tree holds the first 3
+    with _store() as store:
+        assert store.write("t1", k, v, tokens, [5, 6, 7], 0) == 3
+        assert store.query("t1", tokens, 0) == 3
+        assert store.write("t2", k, v, [*tokens, 9], [8], 3) == 1  # from the start index
+        assert store.write("t3", k, v, tokens, [], 4) == 0
+        dk, dv = _gqa(False)
+        assert store.read("t4", dk, dv, tokens, [10, 11, 12, 13], 0) == 4
+        assert _rows(dk + dv, [10, 11, 12, 13]) == _rows(k + v, [5, 6, 7, 8])
+
+
 def test_layout_mismatch_is_a_clear_value_error() -> None:
     k, v = _gqa(True)
     with _store() as store, pytest.raises(ValueError, match="block_token_size"):
