@@ -207,6 +207,13 @@ class KVPipeAttentionStore:
         #: read includes it and requires every block (decode side)
         self.all_or_nothing_read = pd_via_storage and splitwise_role == "decode"
         self.config = config or PipelineConfig.from_env(node_id=self.pod_name)
+        #: write's deadline when the environment sets one: FastDeploy's AttentionStore.write
+        #: takes AS_WRITE_TOTAL_TIMEOUT over the timeout the manager passes
+        self._write_timeout: float | None = None
+        if config is None and any(
+            env.get(name, "").strip() for name in ("KVPIPE_TOTAL_TIMEOUT", "AS_WRITE_TOTAL_TIMEOUT")
+        ):
+            self._write_timeout = self.config.total_timeout
         self.kvpipe_namespace = _namespace(self.namespace, self.model_version)
         if store is None:
             url = env.get("KVPIPE_STORE", "").strip()
@@ -431,7 +438,9 @@ class KVPipeAttentionStore:
         the blocks given are written.
 
         ``scale_cache`` (block-wise fp8): the ``layer_num`` key scales then the ``layer_num``
-        value scales. ``timeout`` is the total deadline; slices follow the config.
+        value scales. ``timeout`` is the total deadline, unless ``AS_WRITE_TOTAL_TIMEOUT``
+        (or ``KVPIPE_TOTAL_TIMEOUT``) is set: that takes its place, as in FastDeploy's
+        ``AttentionStore.write``. Slices follow the config.
         """
 
         async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
@@ -456,7 +465,7 @@ class KVPipeAttentionStore:
             scale_cache,
             gpu_block_ids,
             start_write_block_idx,
-            timeout,
+            timeout if self._write_timeout is None else self._write_timeout,
             run,
         )
 

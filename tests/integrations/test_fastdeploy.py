@@ -227,6 +227,32 @@ def test_hanging_store_write_returns_the_stored_prefix(caplog: pytest.LogCapture
         assert store.read("t3", dk, dv, tokens, list(range(10, 16)), 0, 1.0) == 2
 
 
+class SlowStore(kvpipe.MemoryStore):
+    """Each put call takes 0.4 s."""
+
+    async def put_blocks(self, batch: kvpipe.PutBatch) -> Sequence[kvpipe.BlockStatus]:
+        await anyio.sleep(0.4)
+        return await super().put_blocks(batch)
+
+
+def test_as_write_total_timeout_takes_the_place_of_the_calls_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FastDeploy's AttentionStore.write takes ``AS_WRITE_TOTAL_TIMEOUT`` over the timeout
+    the manager passes (``float(os.getenv("AS_WRITE_TOTAL_TIMEOUT", str(timeout)))``); the
+    manager passes one on every call, so a deployment sets the variable to give long
+    write-backs their time. Three slices of 0.4 s each: all stored within the variable's
+    5 s although the call says 0.5 s."""
+    monkeypatch.setenv("AS_WRITE_TOTAL_TIMEOUT", "5")
+    monkeypatch.setenv("AS_WRITE_SLICE_BLOCK_NUM", "1")
+    monkeypatch.setenv("AS_WRITE_SLICE_TIMEOUT", "3")
+    k, v = _gqa(True)
+    tokens = list(range(3 * BS))
+    with KVPipeAttentionStore(layer_num=LAYERS, block_token_size=BS, store=SlowStore()) as store:
+        assert store.config.total_timeout == 5.0
+        assert store.write("t", k, v, tokens, [0, 1, 2], 0, 0.5) == 3
+
+
 class StuckRegistrationStore(kvpipe.MemoryStore):
     """Registering staging (a pipeline opening) never answers: a transport that hangs."""
 
