@@ -154,8 +154,9 @@ static PyObject *seal(PyObject *self, PyObject *args) {
     }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     Py_ssize_t tlen = count ? trailers.len / count : 0;
+    /* no sums that could overflow: digest_at + 8 and payload + tlen are compared apart */
     if (payload < 0 || (count && trailers.len != tlen * count) || digest_at < 0 ||
-        (count && digest_at + 8 > tlen)) {
+        (count && digest_at > tlen - 8) || payload > PY_SSIZE_T_MAX - tlen) {
         PyErr_SetString(PyExc_ValueError, "bad payload size, trailers or digest offset");
         Py_DECREF(seq);
         PyBuffer_Release(&trailers);
@@ -459,7 +460,7 @@ static PyObject *check_place(PyObject *self, PyObject *args) {
         goto done;
     }
     if (table.len % (Py_ssize_t)(3 * sizeof(int64_t)) != 0 || payload < 0 ||
-        payload > value.len - trailer.len || digest_at < 0 || digest_at + 8 > trailer.len) {
+        payload > value.len - trailer.len || digest_at < 0 || digest_at > trailer.len - 8) {
         PyErr_SetString(PyExc_ValueError, "bad table, payload size, trailer or digest offset");
         goto done;
     }
@@ -527,7 +528,7 @@ static PyObject *gather_seal(PyObject *self, PyObject *args) {
     if (table.len % (Py_ssize_t)(3 * sizeof(int64_t)) != 0 ||
         blocks.len != count * (Py_ssize_t)sizeof(int64_t) || payload < 0 ||
         (count && trailers.len != tlen * count) || digest_at < 0 ||
-        (count && digest_at + 8 > tlen)) {
+        (count && digest_at > tlen - 8) || payload > PY_SSIZE_T_MAX - tlen) {
         PyErr_SetString(PyExc_ValueError,
                         "bad table, blocks, payload size, trailers or digest offset");
         goto done;

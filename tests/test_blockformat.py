@@ -6,6 +6,8 @@ was built) and through python-xxhash, one value at a time."""
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -448,6 +450,42 @@ def test_gather_seal_blocks_checks_its_arguments_before_copying(hashing: str) ->
     frozen.flags.writeable = False
     with pytest.raises((ValueError, BufferError)):  # a value that cannot be written
         gather_seal_blocks(rows, ids[:1], TABLE, [frozen], PAYLOAD, digests[:1])
+
+
+# Sizes and offsets near the largest Py_ssize_t: the checks must not overflow (a sum that
+# wrapped negative once passed them, and the call then read or wrote far past the value).
+_HUGE_ARGUMENTS = """
+import sys
+import numpy as np
+from kvpipe import _blockformat
+native = _blockformat.native
+big, value, no_rows = sys.maxsize - 8, bytearray(64), np.zeros((0, 3), np.int64)
+calls = [
+    lambda: native.seal([value], big, bytes(16), 0),  # payload + trailer past the largest
+    lambda: native.seal([value], 0, bytes(16), sys.maxsize - 4),  # digest past the trailer
+    lambda: native.gather_seal([], np.zeros(1, np.int64), no_rows, [value], big, bytes(16), 0),
+    lambda: native.gather_seal(
+        [], np.zeros(1, np.int64), no_rows, [value], 0, bytes(16), sys.maxsize - 4
+    ),
+    lambda: native.check_place(value, 0, 0, bytes(16), sys.maxsize - 4, True, [], 0, no_rows),
+]
+for call in calls:
+    try:
+        call()
+        print("accepted")
+    except ValueError:
+        print("ValueError")
+"""
+
+
+def test_native_calls_refuse_sizes_that_overflow(hashing: str) -> None:
+    if hashing == "python":
+        return
+    child = subprocess.run(  # a crash must fail this test, not end the run
+        [sys.executable, "-c", _HUGE_ARGUMENTS], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr)
+    assert child.stdout.split() == ["ValueError"] * 5
 
 
 @pytest.mark.parametrize("shift", [0, 1, 8, 15])
