@@ -103,6 +103,28 @@ def test_write_files_publishes_atomically(root: tuple[Path, int]) -> None:
     assert oct((path / "d" / "a").stat().st_mode & 0o777) == "0o600"
 
 
+def test_write_files_publishes_empty_chunks_as_the_python_path_does(
+    root: tuple[Path, int],
+) -> None:
+    """Empty chunks are written as nothing wherever they are, as ``write_all`` skips them:
+    a file whose chunks are all empty is published empty (it once failed with EIO, the
+    first write of nothing taken for a device that takes no more)."""
+    path, fd = root
+    got = fileio.write_files(
+        fd,
+        [b"d", b"d", b"d"],
+        [b".a.tmp", b".b.tmp", b".c.tmp"],
+        [b"a", b"b", b"c"],
+        [[b""], [b"", b""], [b"", b"x", b""]],
+        1,
+        False,
+        bytearray(1),
+    )
+    assert got == [0, 0, 0]
+    assert [(path / "d" / n).read_bytes() for n in "abc"] == [b"", b"", b"x"]
+    assert sorted(os.listdir(path / "d")) == ["a", "b", "c"]  # no temporary file left
+
+
 def test_write_files_publishes_nothing_once_abandoned(root: tuple[Path, int]) -> None:
     path, fd = root
     flag = bytearray(b"\x01")
