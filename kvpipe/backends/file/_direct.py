@@ -9,6 +9,7 @@ Anything else is written through the page cache. Blocking; run in worker threads
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -146,6 +147,10 @@ def probe_direct(dir_fd: int, scratch: Scratch) -> bool:
             os.unlink(name, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
+            # a file system without O_DIRECT (ramfs; tmpfs before Linux 6.6) refuses it
+            # only after the open has created the file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
             return False
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return _probe_read(dir_fd, "catalog.sqlite3", scratch)

@@ -560,6 +560,11 @@ static long write_one(int dir_fd, const char *dir, const char *tmp, const char *
     }
     if (fd < 0) {
         out = -errno;
+        if (direct && out == -EINVAL) {
+            /* a file system without O_DIRECT (ramfs; tmpfs before Linux 6.6) refuses it
+               only after creating the file (O_EXCL: it can only be ours) */
+            unlinkat(dfd, tmp, 0);
+        }
         close(dfd);
         return out;
     }

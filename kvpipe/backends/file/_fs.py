@@ -286,6 +286,9 @@ class Root:
             try:
                 fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
             except OSError as exc:
+                if direct and exc.errno == errno.EINVAL:  # refused after creating it
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp, dir_fd=dfd)
                 raise refused(exc, direct) from exc
             try:
                 try:

@@ -2,7 +2,8 @@
 the catalog cannot grow (blocking; the store runs this in its worker threads).
 
 A put may use what ``statvfs`` says an ordinary user may still allocate, less
-:data:`CATALOG_HEADROOM` for the catalog, so the catalog can always record what was written.
+:data:`CATALOG_HEADROOM` for the catalog (no bound where the file system reports no size),
+so the catalog can always record what was written.
 If another process takes the last bytes, settling frees space by removing the batch's newly
 published files from its tail until the catalog takes the rest: never a published file
 without its record, nor a record without its file. Only the put's own files go: a file that
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -30,8 +32,12 @@ CATALOG_HEADROOM: Final = 4 << 20
 
 
 def room(root: Root) -> int:
-    """Bytes the next put may write under ``root`` (never negative)."""
+    """Bytes the next put may write under ``root`` (never negative). A file system that
+    reports no size at all (``f_blocks`` 0: ramfs, some FUSE file systems) sets no bound
+    here; a write that meets ``ENOSPC`` there is still ``NO_SPACE``."""
     st = os.fstatvfs(root.fd)
+    if st.f_blocks == 0:
+        return sys.maxsize
     return max(0, st.f_bavail * st.f_frsize - CATALOG_HEADROOM)
 
 
