@@ -543,10 +543,11 @@ class KVPipeAttentionStore:
     def flush_token_index(
         self, task_id: str, token_ids: list[int], start_block_idx: int, reside_in_gpu: bool
     ) -> None:
-        """Record that this pod holds blocks ``start_block_idx ..`` in GPU (``reside_in_gpu``)
-        or CPU memory (``flush_index``), within ``config.lookup_timeout``; failures are
-        logged, not raised."""
-        residency = Residency.GPU if reside_in_gpu else Residency.CPU
+        """Record that this pod holds blocks ``start_block_idx ..`` in GPU memory
+        (``reside_in_gpu``), or no longer holds them (``Residency.EVICTED``: FastDeploy passes
+        ``False`` when they no longer exist on this node, as after a CPU eviction), within
+        ``config.lookup_timeout`` (``flush_index``); failures are logged, not raised."""
+        residency = Residency.GPU if reside_in_gpu else Residency.EVICTED
         timeout = self.config.lookup_timeout
 
         async def run(pipe: Pipeline) -> int:

@@ -146,6 +146,31 @@ def test_block_ids_begin_at_the_start_index_as_fastdeploy_passes_them() -> None:
         assert _rows(dk + dv, [10, 11, 12, 13]) == _rows(k + v, src)
 
 
+def test_flush_token_index_records_gpu_then_gone_from_this_pod() -> None:
+    """FastDeploy's flush-only mode (PR #7609) passes ``reside_in_gpu=flush_cache_exists``:
+    ``True`` at request finish (the blocks are in this pod's GPU), ``False`` when the blocks
+    no longer exist on this node (a CPU eviction: ``prefix_cache_manager.free_cpu_block_ids``;
+    its AttentionStore tells the SDK they moved from HBM to nowhere). So ``False`` is
+    ``EVICTED`` for this pod, never "held in CPU memory"."""
+    k, v = _gqa(True)
+    tokens = list(range(4 * BS))
+    seen: list[list[kvpipe.Residency | None]] = []
+
+    async def where(pipe: kvpipe.Pipeline) -> int:
+        found = await pipe.locate(tokens)
+        seen.append([b.held_by(store.pod_name) for b in found])
+        return len(found)
+
+    with _store() as store:
+        assert store.write("t1", k, v, tokens, [1, 2, 3, 4], 0) == 4  # binds the caches
+        store.flush_token_index("f1", tokens, 0, True)
+        assert store._on_last_pipe("locate", "l1", 5.0, where) == 4
+        store.flush_token_index("f2", tokens, 2, False)
+        assert store._on_last_pipe("locate", "l2", 5.0, where) == 4
+    gpu, gone = kvpipe.Residency.GPU, kvpipe.Residency.EVICTED
+    assert seen == [[gpu] * 4, [gpu, gpu, gone, gone]]
+
+
 def test_write_takes_token_ids_past_the_blocks_it_is_given() -> None:
     """FastDeploy's write-back passes the request's token ids (prompt plus output with
     output caching: prefix_cache_manager.write_cache_to_storage) with one gpu block per key
