@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -33,3 +34,15 @@ def anyio_backend() -> str:
 def any_layout(request: pytest.FixtureRequest) -> kvpipe.CacheLayout:
     """Each of the four layouts (small, but with the real per-token widths for DSA)."""
     return LAYOUTS[request.param]()
+
+
+@pytest.fixture
+def no_cyclic_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for the test: what is not freed by reference
+    counting alone stays."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import subprocess
 import sysconfig
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import anyio
 import anyio.lowlevel
@@ -129,3 +132,23 @@ def record_thread_starts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str
 
     monkeypatch.setattr(threading.Thread, "start", recorded)
     return starts
+
+
+@contextlib.contextmanager
+def mounted(mnt: Path, fstype: str, options: str) -> Iterator[Path]:
+    """A fresh file system of ``fstype`` mounted on the empty directory ``mnt`` (we run as
+    root in CI), unmounted afterwards. Where mounting is not possible the test is skipped
+    and says why."""
+    if os.geteuid() != 0:
+        pytest.skip(f"mounting a {fstype} needs root")
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("no mount/umount command here")
+    cmd = ["mount", "-t", fstype, "-o", options, fstype, str(mnt)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot mount a {fstype} here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], check=False).returncode:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -11,9 +11,8 @@ reference counting when the block exits (cyclic GC disabled)."""
 
 from __future__ import annotations
 
-import gc
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +40,6 @@ CHECK = np.arange(2 * BLOCKS, 3 * BLOCKS)  # the blocks the checks read into
 ENDS_WITHIN = 400
 #: The most k tried for one call (the calls here end by themselves well before).
 K_MAX = 120
-
-
-@pytest.fixture
-def no_cyclic_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _cache() -> kvpipe.KVCache:

@@ -5,10 +5,8 @@ cancelled — and resident memory stays flat over many open/close rounds."""
 
 from __future__ import annotations
 
-import gc
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -29,16 +27,6 @@ LAYOUT = kvpipe.CacheLayout.gqa(
     num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16"
 )
 TOKENS = np.arange(16 * 8)
-
-
-@pytest.fixture
-def no_cyclic_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _resident() -> int:

@@ -9,8 +9,6 @@ possible the tests are skipped and say why.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import FileStore, inspect_store
 from kvpipe.backends.file._catalog import Catalog, SizeOf
 from tests.backends.test_file_hostile import batches, block_file, make_values, put_chain
-from tests.helpers import fill_random
+from tests.helpers import fill_random, mounted
 
 BS = 16
 #: 288 KiB a block: about 140 block files fill the 40 MiB disk.
@@ -38,19 +36,8 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A fresh 40 MiB tmpfs, unmounted afterwards."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if shutil.which("mount") is None or shutil.which("umount") is None:
-        pytest.skip("no mount/umount command here")
-    cmd = ["mount", "-t", "tmpfs", "-o", "size=40m,mode=0700", "tmpfs", str(mnt)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
-    try:
+    with mounted(mnt, "tmpfs", "size=40m,mode=0700"):
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], check=False).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _tokens(i: int) -> np.ndarray:

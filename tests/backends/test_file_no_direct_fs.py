@@ -1,16 +1,13 @@
 """A file system that refuses ``O_DIRECT`` only after ``open`` has created the file (ramfs;
 tmpfs before Linux 6.6): asking for direct I/O there must leave no file behind.
 
-The disk is a ramfs mounted by the test (we run as root in CI); where mounting is not
-possible the tests are skipped and say why.
+The disk is a ramfs mounted by the test (:func:`tests.helpers.mounted`).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import kvpipe
 from kvpipe.backends.file import FileStore, _native
 from kvpipe.backends.file._direct import PAGE, Scratch, probe_direct
 from kvpipe.backends.file._fs import DirectIORefused, Root
-from tests.helpers import fill_random
+from tests.helpers import fill_random, mounted
 
 LAYOUT = kvpipe.CacheLayout.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, block_size=16)
 
@@ -31,15 +28,7 @@ def ramfs(tmp_path: Path) -> Iterator[Path]:
     """A fresh ramfs, unmounted afterwards."""
     mnt = tmp_path / "ram"
     mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a ramfs needs root")
-    if shutil.which("mount") is None or shutil.which("umount") is None:
-        pytest.skip("no mount/umount command here")
-    cmd = ["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(mnt)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        pytest.skip(f"cannot mount a ramfs here: {done.stderr.strip() or done.returncode}")
-    try:
+    with mounted(mnt, "ramfs", "mode=0700"):
         probe = mnt / "probe"
         try:
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600))
@@ -49,9 +38,6 @@ def ramfs(tmp_path: Path) -> Iterator[Path]:
             assert probe.exists(), "the refusal this file is about: created, then EINVAL"
             probe.unlink()
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], check=False).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _files(root: Path) -> list[str]:
