@@ -36,13 +36,24 @@ def needs_native_digests() -> None:
     """Skip the calling test where the C extension ``kvpipe._digests`` could not be built (no
     C compiler); fail it where a compiler is present but the extension is missing: setup.py
     builds it optional with ``-Werror``, so a new warning would drop it without a word."""
-    if _blockformat.native is not None:
+    _needs_built(_blockformat.native, "kvpipe._digests")
+
+
+def needs_native_fileio() -> None:
+    """As :func:`needs_native_digests`, for the file store's ``_fileio``."""
+    from kvpipe.backends.file import _native
+
+    _needs_built(_native.fileio, "kvpipe.backends.file._fileio")
+
+
+def _needs_built(module: object, name: str) -> None:
+    if module is not None:
         return
     cc = str(sysconfig.get_config_var("CC") or "").split()
     assert not cc or shutil.which(cc[0]) is None, (
-        "a C compiler is here but kvpipe._digests was not built (see setup.py)"
+        f"a C compiler is here but {name} was not built (see setup.py)"
     )
-    pytest.skip("the native extension kvpipe._digests was not built (no C compiler)")
+    pytest.skip(f"the native extension {name} was not built (no C compiler)")
 
 
 def fill_random(cache: kvpipe.KVCache, seed: int = 0) -> None:

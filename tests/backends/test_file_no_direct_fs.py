@@ -18,7 +18,7 @@ import kvpipe
 from kvpipe.backends.file import FileStore, _native
 from kvpipe.backends.file._direct import PAGE, Scratch, probe_direct
 from kvpipe.backends.file._fs import DirectIORefused, Root
-from tests.helpers import fill_random, mounted
+from tests.helpers import fill_random, mounted, needs_native_fileio
 
 LAYOUT = kvpipe.CacheLayout.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, block_size=16)
 
@@ -62,9 +62,9 @@ def test_a_refused_direct_write_leaves_no_temporary_file(ramfs: Path) -> None:
 
 
 def test_a_refused_native_direct_write_leaves_no_temporary_file(ramfs: Path) -> None:
+    needs_native_fileio()
     fileio = _native.fileio
-    if fileio is None:
-        pytest.skip("the native file I/O extension is not built")
+    assert fileio is not None
     (ramfs / "d").mkdir()
     page = memoryview(np.zeros(PAGE, np.uint8)).cast("B")
     fd = os.open(ramfs, os.O_RDONLY | os.O_DIRECTORY)
