@@ -16,6 +16,7 @@ __all__ = (
     "CheckedRequest",
     "check_include_partial",
     "check_request",
+    "check_start_block",
     "check_timeout",
     "check_tokens",
 )
@@ -98,6 +99,20 @@ def check_timeout(timeout: float | None, default: float) -> float:
     return float(timeout)
 
 
+def check_start_block(start_block: Any, end: int) -> int:
+    """``start_block`` as an int in ``[0, end]``: an int or a numpy integer, not a bool.
+
+    Raises:
+        RequestError: Not an int, or out of range.
+    """
+    if isinstance(start_block, bool) or not isinstance(start_block, int | np.integer):
+        raise RequestError(f"start_block must be an int, got {start_block!r}")
+    start = int(start_block)
+    if not 0 <= start <= end:
+        raise RequestError(f"start_block {start} is outside [0, {end}]")
+    return start
+
+
 def check_request(
     token_ids: Any,
     block_ids: Any,
@@ -132,11 +147,7 @@ def check_request(
             + f"; block_ids has {len(ids)} (expected {end}"
             + (f" to {occupied})" if occupied > end else ")")
         )
-    if isinstance(start_block, bool) or not isinstance(start_block, int | np.integer):
-        raise RequestError(f"start_block must be an int, got {start_block!r}")
-    start = int(start_block)
-    if not 0 <= start <= end:
-        raise RequestError(f"start_block {start} is outside [0, {end}]")
+    start = check_start_block(start_block, end)
     moved = ids[start:end]
     if len(moved):
         # Checked in the ids' own dtype: a huge uint64 would wrap negative in int64.

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Literal, final
 
 import anyio
 import anyio.abc
-import numpy as np
 
 from ._cache import KVCache
 from ._config import PipelineConfig
@@ -30,7 +29,13 @@ from ._results import (
     WriteResult,
 )
 from ._runtime import Runtime
-from ._validate import check_include_partial, check_request, check_timeout, check_tokens
+from ._validate import (
+    check_include_partial,
+    check_request,
+    check_start_block,
+    check_timeout,
+    check_tokens,
+)
 from ._workers import ThreadRunner
 from .actors import Observer, PipelineHooks
 from .actors._state import CallState, ReadState, WriteState
@@ -245,13 +250,27 @@ class Pipeline:
         now = anyio.current_time()
         return now + total, now, r.tokens, r.block_ids, r.start_block, r.end_block, include_partial
 
+    def _blocks(self, tokens: int, include_partial: bool) -> int:
+        """Blocks ``tokens`` tokens fill: the full ones, and the partial one with
+        ``include_partial``."""
+        size = self.layout.block_size
+        return -(-tokens // size) if include_partial else tokens // size
+
     async def lookup(
-        self, token_ids: Any, *, include_partial: bool = False, timeout: float | None = None
+        self,
+        token_ids: Any,
+        *,
+        start_block: int = 0,
+        include_partial: bool = False,
+        timeout: float | None = None,
     ) -> int:
-        """How many leading blocks of the sequence are stored, from block 0.
+        """How many blocks of the sequence are stored from ``start_block`` on, stopping at the
+        first block that is not (blocks before ``start_block`` are not asked about: a server
+        that holds them itself asks only for the rest).
 
         Raises:
-            RequestError: Bad token ids, or ``include_partial`` not a bool.
+            RequestError: Bad token ids, ``start_block`` not an int in ``[0, blocks]``, or
+                ``include_partial`` not a bool.
             BackendError: The store failed the query.
             OperationTimeout: No answer within ``timeout`` (default ``config.lookup_timeout``),
                 or one ``exists`` call of the store took longer than ``config.slice_timeout``.
@@ -260,7 +279,8 @@ class Pipeline:
         Cancellation: cancelling the caller abandons the query; nothing changes in the store.
         """
         tokens, partial = check_tokens(token_ids), check_include_partial(include_partial)
-        return int(await self._call("lookup", tokens, partial, timeout))
+        start = check_start_block(start_block, self._blocks(len(tokens), partial))
+        return int(await self._call("lookup", tokens, partial, timeout, start_block=start))
 
     async def flush_index(
         self,
@@ -284,18 +304,10 @@ class Pipeline:
         """
         if not isinstance(residency, Residency):
             raise RequestError(f"residency must be a kvpipe.Residency, got {residency!r}")
-        tokens = check_tokens(token_ids)
-        check_include_partial(include_partial)
-        size = self.layout.block_size
-        n = -(-len(tokens) // size) if include_partial else len(tokens) // size
-        # As write and read take it: an int or a numpy integer, not a bool.
-        if isinstance(start_block, bool) or not isinstance(start_block, int | np.integer):
-            raise RequestError(f"start_block must be an int, got {start_block!r}")
-        start = int(start_block)
-        if not 0 <= start <= n:
-            raise RequestError(f"start_block {start} is outside [0, {n}]")
+        tokens, partial = check_tokens(token_ids), check_include_partial(include_partial)
+        start = check_start_block(start_block, self._blocks(len(tokens), partial))
         value = await self._call(
-            "flush", tokens, include_partial, timeout, start_block=start, residency=residency
+            "flush", tokens, partial, timeout, start_block=start, residency=residency
         )
         return int(value)
 

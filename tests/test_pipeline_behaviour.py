@@ -119,6 +119,11 @@ async def test_start_block_writes_and_reads_from_there() -> None:
         w = await pipe.write(tokens, np.arange(8), start_block=3)
         assert (w.requested, w.written, w.complete) == (5, 5, True)
         assert await pipe.lookup(tokens) == 0  # block 0 is not stored: no leading run
+        # from block 3 on, blocks 3..7 are: the blocks before the start are not asked about
+        assert await pipe.lookup(tokens, start_block=3) == 5
+        assert await pipe.lookup(tokens, start_block=np.int64(6)) == 2
+        assert await pipe.lookup(tokens, start_block=8) == 0
+        assert await pipe.lookup(tokens, start_block=2) == 0  # block 2: the first miss
         w = await pipe.write(tokens, np.arange(8))
         assert (w.requested, w.skipped, w.written) == (8, 0, 8)
         w = await pipe.write(tokens, np.arange(8), start_block=2)
@@ -153,6 +158,15 @@ async def test_bad_requests_fail_before_anything_is_queued() -> None:
             await pipe.flush_index(tokens, residency="gpu")  # type: ignore[arg-type]
         with pytest.raises(kvpipe.RequestError):
             await pipe.lookup([])
+        for start in (5, -1, True, 1.0):
+            with pytest.raises(kvpipe.RequestError, match="start_block"):
+                await pipe.lookup(tokens, start_block=start)  # type: ignore[arg-type]
+        # 3 full blocks and a partial one: block 4 is the end only with the partial one
+        with pytest.raises(kvpipe.RequestError, match=r"start_block 4 is outside \[0, 3\]"):
+            await pipe.lookup(tokens[:-1], start_block=4)
+        assert store.calls == []
+        assert await pipe.lookup(tokens[:-1], start_block=4, include_partial=True) == 0
+        store.calls.clear()
         assert store.calls == []
         assert pipe.statistics().in_flight == {}
 

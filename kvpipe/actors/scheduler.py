@@ -186,10 +186,10 @@ class Scheduler(Actor[RequestState]):
         with state.bound(state.deadline) as scope:
             try:
                 if state.op == "lookup":
+                    start = int(state.params["start_block"])
+                    keys = state.keys.keys[start:]
                     state.succeed(
-                        await probe_leading(
-                            self.ctx, state.request_id, state.keys.keys, 0, state.tokens
-                        )
+                        await probe_leading(self.ctx, state.request_id, keys, start, state.tokens)
                     )
                 elif state.op == "flush":
                     state.succeed(await self._flush(state))

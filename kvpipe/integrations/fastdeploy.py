@@ -529,14 +529,17 @@ class KVPipeAttentionStore:
     def query(
         self, task_id: str, token_ids: list[int], start_match_block_idx: int, timeout: float = 10.0
     ) -> int:
-        """The leading stored run from ``start_match_block_idx``. Before the first ``write``
-        or ``read`` bound the caches (and so the layout, part of every key) it is 0."""
+        """The stored run from block ``start_match_block_idx`` on (the blocks before it are
+        not asked about: the server holds them). Before the first ``write`` or ``read``
+        bound the caches (and so the layout, part of every key) it is 0."""
 
         async def run(pipe: Pipeline) -> int:
-            n = await pipe.lookup(
-                token_ids, include_partial=self.all_or_nothing_read, timeout=timeout
+            return await pipe.lookup(
+                token_ids,
+                start_block=start_match_block_idx,
+                include_partial=self.all_or_nothing_read,
+                timeout=timeout,
             )
-            return max(0, n - int(start_match_block_idx))
 
         return self._on_last_pipe("query", task_id, timeout, run)
 

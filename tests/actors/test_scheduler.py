@@ -181,7 +181,8 @@ async def test_backend_errors_reach_index_callers(op: str) -> None:
     store = Broken(exists={0: Act(error=OSError("no index"))})
     async with harness(store) as h:
         now = anyio.current_time()
-        state = CallState("c", now + 5, now, op, as_tokens(TOKENS), False)  # type: ignore[arg-type]
+        params = {"start_block": 0} if op == "lookup" else {}
+        state = CallState("c", now + 5, now, op, as_tokens(TOKENS), False, **params)  # type: ignore[arg-type]
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert isinstance(state.error, kvpipe.BackendError)
         assert "no index" in str(state.error)

@@ -146,6 +146,26 @@ def test_block_ids_begin_at_the_start_index_as_fastdeploy_passes_them() -> None:
         assert _rows(dk + dv, [10, 11, 12, 13]) == _rows(k + v, src)
 
 
+def test_query_counts_from_the_start_index_when_blocks_before_it_are_not_stored() -> None:
+    """``query(..., start_match_block_idx=m)`` asks about blocks ``m ..`` only (FastDeploy's
+    AttentionStore passes the index to the SDK's ``match``): a server holding blocks ``0 ..
+    m-1`` itself finds the stored blocks after them, even when those first blocks were never
+    stored (or were evicted from the store). Counting from block 0 and subtracting ``m``
+    returned 0 here: a missed hit."""
+    k, v = _gqa(True)
+    tokens = list(range(4 * BS))
+    with _store() as store:
+        assert store.write("t1", k, v, tokens, [7, 8], 2) == 2  # blocks 2 and 3 only
+        assert store.query("q0", tokens, 0) == 0
+        assert store.query("q1", tokens, 1) == 0
+        assert store.query("q2", tokens, 2) == 2
+        assert store.query("q3", tokens, 3) == 1
+        assert store.query("q4", tokens, 4) == 0
+        assert store.write("t2", k, v, tokens, [5, 6], 0) == 2
+        assert store.query("q5", tokens, 0) == 4
+        assert store.query("q6", tokens, 1) == 3
+
+
 def test_flush_token_index_records_gpu_then_gone_from_this_pod() -> None:
     """FastDeploy's flush-only mode (PR #7609) passes ``reside_in_gpu=flush_cache_exists``:
     ``True`` at request finish (the blocks are in this pod's GPU), ``False`` when the blocks
