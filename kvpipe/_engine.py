@@ -17,14 +17,11 @@ from ._errors import RequestError
 from ._hostcopy import gather, scatter
 from ._plan import CopyPlan
 from ._staging import StagingLease
-from ._workers import Lane, NotStarted, ThreadRunner
+from ._workers import INLINE_COPY_BYTES, Lane, NotStarted, ThreadRunner
 
-__all__ = ("INLINE_COPY_BYTES", "CopyEngine", "HostEngine", "OrderMark", "run_copy")
+__all__ = ("CopyEngine", "HostEngine", "OrderMark", "run_copy")
 
 T = TypeVar("T")
-
-#: Copies up to this many bytes run on the event loop (cheaper than a thread hop).
-INLINE_COPY_BYTES = 256 * 1024
 
 
 async def run_copy(

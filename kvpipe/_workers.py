@@ -35,9 +35,20 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ("Lane", "NotStarted", "ThreadRunner", "WorkerThreads", "lower_priority")
+__all__ = (
+    "INLINE_COPY_BYTES",
+    "Lane",
+    "NotStarted",
+    "ThreadRunner",
+    "WorkerThreads",
+    "lower_priority",
+)
 
 log = logging.getLogger("kvpipe.workers")
+
+#: Copies up to this many bytes run on the event loop (cheaper than a thread hop); larger
+#: ones in a worker thread, so that the loop keeps answering.
+INLINE_COPY_BYTES = 256 * 1024
 
 _warned = False
 

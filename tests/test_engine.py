@@ -7,9 +7,9 @@ import threading
 import anyio
 import pytest
 
-from kvpipe._engine import INLINE_COPY_BYTES, run_copy
+from kvpipe._engine import run_copy
 from kvpipe._staging import StagingPool
-from kvpipe._workers import Lane, NotStarted, ThreadRunner
+from kvpipe._workers import INLINE_COPY_BYTES, Lane, NotStarted, ThreadRunner
 
 
 @pytest.mark.parametrize("nbytes", [0, INLINE_COPY_BYTES])

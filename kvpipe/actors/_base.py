@@ -21,14 +21,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._cache import KVCache
 from .._config import PipelineConfig
-from .._engine import INLINE_COPY_BYTES, CopyEngine, run_copy
+from .._engine import CopyEngine, run_copy
 from .._errors import BackendError
 from .._hostcopy import gather_sealed, seal_slots
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
 from .._plan import CopySegment, SliceSpec, copy_plan
 from .._staging import StagingLease, StagingPool
-from .._workers import Lane, ThreadRunner
+from .._workers import INLINE_COPY_BYTES, Lane, ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
 from ._channels import Outboxes, SliceJob
 from ._observe import Metrics, ObservationKind, Observers

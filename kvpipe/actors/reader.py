@@ -18,13 +18,12 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._blockformat import check_blocks
-from .._engine import INLINE_COPY_BYTES
 from .._errors import BackendError
 from .._hostcopy import check_and_scatter, gather
 from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
 from .._staging import StagingLease
-from .._workers import NotStarted
+from .._workers import INLINE_COPY_BYTES, NotStarted
 from ..backends._base import BlockStatus, GetBatch
 from ._base import (
     Actor,

@@ -19,10 +19,10 @@ from collections import deque
 import anyio
 import anyio.abc
 
-from .._engine import INLINE_COPY_BYTES
 from .._plan import SliceSpec
 from .._results import SliceOutcome, SliceStatus
 from .._staging import StagingLease
+from .._workers import INLINE_COPY_BYTES
 from ..backends._base import BlockStatus, PutBatch
 from ._base import Actor, as_backend_error, check_statuses, leading_ok, task
 from ._channels import SliceJob

@@ -8,19 +8,21 @@ a pipeline uses it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Final, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeAlias, TypeVar
 
 import anyio
 import numpy as np
 
 from .._keys import Scope, as_tokens
 from .._staging import StagingLease, StagingPool
-from .._workers import ThreadRunner
+from .._workers import INLINE_COPY_BYTES, ThreadRunner
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from ._registration import Registrations
 
 B = TypeVar("B", PutBatch, GetBatch)
+T = TypeVar("T")
+Buffer: TypeAlias = bytes | bytearray | memoryview
 
 __all__ = ("ValueClient",)
 
@@ -29,6 +31,17 @@ VALUES_FINGERPRINT: Final = hashlib.blake2b(b"kvpipe.values", digest_size=8).hex
 _NO_TOKENS = as_tokens(np.zeros(0, dtype=np.int64))
 #: Keys :meth:`ValueClient.exists` probes again at once (one store call each).
 PROBE_WIDTH: Final = 16
+
+
+def fill_slots(pool: StagingPool, slots: Sequence[int], values: Sequence[Buffer]) -> None:
+    """Copy ``values[i]`` into staging slot ``slots[i]``."""
+    for slot, value in zip(slots, values, strict=True):
+        pool.slot(slot)[:] = np.frombuffer(value, np.uint8)
+
+
+def read_slots(pool: StagingPool, slots: Sequence[int], size: int) -> list[bytes]:
+    """The first ``size`` bytes of each slot, copied out."""
+    return [pool.slot(slot)[:size].tobytes() for slot in slots]
 
 
 class ValueClient:
@@ -43,7 +56,10 @@ class ValueClient:
         slots: Staging slots per value size; a bigger call is sent in chunks.
         close_timeout: Seconds leaving waits for worker threads still running.
 
-    Use as an async context manager. Calls must come from the loop that entered it.
+    Use as an async context manager. Calls must come from the loop that entered it. Values
+    are copied into and out of staging on the event loop when a batch's copy is small (up to
+    ``INLINE_COPY_BYTES``), else in a worker thread: the loop keeps answering while a batch
+    of large values is copied.
     """
 
     def __init__(
@@ -124,9 +140,15 @@ class ValueClient:
             limiter=None,
         )
 
-    async def put(
-        self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]
-    ) -> list[BlockStatus]:
+    async def _copy(self, lease: StagingLease, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, a copy of ``nbytes`` bytes between staging and the caller: inline when
+        small, else in a worker thread holding ``lease`` until it returns (cancelling the
+        caller stops the wait; the thread finishes its copy)."""
+        if nbytes <= INLINE_COPY_BYTES:
+            return fn(*args)
+        return await self._runner.run(fn, *args, hold=lease)
+
+    async def put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[BlockStatus]:
         """Store ``values[i]`` under ``keys[i]`` (copied into staging first). A stored key's
         value is replaced, though a store may refuse (``FAILED``, the stored value kept) to
         replace it with one of another size: ``MooncakeStore`` does, delete the key first.
@@ -149,8 +171,9 @@ class ValueClient:
             pool = await self._pool(size)
             lease = await pool.acquire(len(picked))
             try:
-                for slot, i in zip(lease.slots, picked, strict=True):
-                    pool.slot(slot)[:] = np.frombuffer(values[i], np.uint8)
+                chosen = [values[i] for i in picked]
+                await self._copy(lease, size * len(picked), fill_slots, pool, lease.slots, chosen)
+                del chosen
                 batch = self._staged(PutBatch, [keys[i] for i in picked], lease, size)
                 got = list(await self.store.put_blocks(batch))
             finally:
@@ -184,9 +207,13 @@ class ValueClient:
             try:
                 batch = self._staged(GetBatch, [keys[i] for i in picked], lease, size)
                 got = list(await self.store.get_blocks(batch))
-                for slot, i, status in zip(lease.slots, picked, got, strict=True):
-                    value = pool.slot(slot)[:size].tobytes() if status is BlockStatus.OK else b""
-                    out[i] = (status, value)
+                ok = [j for j, status in enumerate(got) if status is BlockStatus.OK]
+                slots = [lease.slots[j] for j in ok]
+                copied = iter(
+                    await self._copy(lease, size * len(ok), read_slots, pool, slots, size)
+                )
+                for i, status in zip(picked, got, strict=True):
+                    out[i] = (status, next(copied) if status is BlockStatus.OK else b"")
             finally:
                 lease.release()
         return out

@@ -321,7 +321,8 @@ class KVPipeStorage:
             if payload is None:
                 bad += status is not BlockStatus.MISSING
                 continue
-            ctypes.memmove(ptrs[i], bytes(payload), sizes[i])
+            payload.release()
+            ctypes.memmove(ptrs[i], value, sizes[i])  # the checked payload: value's first bytes
             out[i] = sizes[i]
         if bad:
             log.warning("KVPipeStorage batch_get: %d of %d values failed their checks", bad, n)

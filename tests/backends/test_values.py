@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import anyio
 import anyio.lowlevel
 import pytest
@@ -102,3 +105,48 @@ async def test_concurrent_first_calls_of_one_size_share_one_staging_pool() -> No
         got = await client.get(["k0", "k1", "k2"], [64, 64, 64])
         assert [v for _, v in got] == [bytes([i]) * 64 for i in range(3)]
     assert store.unregistered == 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_large_copies_leave_the_event_loop_small_ones_stay(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of large values is copied into and out of staging in a worker thread: a
+    server's event loop keeps answering while 32 values of 2 MiB (64 MiB) are copied. A
+    batch of small values is copied on the loop (a thread hop costs more than the copy)."""
+    from kvpipe._workers import INLINE_COPY_BYTES
+    from kvpipe.backends import _values
+
+    loop_thread = threading.get_ident()
+    seen: list[tuple[str, int, bool]] = []
+
+    def recorded(name: str, fn: Any) -> Any:
+        def call(pool: Any, slots: Any, *args: Any) -> Any:
+            seen.append((name, len(slots), threading.get_ident() == loop_thread))
+            return fn(pool, slots, *args)
+
+        return call
+
+    monkeypatch.setattr(_values, "fill_slots", recorded("fill", _values.fill_slots))
+    monkeypatch.setattr(_values, "read_slots", recorded("read", _values.read_slots))
+    big = [bytes([i]) * (2 << 20) for i in range(32)]
+    small = [bytes([i]) * 64 for i in range(4)]
+    assert 64 * 4 <= INLINE_COPY_BYTES < 2 << 20
+    async with ValueClient(kvpipe.MemoryStore()) as client:
+        keys = [f"b{i}" for i in range(32)]
+        assert await client.put(keys, big) == [BlockStatus.OK] * 32
+        got = await client.get([*keys, "absent"], [2 << 20] * 33)
+        assert [v for _, v in got] == [*big, b""]
+        assert got[-1][0] is BlockStatus.MISSING
+        assert await client.put(["s0", "s1", "s2", "s3"], small) == [BlockStatus.OK] * 4
+        got = await client.get(["s0", "s1", "s2", "s3"], [64] * 4)
+        assert [v for _, v in got] == small
+    # in a thread: the 32 large values each way; the miss (a second batch: 32 slots) is not
+    # copied; on the loop: the small ones
+    assert seen == [
+        ("fill", 32, False),
+        ("read", 32, False),
+        ("read", 0, True),
+        ("fill", 4, True),
+        ("read", 4, True),
+    ]
