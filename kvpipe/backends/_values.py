@@ -39,9 +39,15 @@ def fill_slots(pool: StagingPool, slots: Sequence[int], values: Sequence[Buffer]
         pool.slot(slot)[:] = np.frombuffer(value, np.uint8)
 
 
-def read_slots(pool: StagingPool, slots: Sequence[int], size: int) -> list[bytes]:
-    """The first ``size`` bytes of each slot, copied out."""
-    return [pool.slot(slot)[:size].tobytes() for slot in slots]
+def read_slots(pool: StagingPool, slots: Sequence[int], size: int) -> list[bytearray]:
+    """The first ``size`` bytes of each slot, copied out (by numpy, which lets the GIL go
+    during a large copy: ``bytes`` would hold it)."""
+    out = []
+    for slot in slots:
+        value = bytearray(size)
+        np.frombuffer(value, np.uint8)[:] = pool.slot(slot)[:size]
+        out.append(value)
+    return out
 
 
 class ValueClient:
@@ -184,11 +190,12 @@ class ValueClient:
 
     async def get(
         self, keys: Sequence[str], nbytes: Sequence[int]
-    ) -> list[tuple[BlockStatus, bytes]]:
+    ) -> list[tuple[BlockStatus, bytearray]]:
         """Fetch each key's ``nbytes[i]``-long value.
 
         Returns:
-            Per key, its status and (when ``OK``) its value, else ``b""``.
+            Per key, its status and (when ``OK``) its value (a new ``bytearray``), else an
+            empty one.
 
         Raises:
             ValueError: A bad key or size, or keys and sizes of different lengths.
@@ -200,7 +207,7 @@ class ValueClient:
             raise ValueError("one positive size per key")
         for k in keys:
             validate_key(k)
-        out: list[tuple[BlockStatus, bytes]] = [(BlockStatus.FAILED, b"")] * len(keys)
+        out = [(BlockStatus.FAILED, bytearray()) for _ in keys]
         for size, picked in self._runs([int(n) for n in nbytes]):
             pool = await self._pool(size)
             lease = await pool.acquire(len(picked))
@@ -213,7 +220,7 @@ class ValueClient:
                     await self._copy(lease, size * len(ok), read_slots, pool, slots, size)
                 )
                 for i, status in zip(picked, got, strict=True):
-                    out[i] = (status, next(copied) if status is BlockStatus.OK else b"")
+                    out[i] = (status, next(copied) if status is BlockStatus.OK else bytearray())
             finally:
                 lease.release()
         return out

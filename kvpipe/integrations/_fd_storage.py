@@ -65,7 +65,7 @@ def _lengths_match(op: str, n: int, locations: list[int] | None, sizes: list[int
     return True
 
 
-def _verify(value: bytes, key: str, size: int) -> memoryview | None:
+def _verify(value: bytearray, key: str, size: int) -> memoryview | None:
     """The payload when ``value`` is ``size`` bytes plus a sound trailer for ``key``."""
     if len(value) != size + _TRAILER.size:
         return None
@@ -321,8 +321,8 @@ class KVPipeStorage:
             if payload is None:
                 bad += status is not BlockStatus.MISSING
                 continue
-            payload.release()
-            ctypes.memmove(ptrs[i], value, sizes[i])  # the checked payload: value's first bytes
+            payload.release()  # the checked payload: value's first bytes
+            ctypes.memmove(ptrs[i], (ctypes.c_char * sizes[i]).from_buffer(value), sizes[i])
             out[i] = sizes[i]
         if bad:
             log.warning("KVPipeStorage batch_get: %d of %d values failed their checks", bad, n)

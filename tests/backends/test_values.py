@@ -137,6 +137,7 @@ async def test_large_copies_leave_the_event_loop_small_ones_stay(
         assert await client.put(keys, big) == [BlockStatus.OK] * 32
         got = await client.get([*keys, "absent"], [2 << 20] * 33)
         assert [v for _, v in got] == [*big, b""]
+        assert all(type(v) is bytearray for _, v in got)  # copied by numpy, GIL let go
         assert got[-1][0] is BlockStatus.MISSING
         assert await client.put(["s0", "s1", "s2", "s3"], small) == [BlockStatus.OK] * 4
         got = await client.get(["s0", "s1", "s2", "s3"], [64] * 4)
