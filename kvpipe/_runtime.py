@@ -399,7 +399,12 @@ class Runtime:
                     try:  # without yielding when the scheduler's inbox has room
                         self._outboxes.scheduler.send_nowait(state)
                     except anyio.WouldBlock:
-                        await self._outboxes.scheduler.send(state)
+                        # Until the request ends, too: failed by an escalation, its wait for
+                        # room in an inbox nobody drains any more (the scheduler's) would
+                        # last its whole deadline where closing the inbox wakes no sender
+                        # (anyio before 4.16).
+                        with state.bound(state.deadline + self.config.deadline_slack, "submit"):
+                            await self._outboxes.scheduler.send(state)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     raise PipelineClosed("pipeline closed") from None
                 await state.wait()

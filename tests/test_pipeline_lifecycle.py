@@ -1,0 +1,92 @@
+"""The pipeline's lifecycle at its edges: escalation, close and crashes at awkward moments,
+on asyncio and on trio (in virtual time there: a hang shows as a deadline reached, not as a
+slow test)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import trio.testing
+
+import kvpipe
+from kvpipe.actors import scheduler as scheduler_module
+from tests.helpers import fill_random, until
+
+TOKENS = np.arange(64)  # 4 blocks of 16
+IDS = np.arange(4)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    if request.param == "trio":
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+    return "asyncio"
+
+
+def _hang_guard(backend: object) -> contextlib.AbstractContextManager[object]:
+    """On asyncio a hang fails the test after 20 s; on trio's MockClock a hang shows as
+    virtual time passing (a guard there would fire while the loop waits for a real thread)."""
+    return anyio.fail_after(20) if backend == "asyncio" else contextlib.nullcontext()
+
+
+def _cache() -> kvpipe.KVCache:
+    layout = kvpipe.CacheLayout.mla(num_layers=2, kv_lora_rank=32, rope_dim=8, block_size=16)
+    cache = kvpipe.create_kv_cache(layout, 32)
+    fill_random(cache)
+    return cache
+
+
+async def _until_in_flight(pipe: kvpipe.Pipeline, n: int) -> None:
+    await until(lambda: sum(pipe.statistics().in_flight.values()) == n)
+
+
+async def test_an_escalating_scheduler_releases_callers_waiting_for_room_in_its_inbox(
+    monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    """The scheduler (one handler, an inbox of one) works on a request, a second waits in
+    its inbox and a third caller waits for room there when the scheduler crashes past its
+    restart intensity. The pipeline closes and every caller gets ``PipelineClosed`` at once,
+    the third one too, though its request never entered the inbox: it waited for its whole
+    deadline (an hour here) where closing the inbox wakes no sender (anyio before 4.16)."""
+    go = anyio.Event()
+    probe_leading = scheduler_module.probe_leading
+
+    async def crashing_probe(ctx: Any, request_id: str, *args: Any, **kw: Any) -> int:
+        if request_id.startswith("crash"):
+            if request_id == "crash":
+                await go.wait()
+            raise RuntimeError("injected scheduler bug")
+        return await probe_leading(ctx, request_id, *args, **kw)
+
+    monkeypatch.setattr(scheduler_module, "probe_leading", crashing_probe)
+    config = kvpipe.PipelineConfig(
+        queue_depth=1, max_restarts=1, total_timeout=3600, slice_timeout=3600
+    )
+    outcomes: dict[str, object] = {}
+    with _hang_guard(anyio_backend):
+        async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), config=config) as pipe:
+
+            async def write(rid: str) -> None:
+                try:
+                    outcomes[rid] = await pipe.write(TOKENS, IDS, request_id=rid)
+                except kvpipe.PipelineClosed as exc:
+                    outcomes[rid] = exc
+
+            first = await pipe.write(TOKENS, IDS, request_id="crash-first")
+            assert first.stop_reason == "actor_crashed"  # restarted; the next crash escalates
+            async with anyio.create_task_group() as tg:
+                for n, rid in enumerate(("crash", "queued", "blocked"), 1):
+                    tg.start_soon(write, rid)
+                    await _until_in_flight(pipe, n)
+                await until(lambda: pipe.statistics().queue_depths["scheduler"] == 1)
+                start = anyio.current_time()
+                go.set()
+            assert anyio.current_time() - start < 1
+            assert pipe.closed
+            assert sorted(outcomes) == ["blocked", "crash", "queued"]
+            for rid, outcome in outcomes.items():
+                assert isinstance(outcome, kvpipe.PipelineClosed), (rid, outcome)
