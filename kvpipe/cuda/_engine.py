@@ -215,9 +215,11 @@ class CudaEngine(CopyEngine):
             deadline = anyio.current_time() + self.options.drain_timeout
         self.close_by(deadline)
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_at(deadline) as waited:
+            with anyio.move_on_at(deadline):
                 await self._idle.wait()
-            if waited.cancelled_caught:
+            # Whether any still runs, not whether the wait was cut: a close whose deadline
+            # has passed (the pipeline's requests took it all) finds an idle engine too.
+            if self._calls:
                 log.error("CUDA copies still running at the close deadline; leaking the memory")
                 return
             drained = await self._drain()
@@ -401,21 +403,23 @@ class CudaEngine(CopyEngine):
         past the close deadline, if one is set).
 
         Raises:
-            DeviceError: The close deadline passed first (see :meth:`close_by`).
+            DeviceError: The close deadline passed first (see :meth:`close_by`); a wait
+                begun after it still spins first, so that an idle stream's event (which
+                the device completes within microseconds) is seen completed.
         """
         start = time.monotonic()
         delay = POLL_MIN
         while not self._done(event):
-            if self._abandon_at is not None and anyio.current_time() >= self._abandon_at:
-                raise DeviceError("cuEventQuery", "", "abandoned at the close deadline")
             if time.monotonic() - start < SPIN_SECONDS:
                 await anyio.lowlevel.checkpoint()
-            else:
-                sleep = delay
-                if self._abandon_at is not None:  # wake at the close deadline, not past it
-                    sleep = max(0.0, min(sleep, self._abandon_at - anyio.current_time()))
-                await anyio.sleep(sleep)
-                delay = min(delay * 2, self.options.poll_max)
+                continue
+            if self._abandon_at is not None and anyio.current_time() >= self._abandon_at:
+                raise DeviceError("cuEventQuery", "", "abandoned at the close deadline")
+            sleep = delay
+            if self._abandon_at is not None:  # wake at the close deadline, not past it
+                sleep = max(0.0, min(sleep, self._abandon_at - anyio.current_time()))
+            await anyio.sleep(sleep)
+            delay = min(delay * 2, self.options.poll_max)
 
     def _done(self, event: int) -> bool:
         """Whether ``event`` has completed (one query, the engine's context current)."""

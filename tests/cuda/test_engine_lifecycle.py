@@ -515,3 +515,16 @@ class TestVirtualTime:
         assert fake.live()["pinned_allocations"] == 1  # leaked on purpose, and logged
         gate.open()
         fake.run_until_idle()
+
+
+async def test_an_idle_engine_closed_past_its_deadline_frees_everything(fake: FakeDriver) -> None:
+    """A pipeline's close whose deadline its requests used up closes the engine with the
+    deadline already passed. Nothing runs: the engine frees everything. (It leaked its
+    pinned staging, device memory, streams and context, logging copies "still running":
+    the wait for idle, cut at once by the passed deadline, counted as copies still running,
+    and the drain's first poll of an idle stream came before the device completed it.)"""
+    cache = fake_device_cache(fake, _layout(), 2)
+    eng, _pool = await open_engine(fake, cache, capacity=4)
+    await eng.aclose(deadline=anyio.current_time() - 1)
+    free_device_cache(fake, cache)
+    fake.assert_clean()

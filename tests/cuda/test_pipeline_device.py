@@ -222,6 +222,34 @@ async def test_pinned_staging_is_registered_with_the_store(fake: FakeDriver) -> 
     fake.assert_clean()  # the engine freed everything at close
 
 
+async def test_a_close_that_reached_its_deadline_still_frees_the_idle_engine(
+    fake: FakeDriver, producer: int
+) -> None:
+    """A write's put hangs through the whole ``close_timeout``: the close fails it at the
+    deadline, and the engine, idle by then, is still freed (it leaked its pinned staging,
+    device memory and context on every close that reached its deadline)."""
+    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 4)
+    store = ScriptedStore(puts={0: Act(hang=True)})
+    cfg = kvpipe.PipelineConfig(slice_block_num=2, close_timeout=0.2, staging_bytes=1 << 20)
+    failed: list[kvpipe.PipelineClosed] = []
+    async with kvpipe.open_pipeline(cache, store, config=cfg, device_driver=fake) as pipe:
+
+        async def write() -> None:
+            with pytest.raises(kvpipe.PipelineClosed) as info:
+                await pipe.write(np.arange(32), [0, 1], stream=producer)
+            failed.append(info.value)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write)
+            await store.wait_calls("put")
+            await pipe.aclose()
+    assert len(failed) == 1
+    free_device_cache(fake, cache)
+    live = fake.live()
+    assert (live["pinned_allocations"], live["device_allocations"], live["modules"]) == (0, 0, 0)
+    assert live["streams"] == 1  # the model's (the producer fixture's) only
+
+
 async def test_a_copy_failure_fails_the_slice_and_the_pipeline_goes_on(
     fake: FakeDriver, producer: int
 ) -> None:
