@@ -240,3 +240,47 @@ async def test_a_call_that_raised_leaves_no_cycle(call: str, no_cyclic_gc: None)
                 await pipe.write(TOKENS, np.arange(8), request_id="crash")
         del pipe
     assert [ref() for ref in refs] == [None, None], "the pipeline is held in a reference cycle"
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+async def test_a_close_that_cancels_the_actors_at_its_deadline_leaves_no_cycle(
+    op: str, no_cyclic_gc: None
+) -> None:
+    """A put or get hangs through the whole ``close_timeout``: the close fails the request at
+    the deadline and cancels the actors. Their supervising tasks end cancelled too (on
+    asyncio anyio keeps such a task's exception, frames and all, in a reference cycle): the
+    actors' context, and through it the cache and the store, must still be freed by
+    reference counting when the block exits."""
+    inner = kvpipe.MemoryStore()
+    if op == "read":
+        async with kvpipe.open_pipeline(
+            kvpipe.create_kv_cache(LAYOUT, num_blocks=16), inner
+        ) as pipe:
+            assert (await pipe.write(TOKENS, np.arange(8))).complete
+    hang = {0: Act(hang=True)}
+    store = ScriptedStore(puts=hang, gets=hang, inner=inner)
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    config = kvpipe.PipelineConfig(staging_bytes=STAGING, close_timeout=0.2, slice_block_num=2)
+    async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+        refs = (
+            weakref.ref(pipe._runtime._pool.buffer.base),  # type: ignore[union-attr]
+            weakref.ref(pipe._runtime._ctx),
+            weakref.ref(pipe),
+        )
+
+        async def call(pipe: kvpipe.Pipeline) -> None:
+            with pytest.raises(kvpipe.PipelineClosed):
+                if op == "write":
+                    await pipe.write(TOKENS, np.arange(8))
+                else:
+                    await pipe.read(TOKENS, np.arange(8, 16))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, pipe)
+            await store.wait_calls("put" if op == "write" else "get")
+            await pipe.aclose()
+        del pipe
+    staging, actors, pipe_ref = refs
+    assert staging() is None, "the staging outlived the pipeline"
+    assert actors() is None, "the actors' context is held in a reference cycle"
+    assert pipe_ref() is None, "the pipeline is held in a reference cycle"

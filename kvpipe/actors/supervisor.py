@@ -23,7 +23,7 @@ from typing import Any, final
 import anyio
 
 from .._results import ActorCrash
-from ._base import Actor
+from ._base import Actor, task
 from ._observe import Metrics
 
 __all__ = ("ChildSpec", "Supervisor")
@@ -90,7 +90,9 @@ class Supervisor:
         try:
             async with anyio.create_task_group() as tg:
                 for child in self._children:
-                    tg.start_soon(self._supervise, child, name=f"kvpipe-{child.name}")
+                    # Through task(): one cancelled at the close deadline lets go of its
+                    # frames (its child's factory holds the actors' context).
+                    tg.start_soon(task, self._supervise, child, name=f"kvpipe-{child.name}")
         finally:
             self._children = ()
             self._on_escalate = _ignore_escalation
