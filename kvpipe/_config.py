@@ -70,7 +70,9 @@ class PipelineConfig:
         close_timeout: Seconds ``aclose`` may take: in-flight requests, worker threads, the
             store's unregistering of the staging and the CUDA engine's drain all end by one
             deadline, this long after the close began. Past it, what still runs is abandoned
-            (logged) and the memory it may use is kept allocated, never freed under it.
+            (logged) and the memory it may use is kept allocated, never freed under it;
+            cleaning up what no longer runs (actors unwinding, staging unregistered from the
+            store) gets up to 1 s more.
     """
 
     slice_block_num: int = 500

@@ -58,8 +58,9 @@ log = logging.getLogger("kvpipe.pipeline")
 _State = TypeVar("_State", bound=RequestState)
 _Marked = TypeVar("_Marked", WriteState, ReadState)
 _STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
-#: Seconds :meth:`Runtime.aclose` waits for actors it cancelled at the close deadline to
-#: unwind (they release their staging as they do).
+#: Seconds past the close deadline for cleaning up what no longer runs: actors cancelled at
+#: the deadline unwinding (they release their staging as they do), and staging nothing uses
+#: any more being unregistered from the store (else kept allocated for good).
 UNWIND_GRACE: Final = 1.0
 
 
@@ -180,15 +181,18 @@ class Runtime:
         return self.close_deadline
 
     async def release(self, staging_in_use: bool) -> None:
-        """After the actors and worker threads are done: unregister staging, close the copy
-        engine (both by the close deadline), and let go of everything big, so the staging
+        """After the actors and worker threads are done: unregister staging (by
+        ``UNWIND_GRACE`` past the close deadline), close the copy engine (by the deadline),
+        and let go of everything big, so the staging
         is freed now whatever still refers to this runtime. ``staging_in_use``: a worker
         thread abandoned at the close deadline may still read or write it (a store's vendor
         call): it then stays registered with the store and allocated."""
         registrations = self._registrations
         if staging_in_use:
             registrations.keep("a call abandoned at close may still use it")
-        await registrations.aclose(self._deadline())
+        # Nothing uses the staging now: a close whose requests took its whole deadline still
+        # unregisters it (a vendor call), within the grace, rather than keep it for good.
+        await registrations.aclose(self._deadline() + UNWIND_GRACE)
         in_use = staging_in_use or registrations.kept
         engine, self.engine = self.engine, None
         if engine is not None:
@@ -292,8 +296,8 @@ class Runtime:
     async def aclose(self) -> None:
         """Close by one deadline, ``close_timeout`` from now: stop accepting requests, let
         in-flight ones finish until then, fail the rest, let the actors leave their loops
-        (cancelled if still running at the deadline, then given up to ``UNWIND_GRACE`` to
-        unwind and let go of their staging), then drain their inboxes. What still
+        (cancelled if still running at the deadline, then given until ``UNWIND_GRACE`` past
+        it to unwind and let go of their staging), then drain their inboxes. What still
         runs at the deadline is abandoned and logged, its memory kept (staging is unregistered
         and freed by :meth:`release`, once the worker threads are done). Shielded."""
         with anyio.CancelScope(shield=True):
@@ -316,10 +320,12 @@ class Runtime:
                     self.cancel_actors()
                     # They release their staging as they unwind, which takes a few turns of
                     # the loop (nothing waits past a cancellation unbounded): return after.
-                    with anyio.move_on_after(UNWIND_GRACE):
+                    with anyio.move_on_at(deadline + UNWIND_GRACE):
                         await supervisor.wait_stopped()
                     if not supervisor.stopped:
-                        log.error("actors did not stop %.1f s after cancelling", UNWIND_GRACE)
+                        log.error(
+                            "actors did not stop %.1f s past the close deadline", UNWIND_GRACE
+                        )
             for recv in self._inboxes.by_name().values() if self._inboxes else ():
                 self._drain(recv)
                 recv.close()

@@ -5,6 +5,7 @@ slow test)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import anyio
@@ -14,6 +15,7 @@ import trio.testing
 
 import kvpipe
 from kvpipe.actors import scheduler as scheduler_module
+from tests.fakes import Act, ScriptedStore
 from tests.helpers import fill_random, until
 
 TOKENS = np.arange(64)  # 4 blocks of 16
@@ -90,3 +92,46 @@ async def test_an_escalating_scheduler_releases_callers_waiting_for_room_in_its_
             assert sorted(outcomes) == ["blocked", "crash", "queued"]
             for rid, outcome in outcomes.items():
                 assert isinstance(outcome, kvpipe.PipelineClosed), (rid, outcome)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_close_that_used_its_deadline_still_unregisters_and_frees_the_staging(
+    anyio_backend: str,
+) -> None:
+    """A put hangs through the whole ``close_timeout``: the close fails it at the deadline,
+    and then no call uses the staging any more. Unregistering it (a vendor call in a thread,
+    as Mooncake's) gets the grace past the deadline, so the staging is unregistered and
+    freed; it was kept allocated, registered, for the life of the process."""
+    from kvpipe.backends import _registration
+
+    class ThreadedRegistration(ScriptedStore):
+        def __init__(self) -> None:
+            super().__init__(puts={0: Act(hang=True)})
+            self.unregistered = 0
+
+        async def register_staging(self, buffer: memoryview) -> None:
+            await anyio.to_thread.run_sync(lambda: None)
+
+        async def unregister_staging(self, buffer: memoryview) -> None:
+            await anyio.to_thread.run_sync(lambda: None)
+            self.unregistered += 1
+
+    store = ThreadedRegistration()
+    kept = len(_registration.KEPT)
+    config = kvpipe.PipelineConfig(close_timeout=0.2, staging_bytes=1 << 20)
+    with anyio.fail_after(10):
+        async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+            staging = weakref.ref(pipe._runtime._pool.buffer.base)  # type: ignore[union-attr]
+
+            async def write(pipe: kvpipe.Pipeline) -> None:
+                with pytest.raises(kvpipe.PipelineClosed):
+                    await pipe.write(TOKENS, IDS)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write, pipe)
+                await store.wait_calls("put")
+                await pipe.aclose()
+            del pipe
+    assert store.unregistered == 1
+    assert len(_registration.KEPT) == kept
+    assert staging() is None
