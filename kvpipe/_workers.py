@@ -425,5 +425,5 @@ def _call_soon(token: anyio.lowlevel.EventLoopToken, fn: Callable[..., None], *a
     soon = getattr(token.backend_class, "run_sync_soon", None)
     if soon is not None:
         soon(fn, args, token.native_token)
-    else:  # pragma: no cover - anyio 4.11 to 4.14 (which pyproject allows) have none
+    else:  # pragma: no cover - anyio 4.15 (which pyproject allows) has none
         anyio.from_thread.run_sync(fn, *args, token=token)
