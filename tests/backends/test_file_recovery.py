@@ -523,6 +523,31 @@ async def test_a_directory_at_a_block_name_is_cleared_at_open(tmp_path: Path, b:
         assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
 
 
+async def test_a_namespace_named_like_a_block_file_is_walked_not_judged(
+    tmp_path: Path, b: Batches, dead_pid: int
+) -> None:
+    """A namespace ending in ``.kvb`` (a valid one) is a directory of shards, not a
+    directory at a block's name: reopening kept its blocks (it moved the whole namespace to
+    ``quarantine/``), inspection did not call it corrupt, and its temporary files of dead
+    writers were swept."""
+    root = tmp_path / "store"
+    keys = _other_keys(3, namespace="model.kvb")
+    assert block_location(keys[0])[0][1] == "model.kvb"
+    values = make_values(3, 12)
+    async with FileStore(root) as store:
+        assert await put_chain(b, store, keys, values) == [OK] * 3
+    tmp = _temp_file(root, keys[0], HOST, dead_pid)
+    report = inspect_store(str(root))
+    assert (report.blocks, report.corrupt, report.temp_files) == (3, [], 1)
+    async with FileStore(root) as store:
+        await store.open()
+        assert quarantined(root) == []
+        assert not tmp.exists(), "a dead writer's temporary file was left"
+        assert store.statistics().get("forgotten", 0) == 0
+        assert await get_raw(b, store, keys) == ([OK] * 3, values)
+        assert _catalog(store).stats().blocks == 3
+
+
 async def test_a_fifo_at_a_block_name_does_not_hang_open(tmp_path: Path, b: Batches) -> None:
     root = tmp_path / "store"
     keys = await _populated(root, b)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Final, Literal, final
 
 from ..._errors import ConfigError
-from ._format import PAGE, is_temp_name, parse_temp_name, temp_name
+from ._format import PAGE, block_location, is_temp_name, parse_temp_name, temp_name
 from ._sysio import (
     HOST,
     DirectIORefused,
@@ -59,6 +59,9 @@ __all__ = (
 Durability = Literal["none", "data", "full"]
 _COMPONENT: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Components of the directory a block file lives in (``blocks/<namespace>/<shard>``); above
+#: it, every directory is one to walk into (a namespace may end in ``.kvb``).
+_BLOCK_DIR_DEPTH: Final = len(block_location("_")[0])
 
 
 def _check(name: str) -> str:
@@ -509,7 +512,7 @@ class Root:
 
     def walk(self, top: Sequence[str]) -> Iterator[tuple[tuple[str, ...], list[os.DirEntry[str]]]]:
         """Every directory under ``top`` (not following links) and its other entries
-        (files, links, FIFOs, and directories named like block files)."""
+        (files, links, FIFOs, and, where block files live, directories named like them)."""
         base = os.path.join(self.path, *top)
         if not os.path.isdir(base) or os.path.islink(base):
             return
@@ -521,7 +524,8 @@ class Root:
                 with os.scandir(os.path.join(self.path, *parts)) as it:
                     for entry in it:
                         # a directory at a block's name is an entry to judge, not a shard
-                        if entry.is_dir(follow_symlinks=False) and not entry.name.endswith(".kvb"):
+                        at_block = len(parts) == _BLOCK_DIR_DEPTH and entry.name.endswith(".kvb")
+                        if entry.is_dir(follow_symlinks=False) and not at_block:
                             stack.append((*parts, entry.name))
                         else:
                             files.append(entry)
