@@ -47,7 +47,9 @@ def _render(report: StoreReport, io: ui.CommandIO) -> None:
         ("quarantined files", f"{report.quarantined:,}"),
         (
             "catalog",
-            f"{report.catalog_blocks:,} blocks, "
+            f"unreadable ({report.catalog_error})"
+            if report.catalog_error
+            else f"{report.catalog_blocks:,} blocks, "
             f"{ui.format_bytes(report.catalog_bytes)}; {report.untracked:,} files untracked"
             + (f"; {report.catalog_pending:,} unsettled" if report.catalog_pending else ""),
         ),
@@ -63,8 +65,8 @@ def _render(report: StoreReport, io: ui.CommandIO) -> None:
 
 
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
-    """Inspect the store; exit 1 when corrupt files were found, 2 when ``path`` is not a
-    store's directory."""
+    """Inspect the store; exit 1 when corrupt files were found or the catalog cannot be
+    read, 2 when ``path`` is not a store's directory."""
     if not await anyio.Path(args.path).is_dir():
         raise ui.UsageError(f"{args.path}: not a directory")
     if not await run_sync(is_store, args.path):
@@ -78,7 +80,7 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
         print(json.dumps(data, indent=2), file=io.out.file)
     else:
         _render(report, io)
-    return ui.EXIT_FAILED if report.corrupt else ui.EXIT_OK
+    return ui.EXIT_FAILED if report.corrupt or report.catalog_error else ui.EXIT_OK
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -154,3 +154,31 @@ def test_inspects_a_store_it_cannot_write(
     assert report == writable
     assert report["blocks"] == report["catalog_blocks"] > 0
     assert sorted(p.name for p in root.iterdir()) == files
+
+
+@pytest.mark.parametrize("damage", ["garbage", "directory"])
+def test_a_catalog_that_cannot_be_read_is_reported_with_the_blocks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    """A damaged catalog (overwritten, or a directory in its place): the blocks are still
+    reported, with the catalog's error, and the exit code is 1; it was a traceback."""
+    root = tmp_path / "store"
+    _demo_store(root)
+    capsys.readouterr()
+    assert main(["store-info", str(root), "--json"]) == 0
+    blocks = json.loads(capsys.readouterr().out)["blocks"]
+    catalog = root / "catalog.sqlite3"
+    catalog.unlink()
+    if damage == "garbage":
+        catalog.write_bytes(b"not a database" * 1000)
+    else:
+        catalog.mkdir()
+    before = sorted(os.walk(root))
+    assert main(["store-info", str(root), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["blocks"] == blocks > 0 and report["corrupt"] == []
+    assert report["catalog_error"] and report["catalog_blocks"] == 0
+    assert main(["store-info", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "unreadable" in out
+    assert sorted(os.walk(root)) == before  # inspection changes nothing

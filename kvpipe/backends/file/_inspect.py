@@ -160,6 +160,9 @@ class StoreReport:
     untracked: int = 0
     residency_records: int = 0
     verified: bool = False
+    #: Why the catalog could not be read (damaged, not a file...), or ``None``; the
+    #: ``catalog_*``, ``untracked`` and ``residency_records`` counts are then 0.
+    catalog_error: str | None = None
 
 
 def is_store(path: str) -> bool:
@@ -173,7 +176,8 @@ def is_store(path: str) -> bool:
 def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) -> StoreReport:
     """Walk a store without changing it. Needs no write access: a catalog this process
     cannot write (a read-only file system, another user's store that it may read) is read
-    read-only.
+    read-only. A catalog that cannot be read at all (damaged) is reported in
+    :attr:`StoreReport.catalog_error`, with the block files found.
 
     Args:
         path: The store root.
@@ -207,19 +211,32 @@ def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) 
                 else:
                     keys.add(entry.name)
         if os.path.exists(os.path.join(root.path, "catalog.sqlite3")):
-            catalog = _open_catalog(os.path.join(root.path, "catalog.sqlite3"))
             try:
-                stats = catalog.stats()
-                report.catalog_blocks, report.catalog_bytes = stats.blocks, stats.bytes
-                report.catalog_pending = stats.pending
-                report.residency_records = stats.residency_records
-                tracked = {block_location(k)[1] for k in catalog.known_keys()}
-                report.untracked = len(keys - tracked)
-            finally:
-                catalog.close()
+                _read_catalog(os.path.join(root.path, "catalog.sqlite3"), keys, report)
+            except (OSError, sqlite3.Error) as exc:
+                report.catalog_error = f"{type(exc).__name__}: {exc}"
     finally:
         root.close()
     return report
+
+
+def _read_catalog(path: str, names: set[str], report: StoreReport) -> None:
+    """Fill ``report``'s catalog totals from the catalog at ``path`` (``names``: the valid
+    block files' names found).
+
+    Raises:
+        OSError, sqlite3.Error: The catalog cannot be opened or read (damaged, say).
+    """
+    catalog = _open_catalog(path)
+    try:
+        stats = catalog.stats()
+        tracked = {block_location(k)[1] for k in catalog.known_keys()}
+    finally:
+        catalog.close()
+    report.catalog_blocks, report.catalog_bytes = stats.blocks, stats.bytes
+    report.catalog_pending = stats.pending
+    report.residency_records = stats.residency_records
+    report.untracked = len(names - tracked)
 
 
 def _open_catalog(path: str) -> Catalog:
