@@ -666,6 +666,39 @@ async def test_inspect_store_finds_untracked_files(tmp_path: Path, b: Batches) -
     assert report.corrupt == []
 
 
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("when", ["before the header", "after the header"])
+async def test_inspect_store_skips_a_block_deleted_while_it_looks(
+    tmp_path: Path, b: Batches, monkeypatch: pytest.MonkeyPatch, verify: bool, when: str
+) -> None:
+    """Inspecting a store in use: a block deleted (or evicted) after the walk listed it is
+    gone, not corrupt. It was reported corrupt ("unreadable: No such file or directory",
+    exit code 1) when removed before its header was read, and with ``verify`` it ended the
+    whole inspection with a FileNotFoundError when removed between its header and its
+    payload."""
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    victim = block_file(root, keys[1])
+    real_open = os.open
+
+    def open_then_delete(path: Any, *args: Any, **kwargs: Any) -> int:
+        if str(path) != str(victim) or not victim.exists():
+            return real_open(path, *args, **kwargs)
+        if when == "before the header":
+            victim.unlink()
+            return real_open(path, *args, **kwargs)
+        fd = real_open(path, *args, **kwargs)
+        victim.unlink()  # the store deletes it once this reader has it open
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_delete)
+    report = inspect_store(str(root), verify=verify)
+    monkeypatch.undo()
+    assert report.corrupt == []
+    assert report.blocks in (2, 3)  # read before it went, or skipped
+    assert not victim.exists()
+
+
 async def test_inspect_store_does_not_hang_on_a_fifo(tmp_path: Path, b: Batches) -> None:
     root = tmp_path / "store"
     await _populated(root, b)

@@ -24,7 +24,7 @@ from ._format import (
     block_location,
     unpack_header,
 )
-from ._fs import Root, owner_is_dead
+from ._fs import Root, owner_is_dead, still_block
 from ._space import sizes
 
 __all__ = ("RecoveryReport", "StoreReport", "inspect_store", "is_store", "recover")
@@ -205,7 +205,10 @@ def inspect_store(path: str, verify: bool = False, stale_after: float = 3600.0) 
             for entry in entries:
                 if not entry.name.endswith(BLOCK_SUFFIX) or entry.name.startswith("."):
                     continue
-                why = _inspect_file(entry.path, parts, entry.name, verify, report)
+                try:
+                    why = _inspect_file(entry.path, parts, entry.name, verify, report)
+                except FileNotFoundError:
+                    continue  # deleted or evicted since the walk listed it: no block now
                 if why is not None:
                     report.corrupt.append(f"{os.path.join(*parts, entry.name)}: {why}")
                 else:
@@ -254,22 +257,42 @@ def _open_catalog(path: str) -> Catalog:
 def _inspect_file(
     path: str, parts: tuple[str, ...], name: str, verify: bool, report: StoreReport
 ) -> str | None:
+    """Why the block file at ``path`` is corrupt, or ``None`` (then counted in ``report``).
+    Its header and payload are read from one descriptor, under the shared lock a store's
+    readers take (:func:`._fs.still_block`), so that a block the store deletes meanwhile,
+    or a file it reuses, is never taken for a corrupt one.
+
+    Raises:
+        FileNotFoundError: No block file is at ``path`` now (deleted since it was listed).
+    """
     try:
-        header, size = _checked_header(path, parts, name)
-    except HeaderError as exc:
-        return str(exc)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
-    if verify:
-        with open(path, "rb") as f:
-            f.seek(HEADER_NBYTES)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and not still_block(fd, st):
+            raise FileNotFoundError(errno.ENOENT, "renamed since it was opened", path)
+        header, size = _header_of(fd, parts, name)
+        if verify:
             h = xxhash.xxh3_64()
-            left = header.payload_nbytes  # not the padding of a version-2 file
-            while left and (chunk := f.read(min(left, 1 << 22))):
+            at, left = HEADER_NBYTES, header.payload_nbytes  # not a version-2 file's padding
+            while left and (chunk := os.pread(fd, min(left, 1 << 22), at)):
                 h.update(chunk)
+                at += len(chunk)
                 left -= len(chunk)
-        if h.intdigest() != header.checksum:
-            return "payload checksum mismatch"
+            if h.intdigest() != header.checksum:
+                return "payload checksum mismatch"
+    except HeaderError as exc:
+        return str(exc)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    finally:
+        os.close(fd)
     report.blocks += 1
     report.payload_bytes += header.payload_nbytes
     report.disk_bytes += size
