@@ -120,7 +120,9 @@ def _put_from_staging(
        value of another size is not replaced: it fails (``"other_size"``) and keeps its
        value, which only a delete removes.
     3. New keys, and stored ones gone by the time they were read, are put with
-       ``batch_put_from`` (``"put"``).
+       ``batch_put_from`` (``"put"``); those it answered 0 for are looked up again with
+       ``batch_is_exist``, and one not found fails (``"not_visible"``): another writer's
+       put of it has begun and not ended (see :func:`_check_visible`).
     4. Stored keys holding other bytes of this size, and distrusted ones (a read failed
        earlier: not read again here, it may hang), are replaced with ``batch_upsert_from``
        (``"replaced"``). A stored key that could not be read now fails (``"unreadable"``),
@@ -181,7 +183,29 @@ def _put_from_staging(
         for i, code in zip(picked, codes, strict=True):
             out[i] = (code, how)
             published = published or code == 0
+    _check_visible(client, keys, out)
     return out
+
+
+def _check_visible(client: Any, keys: list[str], out: list[tuple[int, str]]) -> None:
+    """Fail (``"not_visible"``) each key ``batch_put_from`` answered 0 for that
+    ``batch_is_exist`` does not find now. The vendor answers 0 for a key whose put another
+    writer has begun and not ended (its "already exists" counts as success), though it can
+    be neither found nor read until that put ends, and never if it fails. A key that this
+    call published answers 1. Where the check itself fails (an error code, an exception:
+    logged), the vendor's 0 stands: a value this call may have published is never taken
+    back."""
+    put = [i for i, got in enumerate(out) if got == (0, "put")]
+    if not put:
+        return
+    try:
+        found = _codes("batch_is_exist", client.batch_is_exist([keys[i] for i in put]), len(put))
+    except Exception as exc:
+        log.error("mooncake: batch_is_exist after a put raised: %r", exc)
+        return
+    for i, code in zip(put, found, strict=True):
+        if code == 0:
+            out[i] = (NOT_FOUND, "not_visible")
 
 
 def _read_and_compare(
@@ -482,7 +506,8 @@ class MooncakeStore(StorageBackend):
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
         """Zero-copy put from the batch's staging buffers, in one worker thread (see
-        :func:`_put_from_staging`): a new key is stored with ``batch_put_from``, a stored key
+        :func:`_put_from_staging`): a new key is stored with ``batch_put_from`` (and fails
+        where it is not found right after, another writer's put of it not ended), a stored key
         that already holds the same bytes is left alone, one holding a value of another size
         fails (``FAILED``, its value kept: the vendor's replacement of it could drop it), and
         only a stored key holding other bytes of the same size (or that this store
@@ -519,6 +544,9 @@ class MooncakeStore(StorageBackend):
             elif how == "other_size":
                 out.append(BlockStatus.FAILED)
                 self._counters["put_other_size"] += 1
+            elif how == "not_visible":
+                out.append(BlockStatus.FAILED)
+                self._counters["put_not_visible"] += 1
             elif how == "unreadable":
                 out.append(BlockStatus.FAILED)
                 self._counters[f"put_read_code_{code}"] += 1

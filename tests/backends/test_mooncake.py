@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -14,7 +16,11 @@ from kvpipe.backends import BlockStatus, StorageBackend
 from kvpipe.backends._values import ValueClient
 from kvpipe.backends.mooncake_local import LocalMooncake
 from kvpipe.testing import BackendConformance
-from tests.backends.mooncake_fixtures import mooncake, mooncake_client  # noqa: F401
+from tests.backends.mooncake_fixtures import (  # noqa: F401
+    make_client,
+    mooncake,
+    mooncake_client,
+)
 from tests.cuda.devcache import device_rows, fake_device_cache, fill_device, free_device_cache
 from tests.cuda.fake_driver import FakeDriver
 from tests.helpers import LAYOUTS, ends_with_host_threads_busy
@@ -109,6 +115,72 @@ async def test_a_key_that_failed_to_read_is_replaced_by_a_put_of_any_size(
         assert await vc.put(["odd"], [b"\x02" * 4096]) == [BlockStatus.OK]
         assert await vc.exists(["odd"]) == [True]
         assert await vc.get(["odd"], [4096]) == [(BlockStatus.OK, b"\x02" * 4096)]
+
+
+class RacingWriter:
+    """A vendor client whose ``batch_put_from`` first lets another node (``other``, a client
+    of its own) begin a put of ``raced`` (a large value, so it is still in flight) and waits
+    until the master holds that put's object unfinished (a read answers ``-703``, not ready).
+    """
+
+    def __init__(self, client: Any, other: Any, raced: str, value: np.ndarray) -> None:
+        self.client = client
+        self.other = other
+        self.raced = raced
+        self.value = value
+        self.writer: threading.Thread | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def batch_put_from(self, keys: list[str], *args: Any) -> Any:
+        if self.raced in keys and self.writer is None:
+            ptr, size = self.value.ctypes.data, self.value.nbytes
+            self.writer = threading.Thread(
+                target=self.other.batch_put_from, args=([self.raced], [ptr], [size])
+            )
+            self.writer.start()
+            probe = np.zeros(1, np.uint8)
+            while self.writer.is_alive():
+                got = self.client.batch_get_into([self.raced], [probe.ctypes.data], [1])
+                if got == [-703]:  # REPLICA_IS_NOT_READY: begun, not ended
+                    break
+                time.sleep(0.0005)
+        return self.client.batch_put_from(keys, *args)
+
+
+async def test_a_key_another_node_is_still_putting_is_not_reported_stored(
+    mooncake: LocalMooncake,  # noqa: F811
+    mooncake_client: Any,  # noqa: F811
+) -> None:
+    """Two nodes write the same prefix at once (content-derived keys). The vendor's put of a
+    key whose put by another node has begun but not ended answers 0 (its "already exists"
+    counts as success), though the key can be neither found nor read until that put ends,
+    and never if it fails. Such a block is not reported ``OK``; the others of the batch are."""
+    mooncake_client.remove_all()
+    other = await anyio.to_thread.run_sync(make_client, mooncake, 0)
+    value = np.full(256 << 20, 9, np.uint8)  # in flight for ~0.5 s
+    assert other.register_buffer(value.ctypes.data, value.nbytes) == 0
+    client = RacingWriter(mooncake_client, other, "raced", value)
+    try:
+        async with (
+            kvpipe.MooncakeStore(
+                mooncake.master_address, mooncake.metadata_url, client=client
+            ) as store,
+            ValueClient(store) as vc,
+        ):
+            got = await vc.put(["alone", "raced"], [b"\x01" * 4096, b"\x02" * 4096])
+            in_flight = client.writer is not None and client.writer.is_alive()
+            found = mooncake_client.batch_is_exist(["alone", "raced"])
+            assert in_flight, "the other node's put ended before this one: no race to test"
+            assert found == [1, 0], found
+            assert got == [BlockStatus.OK, BlockStatus.FAILED], got
+            assert store.statistics()["put_not_visible"] == 1
+    finally:
+        if client.writer is not None:
+            await anyio.to_thread.run_sync(client.writer.join)
+        await anyio.to_thread.run_sync(other.close)
+    assert mooncake_client.batch_is_exist(["raced"]) == [1]  # the other node's, once ended
 
 
 async def test_unreachable_master_is_a_backend_error() -> None:
