@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar, final
 
@@ -319,7 +319,12 @@ class MooncakeStore(StorageBackend):
             except ImportError:
                 _load_client()
         self._registered: Counter[tuple[int, int]] = Counter()
-        self._distrust: OrderedDict[str, None] = OrderedDict()
+        #: Keys not trusted by ``exists``; the value is the read given up on that put the key
+        #: here (``None``: a read that failed).
+        self._distrust: OrderedDict[str, object] = OrderedDict()
+        #: Reads given up on whose vendor call has since returned (appended by its thread):
+        #: (the read, keys, codes, value size).
+        self._settled: deque[tuple[object, list[str], list[int], int]] = deque()
         self._gate = ThreadGate(self.name, 4)
         self._open_lock = anyio.Lock()
         self._counters: Counter[str] = Counter()
@@ -517,6 +522,7 @@ class MooncakeStore(StorageBackend):
         """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
+        self._take_settled()
         distrusted = frozenset(k for k in keys if k in self._distrust)
         try:
             outcomes = await batch.run_sync(
@@ -561,21 +567,49 @@ class MooncakeStore(StorageBackend):
         """``batch_get_into`` the batch's staging buffers; a key that exists but cannot be
         read is not trusted by :meth:`exists` again until it is stored anew.
 
-        Cancellation: the wait stops and the keys are distrusted; the vendor call runs on.
+        Cancellation: the wait stops and, where the vendor call has begun, the keys are not
+        trusted while it runs on (a segment owner hanging or gone): those it then reads (or
+        finds missing) are trusted again, the others stay distrusted. A call that had not
+        begun never begins.
         """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
         get_into = client.batch_get_into
         if len(set(keys)) < len(keys):
             get_into = _each_key_once(get_into, batch.buffers)
-        sizes = [batch.value_nbytes] * len(keys)
+        size = batch.value_nbytes
+        given_up = object()  # this read, once its caller stops waiting
+        lock = threading.Lock()
+        began = abandoned = False
+        returned: list[int] | None = None
+
+        def fetch(names: list[str], addresses: list[int], lengths: list[int]) -> Sequence[int]:
+            nonlocal began, returned
+            with lock:
+                if abandoned:  # its caller gave up before it began: nothing is read
+                    return []
+                began = True
+            codes: Sequence[int] = get_into(names, addresses, lengths)
+            with lock:
+                returned = [int(c) for c in codes]
+                if abandoned:
+                    self._settled.append((given_up, keys, returned, size))
+            return codes
+
+        fetch.__name__ = get_into.__name__
         try:
             codes = await batch.run_sync(
-                self._inflight.track(get_into), keys, batch.buffer_addresses(), sizes
+                self._inflight.track(fetch), keys, batch.buffer_addresses(), [size] * len(keys)
             )
-        except anyio.get_cancelled_exc_class():  # a segment owner hanging or gone
-            for key in keys:
-                self._distrust_key(key)
+        except anyio.get_cancelled_exc_class():
+            with lock:
+                abandoned = True
+                running, done = began and returned is None, returned
+            if running:
+                for key in keys:
+                    self._distrust_key(key, given_up)
+            elif done is not None:  # it returned just as its caller gave up
+                self._settle(None, keys, done, size)
             raise
         except Exception as exc:
             raise BackendError(self.name, get_into.__name__, repr(exc)) from exc
@@ -594,11 +628,32 @@ class MooncakeStore(StorageBackend):
         self._counters["blocks_got"] += out.count(BlockStatus.OK)
         return out
 
-    def _distrust_key(self, key: str) -> None:
-        self._distrust[key] = None
+    def _distrust_key(self, key: str, read: object = None) -> None:
+        self._distrust[key] = read
         self._distrust.move_to_end(key)
         while len(self._distrust) > _DISTRUST_MAX:
             self._distrust.popitem(last=False)
+
+    def _settle(self, read: object, keys: list[str], codes: list[int], size: int) -> None:
+        """The vendor call of a read given up on returned ``codes``: a key it read (or found
+        missing) is trusted again unless distrusted since for another reason (``read`` is
+        the read given up on, ``None`` where it distrusted none); one it failed to read is
+        distrusted."""
+        if len(codes) != len(keys):
+            codes = [-1] * len(keys)
+        for key, code in zip(keys, codes, strict=True):
+            if code in (size, NOT_FOUND):
+                if read is not None and self._distrust.get(key) is read:
+                    del self._distrust[key]
+            else:
+                self._counters[f"get_code_{code}"] += 1
+                self._distrust_key(key)
+
+    def _take_settled(self) -> None:
+        """Settle the reads given up on whose vendor calls have returned since (event loop
+        only)."""
+        while self._settled:
+            self._settle(*self._settled.popleft())
 
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
         """``batch_is_exist``, minus keys that failed to read since they were stored; the call
@@ -612,6 +667,7 @@ class MooncakeStore(StorageBackend):
         codes = await self._call(client.batch_is_exist, keys)
         if any(c < 0 for c in codes):
             raise BackendError(self.name, "batch_is_exist", f"error codes {sorted(set(codes))}")
+        self._take_settled()
         return [c == 1 and k not in self._distrust for k, c in zip(keys, codes, strict=True)]
 
     async def delete(self, keys: Sequence[str]) -> None:
@@ -644,4 +700,5 @@ class MooncakeStore(StorageBackend):
 
     def statistics(self) -> Mapping[str, float]:
         """Counters of this client (blocks moved, codes seen, distrusted keys)."""
+        self._take_settled()
         return {**self._counters, "distrusted_keys": len(self._distrust)}

@@ -183,6 +183,77 @@ async def test_a_key_another_node_is_still_putting_is_not_reported_stored(
     assert mooncake_client.batch_is_exist(["raced"]) == [1]  # the other node's, once ended
 
 
+class HeldReads:
+    """A vendor client whose ``batch_get_into`` waits for :attr:`release` before it reads,
+    and then answers :attr:`fail` for every key instead where set."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.returned = threading.Event()
+        self.fail: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def batch_get_into(self, *args: Any) -> Any:
+        self.entered.set()
+        self.release.wait(30)
+        try:
+            return [self.fail] * len(args[0]) if self.fail else self.client.batch_get_into(*args)
+        finally:
+            self.returned.set()
+
+
+async def test_a_read_given_up_on_whose_call_then_reads_the_blocks_leaves_them_trusted(
+    mooncake: LocalMooncake,  # noqa: F811
+    mooncake_client: Any,  # noqa: F811
+) -> None:
+    """A read is given up on for many reasons besides a segment owner that hangs: the caller
+    cancels, or an earlier slice of the read stopped short and the later ones are cancelled.
+    Its keys are not trusted by ``exists`` while its vendor call runs on; once that call has
+    read them, they are trusted again (they stayed distrusted until this store put them
+    anew, so a node that only reads lost those prefix hits for good)."""
+    mooncake_client.remove_all()
+    client = HeldReads(mooncake_client)
+    keys, values = ["held-a", "held-b"], [b"\x01" * 4096, b"\x02" * 4096]
+    async with (
+        kvpipe.MooncakeStore(
+            mooncake.master_address, mooncake.metadata_url, client=client
+        ) as store,
+        ValueClient(store) as vc,
+    ):
+        assert await vc.put(keys, values) == [BlockStatus.OK] * 2
+
+        async def give_up_on_a_read() -> None:
+            for event in (client.entered, client.release, client.returned):
+                event.clear()
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(vc.get, keys, [4096, 4096])
+                    await anyio.to_thread.run_sync(client.entered.wait, 10)
+                    scope.cancel()
+            assert await vc.exists(keys) == [False, False]  # its call runs on: not trusted
+            client.release.set()
+
+            def idle() -> bool:  # no vendor call of the store runs
+                calls = store._inflight._cond
+                with calls:
+                    return calls.wait_for(lambda: store._inflight.running == 0, 10)
+
+            assert await anyio.to_thread.run_sync(idle) and client.returned.is_set()
+
+        await give_up_on_a_read()
+        assert await vc.exists(keys) == [True, True]
+        assert store.statistics()["distrusted_keys"] == 0
+        assert await vc.get(keys, [4096, 4096]) == [(BlockStatus.OK, v) for v in values]
+        client.fail = -800  # the call then fails (a segment owner gone): they stay distrusted
+        await give_up_on_a_read()
+        assert await vc.exists(keys) == [False, False]
+        assert store.statistics()["distrusted_keys"] == 2
+
+
 async def test_unreachable_master_is_a_backend_error() -> None:
     from kvpipe.backends.mooncake_local import free_port
 
