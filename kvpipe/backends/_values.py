@@ -163,7 +163,8 @@ class ValueClient:
             One status per key.
 
         Raises:
-            ValueError: A bad key, or keys and values of different lengths.
+            ValueError: A bad key, an empty value, or keys and values of different lengths
+                (before anything is stored).
             Exception: Whatever the store raised for the whole batch.
 
         Cancellation: as the store's ``put_blocks`` (values not yet published are not).
@@ -172,8 +173,11 @@ class ValueClient:
             raise ValueError("one value per key")
         for k in keys:
             validate_key(k)
+        sizes = [memoryview(v).nbytes for v in values]
+        if 0 in sizes:
+            raise ValueError(f"empty value for key {keys[sizes.index(0)]!r}")
         out: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
-        for size, picked in self._runs([memoryview(v).nbytes for v in values]):
+        for size, picked in self._runs(sizes):
             pool = await self._pool(size)
             lease = await pool.acquire(len(picked))
             try:

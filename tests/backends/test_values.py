@@ -151,3 +151,14 @@ async def test_large_copies_leave_the_event_loop_small_ones_stay(
         ("fill", 4, True),
         ("read", 4, True),
     ]
+
+
+async def test_an_empty_value_is_refused_before_any_value_is_stored() -> None:
+    """A put whose values include an empty one raises ``ValueError`` (no staging slot holds
+    zero bytes), as a bad key does: before it stores anything. It stored the values of the
+    sizes met before the empty one first, then raised, so the caller took the whole call for
+    failed while some of its keys were stored."""
+    async with kvpipe.MemoryStore() as store, ValueClient(store) as client:
+        with pytest.raises(ValueError, match="empty value"):
+            await client.put(["full", "empty"], [b"x" * 64, b""])
+        assert await client.exists(["full", "empty"]) == [False, False]
