@@ -265,7 +265,9 @@ class MooncakeStore(StorageBackend):
         device_name: RDMA device (``""`` for TCP).
         global_segment_size: Bytes this client contributes to the store (0: none, a client
             that only moves values to and from other clients' segments).
-        local_buffer_size: Bytes of the client's local transfer buffer (0 allowed).
+        local_buffer_size: Bytes of the client's local transfer buffer. The block calls
+            (zero-copy, from and into the staging) do not use it; the residency index
+            (``flush_index``, ``locate``) does: with 0 those fail (``BackendError``).
         setup_timeout: Seconds ``open`` may take (the master is probed first), and each of
             ``aclose``'s two waits.
         client: An already set-up ``MooncakeDistributedStore`` to use instead (not closed by
