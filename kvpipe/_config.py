@@ -59,7 +59,8 @@ class PipelineConfig:
             (copies, checksums, backend I/O) run: their nice value is raised by this much
             (Linux; 0 to 19, 0: the same priority), so the server's event loop keeps
             answering on a machine with few cores.
-        node_id: This node's name in the residency index (``flush_index``).
+        node_id: This node's name in the residency index (``flush_index``): printable,
+            without spaces or ``@`` (stores name records ``<key>@<node>``).
         max_restarts: Crashes of one actor tolerated within ``restart_window`` seconds;
             one more closes the pipeline.
         restart_window: The window of ``max_restarts``, in seconds.
@@ -110,6 +111,10 @@ class PipelineConfig:
                     raise ConfigError(f.name, f"must be a bool, got {value!r}")
             elif f.type == "str" and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f.name, f"must be a non-empty string, got {value!r}")
+        if not self.node_id.isprintable() or any(c.isspace() or c == "@" for c in self.node_id):
+            raise ConfigError(
+                "node_id", f"must be printable, without spaces or '@', got {self.node_id!r}"
+            )
         physical = physical_memory()
         if physical is not None and self.staging_bytes > physical:
             raise ConfigError(

@@ -99,8 +99,11 @@ def test_verify_checksums_must_be_bool(bad: Any) -> None:
     assert info.value.field == "verify_checksums"
 
 
-@pytest.mark.parametrize("bad", ["", "   ", 3, None])
+@pytest.mark.parametrize("bad", ["", "   ", 3, None, "pod@7", "pod 7", "pod\n7", "pod\t7"])
 def test_node_id_must_be_non_empty_string(bad: Any) -> None:
+    """A node id is one printable word without ``@``: stores build record names as
+    ``<key>@<node>`` (Mooncake's residency index), and a line break or a space breaks
+    Mooncake's node registry and the logs that name the node."""
     with pytest.raises(ConfigError) as info:
         PipelineConfig(node_id=bad)
     assert info.value.field == "node_id"
