@@ -73,10 +73,23 @@ class ResidencyIndex:
             for j, node in enumerate(nodes):
                 raw = bytes(raws[i * len(nodes) + j])
                 if raw:  # b"" is a missing record (or a failed get: no record is trusted)
-                    rec = json.loads(raw)
-                    found.append(ResidencyEntry(key, node, Residency(rec["r"]), float(rec["t"])))
+                    found.append(self._entry(key, node, raw))
             out.append(tuple(found))
         return out
+
+    def _entry(self, key: str, node: str, raw: bytes) -> ResidencyEntry:
+        """The record ``raw`` of ``key`` on ``node``.
+
+        Raises:
+            BackendError: It is not a record this index wrote (damaged, or another writer's).
+        """
+        try:
+            rec = json.loads(raw)
+            return ResidencyEntry(key, node, Residency(rec["r"]), float(rec["t"]))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise BackendError(
+                self._name, "get_batch", f"residency record of {key!r} on {node!r}: {exc!r}"
+            ) from exc
 
     async def _register(self, client: Any, node: str) -> None:
         """Make sure ``node`` is in the registry, checked on every flush: there is no

@@ -258,7 +258,7 @@ class MooncakeStore(StorageBackend):
     """Blocks in a Mooncake Store.
 
     Args:
-        master: ``host:port`` of ``mooncake_master``.
+        master: ``host:port`` of ``mooncake_master`` (anything else: ``ConfigError``).
         metadata: URL of the metadata server (``http://host:port/metadata``).
         local_hostname: This client's address as other clients reach it.
         protocol: ``"tcp"`` or ``"rdma"``.
@@ -305,6 +305,9 @@ class MooncakeStore(StorageBackend):
             isinstance(setup_timeout, int | float) and 0 < setup_timeout < math.inf
         ):
             raise ConfigError("setup_timeout", f"must be finite and > 0, got {setup_timeout!r}")
+        host, _, port = master.rpartition(":") if isinstance(master, str) else ("", "", "")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError("master", f"expected HOST:PORT, got {master!r}")
         self.master = master
         self.metadata = metadata
         self.local_hostname = local_hostname
@@ -666,7 +669,7 @@ class MooncakeStore(StorageBackend):
         """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        codes = await self._call(client.batch_is_exist, keys)
+        codes = _codes("batch_is_exist", await self._call(client.batch_is_exist, keys), len(keys))
         if any(c < 0 for c in codes):
             raise BackendError(self.name, "batch_is_exist", f"error codes {sorted(set(codes))}")
         self._take_settled()

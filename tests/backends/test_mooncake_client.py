@@ -243,3 +243,31 @@ def test_a_client_that_contributes_no_segment_is_accepted() -> None:
         local_buffer_size=0,
         client=FakeClient(),
     )
+
+
+@pytest.mark.parametrize(
+    "bad", ["127.0.0.1", "127.0.0.1:", ":50051", "host:port", "h:0", "h:70000"]
+)
+def test_a_master_without_host_and_port_is_refused_at_construction(bad: str) -> None:
+    """A master address without a port raised a raw ``ValueError`` (``int('')``) at the
+    first call."""
+    with pytest.raises(kvpipe.ConfigError) as info:
+        mc.MooncakeStore(bad, "http://127.0.0.1:1/metadata", client=FakeClient())
+    assert info.value.field == "master"
+
+
+class ShortAnswerClient(FakeClient):
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [1] * (len(keys) - 1)
+
+
+async def test_an_exists_answer_of_the_wrong_length_is_a_backend_error(
+    master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One code short: a ``BackendError`` naming the call, not ``zip``'s raw ``ValueError``."""
+    monkeypatch.setattr(mc, "_load_client", ShortAnswerClient)
+    async with kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store:
+        scope = Scope("ns", VALUES_FINGERPRINT)
+        batch = KeyBatch(scope, "r", ["k1", "k2"], 0, as_tokens(np.zeros(0, np.int64)))
+        with pytest.raises(kvpipe.BackendError, match="batch_is_exist"):
+            await store.exists(batch)

@@ -68,3 +68,16 @@ async def test_an_empty_registry_is_empty() -> None:
     assert await index.get(client, ["ns:k0"]) == [()]
     await index.put(client, [_entry("a")])
     assert client.data[NODES_KEY] == b"a"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"r": "nowhere", "t": 1}', b'{"t": 1}', b"[1]"])
+async def test_a_record_this_index_did_not_write_is_a_backend_error(raw: bytes) -> None:
+    """A damaged (or foreign) record under a residency key raised ``JSONDecodeError`` /
+    ``KeyError`` / ``ValueError`` out of ``locate``; it is the store's failure."""
+    client = FakeClient()
+    index = ResidencyIndex("mooncake", _call)
+    await index.put(client, [_entry("a")])
+    (name,) = [k for k in client.data if k != NODES_KEY]
+    client.data[name] = raw
+    with pytest.raises(kvpipe.BackendError, match="residency record"):
+        await index.get(client, ["ns:k0"])
