@@ -271,3 +271,45 @@ async def test_an_exists_answer_of_the_wrong_length_is_a_backend_error(
         batch = KeyBatch(scope, "r", ["k1", "k2"], 0, as_tokens(np.zeros(0, np.int64)))
         with pytest.raises(kvpipe.BackendError, match="batch_is_exist"):
             await store.exists(batch)
+
+
+class StoredValuesClient(FakeClient):
+    """Holds values; ``batch_get_into`` copies them into registered memory."""
+
+    def __init__(self, values: dict[str, bytes]) -> None:
+        super().__init__()
+        self.values = values
+        self.registered: list[int] = []
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self.registered.append(size)
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return 0
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        out = []
+        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
+            value = self.values.get(key)
+            if value is None:
+                out.append(mc.NOT_FOUND)
+                continue
+            ctypes.memmove(ptr, value, min(size, len(value)))
+            out.append(len(value))
+        return out
+
+
+def test_a_put_compares_stored_values_in_bounded_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put of keys already stored reads them back to compare, into scratch registered with
+    the transfer engine (pinned under RDMA): in pieces of at most ``SCRATCH_MAX`` bytes, not
+    one buffer the size of the whole slice (1 GiB for 500 blocks of 2 MiB)."""
+    size = 4096
+    monkeypatch.setattr(mc, "SCRATCH_MAX", 3 * size)
+    values = {f"k{i}": bytes([i]) * size for i in range(8)}
+    client = StoredValuesClient(values)
+    mine = [bytes([i if i != 5 else 99]) * size for i in range(8)]
+    views = [memoryview(v) for v in mine]
+    got = mc._read_and_compare(client, [f"k{i}" for i in range(8)], list(range(8)), size, views)
+    assert got == [(i, mc._DIFFERENT if i == 5 else 0) for i in range(8)]
+    assert client.registered == [3 * size, 3 * size, 2 * size]
