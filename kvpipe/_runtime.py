@@ -463,9 +463,12 @@ class Runtime:
     # -- introspection -----------------------------------------------------------------------
 
     def statistics(self) -> PipelineStatistics:
-        """The snapshot :meth:`kvpipe.Pipeline.statistics` returns (it only reads)."""
-        ctx = self._ctx
-        inboxes = self._inboxes.by_name() if self._inboxes is not None else {}
+        """The snapshot :meth:`kvpipe.Pipeline.statistics` returns (it only reads).
+
+        Each attribute that :meth:`release` clears is read once: an exporter's thread may take
+        the snapshot while the pipeline closes in the event loop's thread."""
+        ctx, pool, runner, channels = self._ctx, self._pool, self._runner, self._inboxes
+        inboxes = channels.by_name() if channels is not None else {}
         metrics = self.metrics
         kinds = Counter(
             s.kind if not isinstance(s, CallState) else s.op for s in list(self._in_flight)
@@ -488,11 +491,11 @@ class Runtime:
             slices=dict(metrics.slices),
             counters=dict(metrics.counters),
             staging_capacity_bytes=self._pool_slots * stride_for(self._slot_nbytes),
-            staging_in_use_bytes=self._pool.in_use * self._pool.stride if self._pool else 0,
-            staging_waiters=self._pool.waiters if self._pool else 0,
+            staging_in_use_bytes=pool.in_use * pool.stride if pool else 0,
+            staging_waiters=pool.waiters if pool else 0,
             slice_blocks=self.slice_blocks,
             backend=dict(self.store.statistics()),
-            threads_running=self._runner.running if self._runner is not None else 0,
+            threads_running=runner.running if runner is not None else 0,
         )
 
 

@@ -309,3 +309,34 @@ def test_importing_kvpipe_does_not_import_prometheus_client() -> None:
     code = "import sys, kvpipe; print('prometheus_client' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_a_scrape_while_the_pipeline_closes_reads_each_part_once() -> None:
+    # An exporter thread scraping while the event loop closed the pipeline could read the
+    # staging pool, the worker runner or the inboxes as present and, a moment later, as the
+    # None that release() left: statistics() raised AttributeError ('NoneType' object has no
+    # attribute 'stride'), and the whole /metrics page failed. Here every such attribute is
+    # present at its first read and gone at any later one, as if release() ran in between.
+    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), config=CONFIG) as pipe:
+        metrics = kvpipe.PipelineMetrics(pipe)
+        runtime = pipe._runtime
+        live = {name: getattr(runtime, name) for name in ("_pool", "_runner", "_inboxes")}
+
+        def released_after_first_read(name: str) -> property:
+            def get(self: object) -> object:
+                return live.pop(name, None)
+
+            return property(get)
+
+        real = type(runtime)
+        runtime.__class__ = type(
+            "Releasing", (real,), {n: released_after_first_read(n) for n in list(live)}
+        )
+        try:
+            samples = parse(metrics.exposition()[0])
+        finally:
+            runtime.__class__ = real
+        labels = frozenset({"pipeline": "default/0", "backend": "memory"}.items())
+        assert samples[("kvpipe_staging_capacity_bytes", labels)] > 0
+        assert samples[("kvpipe_staging_in_use_bytes", labels)] == 0
+        metrics.close()
