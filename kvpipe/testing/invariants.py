@@ -21,7 +21,7 @@ and the :class:`~kvpipe.testing.faults.FaultyStore` call log, then ask for the v
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, final
 
@@ -230,18 +230,35 @@ class Checker:
                 ):
                     v.fail(f"{o.request_id}: block {b} loaded with wrong bytes")
 
-    def check_crashes(self, closed: bool, crashes: Sequence[ActorCrash]) -> None:
+    def check_crashes(
+        self,
+        closed: bool | Mapping[str, bool],
+        crashes: Sequence[ActorCrash] | Mapping[str, Sequence[ActorCrash]],
+    ) -> None:
         """Invariant 7: a request fails with an actor crash only when the crashed actor held
-        it; every request a crash was meant to hit failed; a closed pipeline released all."""
+        it; every request a crash was meant to hit failed; a closed pipeline released all.
+
+        Args:
+            closed: Whether the pipeline closed; or, per kind of call (``"write"``,
+                ``"read"``), whether the pipeline that ran those calls did.
+            crashes: The crashes; or, per kind of call, the crashes of the pipeline that ran
+                those calls (a write and a read may share a request id: one pipeline's crash
+                must not excuse the other's request).
+        """
         from .._errors import PipelineClosed
 
         v = self.verdicts["crash"]
-        held = {rid for c in crashes for rid in c.request_ids}
+        held: dict[str, set[str]] = {}
+        for o in self.outcomes:
+            if o.kind in held:
+                continue
+            mine = crashes.get(o.kind, ()) if isinstance(crashes, Mapping) else crashes
+            held[o.kind] = {rid for c in mine for rid in c.request_ids}
         for o in self.outcomes:
             v.checked += 1
             reason = getattr(o.result, "stop_reason", None)
             crashed = reason == "actor_crashed" or type(o.error).__name__ == "ActorCrashed"
-            if crashed and o.request_id not in held:
+            if crashed and o.request_id not in held[o.kind]:
                 v.fail(f"{o.request_id} failed with a crash of an actor that did not hold it")
             if (
                 o.crash_expected
@@ -249,7 +266,8 @@ class Checker:
                 and not (crashed or isinstance(o.error, PipelineClosed))
             ):
                 v.fail(f"{o.request_id} should have been hit by an injected crash")
-            if isinstance(o.error, PipelineClosed) and not closed:
+            was_closed = closed.get(o.kind, False) if isinstance(closed, Mapping) else closed
+            if isinstance(o.error, PipelineClosed) and not was_closed:
                 v.fail(f"{o.request_id} got PipelineClosed from an open pipeline")
 
     def results(self) -> list[Verdict]:

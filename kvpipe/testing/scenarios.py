@@ -327,8 +327,9 @@ async def run_workload(
             with anyio.move_on_after(10):
                 while store.background:  # noqa: ASYNC110 (late completions, no event)
                     await anyio.sleep(0.01)
+            closed_by = {"write": pipe.closed, "read": reader.closed}
+            crashes = {"write": pipe.crashes(), "read": reader.crashes()}
             closed = pipe.closed or reader.closed
-            crashes = (*pipe.crashes(), *reader.crashes())
         after = pipe.statistics()
         after_reader = reader.statistics()
         stored = await fetch_values(
@@ -340,7 +341,7 @@ async def run_workload(
         checker.check_idle(after, config.queue_depth)
         checker.check_idle(after_reader, config.queue_depth)
         checker.check_loaded(destinations)
-        checker.check_crashes(closed, crashes)
+        checker.check_crashes(closed_by, crashes)
     return checker, written, read, closed
 
 

@@ -226,3 +226,31 @@ def test_crash_catches_a_request_failed_by_an_actor_that_did_not_hold_it() -> No
     checker.wrote(_write(0, error=kvpipe.PipelineClosed("closed")))
     checker.check_crashes(False, [])
     assert not checker.verdicts["crash"].held
+
+
+def test_crash_judges_each_call_by_the_pipeline_that_ran_it() -> None:
+    """A workload's write and read of one request id run through two pipelines: a crash of
+    the writing pipeline's writer that held ``w1`` does not excuse a read of ``w1`` failed
+    by a crash in the reading pipeline that held nothing, nor does the writing pipeline's
+    close excuse a ``PipelineClosed`` from the open reading one (pooled, both went
+    unnoticed)."""
+    crash = kvpipe.ActorCrash("writer", 1.0, ("w1",), "boom", True)
+
+    def read(error: Exception) -> Outcome:
+        return Outcome("read", "w1", TOKENS, np.array([2, 3, 4]), False, 0, 0.1, 1.0, error=error)
+
+    for error, closed in (
+        (kvpipe.ActorCrashed("reader", "boom"), {"write": False, "read": False}),
+        (kvpipe.PipelineClosed("closed"), {"write": True, "read": False}),
+    ):
+        checker = Checker(_source(), SCOPE, 0.1)
+        checker.wrote(_write(0, reason="actor_crashed"))
+        checker.outcomes.append(read(error))
+        checker.check_crashes(closed, {"write": [crash], "read": []})
+        assert not checker.verdicts["crash"].held
+        assert any("w1" in f for f in checker.verdicts["crash"].details)
+        checker = Checker(_source(), SCOPE, 0.1)
+        checker.wrote(_write(0, reason="actor_crashed"))
+        checker.outcomes.append(read(error))
+        checker.check_crashes(True, [crash])  # pooled: both excused, as before
+        assert checker.verdicts["crash"].held
