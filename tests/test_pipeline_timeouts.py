@@ -515,6 +515,7 @@ async def test_a_stage_back_waiting_for_a_busy_thread_ends_the_read_at_its_deadl
             assert (r.loaded, r.stop_reason) == (3, "total_timeout")
             stats = pipe.statistics()
             assert stats.counters.get("deadline_guard_expired", 0) == 0
+            assert stats.counters["blocks_read"] == 3  # those it loaded, placed already
             # The read's one slice is counted once, as its fetch ended (not again as late).
             assert {k: n for k, n in stats.slices.items() if k.startswith("read_")} == {
                 "read_complete": 1
