@@ -169,8 +169,9 @@ class ReadMachine:
             self._settle(now)
 
     def fail(self, error: BaseException, now: float) -> None:
-        """Abort with an error the caller sees instead of a result (the pipeline closing)."""
-        if self.ended:
+        """Abort with an error the caller sees instead of a result (the pipeline closing);
+        ignored once the read has ended or been aborted (the first ending wins)."""
+        if self.ended or self.aborted:
             return
         self.aborted = True
         self._error = error

@@ -23,6 +23,7 @@ def test_random_interleavings_keep_every_invariant(
     running = 0
     settled_result = m.result
     settled_error = m.error
+    first_ending: str | None = None  # "end" or "fail": the first one wins
     now = 0.0
     for _ in range(data.draw(st.integers(0, 4 * len(slices) + 4))):
         now += 1
@@ -46,7 +47,9 @@ def test_random_interleavings_keep_every_invariant(
             running -= 1
         elif event == "stop" and blocks:
             m.stop_at(data.draw(st.integers(0, blocks - 1)), "failed_block", [], "bad")
-        elif event == "end":
+        if event in ("end", "fail") and not was_aborted and not was_ended:
+            first_ending = first_ending or event
+        if event == "end":
             m.end(
                 data.draw(st.sampled_from(["total_timeout", "cancelled", "actor_crashed"])),
                 "x",
@@ -55,6 +58,10 @@ def test_random_interleavings_keep_every_invariant(
         elif event == "fail":
             m.fail(RuntimeError("closing"), now)
         assert m.scatters == running
+        if m.ended and first_ending == "end":
+            assert m.result is not None, "a failure after the read ended replaced its result"
+        if m.ended and first_ending == "fail":
+            assert m.error is not None
         # settled only when no scatter runs after an abort; and only once
         if m.ended and m.aborted:
             assert running == 0 or was_ended
@@ -88,6 +95,20 @@ def test_an_aborted_read_waits_for_the_scatter_in_flight() -> None:
     m.scatter_end(now=3.0)
     assert m.result is not None and m.result.loaded == 4 and m.result.stop_reason == "cancelled"
     assert m.result.elapsed == 3.0
+
+
+def test_the_first_ending_wins_over_a_failure_while_the_scatter_finishes() -> None:
+    """The read timed out while a scatter ran, then the pipeline closed before that scatter
+    ended: the caller gets the partial result of the timeout, not ``PipelineClosed``."""
+    m = ReadMachine("r", 0, 8, started=0.0)
+    m.plan(plan_slices(0, 8, 4, 16, 128), now=0.0)
+    assert m.scatter_begin()
+    m.end("total_timeout", "deadline passed", now=1.0)
+    m.fail(RuntimeError("pipeline closed"), now=1.5)
+    m.resolve(0, 4, now=2.0)
+    m.scatter_end(now=3.0)
+    assert m.error is None and m.result is not None
+    assert (m.result.loaded, m.result.stop_reason) == (4, "total_timeout")
 
 
 @pytest.mark.parametrize("reached_the_miss", [True, False])
