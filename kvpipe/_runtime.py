@@ -383,9 +383,7 @@ class Runtime:
             )
 
     async def run(self, state: _State) -> _State:
-        """Submit ``state`` and wait for its end; returns it. A request still queued at its
-        deadline (in an inbox, no actor working on it) is ended then; one being worked on is
-        ended by the actors' own deadline scopes, and past the slack by this guard.
+        """Submit ``state`` and wait for its end, by its deadline plus the slack; returns it.
 
         Raises:
             BaseException: The error the request ended with. The request keeps it, and its
@@ -411,16 +409,10 @@ class Runtime:
                         # room in an inbox nobody drains any more (the scheduler's) would
                         # last its whole deadline where closing the inbox wakes no sender
                         # (anyio before 4.16).
-                        with state.bound(state.deadline, "submit"):
+                        with state.bound(state.deadline + self.config.deadline_slack, "submit"):
                             await self._outboxes.scheduler.send(state)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     raise PipelineClosed("pipeline closed") from None
-                with anyio.move_on_at(state.deadline):
-                    await state.wait()
-                if not state.done and not state.working:
-                    # Queued (an inbox, or waiting for a free handler): no actor's scope
-                    # ends it at its deadline, so end it here, at the deadline.
-                    state.end("total_timeout", "deadline passed while queued")
                 await state.wait()
             if not state.done:
                 self.metrics.counters["deadline_guard_expired"] += 1

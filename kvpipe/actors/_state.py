@@ -88,11 +88,6 @@ class RequestState(abc.ABC):
         """Undo :meth:`watch`."""
         self._scopes.pop(tag, None)
 
-    @property
-    def working(self) -> bool:
-        """Whether an actor works on the request now, under a scope its end cancels."""
-        return bool(self._scopes)
-
     def stopped_before(self, block: int) -> bool:
         """Whether work on ``block`` is of no more use (a read overrides this)."""
         return self._over
