@@ -383,7 +383,10 @@ class Runtime:
             )
 
     async def run(self, state: _State) -> _State:
-        """Submit ``state`` and wait for its end, by its deadline plus the slack; returns it.
+        """Submit ``state`` and wait for its end; returns it. A request that no actor holds at
+        its deadline (its messages wait in inboxes, or its submission waits for room) is
+        ended then; one an actor holds is ended by that actor's deadline scopes, and past
+        the slack by this guard.
 
         Raises:
             BaseException: The error the request ended with. The request keeps it, and its
@@ -399,7 +402,7 @@ class Runtime:
         self._idle = anyio.Event() if len(self._in_flight) == 1 else self._idle
         cancelled = False
         try:
-            with anyio.move_on_at(state.deadline + self.config.deadline_slack):
+            with anyio.move_on_at(state.deadline):
                 try:
                     assert self._outboxes is not None
                     try:  # without yielding when the scheduler's inbox has room
@@ -409,10 +412,15 @@ class Runtime:
                         # room in an inbox nobody drains any more (the scheduler's) would
                         # last its whole deadline where closing the inbox wakes no sender
                         # (anyio before 4.16).
-                        with state.bound(state.deadline + self.config.deadline_slack, "submit"):
+                        with state.bound(state.deadline, "submit"):
                             await self._outboxes.scheduler.send(state)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     raise PipelineClosed("pipeline closed") from None
+                await state.wait()
+            if not state.done and not state.holders:
+                # Queued (in inboxes, or never submitted): no actor's scope ends it.
+                state.end("total_timeout", "deadline passed while queued")
+            with anyio.move_on_at(state.deadline + self.config.deadline_slack):
                 await state.wait()
             if not state.done:
                 self.metrics.counters["deadline_guard_expired"] += 1

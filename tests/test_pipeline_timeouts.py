@@ -580,3 +580,71 @@ async def test_a_close_that_fails_still_ends_the_shielded_actors(
         with pytest.raises(RuntimeError, match="close broke"):
             async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore()):
                 pass
+
+
+async def test_a_host_write_queued_behind_hung_ones_ends_at_its_deadline() -> None:
+    """A hung put holds the host writer's only slot (``queue_depth=1``): the next write waits
+    in the writer's inbox, where no actor's scope bounds it. It ends at its own deadline (it
+    waited for the ``deadline_slack`` guard, 0.25 s more, with a WARNING and the guard's
+    counter, for every write behind a hung store)."""
+    cfg = kvpipe.PipelineConfig(slice_block_num=4, queue_depth=1, total_timeout=15.0)
+    store = ScriptedStore(puts={0: Act(hang=True)})
+    async with kvpipe.open_pipeline(_cache(), store, config=cfg) as pipe:
+        out: dict[str, Any] = {}
+
+        async def first() -> None:
+            out["first"] = await pipe.write(np.arange(8 * BLOCK), np.arange(8))
+
+        async def queued() -> None:
+            await store.wait_calls("put")
+            start = anyio.current_time()
+            out["queued"] = await pipe.write(
+                np.arange(100, 100 + 4 * BLOCK), np.arange(8, 12), timeout=2.0
+            )
+            out["took"] = anyio.current_time() - start
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            tg.start_soon(queued)
+        assert out["took"] == pytest.approx(2.0)
+        assert (out["queued"].written, out["queued"].stop_reason) == (0, "total_timeout")
+        assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+
+
+async def test_a_device_slice_queued_for_a_busy_swapper_ends_its_write_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device path (slicer, swapper, writer), one copy thread held by a slow gather of
+    another write: the second write's only slice waits in the swapper's inbox past the
+    second write's deadline. The write ends at that deadline, not the guard's."""
+    monkeypatch.setattr(engine_module.HostEngine, "name", "device-like")  # the device path
+    gather = engine_module.HostEngine.gather
+
+    async def slow_first(self: Any, plan: Any, staging: Any, after: Any) -> Any:
+        if len(plan.runs) and anyio.current_time() < 1:  # the first write's gather
+            await anyio.sleep(10)
+        return await gather(self, plan, staging, after)
+
+    monkeypatch.setattr(engine_module.HostEngine, "gather", slow_first)
+    cfg = kvpipe.PipelineConfig(slice_block_num=4, copy_threads=1, total_timeout=15.0)
+    async with kvpipe.open_pipeline(_cache(), ScriptedStore(), config=cfg) as pipe:
+        out: dict[str, Any] = {}
+
+        async def first() -> None:
+            out["first"] = await pipe.write(np.arange(8 * BLOCK), np.arange(8))
+
+        async def queued() -> None:
+            await anyio.sleep(0.5)
+            start = anyio.current_time()
+            out["queued"] = await pipe.write(
+                np.arange(100, 100 + 4 * BLOCK), np.arange(8, 12), timeout=2.0
+            )
+            out["took"] = anyio.current_time() - start
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            tg.start_soon(queued)
+        assert out["took"] == pytest.approx(2.0)
+        assert out["queued"].stop_reason == "total_timeout"
+        assert out["first"].complete  # the slow gather was within the first write's deadline
+        assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0

@@ -359,6 +359,7 @@ class Actor(abc.ABC, Generic[M]):
     async def _dispatch(self, msg: M) -> None:
         state = self.state_of(msg)
         self._held[state] += 1
+        state.holders += 1
         try:
             self.ctx.hooks.on_message(self.name, state.request_id)
         except BaseException:
@@ -367,6 +368,7 @@ class Actor(abc.ABC, Generic[M]):
         await self.handle(msg)
         # Only a normal return lets go of the request: otherwise the actor is crashing while
         # holding it, and the supervisor must fail it.
+        state.holders -= 1
         self._held[state] -= 1
         if self._held[state] <= 0:
             del self._held[state]

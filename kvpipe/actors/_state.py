@@ -56,6 +56,11 @@ class RequestState(abc.ABC):
         self._done = anyio.Event()
         self._over = False  # the event's state, read on every slice
         self._scopes: dict[object, tuple[int, anyio.CancelScope]] = {}
+        #: How many actors' handlers hold the request now (:class:`~kvpipe.actors.Actor`
+        #: counts it up when it takes a message, down when its handler returns). Zero while
+        #: its messages only wait in inboxes: then nothing but the caller's side ends it at
+        #: its deadline. A crashed handler leaves it up: the supervisor ends the request.
+        self.holders = 0
 
     @property
     def done(self) -> bool:

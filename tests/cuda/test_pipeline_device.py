@@ -326,9 +326,10 @@ class TestVirtualTime:
         self, fake: FakeDriver, producer: int
     ) -> None:
         """The swapper's one worker is held by a gather waiting on the model's stream; a
-        read's verified slice waits in its inbox past the read's deadline (within the
-        slack). When the worker frees, that slice must not be scattered into the cache:
-        the read stops as ``total_timeout`` with nothing loaded, the cache as it was."""
+        read's verified slice waits in its inbox past the read's deadline. The read ends at
+        its deadline (queued, no actor's scope would end it: it used to wait for the
+        ``deadline_slack`` guard) as ``total_timeout`` with nothing loaded; when the worker
+        frees, that slice must not be scattered into the cache: the cache as it was."""
         layout = LAYOUTS["gqa"]()
         cache = fake_device_cache(fake, layout, 6)
         fill_device(fake, cache, seed=4)
@@ -348,8 +349,11 @@ class TestVirtualTime:
             async def write() -> None:
                 results["write"] = await pipe.write(other, [5], stream=producer, timeout=1000)
 
+            read_done = anyio.Event()
+
             async def read() -> None:
                 results["read"] = await pipe.read(stored, [3, 4], stream=producer, timeout=10)
+                read_done.set()
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(write)
@@ -357,13 +361,12 @@ class TestVirtualTime:
                     await anyio.lowlevel.checkpoint()
                 start = anyio.current_time()
                 tg.start_soon(read)
-                await anyio.sleep_until(start + 11)  # past the read's deadline, in its slack
-                assert "read" not in results
+                await read_done.wait()
+                assert anyio.current_time() == pytest.approx(start + 10)  # not the slack's
                 gate.open()
             got = results["read"]
             assert isinstance(got, kvpipe.ReadResult)
             assert (got.loaded, got.stop_reason) == (0, "total_timeout")
-            assert anyio.current_time() < start + 10 + cfg.deadline_slack
         after = device_rows(fake, cache)
         for old, new in zip(before, after, strict=True):
             assert np.array_equal(old[3:5], new[3:5])  # nothing scattered after the deadline
