@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+import kvpipe
 from kvpipe._keys import Scope, as_tokens, block_keys
 from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import FileStore, StoreReport, _inspect, inspect_store
@@ -712,3 +713,133 @@ async def test_inspect_store_does_not_hang_on_a_fifo(tmp_path: Path, b: Batches)
     report, hung = await call_unblocking_fifo(fifo, inspect)
     assert not hung, "inspect_store blocked forever on a FIFO in the block tree"
     assert report.blocks == 3 and len(report.corrupt) == 1
+
+
+# -- (e) a damaged catalog ---------------------------------------------------------------------
+
+
+def _set_aside(root: Path) -> list[Path]:
+    return sorted(root.glob("catalog.sqlite3.damaged-*"))
+
+
+async def test_a_catalog_that_is_not_a_database_is_replaced_and_the_blocks_adopted(
+    tmp_path: Path, b: Batches, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Overwritten (a disk error, a stray copy): the store opens all the same, with the
+    block files adopted into a new catalog; the damaged one and its WAL are kept aside."""
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    junk = b"not a database" * 1000
+    (root / "catalog.sqlite3").write_bytes(junk)
+    (root / "catalog.sqlite3-wal").write_bytes(b"stale wal" * 100)
+    async with FileStore(root) as store:
+        await store.open()
+        assert store.statistics()["catalog_replaced"] == 1
+        assert store.statistics()["adopted"] == 3
+        assert _catalog(store).known_keys() == set(keys)
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+        assert await put_chain(b, store, _other_keys(1), make_values(1, 9)) == [OK]
+    aside = _set_aside(root)
+    assert aside[0].name.endswith(f"-{os.getpid()}") and aside[0].read_bytes() == junk
+    assert aside[0].with_name(f"{aside[0].name}-wal").read_bytes() == b"stale wal" * 100
+    wal = root / "catalog.sqlite3-wal"
+    assert not wal.exists() or b"stale wal" not in wal.read_bytes()
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "damaged" in errors[0].getMessage()
+    async with FileStore(root) as store:  # sound now: nothing replaced again
+        await store.open()
+        assert "catalog_replaced" not in store.statistics()
+        assert _catalog(store).stats().blocks == 4
+
+
+async def test_a_catalog_malformed_past_its_first_page_is_replaced(
+    tmp_path: Path, b: Batches
+) -> None:
+    """The header and schema read fine, the tables do not: found by the scan at open."""
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    path = root / "catalog.sqlite3"
+    data = bytearray(path.read_bytes())
+    assert (
+        not (root / "catalog.sqlite3-wal").exists()
+        or not (root / "catalog.sqlite3-wal").stat().st_size
+    )  # checkpointed at close: the pages are in the file
+    page = int.from_bytes(data[16:18], "big")
+    data[page:] = b"\xa5" * (len(data) - page)
+    path.write_bytes(bytes(data))
+    async with FileStore(root) as store:
+        await store.open()
+        assert store.statistics()["catalog_replaced"] == 1
+        assert _catalog(store).known_keys() == set(keys)
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+    assert len(_set_aside(root)) == 1
+
+
+async def test_a_damaged_catalog_is_rebuilt_even_without_the_scan_at_open(
+    tmp_path: Path, b: Batches
+) -> None:
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    (root / "catalog.sqlite3").write_bytes(b"\0" * 8192)
+    async with FileStore(root, scan_on_open=False) as store:
+        await store.open()
+        assert store.statistics()["adopted"] == 3
+        assert _catalog(store).stats().blocks == 3
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+
+
+def test_a_catalog_replaced_by_another_process_meanwhile_is_not_replaced_again(
+    tmp_path: Path,
+) -> None:
+    """Two processes find the catalog damaged at once: the second waits for the first's
+    lock, then opens the first's new catalog rather than setting that one aside."""
+    import fcntl
+    import threading
+
+    from kvpipe.backends.file._catalog import open_or_replace
+
+    root = tmp_path
+    path = str(root / "catalog.sqlite3")
+    (root / "catalog.sqlite3").write_bytes(b"not a database" * 100)
+    lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # "the first process", replacing it
+    scans: list[bool] = []
+    got: list[Any] = []
+    second = threading.Thread(
+        target=lambda: got.append(open_or_replace(path, "", lambda c, r: scans.append(r)))
+    )
+    second.start()
+    deadline = time.monotonic() + 10
+    while not _waits_for_a_flock(os.getpid()):  # its first try failed; it waits for the lock
+        assert time.monotonic() < deadline and second.is_alive()
+        time.sleep(0.01)
+    os.unlink(path)
+    Catalog(path).close()  # the first process's new catalog
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    os.close(lock)
+    second.join(10)
+    assert not second.is_alive()
+    catalog, _, aside = got[0]
+    catalog.close()
+    assert (aside, scans) == (None, [False])
+    assert not _set_aside(root)
+
+
+def _waits_for_a_flock(pid: int) -> bool:
+    """Whether a thread of ``pid`` is blocked waiting for a ``flock`` (``/proc/locks``)."""
+    lines = Path("/proc/locks").read_text().splitlines()
+    return any("->" in ln and "FLOCK" in ln and f" {pid} " in ln for ln in lines)
+
+
+async def test_a_catalog_that_cannot_be_opened_is_not_taken_for_damaged(tmp_path: Path) -> None:
+    """A directory at the catalog's name is an error SQLite reports as such (cannot open),
+    not damage: the open fails, nothing is moved."""
+    root = tmp_path / "store"
+    async with FileStore(root) as store:
+        await store.open()
+    _drop_catalog(root)
+    (root / "catalog.sqlite3").mkdir()
+    with pytest.raises(kvpipe.BackendError):
+        await FileStore(root).open()
+    assert (root / "catalog.sqlite3").is_dir()
+    assert not _set_aside(root)

@@ -8,7 +8,10 @@ that cannot be admitted is refused, and so is every block after it in the batch.
 
 A write transaction on a full disk is rolled back and raises :class:`CatalogFull`. A catalog
 that cannot be opened for writing (SQLite must create its ``-shm`` and ``-wal`` files) is
-opened read-only: lookups work, every write raises :class:`CatalogFull`.
+opened read-only: lookups work, every write raises :class:`CatalogFull`. A damaged one (not a
+database, or a malformed one) is set aside and replaced by an empty one
+(:func:`open_or_replace`): the blocks live in their files, which the store's scan at open
+adopts again.
 
 All methods block; connections are pooled, one per thread at a time.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import queue
@@ -25,18 +29,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeAlias, final
+from typing import Final, TypeAlias, TypeVar, final
 from urllib.parse import quote
 
 from ..._results import Residency, ResidencyEntry
 from ._format import key_namespace
 
-__all__ = ("Catalog", "CatalogFull", "CatalogStats", "Reservation", "SizeOf")
+__all__ = ("Catalog", "CatalogFull", "CatalogStats", "Reservation", "SizeOf", "open_or_replace")
 
 #: The sizes of the block files at keys' names now (``None``: there is none).
 SizeOf: TypeAlias = Callable[[Sequence[str]], list[int | None]]
 
 log = logging.getLogger("kvpipe.file_store")
+R = TypeVar("R")
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS blocks (
@@ -88,6 +93,76 @@ def _disk_full(exc: sqlite3.Error, path: str) -> bool:
         return False
     st = os.statvfs(os.path.dirname(path) or ".")
     return st.f_bavail * st.f_frsize < _NEARLY_FULL
+
+
+def open_or_replace(
+    path: str, owner: str, scan: Callable[[Catalog, bool], R]
+) -> tuple[Catalog, R, str | None]:
+    """Open the catalog at ``path`` and ``scan`` it (the store's repairs at open). One SQLite
+    finds damaged on the way (``SQLITE_CORRUPT``, ``SQLITE_NOTADB``: not a full disk, a lock
+    or an I/O error) is renamed, with its ``-wal``, ``-shm`` and ``-journal`` files, to
+    ``<name>.damaged-<time>-<pid>``, and an empty catalog takes its place, scanned again.
+    That loses the residency records and the blocks' parents and access times; the scan
+    adopts the block files again. Replacing it happens under an exclusive lock on
+    ``<path>.lock``, taken only then: of two processes finding it damaged at once, the
+    second finds the first's new catalog.
+
+    Args:
+        scan: Called with the catalog and whether it was just replaced (then it must walk
+            the block files, or the store would not know them).
+
+    Returns:
+        The catalog, what ``scan`` returned, and where the damaged catalog went (``None``:
+        it was sound).
+    """
+    try:
+        return (*_scanned(path, owner, scan, False), None)
+    except _Damaged:
+        pass
+    lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return (*_scanned(path, owner, scan, False), None)  # replaced meanwhile?
+        except _Damaged as exc:
+            cause = exc.args[0]
+        aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        for suffix in ("", "-wal", "-shm", "-journal"):  # a stale WAL must not meet a new db
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(path + suffix, aside + suffix)
+        log.error(
+            "file store catalog %s is damaged (%s): moved to %s and replaced by an empty "
+            "one; the block files are adopted again, the residency records are lost. "
+            "Processes that had this store open keep using the damaged one: restart them",
+            path,
+            cause,
+            aside,
+        )
+        try:
+            return (*_scanned(path, owner, scan, True), aside)
+        except _Damaged as exc:
+            raise sqlite3.DatabaseError(exc.args[0]) from None
+    finally:
+        os.close(lock)  # and its lock
+
+
+class _Damaged(Exception):
+    """The catalog is damaged (args: SQLite's message)."""
+
+
+def _scanned(
+    path: str, owner: str, scan: Callable[[Catalog, bool], R], replaced: bool
+) -> tuple[Catalog, R]:
+    catalog = None
+    try:
+        catalog = Catalog(path, owner)
+        return catalog, scan(catalog, replaced)
+    except BaseException as exc:
+        if catalog is not None:
+            catalog.close()
+        if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+            raise _Damaged(str(exc)) from None
+        raise
 
 
 @final
@@ -146,10 +221,10 @@ class Catalog:
         try:
             with self._conn() as db:
                 db.executescript(_SCHEMA)
-        except sqlite3.OperationalError as exc:
-            if not _disk_full(exc, path):
-                raise
+        except sqlite3.Error as exc:
             self.close()
+            if not (isinstance(exc, sqlite3.OperationalError) and _disk_full(exc, path)):
+                raise
             self._open_read_only(exc)
 
     def _open_read_only(self, cause: sqlite3.Error | None) -> None:

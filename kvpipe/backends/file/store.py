@@ -37,11 +37,11 @@ from .._base import (
 )
 from .._inflight import InFlight, ThreadGate
 from . import _native
-from ._catalog import Catalog, CatalogFull
+from ._catalog import Catalog, CatalogFull, open_or_replace
 from ._direct import Scratch, is_aligned, probe_direct
 from ._format import PAGE, block_location, file_nbytes, key_namespace
 from ._fs import Durability, Root, owner_token, store_root
-from ._inspect import recover
+from ._inspect import RecoveryReport, recover
 from ._reads import (
     ReadHooks,
     read_batch,
@@ -195,13 +195,20 @@ class FileStore(StorageBackend):
             )
             self._native = _native.fileio is not None and root.confined_opens()
             self._spares = Spares(self.spare_bytes if self._native else 0)
-            catalog = Catalog(os.path.join(root.path, "catalog.sqlite3"), owner_token())
-            report = recover(root, catalog, self.stale_temp_after) if self.scan_on_open else None
+            stale = self.stale_temp_after
+
+            def scan(catalog: Catalog, replaced: bool) -> RecoveryReport | None:
+                return recover(root, catalog, stale) if self.scan_on_open or replaced else None
+
+            path = os.path.join(root.path, "catalog.sqlite3")
+            catalog, report, aside = open_or_replace(path, owner_token(), scan)
         except BaseException:
             if catalog is not None:
                 catalog.close()
             root.close()
             raise
+        if aside is not None:
+            self._count(catalog_replaced=1)
         if report is not None:
             self._count(
                 temp_files_removed=report.temp_removed,
