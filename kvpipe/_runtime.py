@@ -296,8 +296,9 @@ class Runtime:
     async def aclose(self) -> None:
         """Close by one deadline, ``close_timeout`` from now: stop accepting requests, let
         in-flight ones finish until then, fail the rest, let the actors leave their loops
-        (cancelled if still running at the deadline, then given until ``UNWIND_GRACE`` past
-        it to unwind and let go of their staging), then drain their inboxes. What still
+        (cancelled if still running half of ``UNWIND_GRACE`` past the deadline, then given
+        until ``UNWIND_GRACE`` past it to unwind and let go of their staging), then drain
+        their inboxes. What still
         runs at the deadline is abandoned and logged, its memory kept (staging is unregistered
         and freed by :meth:`release`, once the worker threads are done). Shielded."""
         with anyio.CancelScope(shield=True):
@@ -313,10 +314,13 @@ class Runtime:
             self._stop_all("pipeline closed")
             supervisor = self._supervisor
             if supervisor is not None:
-                with anyio.move_on_at(deadline):
+                # The requests' work was cancelled with them: the actors unwind it and leave
+                # their loops (normally: no task ending cancelled, no cycle) within a few
+                # turns of the loop, or half the grace past the deadline at most.
+                with anyio.move_on_at(deadline + UNWIND_GRACE / 2):
                     await supervisor.wait_stopped()
                 if not supervisor.stopped:
-                    log.error("actors still running at the close deadline; cancelling them")
+                    working = supervisor.holding()  # in a wait their cancellation missed
                     self.cancel_actors()
                     # They release their staging as they unwind, which takes a few turns of
                     # the loop (nothing waits past a cancellation unbounded): return after.
@@ -324,7 +328,17 @@ class Runtime:
                         await supervisor.wait_stopped()
                     if not supervisor.stopped:
                         log.error(
-                            "actors did not stop %.1f s past the close deadline", UNWIND_GRACE
+                            "actors did not stop %.1f s past the close deadline, cancelled; "
+                            "abandoned: %s",
+                            UNWIND_GRACE,
+                            supervisor.holding() or working or "none holds a request",
+                        )
+                    elif working:
+                        log.warning(
+                            "actors still working %.1f s past the close deadline were "
+                            "cancelled: %s",
+                            UNWIND_GRACE / 2,
+                            working,
                         )
             for recv in self._inboxes.by_name().values() if self._inboxes else ():
                 self._drain(recv)

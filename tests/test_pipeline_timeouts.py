@@ -22,7 +22,7 @@ from kvpipe.actors import scheduler as scheduler_module
 from kvpipe.actors import writer as writer_module
 from kvpipe.backends import BlockStatus, GetBatch
 from tests.fakes import Act, ScriptedStore
-from tests.helpers import fill_random
+from tests.helpers import fill_random, until
 
 BLOCK = 4
 
@@ -648,3 +648,63 @@ async def test_a_device_slice_queued_for_a_busy_swapper_ends_its_write_at_the_de
         assert out["queued"].stop_reason == "total_timeout"
         assert out["first"].complete  # the slow gather was within the first write's deadline
         assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+
+
+async def test_the_close_deadline_log_names_the_actor_still_working_and_its_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store whose put shields itself from cancellation (a vendor call that cannot be
+    interrupted) holds the writer past the close deadline, cancelled or not. One ERROR says
+    which actor was abandoned and which request it holds: the line an operator has to go on
+    (it named no actor, and came with a second one)."""
+
+    class Stubborn(ScriptedStore):
+        async def put_blocks(self, batch: Any) -> Any:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(30)
+            return await super().put_blocks(batch)
+
+    store = Stubborn()
+    config = _config(total_timeout=100, slice_timeout=100, close_timeout=1)
+    async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+
+        async def write() -> None:
+            with pytest.raises(kvpipe.PipelineClosed):
+                await pipe.write(TOKENS[: 4 * BLOCK], IDS[:4], request_id="stuck-1")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write)
+            await until(lambda: sum(pipe.statistics().in_flight.values()) == 1)
+            await anyio.sleep(1)  # in its put
+            await pipe.aclose()
+    lines = [r for r in caplog.records if "close deadline" in r.getMessage()]
+    assert [r.levelname for r in lines] == ["ERROR"], lines
+    assert (
+        lines[0]
+        .getMessage()
+        .endswith("abandoned: writer (write stuck-1 (0 of 4 blocks stored, at slice 0))")
+    )
+
+
+async def test_a_close_that_fails_a_hung_put_lets_the_actors_leave_without_cancelling_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A put hangs (cancellably) through the whole ``close_timeout``. Failing its request at
+    the deadline cancels the put; the writer unwinds and every actor leaves its loop on its
+    own, so nothing is logged about the actors (an ERROR 'actors still running at the close
+    deadline' came with every such close: the check ran before they had a turn to leave)."""
+    store = ScriptedStore(puts={0: Act(hang=True)})
+    config = _config(total_timeout=100, slice_timeout=100, close_timeout=1)
+    async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+
+        async def write() -> None:
+            with pytest.raises(kvpipe.PipelineClosed):
+                await pipe.write(TOKENS[: 4 * BLOCK], IDS[:4])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write)
+            await store.wait_calls("put")
+            start = anyio.current_time()
+            await pipe.aclose()
+            assert anyio.current_time() - start == pytest.approx(1.0)
+    assert not [r for r in caplog.records if "actors" in r.getMessage()]

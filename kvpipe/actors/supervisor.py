@@ -83,6 +83,7 @@ class Supervisor:
         self._metrics = metrics
         self._on_escalate = on_escalate
         self._stopped = anyio.Event()
+        self._live: dict[str, Actor[Any]] = {}  # the actor of each child, while it runs
 
     async def run(self) -> None:
         """Run every child until its inbox is closed and drained (or an escalation, or a
@@ -95,6 +96,7 @@ class Supervisor:
                     tg.start_soon(task, self._supervise, child, name=f"kvpipe-{child.name}")
         finally:
             self._children = ()
+            self._live.clear()
             self._on_escalate = _ignore_escalation
             self._stopped.set()
 
@@ -107,10 +109,20 @@ class Supervisor:
         """Wait until :meth:`run` has returned."""
         await self._stopped.wait()
 
+    def holding(self) -> str:
+        """The actors that hold requests now and what they hold, for logs (``""``: none)."""
+        parts = []
+        for name, actor in self._live.items():
+            held = [s.describe() for s in actor.held_requests()]
+            if held:
+                more = f"; and {len(held) - 4} more" if len(held) > 4 else ""
+                parts.append(f"{name} ({'; '.join(held[:4])}{more})")
+        return ", ".join(parts)
+
     async def _supervise(self, child: ChildSpec) -> None:
         crashes: deque[float] = deque()
         while True:
-            actor = child.factory()
+            actor = self._live[child.name] = child.factory()
             try:
                 await actor.run()
                 return
@@ -118,6 +130,7 @@ class Supervisor:
                 if self._on_crash(child, actor, exc, crashes):
                     return
             finally:
+                self._live.pop(child.name, None)
                 del actor
 
     def _on_crash(
