@@ -9,6 +9,7 @@ the other one to its end from there.
 from __future__ import annotations
 
 import errno
+import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -245,3 +246,42 @@ async def test_a_full_disk_settle_leaves_the_block_another_put_of_the_key_publis
         assert statuses == [OK] and got == theirs
         assert first == [OK]  # A's block was published; B's replaced it, as puts of a key do
         _check_accounting(store, root, 1 << 40)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        sqlite3.OperationalError("database is locked"),
+        sqlite3.DatabaseError("database disk image is malformed"),
+    ],
+)
+async def test_a_put_whose_catalog_cannot_record_it_reports_what_it_published(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    error: sqlite3.Error,
+) -> None:
+    """The files are published, then the catalog cannot record it: another process held its
+    write lock past SQLite's busy timeout (30 s), or it went bad. The blocks are stored and
+    readable (lookups go by the files), so the put reports them ``OK`` and leaves their
+    records unsettled, logged, for the next open to settle. The put raised, so the pipeline
+    counted none of them while they were there for every reader: stored but not counted."""
+    root = tmp_path / "store"
+
+    def settle(catalog: Catalog, *args: Any) -> None:
+        raise error
+
+    async with batches() as b, FileStore(root) as store:
+        keys, _ = b.keys(3, seed=92)
+        monkeypatch.setattr(Catalog, "settle", settle)
+        assert await put_chain(b, store, keys, make_values(3, 92)) == [OK] * 3
+        monkeypatch.undo()
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 92))
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("3 record(s) left unsettled" in m for m in errors), errors
+    # An open after this process exits, or once the records are stale, settles them.
+    async with FileStore(root, stale_temp_after=1e-9) as store:
+        await store.open()
+        assert store._catalog is not None
+        assert store._catalog.known_keys() == set(keys)
+        assert store._catalog.stats().pending == 0

@@ -7,13 +7,16 @@ so the catalog can always record what was written.
 If another process takes the last bytes, settling frees space by removing the batch's newly
 published files from its tail until the catalog takes the rest: never a published file
 without its record, nor a record without its file. Only the put's own files go: a file that
-another put of the same key published since stays (that put reported it ``OK``).
+another put of the same key published since stays (that put reported it ``OK``). A catalog
+that cannot record the put for another reason (locked past SQLite's busy timeout, damaged)
+leaves its records unsettled, logged, and the put's published blocks stored.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Final
@@ -95,3 +98,16 @@ def settle(
                 dropped.append(key)
             else:
                 kept.insert(0, key)
+        except sqlite3.Error as exc:
+            # Locked past SQLite's busy timeout (another process holds the write lock), or
+            # damaged. The files are published and sound, and readers find them by their
+            # names: they are stored, whatever the catalog says.
+            log.error(
+                "file store %s: the catalog cannot record a put (%s); the blocks written are "
+                "stored, %d record(s) left unsettled (an open after this process has exited, "
+                "or after stale_temp_after, settles them)",
+                root.path,
+                exc,
+                len(left) + len(kept) + len(failed) + len(dropped),
+            )
+            return dropped
