@@ -138,7 +138,8 @@ class WorkerThreads:
         order. ``fn`` must not raise: it reports its own outcome.
 
         Raises:
-            RuntimeError: The pool is shut down.
+            RuntimeError: The pool is shut down, or its starter thread could not be started
+                (``fn`` never runs; the next call tries again).
         """
         with self._lock:
             if self._closed:
@@ -157,12 +158,22 @@ class WorkerThreads:
                         target=self._start_threads, name="kvpipe-worker-starter", daemon=True
                     )
         if inbox is None:
+            if starter:  # once per pool (raises like any thread start that fails)
+                assert self._starter is not None
+                try:
+                    self._starter.start()
+                except BaseException:
+                    # As if never submitted: the next call starts a starter again, and the
+                    # lane's slot is free for it.
+                    with self._lock:
+                        self._starter = None
+                        self._threads -= 1
+                        if lane is not None:
+                            lane._running -= 1
+                    raise
             inbox = queue.SimpleQueue()
             inbox.put((fn, lane))
             self._to_start.put(inbox)
-            if starter:  # once per pool (raises like any thread start that fails)
-                assert self._starter is not None
-                self._starter.start()
         else:
             inbox.put((fn, lane))
 

@@ -113,6 +113,37 @@ def test_a_call_whose_thread_cannot_start_runs_in_the_starter(
     assert ran == ["kvpipe-worker-starter"]
 
 
+def test_a_starter_that_could_not_start_leaves_the_pool_and_its_lane_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The call whose submit raised never runs, and the next calls (in and out of the lane
+    the refused call was counted in) run: no inbox stranded, no lane slot kept."""
+    start = threading.Thread.start
+    refused: list[threading.Thread] = []
+
+    def refuse_the_first_starter(self: threading.Thread) -> None:
+        if self.name == "kvpipe-worker-starter" and not refused:
+            refused.append(self)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_the_first_starter)
+    pool, lane = WorkerThreads(), Lane(1)
+    ran: list[str] = []
+    with pytest.raises(RuntimeError, match="can't start"):
+        pool.submit(lambda: ran.append("refused"), lane)
+    try:
+        plain, in_lane = threading.Event(), threading.Event()
+        pool.submit(plain.set)
+        assert plain.wait(5), "a call after the refused start never ran"
+        pool.submit(in_lane.set, lane)
+        assert in_lane.wait(5), "the lane kept the refused call's slot"
+    finally:
+        pool.shutdown()
+    assert ran == []
+    assert lane.running == 0 and lane.waiting == 0
+
+
 def test_a_shut_down_pool_takes_no_work() -> None:
     pool = WorkerThreads()
     pool.shutdown()
