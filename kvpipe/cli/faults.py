@@ -49,11 +49,11 @@ async def _stores(kind: str, root: str) -> AsyncIterator[Any]:
 
         yield file_store
         return
-    from ..backends.mooncake_local import LocalMooncake
+    # Started as mooncake-up and the demo start it: one that does not start is a one-line
+    # UsageError ending with its log, and the stop is shielded.
+    from .mooncake_up import running_mooncake
 
-    server = LocalMooncake()
-    await anyio.to_thread.run_sync(server.start)
-    try:
+    async with running_mooncake() as server:
 
         @asynccontextmanager
         async def mooncake_store(name: str) -> AsyncIterator[kvpipe.StorageBackend]:
@@ -63,8 +63,6 @@ async def _stores(kind: str, root: str) -> AsyncIterator[Any]:
                 yield store
 
         yield mooncake_store
-    finally:
-        await anyio.to_thread.run_sync(server.stop)
 
 
 def _row(r: ScenarioResult) -> dict[str, Any]:

@@ -98,3 +98,22 @@ def test_the_process_kill_on_another_store_is_a_usage_error(
     assert main(["faults", "--store", store, "--scenario", "kill_mid_write"]) == 2
     err = capsys.readouterr().err
     assert "kill_mid_write" in err and "--store file" in err
+
+
+def test_a_mooncake_that_does_not_start_is_a_message_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was the RuntimeError's traceback out of main (demo and mooncake-up said it in a line).
+    from kvpipe.backends.mooncake_local import LocalMooncake
+
+    stopped: list[bool] = []
+
+    def refuse(self: LocalMooncake) -> LocalMooncake:
+        raise RuntimeError("['mooncake_master'] exited with 1 before listening")
+
+    monkeypatch.setattr(LocalMooncake, "start", refuse)
+    monkeypatch.setattr(LocalMooncake, "stop", lambda self: stopped.append(True))
+    assert main(["faults", "--store", "mooncake", "--scenario", "late"]) == 2
+    captured = capsys.readouterr()
+    assert "Mooncake did not start" in captured.err and "exited with 1" in captured.err
+    assert captured.out == "" and stopped
