@@ -201,8 +201,9 @@ class KVPipeStorage:
         limit = self.timeout if timeout is None else float(timeout)
 
         async def bounded() -> Any:
-            with anyio.fail_after(limit):
+            with anyio.move_on_after(limit):
                 return await fn(*args)
+            raise TimeoutError(f"no result within {limit:.3f} s (timeout)")
 
         try:
             return self._loop.call(bounded, wait=limit + HOP_SLACK)

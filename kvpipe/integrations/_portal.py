@@ -205,11 +205,14 @@ class LoopThread:
         """
         self.check_caller()
         fut = self._start(fn, *args)
-        try:
-            return fut.result(timeout=max(0.0, wait))
-        except concurrent.futures.TimeoutError:
+        # Waited for apart from taking the result: a TimeoutError ``fn`` raised itself
+        # (``OperationTimeout``, say) is its outcome, not this wait running out.
+        done, _ = concurrent.futures.wait((fut,), timeout=max(0.0, wait))
+        if not done:
             fut.cancel()
-            raise TimeoutError(f"{self.name}: no result within {wait:.3f} s") from None
+            raise TimeoutError(f"{self.name}: no result within {wait:.3f} s")
+        try:
+            return fut.result()
         except concurrent.futures.CancelledError:  # only the loop stopping cancels it
             raise self._closed_error() from None
 
