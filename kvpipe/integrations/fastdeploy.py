@@ -391,19 +391,24 @@ class KVPipeAttentionStore:
             self._put_back(entry)
 
     def _on_last_pipe(
-        self, what: str, task_id: str, timeout: float, fn: Callable[[Pipeline], Awaitable[int]]
+        self,
+        what: str,
+        task_id: str,
+        timeout: float,
+        fn: Callable[[Pipeline], Awaitable[int]],
+        unbound: int = 0,
     ) -> int:
         """``fn(pipeline)``'s count over the most recently used pipeline, run as :meth:`_call`
-        runs it; 0 when no caches are bound yet (after one WARNING when closed)."""
+        runs it; ``unbound`` when no caches are bound yet (0 after one WARNING when closed)."""
         entry = self._take(None)
         if entry is None:
             if self._loop.closed:
                 log.warning(
                     "kvpipe %s %s: %r", what, task_id, PipelineClosed("the store is closed")
                 )
-            else:
-                log.debug("kvpipe %s %s: no caches bound yet, nothing to do", what, task_id)
-            return 0
+                return 0
+            log.debug("kvpipe %s %s: no caches bound yet: %d", what, task_id, unbound)
+            return unbound
         try:
             return self._call(what, task_id, timeout, fn, entry.pipe)
         finally:
@@ -530,8 +535,16 @@ class KVPipeAttentionStore:
         self, task_id: str, token_ids: list[int], start_match_block_idx: int, timeout: float = 10.0
     ) -> int:
         """The stored run from block ``start_match_block_idx`` on (the blocks before it are
-        not asked about: the server holds them). Before the first ``write`` or ``read``
-        bound the caches (and so the layout, part of every key) it is 0."""
+        not asked about: the server holds them).
+
+        Before the first ``write`` or ``read`` has bound the caches (and so the layout, part
+        of every key), nothing can be looked up: 0, except on a decode instance
+        (``splitwise_role="decode"``), where it is every block asked about. FastDeploy reads
+        only after a query matched something, and a decode instance's first call is a read
+        (of what its prefill side wrote): answering 0 there, it would never read, so never
+        bind its caches. The read then loads what is stored and returns that count, which
+        FastDeploy takes as the truth (``gpu_block_ids[:n]``).
+        """
 
         async def run(pipe: Pipeline) -> int:
             return await pipe.lookup(
@@ -541,7 +554,14 @@ class KVPipeAttentionStore:
                 timeout=timeout,
             )
 
-        return self._on_last_pipe("query", task_id, timeout, run)
+        unbound = 0
+        if self.splitwise_role == "decode":
+            size = self.block_token_size
+            blocks = len(token_ids) // size
+            if self.all_or_nothing_read and len(token_ids) % size:
+                blocks += 1  # the partial last block, which the decode side reads too
+            unbound = max(0, blocks - int(start_match_block_idx))
+        return self._on_last_pipe("query", task_id, timeout, run, unbound)
 
     def flush_token_index(
         self, task_id: str, token_ids: list[int], start_block_idx: int, reside_in_gpu: bool

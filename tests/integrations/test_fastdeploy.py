@@ -124,6 +124,51 @@ def test_model_versions_never_share_blocks() -> None:
         assert a.query("t", tokens, 0) == 2
 
 
+def _fastdeploy_read(store: KVPipeAttentionStore, k: list, v: list, tokens: list, ids: list) -> int:
+    """cache_transfer_manager.read_storage_task's order for ``attention_store``: a query,
+    then a read of only what it matched (none at all on 0); the blocks loaded."""
+    matched = store.query("r", tokens, 0, 10.0)
+    if matched <= 0:
+        return 0
+    return store.read("r", k, v, tokens[: matched * BS], ids[:matched], 0, 10.0)
+
+
+@pytest.mark.parametrize("pd", [False, True])
+def test_a_fresh_decode_instance_reads_in_fastdeploys_order(pd: bool) -> None:
+    """A decode instance that has written nothing (a fresh one, the decode side of PD via
+    storage) has no caches bound, so its query can look nothing up. It answered 0, and
+    FastDeploy, which reads only what a query matched, never read: the decode side never
+    loaded a block its prefill side wrote. It answers every block asked about instead; the
+    read binds the caches and loads what is stored."""
+    shared = kvpipe.MemoryStore()
+    k, v = _gqa(True)
+    tokens = list(range(3 * BS + (1 if pd else 0)))  # PD: the partial last block too
+    n = 4 if pd else 3
+    with KVPipeAttentionStore(
+        layer_num=LAYERS,
+        block_token_size=BS,
+        store=shared,
+        splitwise_role="prefill",
+        pd_via_storage=pd,
+    ) as prefill:
+        assert prefill.write("w", k, v, tokens, list(range(n)), 0, 10.0) == n
+    dk, dv = _gqa(False)
+    with KVPipeAttentionStore(
+        layer_num=LAYERS,
+        block_token_size=BS,
+        store=shared,
+        splitwise_role="decode",
+        pd_via_storage=pd,
+    ) as decode:
+        dst = [20, 21, 22, 23][:n]
+        assert _fastdeploy_read(decode, dk, dv, tokens, dst) == n
+        assert _rows(dk + dv, dst) == _rows(k + v, list(range(n)))
+        assert decode.query("again", tokens, 0) == n  # bound now: looked up
+        assert decode.query("other", list(range(500, 500 + 2 * BS)), 0) == 0
+    with _store() as mixed:  # not a decode instance: 0 until the caches are bound
+        assert mixed.query("q", tokens, 0) == 0
+
+
 def test_block_ids_begin_at_the_start_index_as_fastdeploy_passes_them() -> None:
     """FastDeploy's write-back queries the stored run ``m``, then calls ``write(...,
     gpu_block_ids[m:], m)`` (cache_transfer_manager.write_back_storage_task; its own

@@ -136,7 +136,9 @@ def test_prefill_to_decode_over_mooncake_then_master_killed(
             layer_num=LAYERS, block_token_size=BS, splitwise_role="decode", store=store
         ) as decode:
             assert decode.all_or_nothing_read
-            assert decode.query("req", tokens, 0) == 0  # nothing bound yet
+            # FastDeploy's order: a query, then a read of what it matched. Unbound, a decode
+            # instance's query answers every block (it would never read on a 0).
+            assert decode.query("req", tokens, 0) == 4
             assert decode.read("req", dk, dv, tokens, [10, 11, 12, 13], 0, 10.0) == 4
             got = np.stack(
                 [np.stack([t[10:14].numpy() for t in dk]), np.stack([t[10:14].numpy() for t in dv])]
