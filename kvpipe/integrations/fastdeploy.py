@@ -326,6 +326,8 @@ class KVPipeAttentionStore:
                 entry = _Open(pipe, leave, users=1)
                 retired: list[_Open] = []
                 with self._pipes_lock:
+                    if self._loop.closed:  # close() cleared the pipes meanwhile: not kept
+                        raise PipelineClosed("the store is closed")
                     self._pipes[ident] = entry
                     while len(self._pipes) > self.cache_sets:
                         _, old = self._pipes.popitem(last=False)

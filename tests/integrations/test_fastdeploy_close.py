@@ -262,3 +262,29 @@ def test_storage_remembers_a_bounded_number_of_keys(caplog: pytest.LogCaptureFix
 def test_remember_keys_must_be_a_count(bad: object) -> None:
     with pytest.raises(kvpipe.ConfigError, match="remember_keys"):
         KVPipeStorage(store=kvpipe.MemoryStore(), remember_keys=bad)  # type: ignore[arg-type]
+
+
+def test_a_pipeline_opened_while_close_runs_is_not_kept_after_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A write opens the pipeline over its caches; ``close()`` runs (another thread) between
+    the pipeline being entered and its being recorded. The pipeline is closed with the
+    rest, and the write answers 0 with one WARNING: it was recorded after ``close()`` had
+    cleared the record, so the closed pipeline, and through it the caches, stayed alive."""
+    paddle = pytest.importorskip("paddle")
+    paddle.set_device("cpu")
+    store = KVPipeAttentionStore(layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore())
+    enter = store._loop.enter_leavable
+
+    def enter_then_close(*args: Any, **kw: Any) -> Any:
+        entered = enter(*args, **kw)
+        store.close()  # as another thread's close() would, just then
+        return entered
+
+    store._loop.enter_leavable = enter_then_close  # type: ignore[method-assign]
+    k, v = _caches(paddle)
+    with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+        assert store.write("t", k, v, list(range(BS)), [0], 0) == 0
+    assert not store._pipes
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "closed" in warnings[0], warnings
