@@ -207,6 +207,12 @@ class KVPipeStorage:
 
         try:
             return self._loop.call(bounded, wait=limit + HOP_SLACK)
+        except ConfigError as exc:
+            if exc.field != "staging_bytes":
+                raise
+            # No memory for the staging of a new value size: the process's, not the caller's.
+            log.warning("KVPipeStorage %s failed: %r", what, exc)
+            return None
         except (TypeError, ValueError, WrongEventLoop):  # the caller's mistake, not the store's
             raise
         except Exception as exc:

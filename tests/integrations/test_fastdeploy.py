@@ -463,6 +463,27 @@ def test_storage_called_inside_a_running_loop_raises(fs: KVPipeStorage) -> None:
     assert fs.batch_set(["k"], [addr], [64]) == [0]  # from a plain thread it works
 
 
+def test_storage_with_no_memory_for_staging_fails_like_a_store(
+    fs: KVPipeStorage, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The staging for a new value size cannot be allocated (memory pressure): the process's
+    failure, not the caller's mistake, so -1 with one WARNING as when the store fails. It
+    was raised into FastDeploy's thread, as a ``ConfigError`` (a ``ValueError``)."""
+    from kvpipe import _staging
+
+    def no_memory(*args: object) -> object:
+        raise MemoryError
+
+    _keep, addr = _buf(b"y" * 96)
+    monkeypatch.setattr(_staging, "_page_aligned", no_memory)
+    with caplog.at_level(logging.WARNING):
+        assert fs.batch_set(["k"], [addr], [96]) == [-1]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "staging_bytes" in warnings[0], warnings
+    monkeypatch.undo()
+    assert fs.batch_set(["k"], [addr], [96]) == [0]  # with memory again, it works
+
+
 def test_storage_round_trip_from_8_threads(fs: KVPipeStorage) -> None:
     rng = np.random.default_rng(1)
     host = rng.integers(0, 256, 8 * 16 * 4096, dtype=np.uint8)  # the manager's host buffer
