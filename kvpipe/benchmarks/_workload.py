@@ -31,6 +31,7 @@ __all__ = (
     "percentiles",
     "random_cache",
     "rss_bytes",
+    "scrub",
     "run_requests",
     "same_bytes",
 )
@@ -67,6 +68,14 @@ def same_bytes(a: KVCache, b: KVCache, blocks: int | None = None) -> bool:
     """Whether the first ``blocks`` blocks (all by default) of two caches are equal."""
     n = blocks if blocks is not None else a.num_blocks
     return all(np.array_equal(x[:n], y[:n]) for x, y in zip(a.byte_rows, b.byte_rows, strict=True))
+
+
+def scrub(cache: KVCache, blocks: int | None = None) -> None:
+    """Zero the first ``blocks`` blocks (all by default) of ``cache``, so that what a read
+    then leaves there is what that read moved (blocking)."""
+    n = blocks if blocks is not None else cache.num_blocks
+    for rows in cache.byte_rows:
+        rows[:n] = 0
 
 
 @final

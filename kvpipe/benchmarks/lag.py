@@ -37,7 +37,14 @@ from ..backends.file import FileStore
 from ..backends.memory import MemoryStore
 from ..pipeline import Pipeline, open_pipeline
 from ._file_baselines import raw_write
-from ._workload import model_layout, percentiles, random_cache, run_requests, same_bytes
+from ._workload import (
+    model_layout,
+    percentiles,
+    random_cache,
+    run_requests,
+    same_bytes,
+    scrub,
+)
 from .memory import PlainCopies
 
 __all__ = ("LagBenchConfig", "Ticker", "run_lag_bench")
@@ -147,11 +154,16 @@ async def run_lag_bench(
             rec,
             lambda: run_requests(w, blocks=blocks, tag=tag[0], write=True, **shape),
         )
+        # the plain copies scatter into ``dst`` too: clear it, so that the check below sees
+        # what this read moved (both untimed)
+        await run_sync(scrub, dst, blocks)
         await phase(
             f"{store} read",
             rec,
             lambda: run_requests(r, blocks=blocks, tag=tag[0], write=False, **shape),
         )
+        if not await run_sync(same_bytes, src, dst, blocks):
+            raise RuntimeError(f"lag bench: {store} read back different bytes")
 
     try:
         async with anyio.create_task_group() as tg:
@@ -197,8 +209,6 @@ async def run_lag_bench(
             ticker.stop()
     finally:
         await run_sync(shutil.rmtree, workdir, True)
-    if not same_bytes(src, dst, n):
-        raise RuntimeError("lag bench: read back different bytes")
     loop = loop_name()
     out = []
     for name, samples in ticker.samples.items():
