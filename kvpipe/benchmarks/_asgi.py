@@ -147,7 +147,11 @@ class LoadResult:
 class Load:
     """The load generator as a child process: ``async with Load(port, ...) as load:`` starts
     it and waits until it is connected; leaving the block closes its standard input (its
-    signal to stop), waits for it and reads its latencies into :attr:`result`."""
+    signal to stop), waits for it and reads its latencies into :attr:`result`.
+
+    Only answered requests have a latency, so a run where any request failed (an error
+    answer, a broken connection, a request left unanswered) raises ``RuntimeError`` on
+    leaving the block instead of yielding the latencies of the rest."""
 
     def __init__(self, port: int, rate: float, connections: int, max_seconds: float) -> None:
         self.argv = [
@@ -209,6 +213,9 @@ class Load:
         self.result = LoadResult(pairs[:, 0].copy(), pairs[:, 1].copy(), summary)
         await proc.aclose()
         await anyio.to_thread.run_sync(_rmtree, self._dir)
+        failed = summary["sent"] - summary["answered"]
+        if exc[0] is None and (failed or summary["errors"] or summary["unanswered_at_exit"]):
+            raise RuntimeError(f"HTTP load generator: requests failed or unanswered: {summary}")
 
 
 def _rmtree(path: str) -> None:

@@ -65,3 +65,36 @@ def test_load_result_attributes_by_scheduled_time() -> None:
 
     res = LoadResult(np.array([1.0, 1.5, 2.0, 2.5]), np.array([0.1, 0.2, 0.3, 0.4]))
     assert res.between(1.5, 2.5).tolist() == [0.2, 0.3]
+
+
+@pytest.mark.parametrize(
+    "answer", [b"HTTP/1.1 500 Internal Server Error", b""], ids=["500", "hangup"]
+)
+async def test_load_refuses_a_run_with_failed_requests(answer: bytes) -> None:
+    # Latencies are kept only for answered requests: a run where some failed must not
+    # report them as if the server had answered everything.
+    import asyncio
+
+    from kvpipe.benchmarks._asgi import Load
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                if not answer:
+                    break
+                writer.write(answer + b"\r\ncontent-length: 2\r\n\r\nno")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(RuntimeError, match="failed"):
+            async with Load(port, 200.0, 2, 60.0):
+                await asyncio.sleep(0.1)
+    finally:
+        server.close()
+        await server.wait_closed()
