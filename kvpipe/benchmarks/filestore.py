@@ -4,7 +4,8 @@ Per block size and durability: the pipeline writes N blocks (gather from a layer
 checksum, one file per block through the file store) and reads them back into another cache
 (verify, scatter) twice: hot, with the files in the page cache (read through it once,
 untimed: files written with ``O_DIRECT`` are not there), and cold, evicted from it
-(``POSIX_FADV_DONTNEED`` after ``fdatasync``). Store and pipelines stay open for every round,
+(``POSIX_FADV_DONTNEED`` after ``fdatasync``); each read goes into a cleared cache and
+is checked against the source (untimed). Store and pipelines stay open for every round,
 as a server keeps them; each round writes new blocks and deletes them afterwards (untimed).
 
 The contenders, hot and cold alike (:mod:`._file_baselines`): raw writes and reads of the
@@ -42,6 +43,7 @@ from ._file_baselines import (
     warm_cached,
 )
 from ._measure import THROUGHPUT_COPY_THREADS, Measurement, Timer, interleave
+from ._workload import same_bytes, scrub
 
 __all__ = ("LAYOUTS", "FileBenchConfig", "drop_cached", "run_filestore_bench")
 
@@ -179,12 +181,25 @@ async def _bench_durability(
         return t.seconds
 
     async def pipeline_round(wpipe: Any, rpipe: Any) -> float:
+        async def read_checked(which: str) -> float:
+            """One timed read of every block into a cleared ``data.dst``, then its check
+            (both untimed): each read must bring the bytes itself."""
+            await anyio.to_thread.run_sync(scrub, data.dst)
+            seconds = await _move(
+                rpipe, n, cfg.request_blocks, round_no[0], write=False, cache=data.dst
+            )
+            if not await anyio.to_thread.run_sync(same_bytes, data.src, data.dst):
+                raise RuntimeError(
+                    f"file bench: the pipeline's {which} read brought back other bytes"
+                )
+            return seconds
+
         round_no[0] += 1
         w = await _move(wpipe, n, cfg.request_blocks, round_no[0], write=True, cache=data.src)
         await anyio.to_thread.run_sync(warm_cached, blocks)
-        hot = await _move(rpipe, n, cfg.request_blocks, round_no[0], write=False, cache=data.dst)
+        hot = await read_checked("hot")
         await anyio.to_thread.run_sync(drop_cached, blocks)
-        cold = await _move(rpipe, n, cfg.request_blocks, round_no[0], write=False, cache=data.dst)
+        cold = await read_checked("cold")
         await store.delete(_round_keys(wpipe, n, cfg.request_blocks, round_no[0], data))
         data.write.add("pipeline", w)
         data.hot.add("pipeline", hot)

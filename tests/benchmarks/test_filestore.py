@@ -1,0 +1,50 @@
+"""The file scenario's own checks, never a wall time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpipe.benchmarks import filestore
+from kvpipe.benchmarks.filestore import FileBenchConfig, run_filestore_bench
+
+
+def tiny(tmp_path: Path) -> FileBenchConfig:
+    """8 blocks of 256 KiB, one durability, one recorded round."""
+    return FileBenchConfig(
+        sizes=("256KiB",),
+        total_bytes=1,
+        rounds=1,
+        durabilities=("none",),
+        directory=str(tmp_path),
+        request_blocks=8,
+    )
+
+
+async def test_a_cold_read_that_moves_no_bytes_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cold read goes into the cache the hot read just filled: it must be checked on
+    # its own, or a cold read that moved nothing passes on the hot read's bytes.
+    real = filestore._move
+    reads = [0]
+
+    async def cold_reads_nothing(pipe: Any, *args: Any, write: bool, **kw: Any) -> float:
+        if not write:
+            reads[0] += 1
+            if reads[0] % 2 == 0:
+                return 0.001  # "complete", but nothing landed in the cache
+        return await real(pipe, *args, write=write, **kw)
+
+    monkeypatch.setattr(filestore, "_move", cold_reads_nothing)
+    with pytest.raises(RuntimeError, match="cold"):
+        await run_filestore_bench(tiny(tmp_path))
+
+
+async def test_runs_and_cleans_up(tmp_path: Path) -> None:
+    (record,) = await run_filestore_bench(tiny(tmp_path))
+    assert record["blocks"] == 8 and record["read_cold"]["rounds"] == 1
+    assert os.listdir(tmp_path) == []
