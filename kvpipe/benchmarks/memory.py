@@ -20,7 +20,9 @@ blocks from a layer-major cache and reading them back into another cache:
   buffer, then scatter the segments into the cache. numpy copies release the GIL. No keys,
   no checksums, no trailer, no actors, no event loop.
 
-The ratio is the median over rounds of (pipeline / the faster baseline of that round).
+Every contender reads into a cache cleared before the read and compared with the source
+after it (both untimed). The ratio is the median over rounds of (pipeline / the faster
+baseline of that round).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .._plan import CopySegment, layout_segments
 from ..backends.memory import MemoryStore
 from ..pipeline import open_pipeline
 from ._measure import THROUGHPUT_COPY_THREADS, Measurement, Timer, interleave
-from ._workload import random_cache, run_requests, same_bytes
+from ._workload import random_cache, run_requests, same_bytes, scrub
 from .filestore import LAYOUTS
 
 __all__ = ("CONTENDERS", "MemoryBenchConfig", "PlainCopies", "run_memory_bench")
@@ -162,6 +164,11 @@ async def _bench_size(
             staging_bytes=max(64 << 20, 2 * cfg.concurrency * slice_blocks * (nbytes + 64)),
         )
 
+    async def checked(contender: str, dst: KVCache) -> None:
+        """What ``contender`` just read into the cleared ``dst`` is the source (untimed)."""
+        if not await run_sync(same_bytes, src, dst):
+            raise RuntimeError(f"memory bench: {contender} read back different bytes")
+
     def record(contender: str, w: float, r: float) -> None:
         if state["recording"]:
             write_m.add(contender, w)
@@ -187,7 +194,9 @@ async def _bench_size(
                     "concurrency": cfg.concurrency,
                 }
                 w = await run_requests(wpipe, tag=tag, write=True, **shape)
+                await run_sync(scrub, dsts[contender])
                 r = await run_requests(rpipe, tag=tag, write=False, **shape)
+                await checked(contender, dsts[contender])
                 await store.delete(store.keys())
                 record(contender, w.seconds, r.seconds)
                 return w.seconds
@@ -198,8 +207,10 @@ async def _bench_size(
             async def go() -> float:
                 async with Timer() as tw:
                     await run_sync(plain.run, plain.write, n, threads)
+                await run_sync(scrub, dsts["plain"])
                 async with Timer() as tr:
                     await run_sync(plain.run, plain.read, n, threads)
+                await checked(f"plain{threads}", dsts["plain"])
                 plain.store.clear()
                 record(f"plain{threads}", tw.seconds, tr.seconds)
                 return tw.seconds
@@ -219,9 +230,6 @@ async def _bench_size(
             cfg.rounds,
             warmed,
         )
-    for contender, dst in dsts.items():
-        if not same_bytes(src, dst):
-            raise RuntimeError(f"memory bench: {contender} read back different bytes")
     out: dict[str, Any] = {
         "block_size": name,
         "block_bytes": nbytes,
