@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final, final
@@ -58,6 +58,7 @@ from ..pipeline import Pipeline, open_pipeline
 from ._measure import THROUGHPUT_COPY_THREADS, Measurement, Timer, interleave
 from ._mooncake_baselines import direct_put_get, hand_loop, holder_of
 from ._segment_holder import start_holder, stop_holder
+from ._workload import same_bytes, scrub
 from .filestore import LAYOUTS
 
 __all__ = ("PLACEMENTS", "MooncakeBenchConfig", "run_mooncake_bench")
@@ -256,10 +257,17 @@ async def _bench_size(
             open_pipeline(dst, store, config=config, namespace="bench") as rpipe,
         ):
 
+            async def checked(who: str, same: Awaitable[bool]) -> None:
+                """Each round's read, into a cleared buffer, checked right after (untimed)."""
+                if not await same:
+                    raise RuntimeError(f"mooncake bench: {who} read back different bytes")
+
             async def pipeline_round() -> float:
                 state["round"] += 1
                 w = await _move(wpipe, cfg, n, state["round"], write=True)
+                await run_sync(scrub, dst)  # what the read leaves there is what it moved
                 r = await _move(rpipe, cfg, n, state["round"], write=False)
+                await checked("pipeline", run_sync(same_bytes, src, dst))
                 await clear(n)
                 record(write_m, "pipeline", w)
                 record(read_m, "pipeline", r)
@@ -272,9 +280,11 @@ async def _bench_size(
                 async def go() -> float:
                     state["round"] += 1
                     keys = [f"direct-{state['round']}-{i}" for i in range(n)]
+                    await run_sync(readback.fill, 0)
                     w, r = await run_sync(
                         direct_put_get, client, put, keys, src_ptrs, dst_ptrs, vsize
                     )
+                    await checked(contender, run_sync(np.array_equal, values, readback))
                     for key in (keys[0], keys[-1]):
                         holders.add(await run_sync(holder_of, client, key))
                     await clear(n)
@@ -288,6 +298,7 @@ async def _bench_size(
             async def loop_round() -> float:
                 state["round"] += 1
                 keys = [f"loop-{state['round']}-{i}" for i in range(n)]
+                await run_sync(scrub, loop_dst)
                 w, r = await run_sync(
                     lambda: hand_loop(
                         client,
@@ -299,6 +310,7 @@ async def _bench_size(
                         checksums=cfg.verify_checksums,
                     )
                 )
+                await checked("hand loop", run_sync(same_bytes, src, loop_dst))
                 await clear(n)
                 record(write_m, "loop", w)
                 record(read_m, "loop", r)
@@ -321,12 +333,6 @@ async def _bench_size(
                 await run_sync(client.unregister_buffer, buf.ctypes.data)
     if holders != {place.segment_host}:
         raise RuntimeError(f"data landed in {sorted(holders)}, not in {place.segment_host}")
-    if not np.array_equal(values, readback):
-        raise RuntimeError("direct client: read back different bytes")
-    for who, cache in (("pipeline", dst), ("hand loop", loop_dst)):
-        for rows_a, rows_b in zip(src.byte_rows, cache.byte_rows, strict=True):
-            if not np.array_equal(rows_a, rows_b):
-                raise RuntimeError(f"{who}: read back different bytes")
     # the read baseline of a round: the faster of its two get_into runs
     after_put, after_upsert = (read_m.seconds[f"get_into@{c}"] for c in ("put_from", "upsert_from"))
     read_m.seconds["get_into"] = [min(p) for p in zip(after_put, after_upsert, strict=True)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -356,3 +357,29 @@ def test_an_unusable_path_is_refused_before_the_run(
     err = capsys.readouterr().err
     assert (rc, ran) == (2, []), err
     assert f"{flag} {value}" in err and "Traceback" not in err
+
+
+def test_mooncake_bench_checks_each_rounds_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipeline read that reports success but moves nothing after the warm-up round is
+    caught: every contender reads into a cleared buffer and is checked right after. Only the
+    buffers as the last round left them were checked, so the warm-up's bytes vouched for
+    every later round."""
+    from kvpipe.benchmarks import mooncake
+
+    real = mooncake._move
+    reads = [0]
+
+    async def only_first_read_moves(pipe: Any, cfg: Any, n: int, r: int, *, write: bool) -> float:
+        if not write:
+            reads[0] += 1
+            if reads[0] > 1:
+                return 0.001
+        return await real(pipe, cfg, n, r, write=write)
+
+    monkeypatch.setattr(mooncake, "_move", only_first_read_moves)
+    args = ["bench", "--scenario", "mooncake", "--sizes", "256KiB", "--mib", "4", "--rounds", "1"]
+    args += ["--slice-mib", "1", "--placement", "local", "--json", str(tmp_path / "r.json")]
+    with pytest.raises(RuntimeError, match="pipeline read back different bytes"):
+        main(args)
