@@ -98,3 +98,29 @@ async def test_load_refuses_a_run_with_failed_requests(answer: bytes) -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_server_bench_checks_each_phases_reload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand-written offload's reloads stop moving bytes after the warm-up round: the
+    scenario refuses the run (each phase reloads into a cleared cache, checked after its
+    window). Only the caches as the last round left them were checked, so the warm-up's
+    bytes vouched for every later round."""
+    pytest.importorskip("uvicorn")
+    from kvpipe.benchmarks import server
+
+    real = server.HandOffload.one_pass
+    passes = [0]
+
+    async def stops_reloading(self: HandOffload) -> float:
+        passes[0] += 1
+        if passes[0] > 1:
+            return 0.001  # "done", nothing reloaded
+        return await real(self)
+
+    monkeypatch.setattr(server.HandOffload, "one_pass", stops_reloading)
+    argv = ["bench", "--smoke", "--scenario", "server", "--dir", str(tmp_path)]
+    argv += ["--server-store", "memory", "--json", str(tmp_path / "r.json")]
+    with pytest.raises(RuntimeError, match="hand reloaded different bytes"):
+        main(argv)
