@@ -242,6 +242,9 @@ class CudaEngine(CopyEngine):
                 self._ledger.pinned_free(self.staging)
         except DeviceError as exc:
             log.error("freeing CUDA resources at close failed: %s", exc)
+            if staging_in_use:  # the staging's context must outlive the thread all the same
+                log.error("staging may still be in use at close; leaving it allocated")
+                return
         self._driver.close()
 
     def accounting(self) -> EngineAccounting:

@@ -300,6 +300,27 @@ async def test_close_can_leave_staging_to_a_thread_still_using_it(fake: FakeDriv
     fake.assert_clean()
 
 
+@pytest.mark.parametrize("fails", ["mem_free", "stream_destroy", "module_unload"])
+async def test_a_failed_free_at_close_still_keeps_the_context_of_staging_in_use(
+    fake: FakeDriver, fails: str
+) -> None:
+    """Staging a thread may still use is left allocated at close, and with it the context
+    it lives in. Should freeing the engine's other resources fail first, the context must
+    still be kept: releasing it (the last reference destroys a primary context) frees the
+    pinned staging under the thread. (It was released whenever a free failed.)"""
+    cache = fake_device_cache(fake, _layout(), 2)
+    eng, _pool = await open_engine(fake, cache, capacity=4)
+    staging = eng.staging
+    fake.fail_next(fails)
+    await eng.aclose(staging_in_use=True)
+    assert not staging.freed
+    assert fake.live()["contexts"] == 1  # kept for the thread, as without the failure
+    fake.make_current()
+    staging.free()  # as the process would at exit: free it by hand here
+    fake.close()
+    free_device_cache(fake, cache)
+
+
 async def test_close_does_not_free_memory_a_stuck_stream_may_use(fake: FakeDriver) -> None:
     cache = fake_device_cache(fake, _layout(), 2)
     eng, _pool = await open_engine(fake, cache, options=CudaOptions(drain_timeout=0.05))
