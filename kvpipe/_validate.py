@@ -9,6 +9,7 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
+from ._device_tensors import dtype_name
 from ._errors import RequestError
 from ._keys import Tokens, as_tokens
 
@@ -43,11 +44,20 @@ class CheckedRequest:
 
 
 def _as_array(value: Any, name: str) -> npt.NDArray[Any]:
-    """``np.asarray(value)``, its refusals (ragged nesting, say) as :class:`RequestError`."""
+    """``np.asarray(value)``, its refusals (ragged nesting, say) as :class:`RequestError`.
+
+    Raises:
+        RequestError: Also for a tensor of a floating dtype that numpy sees as integers
+            (Paddle hands over bfloat16 as uint16 and float8 as int8 bit patterns).
+    """
     try:
-        return np.asarray(value)
+        arr = np.asarray(value)
     except (ValueError, TypeError) as exc:
         raise RequestError(f"{name} is not an array of ids: {exc}") from exc
+    source = dtype_name(getattr(value, "dtype", arr.dtype))
+    if arr.size and arr.dtype.kind in "iu" and "float" in source:
+        raise RequestError(f"{name} must be integers, got dtype {source}")
+    return arr
 
 
 def check_tokens(token_ids: Any) -> Tokens:

@@ -389,3 +389,23 @@ async def test_a_registration_cancelled_while_opening_is_unregistered() -> None:
             pytest.fail("opened")
     assert scope.cancelled_caught
     assert store.registered == []
+
+
+async def test_a_paddle_float8_tensor_of_block_ids_scatters_nothing() -> None:
+    # A float8 tensor reached numpy as int8 bit patterns ([1.0, 2.0] -> [56, 64]): the read
+    # loaded the blocks into cache blocks 56 and 64, blocks the caller never named.
+    import paddle
+
+    src, dst = _cache(), _cache(128)
+    before = [rows.copy() for rows in dst.byte_rows]
+    store = kvpipe.MemoryStore()
+    tokens = np.arange(BLOCK * 2)
+    async with kvpipe.open_pipeline(src, store) as pipe:
+        assert (await pipe.write(tokens, [0, 1])).complete
+    ids = paddle.to_tensor([1.0, 2.0]).astype("float8_e4m3fn")
+    async with kvpipe.open_pipeline(dst, store) as pipe:
+        with pytest.raises(kvpipe.RequestError, match="block_ids must be integers"):
+            await pipe.read(tokens, ids)
+        assert pipe.statistics().in_flight == {}
+    for a, b in zip(before, dst.byte_rows, strict=True):
+        assert np.array_equal(a, b)

@@ -234,3 +234,27 @@ def test_accepted_requests_are_consistent(
     assert req.start_block == start
     assert req.block_ids.tolist() == list(ids[:end])
     assert len(req.tokens) == n_tokens
+
+
+# ---------------------------------------------------------------- framework tensors
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_paddle_float_tensors_are_not_taken_for_ids(dtype: str) -> None:
+    # Paddle exports bfloat16 as uint16 and float8 as int8: numpy sees integers, the bit
+    # patterns of the floats (1.0 -> 16256 or 56), which were taken for ids.
+    import paddle
+
+    floats = paddle.to_tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]).astype(dtype)
+    with pytest.raises(RequestError, match=f"token_ids must be integers, got dtype {dtype}"):
+        check_tokens(floats)
+    with pytest.raises(RequestError, match=f"block_ids must be integers, got dtype {dtype}"):
+        _check(list(range(8)), floats[:2], num_cache_blocks=2**15)
+
+
+def test_paddle_int_tensors_are_ids() -> None:
+    import paddle
+
+    assert check_tokens(paddle.to_tensor([3, 1, 2], dtype="int32")).tolist() == [3, 1, 2]
+    req = _check(paddle.arange(8), paddle.to_tensor([9, 0], dtype="uint8"))
+    assert req.block_ids.tolist() == [9, 0]
