@@ -73,7 +73,8 @@ def check_tokens(token_ids: Any) -> Tokens:
         raise RequestError("token_ids is empty")
     if arr.dtype.kind not in "iu":  # bool is kind "b"
         raise RequestError(f"token_ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+    # Any byte order: a big-endian uint64 is not equal to np.uint64, and would wrap too.
+    if arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:
         raise RequestError("token_ids has values above the int64 range")
     # A private read-only copy: neither the caller nor a backend can change the other's.
     tokens = np.array(as_tokens(arr), copy=True)

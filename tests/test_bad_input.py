@@ -220,6 +220,13 @@ REQUESTS: list[tuple[str, str, tuple[Any, ...], dict[str, Any], str]] = [
         {},
         "block id 9223372036854775809 is outside",
     ),
+    (
+        "write: big-endian uint64 token id above the int64 range",
+        "write",
+        (np.array([2**64 - 1] * 16, dtype=">u8"), np.arange(4)),
+        {},
+        "above the int64 range",
+    ),
     ("write: repeated block id", "write", (TOK, [0, 1, 1, 2]), {}, "repeats"),
     (
         "write: start_block past the end",

@@ -49,6 +49,7 @@ def _check(
         ["1", "2"],
         [2**64],
         np.array([2**63], dtype=np.uint64),
+        np.array([2**64 - 1, 7], dtype=">u8"),  # big-endian: was wrapped to -1, taken
         [1 + 2j],
     ],
 )
