@@ -105,9 +105,13 @@ def check_timeout(timeout: float | None, default: float) -> float:
         return default
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise RequestError(f"timeout must be a number, got {timeout!r}")
-    if not math.isfinite(timeout) or timeout <= 0:
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf if timeout > 0 else -math.inf
+    if not math.isfinite(seconds) or seconds <= 0:
         raise RequestError(f"timeout must be finite and > 0, got {timeout!r}")
-    return float(timeout)
+    return seconds
 
 
 def check_start_block(start_block: Any, end: int) -> int:

@@ -244,6 +244,7 @@ REQUESTS: list[tuple[str, str, tuple[Any, ...], dict[str, Any], str]] = [
         {"include_partial": "yes"},
         "include_partial",
     ),
+    ("lookup: timeout=10**400", "lookup", (TOK,), {"timeout": 10**400}, "timeout"),
     ("lookup: 2-D token ids", "lookup", (TOK.reshape(2, 8),), {}, "1-D"),
     (
         "lookup: include_partial='no'",

@@ -91,7 +91,14 @@ def test_check_timeout_default_and_values() -> None:
     assert check_timeout(0.25, 3.5) == 0.25
 
 
-@pytest.mark.parametrize("bad", [0, -1, 0.0, math.nan, math.inf, -math.inf, True, "1", [1]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        *(0, -1, 0.0, math.nan, math.inf, -math.inf, True, "1", [1]),
+        pytest.param(10**400, id="10**400"),  # too large for a float: raised OverflowError
+        pytest.param(-(10**400), id="-10**400"),
+    ],
+)
 def test_check_timeout_rejects(bad: Any) -> None:
     with pytest.raises(RequestError):
         check_timeout(bad, 3.0)
