@@ -15,6 +15,7 @@ from ._keys import Tokens, as_tokens
 
 __all__ = (
     "CheckedRequest",
+    "check_flag",
     "check_include_partial",
     "check_request",
     "check_start_block",
@@ -84,15 +85,24 @@ def check_tokens(token_ids: Any) -> Tokens:
     return tokens
 
 
+def check_flag(value: Any, name: str) -> bool:
+    """A flag argument (``include_partial``, ``require_all``) as given, when it is a bool.
+
+    Raises:
+        RequestError: Anything else (``"no"`` is truthy: it must not switch the flag on).
+    """
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
 def check_include_partial(include_partial: Any) -> bool:
     """``include_partial`` as given, when it is a bool.
 
     Raises:
         RequestError: Anything else (``"no"`` is truthy: it must not include the block).
     """
-    if not isinstance(include_partial, bool):
-        raise RequestError(f"include_partial must be a bool, got {include_partial!r}")
-    return include_partial
+    return check_flag(include_partial, "include_partial")
 
 
 def check_timeout(timeout: float | None, default: float) -> float:

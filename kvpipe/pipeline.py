@@ -30,6 +30,7 @@ from ._results import (
 )
 from ._runtime import Runtime
 from ._validate import (
+    check_flag,
     check_include_partial,
     check_request,
     check_start_block,
@@ -205,7 +206,8 @@ class Pipeline:
             A :class:`ReadResult`.
 
         Raises:
-            RequestError: Bad arguments, or ``stream`` as for :meth:`write`.
+            RequestError: Bad arguments (``require_all`` too must be a bool), or ``stream``
+                as for :meth:`write`.
             DeviceError: The event could not be recorded on ``stream``.
             IncompleteRead: ``require_all`` and not every block loaded.
             PipelineClosed: The pipeline is closed or closed during the call.
@@ -214,6 +216,7 @@ class Pipeline:
             the caller is cancelled; the call returns only after any copy into the cache has
             finished, so nothing writes into ``block_ids`` after it returns.
         """
+        check_flag(require_all, "require_all")
         checked = self._checked(token_ids, block_ids, start_block, include_partial, timeout)
         state = await self._runtime.run_marked(  # bound only on return, as in write
             ReadState(request_id or _new_id("read"), *checked, require_all=require_all), stream

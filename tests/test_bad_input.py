@@ -244,6 +244,13 @@ REQUESTS: list[tuple[str, str, tuple[Any, ...], dict[str, Any], str]] = [
         {"include_partial": "yes"},
         "include_partial",
     ),
+    (
+        "read: require_all='no'",
+        "read",
+        (TOK, np.arange(4)),
+        {"require_all": "no"},
+        "require_all must be a bool",
+    ),
     ("lookup: timeout=10**400", "lookup", (TOK,), {"timeout": 10**400}, "timeout"),
     ("lookup: 2-D token ids", "lookup", (TOK.reshape(2, 8),), {}, "1-D"),
     (

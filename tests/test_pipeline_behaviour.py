@@ -409,3 +409,21 @@ async def test_a_paddle_float8_tensor_of_block_ids_scatters_nothing() -> None:
         assert pipe.statistics().in_flight == {}
     for a, b in zip(before, dst.byte_rows, strict=True):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("flag", ["no", "false", 0, None])
+async def test_require_all_that_is_not_a_bool_loads_nothing(flag: object) -> None:
+    # require_all="no" is truthy: the read scattered the stored prefix into the cache,
+    # then raised IncompleteRead (0 and None ran as False).
+    src, dst = _cache(), _cache()
+    before = [rows.copy() for rows in dst.byte_rows]
+    store = kvpipe.MemoryStore()
+    tokens = np.arange(BLOCK * 4)
+    async with kvpipe.open_pipeline(src, store) as pipe:
+        assert (await pipe.write(tokens[: BLOCK * 2], [0, 1])).complete
+    async with kvpipe.open_pipeline(dst, store) as pipe:
+        with pytest.raises(kvpipe.RequestError, match="require_all must be a bool"):
+            await pipe.read(tokens, [4, 5, 6, 7], require_all=flag)  # type: ignore[arg-type]
+        assert pipe.statistics().in_flight == {}
+    for a, b in zip(before, dst.byte_rows, strict=True):
+        assert np.array_equal(a, b)
