@@ -237,7 +237,8 @@ class KVCache:
         if isinstance(tensors, Mapping):
             extra = set(tensors) - set(order)
             if extra:
-                raise LayoutError(f"unexpected tensors for this layout: {sorted(extra)}")
+                # Sorted by repr: the keys may be of types that do not compare.
+                raise LayoutError(f"unexpected tensors for this layout: {sorted(extra, key=repr)}")
             missing = [rl for rl in order if rl not in tensors]
             if missing:
                 raise LayoutError(f"missing tensors: {missing[:4]}")

@@ -368,6 +368,17 @@ def test_rejects_extra_mapping_key(extra: tuple[str, int]) -> None:
         KVCache.from_tensors(GQA, mapping)
 
 
+def test_rejects_extra_mapping_keys_that_do_not_sort_together() -> None:
+    # The message listed the extra keys sorted: ("key", "1") beside ("key", 1), or "key"
+    # beside a tuple, raised TypeError ('<' not supported) instead.
+    tensors = _np_tensors(GQA)
+    mapping: dict[Any, Any] = dict(zip(GQA.tensor_order(), tensors, strict=True))
+    mapping["key", "1"] = mapping["key"] = tensors[0]
+    mapping["key", 2] = tensors[1]
+    with pytest.raises(kvpipe.LayoutError, match=r"unexpected .*\('key', '1'\)"):
+        KVCache.from_tensors(GQA, mapping)
+
+
 def test_rejects_non_contiguous_numpy() -> None:
     tensors = _np_tensors(GQA)
     wide = np.zeros((NUM_BLOCKS, 2, 3, 8), tensors[0].dtype)
