@@ -113,7 +113,7 @@ def check_timeout(timeout: float | None, default: float) -> float:
     """
     if timeout is None:
         return default
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float | np.integer | np.floating):
         raise RequestError(f"timeout must be a number, got {timeout!r}")
     try:
         seconds = float(timeout)

@@ -295,6 +295,14 @@ async def test_flush_index_takes_a_numpy_start_block_as_write_does() -> None:
         assert await pipe.flush_index(TOK, start_block=np.uint8(4)) == 0
 
 
+async def test_numpy_timeouts_are_taken_as_numpy_start_blocks_are() -> None:
+    # timeout=np.int64(2) or np.float32(2.0) was refused as "timeout must be a number".
+    async with kvpipe.open_pipeline(CACHE, kvpipe.MemoryStore()) as pipe:
+        assert (await pipe.write(TOK, np.arange(4), timeout=np.float32(2.0))).written == 4
+        assert (await pipe.read(TOK, np.arange(4, 8), timeout=np.int64(2))).loaded == 4
+        assert await pipe.lookup(TOK, timeout=np.uint16(2)) == 4
+
+
 @pytest.mark.parametrize(
     ("case", "method", "args", "kwargs", "says"), REQUESTS, ids=[c[0] for c in REQUESTS]
 )

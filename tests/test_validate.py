@@ -91,10 +91,18 @@ def test_check_timeout_default_and_values() -> None:
     assert check_timeout(0.25, 3.5) == 0.25
 
 
+@pytest.mark.parametrize("seconds", [np.int64(2), np.uint8(2), np.float32(2.0), np.float64(2.0)])
+def test_check_timeout_takes_numpy_numbers(seconds: Any) -> None:
+    # As start_block does: np.int64(2) and np.float32(2.0) were refused as "must be a number".
+    assert check_timeout(seconds, 3.5) == 2.0
+    assert type(check_timeout(seconds, 3.5)) is float
+
+
 @pytest.mark.parametrize(
     "bad",
     [
         *(0, -1, 0.0, math.nan, math.inf, -math.inf, True, "1", [1]),
+        *(np.float32(0), np.int64(-1), np.float32(math.nan), np.float64(math.inf), np.True_),
         pytest.param(10**400, id="10**400"),  # too large for a float: raised OverflowError
         pytest.param(-(10**400), id="-10**400"),
     ],
