@@ -382,11 +382,13 @@ def create_kv_cache(
             a GPU (``framework="paddle"`` with a CUDA build of Paddle).
 
     Raises:
-        LayoutError: ``num_blocks`` is not positive, or ``framework`` or ``device`` is
-            unknown.
+        LayoutError: ``layout`` is not a layout, ``num_blocks`` is not positive, or
+            ``framework`` or ``device`` is unknown.
         Unsupported: Paddle is not installed, or a GPU was asked for and this framework or
             build cannot allocate there (numpy; a CPU-only Paddle).
     """
+    if not isinstance(layout, CacheLayout):
+        raise LayoutError(f"layout must be a kvpipe.CacheLayout, got {type(layout).__name__}")
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
     ordinal = parse_device(device)

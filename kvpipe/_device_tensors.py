@@ -91,6 +91,8 @@ def parse_device(device: str) -> int | None:
     """
     if device == "cpu":
         return None
+    if not isinstance(device, str):
+        raise LayoutError(f"unknown device {device!r}; expected 'cpu', 'gpu:N' or 'cuda:N'")
     kind, _, index = device.partition(":")
     if kind in ("gpu", "cuda") and (index == "" or index.isdigit()):
         return int(index or 0)

@@ -117,6 +117,20 @@ def test_create_rejects_unknown_framework() -> None:
         create_kv_cache(layout, 2, framework="torch")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("device", [0, None, b"cpu"])
+def test_create_rejects_a_device_that_is_not_a_string(device: Any) -> None:
+    # device=0 (a torch habit) raised AttributeError: 'int' object has no attribute 'partition'.
+    layout = CacheLayout.mla(num_layers=1, kv_lora_rank=4, rope_dim=2, block_size=2)
+    with pytest.raises(kvpipe.LayoutError, match="unknown device"):
+        create_kv_cache(layout, 2, device=device)
+
+
+def test_create_rejects_a_layout_that_is_not_one() -> None:
+    # Raised AttributeError: 'str' object has no attribute 'tensor_order'.
+    with pytest.raises(kvpipe.LayoutError, match=r"layout must be a kvpipe\.CacheLayout"):
+        create_kv_cache("gqa", 2)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("device", ["gpu", "gpu:0", "cuda"])
 def test_create_on_device_is_unsupported(device: str) -> None:
     layout = CacheLayout.mla(num_layers=1, kv_lora_rank=4, rope_dim=2, block_size=2)
