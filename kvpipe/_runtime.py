@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
@@ -131,6 +132,8 @@ class Runtime:
         self._outboxes: Outboxes | None = None
         self._ctx: ActorContext | None = None
         self._runner: ThreadRunner | None = None
+        #: The staging pool after :meth:`release` (weakly: alive while a lease holds it).
+        self._released_pool: weakref.ref[StagingPool] | None = None
         self.metrics = Metrics()
         self.observers = Observers(self.metrics.counters)
         self._supervisor: Supervisor | None = None
@@ -198,12 +201,17 @@ class Runtime:
         if engine is not None:
             await engine.aclose(staging_in_use=in_use, deadline=self._deadline())
         pool, self._pool = self._pool, None
-        if pool is not None and not in_use and not pool.close():
-            log.error("staging still leased after close; keeping it allocated")
+        if pool is not None:
+            # Statistics after close still count what an abandoned thread leases, for as long
+            # as it keeps the pool alive (a weak reference: this runtime keeps nothing big).
+            self._released_pool = weakref.ref(pool)
+            if not in_use and not pool.close():
+                log.error("staging still leased after close; keeping it allocated")
         self._ctx = None
         self._supervisor = None
         self._actors_scope = None
-        self._runner = None
+        # The runner stays (it is small): statistics after close count the worker threads
+        # abandoned at the close deadline until they return.
         self._outboxes = None
         self._inboxes = None
 
@@ -490,6 +498,8 @@ class Runtime:
         Each attribute that :meth:`release` clears is read once: an exporter's thread may take
         the snapshot while the pipeline closes in the event loop's thread."""
         ctx, pool, runner, channels = self._ctx, self._pool, self._runner, self._inboxes
+        if pool is None and (released := self._released_pool) is not None:
+            pool = released()
         inboxes = channels.by_name() if channels is not None else {}
         metrics = self.metrics
         kinds = Counter(

@@ -331,6 +331,31 @@ async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
         store.go_on.set()
 
 
+async def test_statistics_after_close_still_count_a_thread_the_close_abandoned() -> None:
+    """A store's thread call that outlived the close deadline still runs, and still holds its
+    staging, after the block is left: the final snapshot (what an operator or a metrics
+    scrape of the closed pipeline sees) says so, and says 0 once the thread has returned."""
+    store = StuckInThreadStore("get")
+    config = kvpipe.PipelineConfig(close_timeout=0.2, slice_timeout=0.1, staging_bytes=1 << 20)
+    try:
+        with anyio.fail_after(10):
+            async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+                tokens = np.arange(2 * BLOCK)
+                assert (await pipe.write(tokens, [0, 1])).written == 2
+                assert (await pipe.read(tokens, [2, 3])).loaded == 0
+        assert store.running.is_set()  # still running after close
+        after = pipe.statistics()
+        assert not after.open
+        assert after.threads_running == 1
+        assert after.staging_in_use_bytes > 0
+    finally:
+        store.go_on.set()
+    with anyio.fail_after(10):
+        while pipe.statistics().threads_running:  # noqa: ASYNC110 (a thread, no event)
+            await anyio.sleep(0.01)
+    assert pipe.statistics().staging_in_use_bytes == 0
+
+
 class HangingPutStore(kvpipe.MemoryStore):
     """A store whose puts never return (until cancelled)."""
 
