@@ -197,6 +197,24 @@ async def test_lookup_timeout_raises_operation_timeout_at_its_deadline() -> None
         assert anyio.current_time() - start == pytest.approx(2.0)
 
 
+async def test_a_read_probe_or_lookup_whose_exists_hangs_gives_up_after_slice_timeout() -> None:
+    """docs/embedding.md, section 7: every ``exists`` call of a probe gets at most
+    ``slice_timeout``, not the request's whole budget."""
+    config = _config(slice_timeout=2, total_timeout=15, lookup_timeout=10)
+    store = ScriptedStore()
+    async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+        assert (await pipe.write(TOKENS, IDS)).complete
+        store.scripts = {"put": {}, "get": {}, "exists": {store.counts["exists"]: Act(hang=True)}}
+        r = await pipe.read(TOKENS, np.arange(20, 36))
+        assert r.elapsed == pytest.approx(2.0)
+        assert (r.loaded, r.stop_reason) == (0, "slice_timeout")
+        store.scripts = {"put": {}, "get": {}, "exists": {store.counts["exists"]: Act(hang=True)}}
+        start = anyio.current_time()
+        with pytest.raises(kvpipe.OperationTimeout, match="slice_timeout"):
+            await pipe.lookup(TOKENS)
+        assert anyio.current_time() - start == pytest.approx(2.0)
+
+
 async def test_concurrent_requests_overlap_but_slices_of_one_go_in_order() -> None:
     store = ScriptedStore(puts={i: Act(delay=1) for i in range(8)})
     cache = _cache()
