@@ -12,6 +12,7 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 
+import kvpipe
 from kvpipe._errors import ConfigError
 from kvpipe._staging import StagingLease, StagingPool, ValueMemory
 from tests.helpers import checkpoints, until
@@ -24,6 +25,28 @@ def test_pool_larger_than_memory_says_how_much() -> None:
     with pytest.raises(ConfigError, match="could not allocate 1125899906842624 B") as info:
         StagingPool(1 << 20, 1 << 30)
     assert info.value.field == "staging_bytes" and "available now" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "head_dim", "stride"),
+    [(1, 64, 4096 + 64), (16, 256, (256 << 10) + 4096)],  # blocks of 4 KiB, 256 KiB
+)
+def test_slot_size_is_what_docs_say(num_layers: int, head_dim: int, stride: int) -> None:
+    """docs/embedding.md, "Sizing staging_bytes": a slot is ``block_nbytes + 48`` bytes,
+    rounded up to 64 bytes, or to a 4 KiB page from 64 KiB on: staging for N slots holds N."""
+    layout = kvpipe.CacheLayout.gqa(
+        num_layers=num_layers, num_kv_heads=2, head_dim=head_dim, block_size=8, dtype="float16"
+    )
+    config = kvpipe.PipelineConfig(staging_bytes=4 * stride, slice_block_num=4)
+    pipe = kvpipe.Pipeline(kvpipe.create_kv_cache(layout, 4), kvpipe.MemoryStore(), config=config)
+    assert pipe.slice_blocks == 4
+    assert pipe.statistics().staging_capacity_bytes == 4 * stride
+    assert (
+        kvpipe.Pipeline(
+            pipe.cache, kvpipe.MemoryStore(), config=config.replace(staging_bytes=4 * stride - 1)
+        ).slice_blocks
+        == 3
+    )
 
 
 @pytest.mark.parametrize(("nbytes", "slots"), [(0, 1), (1, 0), (-1, 4)])
