@@ -129,7 +129,8 @@ class PipelineConfig:
 
         ``KVPIPE_SLICE_BLOCK_NUM``, ``KVPIPE_SLICE_TIMEOUT`` and ``KVPIPE_TOTAL_TIMEOUT`` fall
         back to FastDeploy's ``AS_WRITE_SLICE_BLOCK_NUM`` / ``AS_WRITE_SLICE_TIMEOUT`` /
-        ``AS_WRITE_TOTAL_TIMEOUT``. Keyword overrides win over the environment.
+        ``AS_WRITE_TOTAL_TIMEOUT``. Keyword overrides win over the environment: the variables
+        of a field given as an override are not read.
 
         Args:
             environ: The environment to read (default ``os.environ``).
@@ -142,6 +143,8 @@ class PipelineConfig:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
+            if f.name in overrides:  # not read at all: a bad variable for it fails nothing
+                continue
             names = [f"KVPIPE_{f.name.upper()}"]
             if f.name in _FALLBACK_ENV:
                 names.append(_FALLBACK_ENV[f.name])

@@ -275,6 +275,25 @@ def test_overrides_win() -> None:
     assert cfg.node_id == "n"
 
 
+@pytest.mark.parametrize(
+    ("env", "override"),
+    [
+        ({"KVPIPE_NODE_ID": "pod 7"}, {"node_id": "pod-7"}),
+        ({"KVPIPE_QUEUE_DEPTH": "0"}, {"queue_depth": 3}),
+        ({"AS_WRITE_SLICE_TIMEOUT": "garbage"}, {"slice_timeout": 2.0}),
+        ({"KVPIPE_STAGING_BYTES": str(1 << 62)}, {"staging_bytes": 64 << 20}),
+    ],
+)
+def test_an_override_wins_over_a_bad_variable_for_its_field(
+    env: dict[str, str], override: dict[str, Any]
+) -> None:
+    """docs/embedding.md: keyword overrides take precedence over the environment. A field the
+    caller sets is not read from the environment, so a variable for it that would not parse
+    or validate does not fail the config (the FastDeploy adapter overrides node_id, say)."""
+    cfg = PipelineConfig.from_env(environ=env, **override)
+    assert cfg == PipelineConfig(**override)
+
+
 def test_bad_override_names_the_field() -> None:
     with pytest.raises(ConfigError) as info:
         PipelineConfig.from_env(environ={}, queue_depth=0)
