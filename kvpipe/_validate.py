@@ -16,7 +16,6 @@ from ._keys import Tokens, as_tokens
 __all__ = (
     "CheckedRequest",
     "check_flag",
-    "check_include_partial",
     "check_request",
     "check_start_block",
     "check_timeout",
@@ -96,15 +95,6 @@ def check_flag(value: Any, name: str) -> bool:
     return value
 
 
-def check_include_partial(include_partial: Any) -> bool:
-    """``include_partial`` as given, when it is a bool.
-
-    Raises:
-        RequestError: Anything else (``"no"`` is truthy: it must not include the block).
-    """
-    return check_flag(include_partial, "include_partial")
-
-
 def check_timeout(timeout: float | None, default: float) -> float:
     """A per-call timeout override, or the default.
 
@@ -156,7 +146,7 @@ def check_request(
         RequestError: What was wrong, naming the argument.
     """
     tokens = check_tokens(token_ids)
-    check_include_partial(include_partial)
+    check_flag(include_partial, "include_partial")
     full = len(tokens) // block_size
     occupied = -(-len(tokens) // block_size)
     end = occupied if include_partial else full

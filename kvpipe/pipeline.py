@@ -31,7 +31,6 @@ from ._results import (
 from ._runtime import Runtime
 from ._validate import (
     check_flag,
-    check_include_partial,
     check_request,
     check_start_block,
     check_timeout,
@@ -281,7 +280,7 @@ class Pipeline:
 
         Cancellation: cancelling the caller abandons the query; nothing changes in the store.
         """
-        tokens, partial = check_tokens(token_ids), check_include_partial(include_partial)
+        tokens, partial = check_tokens(token_ids), check_flag(include_partial, "include_partial")
         start = check_start_block(start_block, self._blocks(len(tokens), partial))
         return int(await self._call("lookup", tokens, partial, timeout, start_block=start))
 
@@ -307,7 +306,7 @@ class Pipeline:
         """
         if not isinstance(residency, Residency):
             raise RequestError(f"residency must be a kvpipe.Residency, got {residency!r}")
-        tokens, partial = check_tokens(token_ids), check_include_partial(include_partial)
+        tokens, partial = check_tokens(token_ids), check_flag(include_partial, "include_partial")
         start = check_start_block(start_block, self._blocks(len(tokens), partial))
         value = await self._call(
             "flush", tokens, partial, timeout, start_block=start, residency=residency
@@ -324,7 +323,7 @@ class Pipeline:
             RequestError, BackendError, OperationTimeout, PipelineClosed: as for
             :meth:`lookup`.
         """
-        tokens, partial = check_tokens(token_ids), check_include_partial(include_partial)
+        tokens, partial = check_tokens(token_ids), check_flag(include_partial, "include_partial")
         return list(await self._call("locate", tokens, partial, timeout))
 
     async def _call(
