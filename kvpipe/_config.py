@@ -104,7 +104,11 @@ class PipelineConfig:
             elif f.type == "float":
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     raise ConfigError(f.name, f"must be a number, got {value!r}")
-                if not math.isfinite(value) or value <= 0:
+                try:
+                    finite = math.isfinite(value)
+                except OverflowError:  # an int too large for a float
+                    finite = False
+                if not finite or value <= 0:
                     raise ConfigError(f.name, f"must be finite and > 0, got {value!r}")
             elif f.type == "bool":
                 if not isinstance(value, bool):
@@ -119,7 +123,7 @@ class PipelineConfig:
         if physical is not None and self.staging_bytes > physical:
             raise ConfigError(
                 "staging_bytes",
-                f"{self.staging_bytes} B ({self.staging_bytes / 2**30:.1f} GiB) asked, but this "
+                f"{self.staging_bytes} B ({self.staging_bytes >> 30} GiB) asked, but this "
                 f"machine has {physical} B ({physical / 2**30:.1f} GiB) of physical memory",
             )
 

@@ -307,3 +307,14 @@ def test_copy_threads_leave_the_event_loop_a_processor(
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(processors)))
     assert PipelineConfig().copy_threads == threads
     assert PipelineConfig(copy_threads=4).copy_threads == 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("total_timeout", 10**400), ("slice_timeout", -(10**400)), ("staging_bytes", 10**400)],
+)
+def test_an_int_too_large_for_a_float_is_a_config_error(field: str, value: int) -> None:
+    """Refused naming its field; it raised a bare OverflowError (``math.isfinite`` of the int,
+    or the message's GiB figure)."""
+    with pytest.raises(kvpipe.ConfigError, match=field):
+        kvpipe.PipelineConfig(**{field: value})
