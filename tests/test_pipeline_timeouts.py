@@ -600,6 +600,14 @@ async def test_a_close_that_fails_still_ends_the_shielded_actors(
                 pass
 
 
+async def _write_timed(pipe: kvpipe.Pipeline, out: dict[str, Any]) -> None:
+    """A 4-block write with a 2 s deadline: its result as ``out["queued"]``, the seconds it
+    took as ``out["took"]``."""
+    start = anyio.current_time()
+    out["queued"] = await pipe.write(np.arange(100, 100 + 4 * BLOCK), np.arange(8, 12), timeout=2.0)
+    out["took"] = anyio.current_time() - start
+
+
 async def test_a_host_write_queued_behind_hung_ones_ends_at_its_deadline() -> None:
     """A hung put holds the host writer's only slot (``queue_depth=1``): the next write waits
     in the writer's inbox, where no actor's scope bounds it. It ends at its own deadline (it
@@ -615,11 +623,7 @@ async def test_a_host_write_queued_behind_hung_ones_ends_at_its_deadline() -> No
 
         async def queued() -> None:
             await store.wait_calls("put")
-            start = anyio.current_time()
-            out["queued"] = await pipe.write(
-                np.arange(100, 100 + 4 * BLOCK), np.arange(8, 12), timeout=2.0
-            )
-            out["took"] = anyio.current_time() - start
+            await _write_timed(pipe, out)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(first)
@@ -653,11 +657,7 @@ async def test_a_device_slice_queued_for_a_busy_swapper_ends_its_write_at_the_de
 
         async def queued() -> None:
             await anyio.sleep(0.5)
-            start = anyio.current_time()
-            out["queued"] = await pipe.write(
-                np.arange(100, 100 + 4 * BLOCK), np.arange(8, 12), timeout=2.0
-            )
-            out["took"] = anyio.current_time() - start
+            await _write_timed(pipe, out)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(first)

@@ -144,22 +144,20 @@ def test_a_fresh_decode_instance_reads_in_fastdeploys_order(pd: bool) -> None:
     k, v = _gqa(True)
     tokens = list(range(3 * BS + (1 if pd else 0)))  # PD: the partial last block too
     n = 4 if pd else 3
-    with KVPipeAttentionStore(
-        layer_num=LAYERS,
-        block_token_size=BS,
-        store=shared,
-        splitwise_role="prefill",
-        pd_via_storage=pd,
-    ) as prefill:
+
+    def instance(role: str) -> KVPipeAttentionStore:
+        return KVPipeAttentionStore(
+            layer_num=LAYERS,
+            block_token_size=BS,
+            store=shared,
+            splitwise_role=role,
+            pd_via_storage=pd,
+        )
+
+    with instance("prefill") as prefill:
         assert prefill.write("w", k, v, tokens, list(range(n)), 0, 10.0) == n
     dk, dv = _gqa(False)
-    with KVPipeAttentionStore(
-        layer_num=LAYERS,
-        block_token_size=BS,
-        store=shared,
-        splitwise_role="decode",
-        pd_via_storage=pd,
-    ) as decode:
+    with instance("decode") as decode:
         dst = [20, 21, 22, 23][:n]
         assert _fastdeploy_read(decode, dk, dv, tokens, dst) == n
         assert _rows(dk + dv, dst) == _rows(k + v, list(range(n)))
