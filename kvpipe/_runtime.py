@@ -306,9 +306,9 @@ class Runtime:
         in-flight ones finish until then, fail the rest, let the actors leave their loops
         (cancelled if still running half of ``UNWIND_GRACE`` past the deadline, then given
         until ``UNWIND_GRACE`` past it to unwind and let go of their staging), then drain
-        their inboxes. What still
-        runs at the deadline is abandoned and logged, its memory kept (staging is unregistered
-        and freed by :meth:`release`, once the worker threads are done). Shielded."""
+        their inboxes. What still runs at the deadline is abandoned and logged, its memory
+        kept (staging is unregistered and freed by :meth:`release`, once the worker threads
+        are done). Shielded."""
         with anyio.CancelScope(shield=True):
             if self._ctx is None:
                 return
