@@ -60,9 +60,24 @@ def _dump(name: str, seconds: float) -> None:
             loop.call_soon_threadsafe(_dump_tasks, loop)
 
 
+def _rearm_faulthandler() -> None:
+    """Once Paddle is imported, put faulthandler back on top of its fatal-signal handlers,
+    writing to the real standard error. Paddle's own handler (installed at import) writes to
+    standard error, which pytest captures: a segmentation fault then killed the run with no
+    trace at all (once, in a CI run, 2026-11-29)."""
+    if "paddle" in sys.modules and _out and not _rearmed:
+        faulthandler.disable()  # enable() alone keeps the handlers it installed before
+        faulthandler.enable(file=_out[0], all_threads=True)  # type: ignore[arg-type]
+        _rearmed.append(True)
+
+
+_rearmed: list[bool] = []
+
+
 @contextmanager
 def watch(name: str) -> Iterator[None]:
-    """Arm the watchdog around one test."""
+    """Arm the watchdog around one test (and faulthandler past Paddle's handlers)."""
+    _rearm_faulthandler()
     seconds = float(os.environ.get("KVPIPE_TEST_WATCHDOG", "240"))
     timer = threading.Timer(seconds, _dump, (name, seconds))
     timer.daemon = True
