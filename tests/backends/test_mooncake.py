@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -64,6 +65,18 @@ class Recording:
         return call
 
 
+@asynccontextmanager
+async def _values(
+    server: LocalMooncake, client: Any
+) -> AsyncIterator[tuple[kvpipe.MooncakeStore, ValueClient]]:
+    """A store over ``client`` (a vendor client, or a wrapper of one) and a value client on it."""
+    async with (
+        kvpipe.MooncakeStore(server.master_address, server.metadata_url, client=client) as store,
+        ValueClient(store) as vc,
+    ):
+        yield store, vc
+
+
 async def test_a_re_put_of_the_stored_bytes_leaves_the_value_alone(
     mooncake: LocalMooncake,  # noqa: F811
     mooncake_client: Any,  # noqa: F811
@@ -74,12 +87,7 @@ async def test_a_re_put_of_the_stored_bytes_leaves_the_value_alone(
     mooncake_client.remove_all()
     client = Recording(mooncake_client)
     keys, values = ["mc-same-a", "mc-same-b"], [b"\x01" * 4096, b"\x02" * 4096]
-    async with (
-        kvpipe.MooncakeStore(
-            mooncake.master_address, mooncake.metadata_url, client=client
-        ) as store,
-        ValueClient(store) as vc,
-    ):
+    async with _values(mooncake, client) as (store, vc):
         assert await vc.put(keys, values) == [BlockStatus.OK] * 2
         client.calls.clear()
         assert await vc.put(keys, values) == [BlockStatus.OK] * 2
@@ -101,12 +109,7 @@ async def test_a_key_that_failed_to_read_is_replaced_by_a_put_of_any_size(
     could drop the stored value), but not for a key this store distrusts: it failed to read,
     is not trusted by ``exists``, and a put must be able to store it anew."""
     mooncake_client.remove_all()
-    async with (
-        kvpipe.MooncakeStore(
-            mooncake.master_address, mooncake.metadata_url, client=mooncake_client
-        ) as store,
-        ValueClient(store) as vc,
-    ):
+    async with _values(mooncake, mooncake_client) as (_, vc):
         assert await vc.put(["odd"], [b"\x01" * 8192]) == [BlockStatus.OK]
         assert await vc.put(["odd"], [b"\x02" * 4096]) == [BlockStatus.FAILED]
         ((status, _),) = await vc.get(["odd"], [4096])  # a read of the wrong size fails
@@ -163,12 +166,7 @@ async def test_a_key_another_node_is_still_putting_is_not_reported_stored(
     assert other.register_buffer(value.ctypes.data, value.nbytes) == 0
     client = RacingWriter(mooncake_client, other, "raced", value)
     try:
-        async with (
-            kvpipe.MooncakeStore(
-                mooncake.master_address, mooncake.metadata_url, client=client
-            ) as store,
-            ValueClient(store) as vc,
-        ):
+        async with _values(mooncake, client) as (store, vc):
             got = await vc.put(["alone", "raced"], [b"\x01" * 4096, b"\x02" * 4096])
             in_flight = client.writer is not None and client.writer.is_alive()
             found = mooncake_client.batch_is_exist(["alone", "raced"])
@@ -218,12 +216,7 @@ async def test_a_read_given_up_on_whose_call_then_reads_the_blocks_leaves_them_t
     mooncake_client.remove_all()
     client = HeldReads(mooncake_client)
     keys, values = ["held-a", "held-b"], [b"\x01" * 4096, b"\x02" * 4096]
-    async with (
-        kvpipe.MooncakeStore(
-            mooncake.master_address, mooncake.metadata_url, client=client
-        ) as store,
-        ValueClient(store) as vc,
-    ):
+    async with _values(mooncake, client) as (store, vc):
         assert await vc.put(keys, values) == [BlockStatus.OK] * 2
 
         async def give_up_on_a_read() -> None:
