@@ -720,6 +720,7 @@ class MooncakeStore(StorageBackend):
         return await self._index.get(await self._ready(), keys)
 
     def statistics(self) -> Mapping[str, float]:
-        """Counters of this client (blocks moved, codes seen, distrusted keys)."""
-        self._take_settled()
+        """Counters of this client (blocks moved, codes seen, distrusted keys). Read only: a
+        metrics exporter calls it from its own thread (reads given up on are settled by the
+        next ``exists`` or put, on the event loop)."""
         return {**self._counters, "distrusted_keys": len(self._distrust)}
