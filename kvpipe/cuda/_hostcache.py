@@ -18,7 +18,11 @@ __all__ = ("create_host_cache",)
 
 
 def create_host_cache(
-    layout: CacheLayout, num_blocks: int, *, device_driver: Driver | None = None
+    layout: CacheLayout,
+    num_blocks: int,
+    *,
+    device: int = 0,
+    device_driver: Driver | None = None,
 ) -> KVCache:
     """Allocate a zeroed host cache in pinned memory: per role, exactly the bytes of the
     device cache of the same layout. :meth:`KVCache.free` frees the pinned memory and
@@ -28,19 +32,25 @@ def create_host_cache(
     Args:
         layout: The layout to allocate.
         num_blocks: Blocks per tensor (> 0).
+        device: The CUDA device whose primary context allocates and frees the memory. The
+            memory is pinned for every device (``PORTABLE``); pass the device this process
+            works on, so that no context is created on another GPU (one on device 0 costs
+            that GPU hundreds of MiB, in every tensor-parallel rank that opens it).
         device_driver: Test seam: the driver interface to allocate with (default: the real
             CUDA driver through cuda-python).
 
     Raises:
-        LayoutError: ``num_blocks`` is not positive.
+        LayoutError: ``num_blocks`` is not positive, or ``device`` is not an int >= 0.
         Unsupported: No CUDA driver or device here (use :func:`kvpipe.create_kv_cache`
             instead).
         DeviceError: The driver failed the allocation (what was allocated is freed).
     """
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise LayoutError(f"device must be a CUDA device ordinal (an int >= 0), got {device!r}")
     drv = device_driver if device_driver is not None else CudaDriver()
-    drv.open(0)
+    drv.open(device)
     buffers: list[PinnedBuffer] = []
     try:
         tensors: dict[tuple[str, int], np.ndarray[tuple[int, ...], np.dtype[np.generic]]] = {}

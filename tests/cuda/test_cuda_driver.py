@@ -201,3 +201,39 @@ def test_opening_another_device_on_an_open_driver_is_refused() -> None:
     assert bindings.retained == 1
     driver.close()
     assert bindings.retained == 0
+
+
+class _PerDevice(_Thread):
+    """Two devices; records which one's primary context each retain was for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.retained_on: list[int] = []
+
+    def cuDeviceGetCount(self) -> tuple[Any, ...]:
+        return (_Result.CUDA_SUCCESS, 2)
+
+    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[Any, ...]:
+        self.retained_on.append(dev)
+        return super().cuDevicePrimaryCtxRetain(dev)
+
+
+def test_a_host_cache_works_in_the_device_it_is_given() -> None:
+    """A tensor-parallel rank on device 1 allocates its host cache in device 1's context.
+    (It used to be device 0's always: every rank made a context on GPU 0, each costing
+    that GPU hundreds of MiB.)"""
+    import kvpipe
+    from kvpipe.cuda._hostcache import create_host_cache
+
+    layout = kvpipe.CacheLayout.mla(num_layers=2, kv_lora_rank=8, rope_dim=4, block_size=4)
+    bindings = _PerDevice()
+    cache = create_host_cache(layout, 3, device=1, device_driver=_driver_over(bindings))
+    assert bindings.retained_on == [1]
+    cache.free()
+    assert bindings.retained == 0
+    default = _PerDevice()
+    create_host_cache(layout, 3, device_driver=_driver_over(default)).free()
+    assert default.retained_on == [0]
+    for bad in (-1, True, "1", 1.0):
+        with pytest.raises(kvpipe.LayoutError, match="device must be"):
+            create_host_cache(layout, 3, device=bad, device_driver=_driver_over(_PerDevice()))  # type: ignore[arg-type]
