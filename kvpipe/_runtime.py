@@ -134,6 +134,8 @@ class Runtime:
         self._runner: ThreadRunner | None = None
         #: The staging pool after :meth:`release` (weakly: alive while a lease holds it).
         self._released_pool: weakref.ref[StagingPool] | None = None
+        #: The copy engine's name and note, kept for statistics after close.
+        self._engine_seen: tuple[str, str] | None = None
         self.metrics = Metrics()
         self.observers = Observers(self.metrics.counters)
         self._supervisor: Supervisor | None = None
@@ -251,6 +253,7 @@ class Runtime:
             observers=self.observers,
         )
         self._ctx = ctx
+        self._engine_seen = (engine.name, engine.note)
         children = [
             ChildSpec("scheduler", lambda: Scheduler(ctx, inbox.scheduler, cfg.queue_depth)),
             ChildSpec("slicer", lambda: Slicer(ctx, inbox.slicer, cfg.queue_depth)),
@@ -497,7 +500,8 @@ class Runtime:
 
         Each attribute that :meth:`release` clears is read once: an exporter's thread may take
         the snapshot while the pipeline closes in the event loop's thread."""
-        ctx, pool, runner, channels = self._ctx, self._pool, self._runner, self._inboxes
+        pool, runner, channels = self._pool, self._runner, self._inboxes
+        engine = self._engine_seen
         if pool is None and (released := self._released_pool) is not None:
             pool = released()
         inboxes = channels.by_name() if channels is not None else {}
@@ -507,10 +511,10 @@ class Runtime:
         )
         return PipelineStatistics(
             open=self._open,
-            device_path=ctx.engine.name if ctx is not None else "host",
+            device_path=engine[0] if engine is not None else "host",
             device_note=(
-                ctx.engine.note
-                if ctx is not None
+                engine[1]
+                if engine is not None
                 else (self._device.note if self._device is not None else "not probed yet")
             ),
             in_flight=dict(kinds),

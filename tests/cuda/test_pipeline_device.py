@@ -61,6 +61,21 @@ async def test_write_then_read_every_layout(fake: FakeDriver, producer: int, nam
     free_device_cache(fake, dst)
 
 
+async def test_statistics_after_close_still_name_the_device_path(fake: FakeDriver) -> None:
+    """A closed device pipeline's statistics say which path it ran (they used to say
+    ``"host"`` once the engine was let go, as if it never had the device)."""
+    layout = LAYOUTS["gqa"]()
+    src = fake_device_cache(fake, layout, 4)
+    async with kvpipe.open_pipeline(
+        src, kvpipe.MemoryStore(), config=_config(), device_driver=fake
+    ) as pipe:
+        pass
+    stats = pipe.statistics()
+    assert not stats.open
+    assert stats.device_path == "cuda" and "FakeDriver" in stats.device_note
+    free_device_cache(fake, src)
+
+
 def _blocks_of(cache: kvpipe.KVCache, block: int) -> list[tuple[int, int]]:
     out = []
     for (role, _l), ptr in zip(cache.layout.tensor_order(), cache.pointers, strict=True):
