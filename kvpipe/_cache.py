@@ -424,7 +424,11 @@ def _zeros_on_pages(specs: Sequence[RoleSpec], num_blocks: int) -> list[npt.NDAr
     """
     sizes = [num_blocks * spec.block_nbytes for spec in specs]
     steps = [-(-n // _PAGE) * _PAGE for n in sizes]
-    raw = np.zeros(sum(steps) + _PAGE, np.uint8)  # calloc: pages are mapped when first touched
+    total = sum(steps) + _PAGE
+    try:
+        raw = np.zeros(total, np.uint8)  # calloc: pages are mapped when first touched
+    except ValueError:  # beyond what one numpy array can address
+        raise LayoutError(f"a cache of {num_blocks} blocks ({total} bytes) is too large") from None
     at = -raw.ctypes.data % _PAGE
     out = []
     for spec, nbytes, step in zip(specs, sizes, steps, strict=True):

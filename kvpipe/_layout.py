@@ -52,7 +52,7 @@ def numpy_dtype(name: str) -> np.dtype[np.generic]:
     """
     try:
         return _DTYPES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable value, a list say
         raise LayoutError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 

@@ -111,6 +111,13 @@ def test_create_rejects_bad_num_blocks(bad: Any) -> None:
         create_kv_cache(layout, bad)
 
 
+def test_create_refuses_a_cache_too_large_for_one_array() -> None:
+    # numpy's own ValueError ("Maximum allowed dimension exceeded") came out untyped.
+    layout = CacheLayout.mla(num_layers=1, kv_lora_rank=4, rope_dim=2, block_size=2)
+    with pytest.raises(kvpipe.LayoutError, match="too large"):
+        create_kv_cache(layout, 2**62)
+
+
 def test_create_rejects_unknown_framework() -> None:
     layout = CacheLayout.mla(num_layers=1, kv_lora_rank=4, rope_dim=2, block_size=2)
     with pytest.raises(kvpipe.LayoutError, match="framework"):

@@ -78,6 +78,8 @@ def test_gqa_fp8_scales_of_another_dtype() -> None:
         CacheLayout.gqa(**GQA_ARGS, scale_dtype="float16")
     with pytest.raises(kvpipe.LayoutError, match="unknown dtype"):
         CacheLayout.gqa(**GQA_ARGS, fp8_scales=True, scale_dtype="fp16")
+    with pytest.raises(kvpipe.LayoutError, match="unknown dtype"):  # was TypeError: unhashable
+        CacheLayout.gqa(**{**GQA_ARGS, "dtype": ["float16"]})
 
 
 def test_mla_shapes_and_dtypes() -> None:
