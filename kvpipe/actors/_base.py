@@ -217,12 +217,14 @@ class ActorContext:
         assert state.keys is not None
         first, keys = spec.first_block + lo, state.keys.keys
         end = spec.end_block if hi is None else spec.first_block + hi
+        # The tokens through the batch's last block (a partial one's: to the sequence's end)
+        token_end = min(end * self.layout.block_size, len(state.tokens))
         batch = kind(
             self.scope,
             state.request_id,
             keys[first:end],
             first,
-            state.tokens[: spec.token_end],
+            state.tokens[:token_end],
             keys[first - 1] if first > 0 else None,
             lease=job.staging,
             value_nbytes=self.value_nbytes,

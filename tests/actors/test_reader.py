@@ -74,6 +74,22 @@ async def test_a_block_corrupt_in_transit_is_fetched_again_and_kept() -> None:
         job.lease.release()
 
 
+async def test_a_refetch_carries_the_token_prefix_of_its_own_blocks() -> None:
+    """Blocks fetched again (from a corrupt one up to the first the store did not return)
+    go as a batch whose token prefix ends with its last block, as every batch's does (a
+    token-indexed store finds its blocks by it), not with the slice's last block."""
+    store = ScriptedStore(gets={0: Act(corrupt=[3], fail=[6])})
+    async with harness(store, slice_blocks=8) as h:
+        await _store_all(h)
+        state, job = await _read_slice(h)
+        first, again = store.calls_of("get")
+        assert (first.first_block, len(first.keys), first.token_prefix_len) == (0, 8, 8 * BLOCK)
+        assert (again.first_block, len(again.keys)) == (3, 3)  # blocks 3, 4, 5
+        assert again.token_prefix_len == 6 * BLOCK
+        assert job.valid == 6 and state.machine.stop_block == 6
+        job.lease.release()
+
+
 async def test_a_corrupt_block_stops_loading_and_is_deleted() -> None:
     store = ScriptedStore(gets={0: Act(corrupt=[3]), 1: Act(corrupt=[0])})
     async with harness(store, slice_blocks=8) as h:
