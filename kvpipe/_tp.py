@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 from ._errors import RequestError
@@ -16,7 +17,8 @@ def common_prefix(per_rank: Iterable[int | WriteResult | ReadResult]) -> int:
     Each rank runs its own pipeline (``rank`` / ``world_size``) over its shard of the cache,
     so a prefix is usable only as far as the shortest rank got. Pass one value per rank, all
     for the same sequence and the same ``start_block``: ``lookup`` counts, or ``WriteResult``
-    (``skipped + written``) / ``ReadResult`` (``loaded``) objects.
+    (``skipped + written``) / ``ReadResult`` (``loaded``) objects; counts may be numpy
+    integers (an array gathered from the ranks, say).
 
     Raises:
         RequestError: No value was given, or a count is negative.
@@ -27,8 +29,8 @@ def common_prefix(per_rank: Iterable[int | WriteResult | ReadResult]) -> int:
             counts.append(value.skipped + value.written)
         elif isinstance(value, ReadResult):
             counts.append(value.loaded)
-        elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            counts.append(value)
+        elif isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+            counts.append(int(value))  # numpy integers too: counts gathered across ranks
         else:
             raise RequestError(f"not a block count or a result: {value!r}")
     if not counts:

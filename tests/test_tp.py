@@ -27,3 +27,17 @@ async def test_two_ranks_with_their_own_pipelines_and_the_common_prefix() -> Non
 def test_bad_values_are_request_errors(bad: list[object]) -> None:
     with pytest.raises(kvpipe.RequestError):
         kvpipe.common_prefix(bad)  # type: ignore[arg-type]
+
+
+def test_counts_gathered_into_a_numpy_array_are_counts() -> None:
+    """Ranks' lookup counts all-gathered into an array (numpy integers) were refused as
+    "not a block count"."""
+    import numpy as np
+
+    got = kvpipe.common_prefix(np.array([8, 5, 7], dtype=np.int64))
+    assert got == 5 and type(got) is int
+    assert kvpipe.common_prefix([np.uint32(3), 4]) == 3
+    with pytest.raises(kvpipe.RequestError):
+        kvpipe.common_prefix(np.array([2, -1]))
+    with pytest.raises(kvpipe.RequestError):
+        kvpipe.common_prefix([np.bool_(True)])  # type: ignore[list-item]
