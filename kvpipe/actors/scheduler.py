@@ -241,6 +241,12 @@ class Scheduler(Actor[RequestState]):
             for i, (key, entries) in enumerate(zip(chunk, records, strict=True)):
                 if not entries:
                     return out
+                if any(e.key != key for e in entries):
+                    raise BackendError(
+                        ctx.backend.name,
+                        "get_residency",
+                        f"answered block {lo + i} for another key",
+                    )
                 holders = tuple(
                     Holder(e.node_id, e.residency, e.updated_at)
                     for e in sorted(entries, key=lambda e: e.node_id)

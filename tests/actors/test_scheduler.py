@@ -188,6 +188,35 @@ async def test_backend_errors_reach_index_callers(op: str) -> None:
         assert "no index" in str(state.error)
 
 
+async def test_a_locate_answered_for_other_keys_is_a_backend_error() -> None:
+    """A store that answers ``get_residency`` out of order (a third-party one) gave each
+    block the holders of another; now its answer is refused."""
+
+    class Shuffled(kvpipe.MemoryStore):
+        async def get_residency(self, keys):  # type: ignore[no-untyped-def]
+            return await super().get_residency(list(reversed(keys)))  # answers out of order
+
+    store = Shuffled()
+    async with harness(store) as h:
+        now = anyio.current_time()
+        state = CallState(
+            "c",
+            now + 5,
+            now,
+            "flush",
+            as_tokens(TOKENS),
+            False,
+            residency=kvpipe.Residency.CPU,
+            start_block=0,
+        )  # type: ignore[arg-type]
+        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+        assert state.error is None
+        state = CallState("c", now + 5, now, "locate", as_tokens(TOKENS), False)  # type: ignore[arg-type]
+        await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
+        assert isinstance(state.error, kvpipe.BackendError)
+        assert "another key" in str(state.error)
+
+
 class TestVirtualTime:
     @pytest.fixture
     def anyio_backend(self) -> tuple[str, dict[str, object]]:
