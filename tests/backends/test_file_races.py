@@ -285,3 +285,40 @@ async def test_a_put_whose_catalog_cannot_record_it_reports_what_it_published(
         assert store._catalog is not None
         assert store._catalog.known_keys() == set(keys)
         assert store._catalog.stats().pending == 0
+
+
+async def test_a_put_whose_eviction_the_catalog_cannot_reconcile_still_settles_its_reservation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A put evicts a block to make room; the catalog then cannot reconcile the victim's
+    record (another process held its write lock past SQLite's busy timeout). The put's own
+    reservation must not be left behind: reservations are never evictable, so one leaked
+    here fills the store with nothing until the next open."""
+    root = tmp_path / "store"
+    real = Catalog.reconcile
+    calls: list[int] = []
+
+    def reconcile(catalog: Catalog, *args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:  # the victims', right after they were evicted
+            raise sqlite3.OperationalError("database is locked")
+        real(catalog, *args)
+
+    async with batches() as b, FileStore(root, capacity_bytes=2 * STORED) as store:
+        x, _ = b.keys(1, seed=100)
+        y, _ = b.keys(1, seed=101)
+        z, _ = b.keys(1, seed=102)
+        assert await put_chain(b, store, x, make_values(1, 100)) == [OK]
+        assert await put_chain(b, store, y, make_values(1, 101)) == [OK]
+        monkeypatch.setattr(Catalog, "reconcile", reconcile)
+        try:
+            statuses: list[BlockStatus] | None = await put_chain(b, store, z, make_values(1, 102))
+        except sqlite3.Error:
+            statuses = None
+        monkeypatch.undo()
+        assert calls, "the put evicted nothing"
+        assert _catalog(store).stats().pending == 0, "the put left its reservation behind"
+        _check_accounting(store, root, 2 * STORED)
+        assert statuses == [OK]
+        assert await get_raw(b, store, z) == ([OK], make_values(1, 102))
+    assert any("database is locked" in r.getMessage() for r in caplog.records), caplog.text

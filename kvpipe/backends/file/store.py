@@ -355,9 +355,21 @@ class FileStore(StorageBackend):
             for key in res.victims:
                 with contextlib.suppress(OSError):  # as a failed delete: its record is gone
                     self._spares.retire(root, *block_location(key))
-            # Another put may have published a victim again before its file went.
-            with contextlib.suppress(CatalogFull):
+            # Another put may have published a victim again before its file went. Never
+            # raised: the reservation just made must be settled below whatever happens.
+            try:
                 catalog.reconcile(res.victims, sizes(root))
+            except CatalogFull:
+                pass
+            except sqlite3.Error as exc:  # locked past SQLite's busy timeout, or damaged
+                log.error(
+                    "file store %s: the catalog cannot reconcile %d evicted block(s) (%s); "
+                    "one published again meanwhile may stay recorded without its file "
+                    "until the next open",
+                    root.path,
+                    len(res.victims),
+                    exc,
+                )
         written: list[str] = []
         errors: list[str] = []
         hooks = WriteHooks(self.durability, self._refuse_direct, self._count, errors, abandoned)
