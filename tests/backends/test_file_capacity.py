@@ -226,6 +226,31 @@ async def test_deleting_and_quarantining_release_capacity(tmp_path: Path, b: Bat
         _check_accounting(store, root, 3 * STORED)
 
 
+async def test_a_batch_holding_the_64_oldest_tails_still_evicts_another_block(
+    tmp_path: Path,
+) -> None:
+    """Eviction looked at the 64 least recently used tails only and gave up when all of them
+    were blocks of the batch (never evicted): after the catalog was rebuilt, every adopted
+    block is a tail, oldest file first, so rewriting a chain whose head went refused the
+    whole batch while another block could have gone."""
+    root = tmp_path / "store"
+    async with batches(80) as b:
+        chain, _ = b.keys(65, seed=40)
+        other, _ = b.keys(1, seed=41)
+        values = make_values(65, 40)
+        async with FileStore(root) as store:
+            assert await put_chain(b, store, chain, values) == [OK] * 65
+        for suffix in ("", "-wal", "-shm"):  # lost: the blocks are adopted at the next open
+            (root / f"catalog.sqlite3{suffix}").unlink(missing_ok=True)
+        async with FileStore(root, capacity_bytes=65 * STORED) as store:
+            await store.delete(chain[:1])
+            assert await put_chain(b, store, other, make_values(1, 41)) == [OK]  # full now
+            assert await put_chain(b, store, chain, values) == [OK] * 65
+            assert await _stored(b, store, other) == [False]
+            assert await get_raw(b, store, chain) == ([OK] * 65, values)
+            _check_accounting(store, root, 65 * STORED)
+
+
 @pytest.mark.usefixtures("file_io")
 async def test_a_delete_that_fails_on_one_key_forgets_the_files_it_removed(
     tmp_path: Path, b: Batches

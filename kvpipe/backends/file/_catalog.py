@@ -375,10 +375,14 @@ class Catalog:
         db: sqlite3.Connection, need: int, protect: set[str | None]
     ) -> tuple[int, list[str]]:
         freed, gone = 0, []
+        # Enough tails that one is not protected whenever there is one: protected tails
+        # stay (the batch's own blocks), and 64 of them must not hide every other block.
+        limit = 64 + len(protect)
         while freed < need:
             rows = db.execute(
                 "SELECT key, nbytes FROM blocks b WHERE ready=1 AND NOT EXISTS "
-                "(SELECT 1 FROM blocks c WHERE c.parent = b.key) ORDER BY last_access LIMIT 64"
+                "(SELECT 1 FROM blocks c WHERE c.parent = b.key) ORDER BY last_access LIMIT ?",
+                (limit,),
             ).fetchall()
             rows = [r for r in rows if r[0] not in protect]
             if not rows:
