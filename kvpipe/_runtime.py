@@ -23,7 +23,7 @@ from ._blockformat import value_nbytes
 from ._cache import KVCache
 from ._config import PipelineConfig
 from ._engine import CopyEngine, HostEngine, OrderMark
-from ._errors import ConfigError, PipelineClosed, WrongEventLoop
+from ._errors import BackendError, ConfigError, KVPipeError, PipelineClosed, WrongEventLoop
 from ._keys import Scope
 from ._plan import layout_segments
 from ._results import PipelineStatistics
@@ -156,7 +156,14 @@ class Runtime:
     async def prepare(self) -> None:
         """Before the actors' task group (so errors reach the caller as they are): for a
         device cache open the CUDA engine, whose pinned memory becomes the staging pool's
-        buffer; then register the staging with the store."""
+        buffer; then register the staging with the store. The store is opened first: its
+        own opening (a file store's recovery scan) is not charged to the first request."""
+        try:
+            await self.store.open()
+        except KVPipeError:
+            raise
+        except Exception as exc:
+            raise BackendError(self.store.name, "open", repr(exc)) from exc
         if self._device is None:
             self._device = await anyio.to_thread.run_sync(probe_device)
         if self._pool is None:

@@ -391,7 +391,8 @@ async def open_pipeline(
 
     Args:
         cache: The KV cache blocks are moved from and into.
-        store: The storage backend (kvpipe does not close it).
+        store: The storage backend (opened here if it is not: :meth:`StorageBackend.open`;
+            kvpipe does not close it).
         config: Settings (default ``PipelineConfig()``).
         namespace: Scopes every key (a model / deployment name).
         rank: Tensor-parallel rank of this process.
@@ -406,6 +407,7 @@ async def open_pipeline(
         ConfigError: A bad argument, or staging too small for one block.
         Unsupported: A device cache where CUDA, its device or NVRTC is not usable.
         DeviceError: The device path failed to open (nothing stays allocated).
+        BackendError: The store could not be opened (:meth:`StorageBackend.open`).
 
     Cancellation: leaving the block (normally, by an exception or by cancellation) closes the
         pipeline: in-flight requests get until their deadlines (at most ``close_timeout``),

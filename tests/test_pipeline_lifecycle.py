@@ -135,3 +135,43 @@ async def test_a_close_that_used_its_deadline_still_unregisters_and_frees_the_st
     assert store.unregistered == 1
     assert len(_registration.KEPT) == kept
     assert staging() is None
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # real threads: no virtual time
+async def test_open_pipeline_opens_the_store_before_it_serves(tmp_path: Any) -> None:
+    """A file store handed over unopened was opened by the first request, its recovery scan
+    inside that request's timeout (a lookup of 5 s waited for the whole scan, a hung disk
+    forever); the pipeline now opens it before serving."""
+    store = kvpipe.FileStore(tmp_path / "store")
+    opened: list[str] = []
+    real = store._open_sync
+
+    def open_sync() -> None:
+        opened.append("open")
+        real()
+
+    store._open_sync = open_sync  # type: ignore[method-assign]
+    try:
+        async with kvpipe.open_pipeline(_cache(), store) as pipe:
+            assert opened == ["open"]  # before any request
+            assert await pipe.lookup(TOKENS) == 0
+        assert opened == ["open"]
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize(
+    "error", [OSError("no such volume"), kvpipe.BackendError("s", "open", "x")]
+)
+async def test_a_store_that_cannot_open_fails_the_pipeline_s_open(error: Exception) -> None:
+    class Unopenable(kvpipe.MemoryStore):
+        async def open(self) -> None:
+            raise error
+
+    with pytest.raises(kvpipe.BackendError) as caught:
+        async with kvpipe.open_pipeline(_cache(), Unopenable()):
+            pytest.fail("served without a store")
+    if isinstance(error, OSError):
+        assert caught.value.operation == "open" and caught.value.__cause__ is error
+    else:
+        assert caught.value is error

@@ -398,6 +398,16 @@ class StorageBackend(abc.ABC):
         copies it (``may_keep`` false). Default: new memory."""
         return private_lease(slot_nbytes, count)
 
+    async def open(self) -> None:  # noqa: B027
+        """Make the store ready (idempotent). :func:`kvpipe.open_pipeline` awaits it before
+        the pipeline serves, so that slow opening (a recovery scan, a connection) is not
+        charged to the first request's timeout. A store used without it must open itself on
+        first use. Default: nothing.
+
+        Raises:
+            BackendError: The store cannot be opened.
+        """
+
     async def register_staging(self, buffer: memoryview) -> None:  # noqa: B027
         """Called when a pipeline opens, with its whole staging buffer, for registered-memory
         transports (Mooncake). Default: nothing."""
