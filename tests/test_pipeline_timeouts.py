@@ -726,3 +726,41 @@ async def test_a_close_that_fails_a_hung_put_lets_the_actors_leave_without_cance
             await pipe.aclose()
             assert anyio.current_time() - start == pytest.approx(1.0)
     assert not [r for r in caplog.records if "actors" in r.getMessage()]
+
+
+class _LateFetch(kvpipe.MemoryStore):
+    """Its gets come back at the read's deadline: the fetch is done, but the reader takes it
+    up only once the deadline has passed (a busy loop; a vendor call done just in time)."""
+
+    late = False
+
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        statuses = await super().get_blocks(batch)
+        if self.late:  # no checkpoint after this: the fetch's scope is left uncancelled
+            clock = trio.lowlevel.current_clock()
+            assert isinstance(clock, trio.testing.MockClock)
+            clock.jump(5)
+        return statuses
+
+
+async def test_a_small_check_and_scatter_never_starts_after_the_reads_deadline() -> None:
+    """A host cache's small slice from a store that keeps its values is checked and placed on
+    the event loop. Its fetch came back, but the reader took it up at the read's deadline:
+    nothing may go into the caller's blocks then (a check-and-scatter in a copy thread
+    never starts after the deadline either). It did: the read placed all four blocks after
+    its deadline and returned complete."""
+    cache = _cache()
+    store = _LateFetch()
+    async with kvpipe.open_pipeline(cache, store, config=_config()) as pipe:
+        tokens = TOKENS[: 4 * BLOCK]
+        assert (await pipe.write(tokens, IDS[:4])).complete
+        for rows in cache.byte_rows:
+            rows[20:24] = 0
+        store.late = True
+        start = anyio.current_time()
+        r = await pipe.read(tokens, np.arange(20, 24), timeout=5)
+        assert anyio.current_time() - start == pytest.approx(5.0)
+        assert (r.loaded, r.stop_reason) == (0, "total_timeout")
+        for rows in cache.byte_rows:
+            assert not rows[20:24].any()  # the caller's blocks keep what they held
+        assert pipe.statistics().counters.get("blocks_read", 0) == 0

@@ -365,7 +365,12 @@ class Reader(Actor[ReadState | SliceJob]):
     async def _verify_and_scatter(self, job: SliceJob, fetched: int) -> list[str | None]:
         """Check the ``fetched`` leading blocks and copy the leading sound ones into the
         cache, in one call (inline when small, else in a worker thread, shielded); returns
-        each block's check, ``None`` for a sound one."""
+        each block's check, ``None`` for a sound one.
+
+        Raises:
+            NotStarted: The read's deadline passed before the call started: nothing was
+                checked or placed.
+        """
         ctx, spec, state = self.ctx, job.spec, job.state
         first = spec.first_block
         sources = job.sources(0, fetched)
@@ -383,6 +388,8 @@ class Reader(Actor[ReadState | SliceJob]):
         nbytes = fetched * payload
         if nbytes <= INLINE_COPY_BYTES:  # on the event loop: cancelled here, none is placed
             await anyio.lowlevel.checkpoint()
+            if anyio.current_time() >= state.deadline:  # as a copy thread's never starts
+                raise NotStarted(f"not started by {state.deadline:.3f}")
             return work()
         with anyio.CancelScope(shield=True):
             checks = await ctx.run_copy(nbytes, work, hold=job.lease, start_by=state.deadline)
