@@ -764,3 +764,49 @@ async def test_a_small_check_and_scatter_never_starts_after_the_reads_deadline()
         for rows in cache.byte_rows:
             assert not rows[20:24].any()  # the caller's blocks keep what they held
         assert pipe.statistics().counters.get("blocks_read", 0) == 0
+
+
+async def test_a_read_whose_last_holder_lets_go_after_its_deadline_ends_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device path, one copy thread. A read's second slice is fetched first and its
+    scatter, begun in time, runs 0.1 s past the read's deadline; its first slice waits in
+    the swapper's inbox behind another read's long scatter. At the deadline the swapper
+    holds the read, so the caller's side leaves it to the actors; but once that scatter was
+    out nothing ended the read, and the caller waited for the deadline guard
+    (``deadline_slack`` later, with its WARNING and counter) — or, with a guard longer than
+    the wait, for the other read's scatter."""
+    monkeypatch.setattr(engine_module.HostEngine, "name", "device-like")  # the device path
+    scatter = engine_module.HostEngine.scatter
+    delays = [2.1, 10.0]  # this read's second slice; the other read's slice
+
+    async def slow(self: Any, plan: Any, lease: Any, after: Any = None, **kw: Any) -> Any:
+        if delays:
+            await anyio.sleep(delays.pop(0))  # shielded by the swapper
+        return await scatter(self, plan, lease, after, **kw)
+
+    store = ScriptedStore(gets={0: Act(delay=1.0)})  # this read's first slice
+    cfg = kvpipe.PipelineConfig(slice_block_num=4, copy_threads=1, total_timeout=15.0)
+    async with kvpipe.open_pipeline(_cache(), store, config=cfg) as pipe:
+        tokens = np.arange(8 * BLOCK)
+        assert (await pipe.write(tokens, np.arange(8))).complete
+        assert (await pipe.write(tokens[: 4 * BLOCK] + 1000, np.arange(8, 12))).complete
+        monkeypatch.setattr(engine_module.HostEngine, "scatter", slow)
+        store.counts["get"] = 0
+        out: dict[str, Any] = {}
+
+        async def read() -> None:
+            start = anyio.current_time()
+            out["read"] = await pipe.read(tokens, np.arange(20, 28), timeout=2.0)
+            out["took"] = anyio.current_time() - start
+
+        async def other() -> None:
+            await anyio.sleep(0.5)
+            await pipe.read(tokens[: 4 * BLOCK] + 1000, np.arange(40, 44))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            tg.start_soon(other)
+        assert out["took"] == pytest.approx(2.1)
+        assert (out["read"].loaded, out["read"].stop_reason) == (0, "total_timeout")
+        assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0

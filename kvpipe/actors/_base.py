@@ -374,6 +374,10 @@ class Actor(abc.ABC, Generic[M]):
         self._held[state] -= 1
         if self._held[state] <= 0:
             del self._held[state]
+        if not state.holders and not state.done and anyio.current_time() >= state.deadline:
+            # Its last holder lets go past its deadline: its messages only wait in inboxes.
+            # The caller's side, which ends such a request at the deadline, saw it held then.
+            state.end("total_timeout", "deadline passed while queued")
 
     @staticmethod
     def try_send(outbox: MemoryObjectSendStream[T], msg: T) -> bool | None:
