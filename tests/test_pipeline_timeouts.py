@@ -810,3 +810,51 @@ async def test_a_read_whose_last_holder_lets_go_after_its_deadline_ends_then(
         assert out["took"] == pytest.approx(2.1)
         assert (out["read"].loaded, out["read"].stop_reason) == (0, "total_timeout")
         assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+
+
+async def test_deleting_a_corrupt_block_does_not_hold_a_device_read_past_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device path, one copy thread busy with another read's long scatter. A read's
+    block 2 fails verification twice: the reader passes the sound blocks before it to the
+    swapper (where they wait behind that scatter) and deletes block 2, which takes the store
+    5 s. The read ends at its deadline; the deletion held it (the caller's side leaves a
+    request an actor holds to that actor) until the deadline guard, ``deadline_slack``
+    later, for a best-effort clean-up the read does not wait for."""
+    monkeypatch.setattr(engine_module.HostEngine, "name", "device-like")  # the device path
+    scatter = engine_module.HostEngine.scatter
+    delays = [10.0]  # the other read's scatter
+
+    async def slow(self: Any, plan: Any, lease: Any, after: Any = None, **kw: Any) -> Any:
+        if delays:
+            await anyio.sleep(delays.pop(0))  # shielded by the swapper
+        return await scatter(self, plan, lease, after, **kw)
+
+    class SlowDelete(ScriptedStore):
+        async def delete(self, keys: Sequence[str]) -> None:
+            await anyio.sleep(5)
+            await super().delete(keys)
+
+    store = SlowDelete(gets={1: Act(corrupt=[2]), 2: Act(corrupt=[0])})
+    cfg = kvpipe.PipelineConfig(slice_block_num=4, copy_threads=1, total_timeout=15.0)
+    async with kvpipe.open_pipeline(_cache(), store, config=cfg) as pipe:
+        tokens = TOKENS[: 4 * BLOCK]
+        assert (await pipe.write(tokens, IDS[:4])).complete
+        assert (await pipe.write(tokens + 1000, IDS[4:8])).complete
+        monkeypatch.setattr(engine_module.HostEngine, "scatter", slow)
+        out: dict[str, Any] = {}
+
+        async def read() -> None:
+            await anyio.sleep(0.5)
+            start = anyio.current_time()
+            out["read"] = await pipe.read(tokens, np.arange(20, 24), timeout=2.0)
+            out["took"] = anyio.current_time() - start
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pipe.read, tokens + 1000, np.arange(40, 44))  # get 0: the slow one
+            tg.start_soon(read)
+        assert len(store.calls_of("get")) == 3  # block 2 was fetched again
+        assert out["took"] == pytest.approx(2.0)
+        assert (out["read"].loaded, out["read"].stop_reason) == (0, "total_timeout")
+        assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+        assert store.deleted  # still deleted, after the fact

@@ -336,6 +336,16 @@ class Actor(abc.ABC, Generic[M]):
         finally:
             self._tg = None
 
+    async def detach(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
+        """Run ``fn(*args)`` in a task of the actor's own, holding no request: work that
+        goes on after a request's part in it (a best-effort clean-up, bounded). The actor
+        stops only once it has returned; an exception it raises crashes the actor. Outside
+        the actor's loop (a handler called on its own) it is awaited here."""
+        if self._tg is None:
+            await fn(*args)
+        else:
+            self._tg.start_soon(task, fn, *args)
+
     def _spawn(self) -> None:
         assert self._tg is not None
         self._workers += 1

@@ -109,10 +109,12 @@ class Reader(Actor[ReadState | SliceJob]):
         return None
 
     async def _slice(self, msg: SliceJob) -> None:
-        """:meth:`_place` one slice, then delete its blocks that failed verification."""
+        """:meth:`_place` one slice, then delete its blocks that failed verification in a
+        task of the actor's own: the deletion does not hold the read (its slice may wait in
+        the swapper's inbox, where only the caller's side ends it at its deadline)."""
         corrupt = await self._place(msg)
         if corrupt:
-            await self._delete_corrupt(msg.state.request_id, corrupt)
+            await self.detach(self._delete_corrupt, msg.state.request_id, corrupt)
 
     async def _place(self, msg: SliceJob) -> list[str]:
         """Fetch, verify and place one slice; passes its staging on to the swapper or lets go
