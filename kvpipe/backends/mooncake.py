@@ -590,8 +590,8 @@ class MooncakeStore(StorageBackend):
 
         Cancellation: the wait stops and, where the vendor call has begun, the keys are not
         trusted while it runs on (a segment owner hanging or gone): those it then reads (or
-        finds missing) are trusted again, the others stay distrusted. A call that had not
-        begun never begins.
+        finds missing) are trusted again, the others stay distrusted unless put anew
+        meanwhile. A call that had not begun never begins.
         """
         client = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
@@ -659,7 +659,8 @@ class MooncakeStore(StorageBackend):
         """The vendor call of a read given up on returned ``codes``: a key it read (or found
         missing) is trusted again unless distrusted since for another reason (``read`` is
         the read given up on, ``None`` where it distrusted none); one it failed to read is
-        distrusted."""
+        distrusted, unless put anew since (its value is no longer the one that failed) or
+        given up on by a later read (whose own outcome then decides)."""
         if len(codes) != len(keys):
             codes = [-1] * len(keys)
         for key, code in zip(keys, codes, strict=True):
@@ -668,7 +669,8 @@ class MooncakeStore(StorageBackend):
                     del self._distrust[key]
             else:
                 self._counters[f"get_code_{code}"] += 1
-                self._distrust_key(key)
+                if read is None or self._distrust.get(key) is read:
+                    self._distrust_key(key)
 
     def _take_settled(self) -> None:
         """Settle the reads given up on whose vendor calls have returned since (event loop

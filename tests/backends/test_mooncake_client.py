@@ -18,7 +18,7 @@ from kvpipe._staging import StagingPool
 from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus, GetBatch, KeyBatch
 from kvpipe.backends import mooncake as mc
-from kvpipe.backends._values import VALUES_FINGERPRINT
+from kvpipe.backends._values import VALUES_FINGERPRINT, ValueClient
 
 
 class FakeClient:
@@ -313,3 +313,70 @@ def test_a_put_compares_stored_values_in_bounded_scratch(monkeypatch: pytest.Mon
     got = mc._read_and_compare(client, [f"k{i}" for i in range(8)], list(range(8)), size, views)
     assert got == [(i, mc._DIFFERENT if i == 5 else 0) for i in range(8)]
     assert client.registered == [3 * size, 3 * size, 2 * size]
+
+
+class HeldReadClient(StoredValuesClient):
+    """Stores values too; while :attr:`hold` is set, ``batch_get_into`` waits for
+    :attr:`release`, then answers :attr:`fail` for every key (a segment owner gone)."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.hold = False
+        self.fail = -800
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [int(k in self.values) for k in keys]
+
+    def _store(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
+            self.values[key] = ctypes.string_at(ptr, size)
+        return [0] * len(keys)
+
+    batch_put_from = batch_upsert_from = _store
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        if not self.hold:
+            return super().batch_get_into(keys, ptrs, sizes)
+        self.entered.set()
+        self.release.wait(10)
+        return [self.fail] * len(keys)
+
+
+def _idle(store: kvpipe.MooncakeStore) -> bool:
+    """Wait (blocking) until no vendor call of ``store`` runs."""
+    calls = store._inflight._cond
+    with calls:
+        return calls.wait_for(lambda: store._inflight.running == 0, 10)
+
+
+async def test_a_key_put_anew_while_a_read_given_up_on_runs_on_stays_trusted(
+    master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read given up on (its segment owner hangs) leaves its keys untrusted while its call
+    runs on, and a put of them stores them anew (they are replaced) and makes them trusted.
+    The old read failing afterwards says nothing about the value stored since: the keys
+    stay trusted (they were distrusted again, so lookups stopped before fresh blocks until
+    someone put them once more)."""
+    client = HeldReadClient()
+    monkeypatch.setattr(mc, "_load_client", lambda: client)
+    keys, values = ["held-a", "held-b"], [b"\x01" * 4096, b"\x02" * 4096]
+    async with (
+        kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store,
+        ValueClient(store) as vc,
+    ):
+        assert await vc.put(keys, values) == [BlockStatus.OK] * 2
+        client.hold = True
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(vc.get, keys, [4096, 4096])
+                await anyio.to_thread.run_sync(client.entered.wait, 10)
+                scope.cancel()  # the slice deadline: the vendor call runs on
+        assert await vc.exists(keys) == [False, False]
+        assert await vc.put(keys, values) == [BlockStatus.OK] * 2  # stored anew
+        assert await vc.exists(keys) == [True, True]
+        client.release.set()  # the old read now fails
+        assert await anyio.to_thread.run_sync(_idle, store)
+        assert await vc.exists(keys) == [True, True]
+        assert store.statistics()["distrusted_keys"] == 0
