@@ -93,11 +93,14 @@ class ResidencyIndex:
 
     async def _register(self, client: Any, node: str) -> None:
         """Make sure ``node`` is in the registry, checked on every flush: there is no
-        compare-and-set, so a concurrent registration or a restarted master may drop it."""
-        for attempt in range(_REGISTER_TRIES):
+        compare-and-set, so a concurrent registration or a restarted master may drop it.
+        Up to :data:`_REGISTER_TRIES` writes, each read back."""
+        for attempt in range(_REGISTER_TRIES + 1):
             nodes = await self._nodes(client)
             if node in nodes:
                 return
+            if attempt == _REGISTER_TRIES:
+                break
             rc = await self._call(
                 client.upsert, NODES_KEY, "\n".join(sorted({*nodes, node})).encode()
             )

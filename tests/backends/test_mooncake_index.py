@@ -81,3 +81,40 @@ async def test_a_record_this_index_did_not_write_is_a_backend_error(raw: bytes) 
     client.data[name] = raw
     with pytest.raises(kvpipe.BackendError, match="residency record"):
         await index.get(client, ["ns:k0"])
+
+
+class ContendedRegistry(FakeClient):
+    """Another node rewrites the registry (without ours) right after each of our first
+    ``lost`` writes of it: we lose that many races, then our write sticks."""
+
+    def __init__(self, lost: int) -> None:
+        super().__init__()
+        self.lost = lost
+        self.writes = 0
+
+    def upsert(self, key: str, value: bytes) -> int:
+        self.writes += 1
+        super().upsert(key, value)
+        if key == NODES_KEY and self.writes <= self.lost:
+            self.data[NODES_KEY] = b"other"
+        return 0
+
+
+async def test_a_registration_whose_last_try_sticks_succeeds() -> None:
+    """Each try is read back: one whose fifth write stuck is registered, not an error
+    ("did not stick" was raised without reading the last write back)."""
+    client = ContendedRegistry(lost=4)
+    index = ResidencyIndex("mooncake", _call)
+    await index.put(client, [_entry("a")])
+    assert client.writes == 5
+    assert client.data[NODES_KEY] == b"a\nother"
+    got = await index.get(client, ["ns:k0"])
+    assert [e.node_id for e in got[0]] == ["a"]
+
+
+async def test_a_registration_that_never_sticks_is_a_backend_error() -> None:
+    client = ContendedRegistry(lost=10)
+    index = ResidencyIndex("mooncake", _call)
+    with pytest.raises(kvpipe.BackendError, match="did not stick"):
+        await index.put(client, [_entry("a")])
+    assert client.writes == 5
