@@ -23,9 +23,11 @@ import numpy as np
 
 from .._errors import BackendError, ConfigError, Unsupported
 from .._results import ResidencyEntry
+from .._workers import WorkerThreads
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from ._inflight import InFlight, ThreadGate
 from ._mooncake_index import ResidencyIndex
+from ._mooncake_setup import Setup
 
 __all__ = ("MooncakeStore",)
 
@@ -348,6 +350,9 @@ class MooncakeStore(StorageBackend):
         self._settled: deque[tuple[object, list[str], list[int], int]] = deque()
         self._gate = ThreadGate(self.name, 4)
         self._open_lock = anyio.Lock()
+        #: The vendor ``setup`` running or ended but not yet taken by an ``open``.
+        self._setup: Setup | None = None
+        self._setup_threads = WorkerThreads()
         self._counters: Counter[str] = Counter()
         self._inflight = InFlight(lambda: BackendError(self.name, "call", "the store is closing"))
         self._index = ResidencyIndex(self.name, self._call)
@@ -358,45 +363,59 @@ class MooncakeStore(StorageBackend):
         Raises:
             BackendError: The master does not answer, or ``setup`` fails or times out.
 
-        Cancellation: nothing is kept; a ``setup`` still running is abandoned.
+        Cancellation: the wait stops; a ``setup`` still running runs on, and the next
+        ``open`` waits for it (by the same deadline) rather than start another. A client
+        whose setup ends after :meth:`aclose` is closed.
         """
         async with self._open_lock:
             if self._client is not None:
                 return
             if self._inflight.closing:  # never set up a client that nothing would close
                 raise BackendError(self.name, "open", "the store is closed")
-            host, _, port = self.master.rpartition(":")
-            try:
-                with anyio.fail_after(min(5.0, self.setup_timeout)):
-                    stream = await anyio.connect_tcp(host, int(port))
-                    await stream.aclose()
-            except (OSError, TimeoutError) as exc:
-                raise BackendError(
-                    self.name, "open", f"master {self.master} unreachable: {exc}"
-                ) from exc
-            # Clients must advertise the loopback address on a one-machine setup.
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
-            client = _load_client()
-            try:
-                with anyio.fail_after(self.setup_timeout):
-                    rc = await anyio.to_thread.run_sync(
-                        client.setup,
-                        self.local_hostname,
-                        self.metadata,
-                        self.global_segment_size,
-                        self.local_buffer_size,
-                        self.protocol,
-                        self.device_name,
-                        self.master,
-                        abandon_on_cancel=True,
-                    )
-            except TimeoutError:
-                raise BackendError(
-                    self.name, "setup", f"no answer in {self.setup_timeout} s"
-                ) from None
-            if rc != 0:
-                raise BackendError(self.name, "setup", f"returned {rc}")
-            self._client = client
+            setup = self._setup
+            if setup is None:
+                setup = await self._start_setup()
+            with anyio.move_on_at(setup.deadline):
+                await setup.done.wait()
+            if not setup.done.is_set():
+                raise BackendError(self.name, "setup", f"no answer in {self.setup_timeout} s")
+            self._setup = None
+            if isinstance(setup.result, Exception):
+                raise BackendError(self.name, "setup", repr(setup.result)) from setup.result
+            if setup.result != 0:
+                raise BackendError(self.name, "setup", f"returned {setup.result}")
+            self._client = setup.client
+
+    async def _start_setup(self) -> Setup:
+        """Probe the master, then start the vendor ``setup`` of a new client in a worker
+        thread (it becomes :attr:`_setup`)."""
+        host, _, port = self.master.rpartition(":")
+        try:
+            with anyio.fail_after(min(5.0, self.setup_timeout)):
+                stream = await anyio.connect_tcp(host, int(port))
+                await stream.aclose()
+        except (OSError, TimeoutError) as exc:
+            raise BackendError(
+                self.name, "open", f"master {self.master} unreachable: {exc}"
+            ) from exc
+        # Clients must advertise the loopback address on a one-machine setup.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
+        args = (
+            self.local_hostname,
+            self.metadata,
+            self.global_segment_size,
+            self.local_buffer_size,
+            self.protocol,
+            self.device_name,
+            self.master,
+        )
+        setup = Setup(_load_client(), args, anyio.current_time() + self.setup_timeout)
+        try:
+            self._setup_threads.submit(setup.run)
+        except RuntimeError as exc:
+            raise BackendError(self.name, "setup", f"no thread to run it: {exc}") from exc
+        self._setup = setup
+        return setup
 
     async def __aenter__(self) -> MooncakeStore:
         await self.open()
@@ -423,9 +442,18 @@ class MooncakeStore(StorageBackend):
         with anyio.CancelScope(shield=True):
             async with self._open_lock:
                 client = self._client
+                self._setup_threads.shutdown()  # a setup running runs on to its end
                 if client is None:  # never opened (or closed): refuse every later call
                     self._inflight.drain(0)  # nothing runs without a client
                     self._gate.close()
+                    setup, self._setup = self._setup, None
+                    if setup is not None and setup.orphan():  # set up, never taken
+                        with anyio.move_on_after(self.setup_timeout):
+                            await anyio.to_thread.run_sync(
+                                setup.client.close,
+                                abandon_on_cancel=True,
+                                limiter=anyio.CapacityLimiter(1),
+                            )
                     return
                 own = anyio.CapacityLimiter(1)
                 idle = await anyio.to_thread.run_sync(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import anyio
 import anyio.abc
@@ -19,6 +19,7 @@ from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus, GetBatch, KeyBatch
 from kvpipe.backends import mooncake as mc
 from kvpipe.backends._values import VALUES_FINGERPRINT, ValueClient
+from tests.helpers import checkpoints, until
 
 
 class FakeClient:
@@ -380,3 +381,82 @@ async def test_a_key_put_anew_while_a_read_given_up_on_runs_on_stays_trusted(
         assert await anyio.to_thread.run_sync(_idle, store)
         assert await vc.exists(keys) == [True, True]
         assert store.statistics()["distrusted_keys"] == 0
+
+
+class HungSetupClient(FakeClient):
+    """``setup`` blocks until :attr:`go` is set (a metadata server that does not answer:
+    the vendor's setup then takes about 90 s), then succeeds."""
+
+    go = threading.Event()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.closed_now = threading.Event()
+
+    def setup(self, *args: object) -> int:
+        self.started.set()
+        self.go.wait(10)
+        return 0
+
+    def close(self) -> int:
+        self.closed_now.set()
+        return super().close()
+
+
+@pytest.fixture
+def hung_setups(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[HungSetupClient]]:
+    """The vendor clients the stores create (each one's ``setup`` hangs until ``go``)."""
+    clients: list[HungSetupClient] = []
+
+    def load() -> HungSetupClient:
+        clients.append(HungSetupClient())
+        return clients[-1]
+
+    HungSetupClient.go = threading.Event()
+    monkeypatch.setattr(mc, "_load_client", load)
+    yield clients
+    HungSetupClient.go.set()
+
+
+async def _give_up_on_a_call(store: kvpipe.MooncakeStore, ready: Callable[[], bool]) -> None:
+    """Call ``exists`` and cancel it (the caller's deadline) once ``ready()``; the store
+    opens on first use."""
+    batch = KeyBatch(Scope("ns", VALUES_FINGERPRINT), "r", ["k1"], 0, as_tokens(np.zeros(0)))
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.exists, batch)
+            await until(ready)
+            await checkpoints(500)  # time to open (probe the master, set up a client)
+            scope.cancel()
+
+
+async def test_calls_given_up_on_during_a_hung_setup_start_no_more_setups(
+    master: str, hung_setups: list[HungSetupClient]
+) -> None:
+    """A call given up on while the store opens leaves the vendor's setup running; the next
+    calls wait for that one rather than each set up one more client (a thread, a client
+    and, once it answers, a mounted segment for each call that gave up)."""
+    store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
+    for _ in range(3):
+        await _give_up_on_a_call(
+            store, lambda: bool(hung_setups) and hung_setups[0].started.is_set()
+        )
+    assert len(hung_setups) == 1
+    HungSetupClient.go.set()
+    await store.open()  # the one setup answered: its client is the store's
+    assert len(hung_setups) == 1
+    await store.aclose()
+    assert hung_setups[0].closed == 1
+
+
+async def test_a_client_whose_setup_ends_after_close_is_closed(
+    master: str, hung_setups: list[HungSetupClient]
+) -> None:
+    """A setup given up on that ends after ``aclose`` leaves no client open (its mounted
+    segment would stay with the master for the process's lifetime)."""
+    store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
+    await _give_up_on_a_call(store, lambda: bool(hung_setups) and hung_setups[0].started.is_set())
+    await store.aclose()
+    HungSetupClient.go.set()
+    assert await anyio.to_thread.run_sync(hung_setups[0].closed_now.wait, 10)
