@@ -156,11 +156,11 @@ class LocalMooncake:
             Unsupported: Mooncake is not installed.
             RuntimeError, TimeoutError: A process died or did not listen in time.
         """
-        self.metadata = self._spawn(
-            "mooncake_http_metadata_server",
-            ["--host", "127.0.0.1", "--port", str(self.metadata_port)],
-        )
         try:
+            self.metadata = self._spawn(
+                "mooncake_http_metadata_server",
+                ["--host", "127.0.0.1", "--port", str(self.metadata_port)],
+            )
             _wait_port(self.metadata_port, time.monotonic() + self.start_timeout, self.metadata)
             for attempt in range(_MASTER_STARTS):
                 try:

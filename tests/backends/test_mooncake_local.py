@@ -3,6 +3,7 @@ fresh ports, a few times."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import kvpipe
 from kvpipe.backends import mooncake_local
 from kvpipe.backends.mooncake_local import LocalMooncake
 
@@ -102,3 +104,20 @@ def test_a_port_another_process_listens_on_is_not_taken_for_the_server_listening
             server.start()
     finally:
         server.stop()
+
+
+def test_a_start_without_mooncake_installed_leaves_no_log_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``start`` without the Mooncake commands raises ``Unsupported`` and removes the log
+    directory it made (``kvpipe mooncake-up`` on a host without Mooncake left a
+    ``/tmp/kvpipe-mooncake-*`` behind at every try)."""
+
+    def missing(name: str) -> str:
+        raise kvpipe.Unsupported(f"{name} not found")
+
+    monkeypatch.setattr(mooncake_local, "find_binary", missing)
+    server = LocalMooncake()
+    with pytest.raises(kvpipe.Unsupported):
+        server.start()
+    assert not os.path.exists(server.log_dir)
