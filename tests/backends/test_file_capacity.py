@@ -22,6 +22,7 @@ from kvpipe.backends.file._format import HEADER_NBYTES
 from kvpipe.testing.batches import Batches
 from tests.backends.test_file_hostile import (
     VALUE,
+    _flip,
     batches,
     block_file,
     exists,
@@ -369,3 +370,30 @@ async def test_pipeline_over_a_full_store(tmp_path: Path, fits: int) -> None:
                 assert np.array_equal(a[:left], c[20 : 20 + left])
                 assert np.array_equal(a[8:11], c[28:31])
         _check_accounting(store, root, capacity, BLOCK_VALUE)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+async def test_a_read_whose_bookkeeping_the_catalog_refuses_still_returns_its_blocks(
+    tmp_path: Path, b: Batches, monkeypatch: pytest.MonkeyPatch, corrupt: bool
+) -> None:
+    """Recording a read for LRU (``touch``), or forgetting a corrupt block, in a catalog
+    locked past SQLite's busy timeout (or damaged) failed the whole get: blocks read and
+    verified came back as an error, the cache rows they were placed in uncounted."""
+    import sqlite3
+
+    root = tmp_path / "store"
+    a, _ = b.keys(3, seed=9)
+    async with FileStore(root, capacity_bytes=8 * STORED) as store:
+        assert await put_chain(b, store, a, make_values(3, 9)) == [OK] * 3
+        if corrupt:
+            _flip(HEADER_NBYTES + 5)(block_file(root, a[2]), root)
+
+        def locked(*_: object) -> None:
+            raise sqlite3.OperationalError("database is locked")
+
+        monkeypatch.setattr(_catalog(store), "touch", locked)
+        monkeypatch.setattr(_catalog(store), "reconcile", locked)
+        statuses, got = await get_raw(b, store, a)
+        want = [OK, OK, BlockStatus.CORRUPT] if corrupt else [OK] * 3
+        assert statuses == want
+        assert got[:2] == make_values(3, 9)[:2]

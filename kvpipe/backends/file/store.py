@@ -513,10 +513,13 @@ class FileStore(StorageBackend):
             self._count(corrupt=len(bad))
             try:
                 catalog.reconcile(bad, sizes(root))
-            except CatalogFull as exc:  # their files are gone; the next open forgets them
+            except (CatalogFull, sqlite3.Error) as exc:  # files gone; the next open forgets them
                 log.warning("file store %s: cannot forget corrupt blocks: %s", root.path, exc)
         if ok and self.capacity_bytes is not None:
-            catalog.touch(ok)
+            try:  # bookkeeping for eviction: never the read's failure
+                catalog.touch(ok)
+            except sqlite3.Error as exc:  # locked past SQLite's busy timeout, or damaged
+                log.warning("file store %s: cannot record a read for eviction: %s", root.path, exc)
         self._count(blocks_read=len(ok))
         return statuses
 
