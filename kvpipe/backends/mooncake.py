@@ -437,6 +437,10 @@ class MooncakeStore(StorageBackend):
         Its worker threads are none of the event loop library's shared ones (a server may
         have them all busy).
 
+        Raises:
+            BackendError: The vendor client's ``close`` raised. Staging is unregistered
+                before it, each buffer whatever the others did (a failure is logged).
+
         Cancellation: shielded.
         """
         with anyio.CancelScope(shield=True):
@@ -471,14 +475,28 @@ class MooncakeStore(StorageBackend):
                 self._client = None
                 registered, self._registered = list(self._registered), Counter()
                 with anyio.move_on_after(self.setup_timeout) as bound:
-                    for ptr, _ in registered:
-                        await anyio.to_thread.run_sync(
-                            client.unregister_buffer, ptr, abandon_on_cancel=True, limiter=own
-                        )
+                    for ptr, size in registered:  # one failing leaves the others to undo
+                        try:
+                            rc = await anyio.to_thread.run_sync(
+                                client.unregister_buffer, ptr, abandon_on_cancel=True, limiter=own
+                            )
+                        except Exception as exc:
+                            rc = repr(exc)
+                        if rc != 0:
+                            log.error(
+                                "mooncake: unregistering staging at %#x (%d bytes) at close "
+                                "returned %s",
+                                ptr,
+                                size,
+                                rc,
+                            )
                     if self._own_client:
-                        await anyio.to_thread.run_sync(
-                            client.close, abandon_on_cancel=True, limiter=own
-                        )
+                        try:
+                            await anyio.to_thread.run_sync(
+                                client.close, abandon_on_cancel=True, limiter=own
+                            )
+                        except Exception as exc:
+                            raise BackendError(self.name, "close", repr(exc)) from exc
                 if bound.cancelled_caught:
                     log.error(
                         "mooncake: unregistering staging and closing the client took more "

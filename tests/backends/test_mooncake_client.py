@@ -460,3 +460,39 @@ async def test_a_client_whose_setup_ends_after_close_is_closed(
     await store.aclose()
     HungSetupClient.go.set()
     assert await anyio.to_thread.run_sync(hung_setups[0].closed_now.wait, 10)
+
+
+class RaisingUnregisterClient(FakeClient):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unregistered: list[int] = []
+
+    def unregister_buffer(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        if len(self.unregistered) == 1:
+            raise RuntimeError("transfer engine: no such region")
+        return -1
+
+
+async def test_aclose_unregisters_every_buffer_and_closes_whatever_one_unregister_does(
+    master: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vendor ``unregister_buffer`` that raised escaped ``aclose``: the other buffers
+    stayed registered and the client (with its mounted segment) was never closed; one that
+    returned an error code passed unnoticed."""
+    clients: list[RaisingUnregisterClient] = []
+
+    def load() -> RaisingUnregisterClient:
+        clients.append(RaisingUnregisterClient())
+        return clients[-1]
+
+    monkeypatch.setattr(mc, "_load_client", load)
+    store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
+    first, second = np.zeros(4096, np.uint8), np.zeros(8192, np.uint8)
+    await store.register_staging(first.data)
+    await store.register_staging(second.data)
+    with caplog.at_level("ERROR", logger="kvpipe.mooncake"):
+        await store.aclose()
+    (client,) = clients
+    assert len(client.unregistered) == 2 and client.closed == 1
+    assert "no such region" in caplog.text and "returned -1" in caplog.text
