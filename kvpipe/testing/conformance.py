@@ -41,25 +41,46 @@ __all__ = ("BackendConformance",)
 async def _watching(
     backend: StorageBackend, b: Batches, keys: Sequence[str], published: set[str]
 ) -> AsyncIterator[list[str]]:
-    """While the body runs, ask over and over whether each of ``keys`` exists, one key at a
-    time: a key found joins ``published``; one that was in ``published`` before it was asked
-    about and is not found joins the list yielded (a published block that vanished)."""
+    """While the body runs, ask over and over whether each of ``keys`` exists, one key per
+    call: a key found joins ``published``; one that was in ``published`` before it was asked
+    about and is not found joins the list yielded (a published block that vanished).
+
+    Every key has a task of its own asking about it alone, with nothing in between its
+    calls, so each key is asked about at every schedule point of the body: a block that is
+    visible (or missing) for a single one is seen. (One task asking about the keys in turn
+    saw a key only every so many schedule points, so a put that published a block and took
+    it back at its next await passed or failed by where the turn happened to be.) An
+    ``exists`` that does not yield gets a checkpoint after each call, so the body still runs.
+    """
     done = anyio.Event()
     vanished: list[str] = []
 
-    async def watch() -> None:
+    async def watch(key: str) -> None:
+        batch = b.key_batch([key])
+        answer: list[bool] = []
+
+        async def ask() -> None:
+            (found,) = await backend.exists(batch)
+            answer.append(found)
+
+        pace: bool | None = None
         while not done.is_set():
-            for key in keys:
-                known = key in published  # an answer may predate a put that returns meanwhile
-                (found,) = await backend.exists(b.key_batch([key]))
-                if found:
-                    published.add(key)
-                elif known:
-                    vanished.append(key)
-            await anyio.lowlevel.checkpoint()
+            known = key in published  # an answer may predate a put that returns meanwhile
+            answer.clear()
+            if pace is None:
+                pace = not await _yields(ask)
+            else:
+                await ask()
+            if answer[0]:
+                published.add(key)
+            elif known:
+                vanished.append(key)
+            if pace:
+                await anyio.lowlevel.checkpoint()
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(watch)
+        for key in keys:
+            tg.start_soon(watch, key)
         try:
             yield vanished
         finally:
