@@ -171,6 +171,9 @@ class StoreCall:
     digests: tuple[int, ...] = ()
     late_digests: tuple[int, ...] = ()
     released: float | None = None
+    #: What a put or get returned to its caller (``None``: it returned nothing, having
+    #: raised or been cancelled; a late completion's statuses reach nobody).
+    statuses: tuple[BlockStatus, ...] | None = None
 
 
 @final
@@ -256,7 +259,9 @@ class FaultyStore(StorageBackend):
         call.addresses = tuple(batch.buffer_addresses())
         call.value_nbytes = batch.value_nbytes
         call.digests = self._digests(batch.values)
-        return await self._run(call, self._put(batch, call, rng, rules))  # type: ignore[no-any-return]
+        statuses: list[BlockStatus] = await self._run(call, self._put(batch, call, rng, rules))
+        call.statuses = tuple(statuses)
+        return statuses
 
     async def _put(
         self, batch: PutBatch, call: StoreCall, rng: random.Random, rules: list[FaultRule]
@@ -331,7 +336,9 @@ class FaultyStore(StorageBackend):
         call, rng, rules = self._begin("get", batch, batch.keys)
         call.addresses = tuple(batch.buffer_addresses())
         call.value_nbytes = batch.value_nbytes
-        return await self._run(call, self._get(batch, call, rng, rules))  # type: ignore[no-any-return]
+        statuses: list[BlockStatus] = await self._run(call, self._get(batch, call, rng, rules))
+        call.statuses = tuple(statuses)
+        return statuses
 
     async def _get(
         self, batch: GetBatch, call: StoreCall, rng: random.Random, rules: list[FaultRule]

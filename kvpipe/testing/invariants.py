@@ -1,7 +1,10 @@
 """The invariants kvpipe promises under faults, as a reusable checker.
 
 1. ``stored``: every block counted in a ``WriteResult`` is stored and reads back byte-exact
-   (skipped blocks are checked too, unless the store lied about them in ``exists``).
+   (skipped blocks are checked too, unless the store lied about them in ``exists``); and
+   each slice counts exactly the leading run of ``OK`` its put returned to the pipeline:
+   nothing of a put that raised or was cancelled (even one that stores later), no more and
+   no fewer of one that returned.
 2. ``prefix``: no slice of a request is sent to the store after its first incomplete slice,
    and a request's slices go out in order.
 3. ``deadline``: every call returns by its total deadline plus a small slack.
@@ -30,11 +33,14 @@ import numpy as np
 from .._cache import KVCache
 from .._keys import Scope, as_tokens, block_keys
 from .._results import ActorCrash, PipelineStatistics, ReadResult, WriteResult
+from ..backends._base import BlockStatus
 from .faults import FaultyStore
 
 __all__ = ("Checker", "Outcome", "Verdict")
 
 NAMES = ("stored", "prefix", "deadline", "staging", "idle", "loaded", "crash")
+#: How a put that returned nothing to the pipeline ended, in words (by its outcome).
+_UNANSWERED = {"cancelled": "was cancelled", "error": "raised", "running": "never returned"}
 
 
 @final
@@ -135,6 +141,37 @@ class Checker:
                     v.fail(f"{o.request_id}: block {b} counted but not stored")
                 elif value[:payload] != self._payload(self.source, int(o.src_ids[b])):
                     v.fail(f"{o.request_id}: block {b} stored with other bytes")
+        self._check_counts(store, v)
+
+    def _check_counts(self, store: FaultyStore, v: Verdict) -> None:
+        """Each write's slices against what their puts returned (the store's word at the
+        time, not what is stored after the run: a late completion stores a put the pipeline
+        gave up on, and must not have been counted)."""
+        puts = {(c.request_id, c.first_block): c for c in store.calls if c.op == "put"}
+        for o in self.outcomes:
+            if o.kind != "write" or not isinstance(o.result, WriteResult):
+                continue
+            if sum(s.written for s in o.result.slices) != o.result.written:
+                v.fail(f"{o.request_id}: written {o.result.written}, its slices say otherwise")
+            for s in o.result.slices:
+                call = puts.get((o.request_id, s.first_block))
+                where = f"{o.request_id}: slice {s.index} (blocks from {s.first_block})"
+                if call is None:
+                    if s.written:
+                        v.fail(f"{where} counted {s.written} blocks never sent to the store")
+                    continue
+                if call.statuses is None:
+                    if s.written:
+                        how = _UNANSWERED.get(call.outcome, call.outcome)
+                        v.fail(f"{where} counted {s.written} blocks of a put that {how}")
+                    continue
+                run = next(
+                    (i for i, st in enumerate(call.statuses) if st is not BlockStatus.OK),
+                    len(call.statuses),
+                )
+                exact = s.outcome in ("complete", "incomplete")
+                if s.written > run or (exact and s.written != run):
+                    v.fail(f"{where} counted {s.written}; its put returned {run} leading OK")
 
     def counted_keys(self) -> list[str]:
         """Keys :meth:`check_stored` needs the stored values of."""

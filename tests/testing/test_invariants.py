@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import kvpipe
 from kvpipe._keys import Scope, as_tokens, block_keys
+from kvpipe.backends import BlockStatus
 from kvpipe.testing.faults import FaultPlan, FaultyStore, StoreCall
 from kvpipe.testing.invariants import Checker, Outcome
 
@@ -30,8 +33,13 @@ def _write(
     error: Exception | None = None,
     reason: str | None = None,
 ) -> Outcome:
+    slices = (
+        (kvpipe.SliceOutcome(0, skipped, 3 - skipped, written, elapsed, "complete"),)
+        if written
+        else ()
+    )
     result = kvpipe.WriteResult(
-        "w1", 3, skipped, written, skipped + written == 3, reason, (), elapsed
+        "w1", 3, skipped, written, skipped + written == 3, reason, slices, elapsed
     )  # type: ignore[arg-type]
     return Outcome(
         "write",
@@ -55,13 +63,23 @@ def _store() -> FaultyStore:
     return FaultyStore(kvpipe.MemoryStore(), FaultPlan())
 
 
+def _putting(statuses: tuple[BlockStatus, ...] | None, outcome: str = "ok") -> FaultyStore:
+    """A store whose log holds w1's one put of blocks 0-2, which returned ``statuses``."""
+    store = _store()
+    call = StoreCall("put", 0, "w1", 0, (), 0.0, statuses=statuses)
+    call.finished, call.outcome = 0.1, outcome
+    store.calls.append(call)
+    return store
+
+
 def test_stored_holds_when_every_counted_block_is_there() -> None:
     source = _source()
     checker = Checker(source, SCOPE, 0.1)
     checker.wrote(_write(3))
     keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
     checker.check_stored(
-        _store(), {k: _payload(source, 2 + i) + b"trailer" for i, k in enumerate(keys)}
+        _putting((BlockStatus.OK,) * 3),
+        {k: _payload(source, 2 + i) + b"trailer" for i, k in enumerate(keys)},
     )
     assert checker.verdicts["stored"].held and checker.verdicts["stored"].checked == 3
 
@@ -77,7 +95,80 @@ def test_stored_catches_counted_blocks_that_are_not_right(breakage: str) -> None
         del stored[keys[2]]
     else:
         stored[keys[1]] = _payload(source, 7)
-    checker.check_stored(_store(), stored)
+    checker.check_stored(_putting((BlockStatus.OK,) * 3), stored)
+    assert not checker.verdicts["stored"].held
+
+
+def _counted_slice(written: int, outcome: str) -> Outcome:
+    """w1 writing blocks 0-2 in one slice that counted ``written`` with ``outcome``."""
+    o = _write(written)
+    assert isinstance(o.result, kvpipe.WriteResult)
+    stop = None if outcome == "complete" else outcome
+    o.result = kvpipe.WriteResult(
+        "w1",
+        3,
+        0,
+        written,
+        written == 3,
+        stop,  # type: ignore[arg-type]
+        (kvpipe.SliceOutcome(0, 0, 3, written, 0.1, outcome),),  # type: ignore[arg-type]
+        0.1,
+    )
+    return o
+
+
+OK3 = (BlockStatus.OK,) * 3
+OK_FAILED_OK = (BlockStatus.OK, BlockStatus.FAILED, BlockStatus.OK)
+
+
+@pytest.mark.parametrize(
+    ("written", "outcome", "returned", "call_outcome", "held"),
+    [
+        (3, "complete", OK3, "ok", True),
+        (1, "incomplete", OK_FAILED_OK, "incomplete", True),
+        # the deadline cut the slice off while its put was returning: nothing counts
+        (0, "total_timeout", OK3, "ok", True),
+        (0, "slice_timeout", None, "cancelled", True),
+        # a put the pipeline gave up on, stored later by a late completion: it counted
+        (2, "slice_timeout", None, "cancelled", False),
+        (3, "complete", None, "cancelled", False),
+        (2, "backend_error", None, "error", False),
+        # fewer or more than the leading run its put returned
+        (0, "incomplete", OK_FAILED_OK, "incomplete", False),
+        (2, "incomplete", OK_FAILED_OK, "incomplete", False),
+    ],
+)
+def test_stored_judges_each_slice_by_what_its_put_returned(
+    written: int,
+    outcome: str,
+    returned: tuple[BlockStatus, ...] | None,
+    call_outcome: str,
+    held: bool,
+) -> None:
+    """Every block is in the store with the right bytes (a late completion stored the lot),
+    so only the put's answer at the time tells a count that is a lie."""
+    source = _source()
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    stored = {k: _payload(source, 2 + i) for i, k in enumerate(keys)}
+    checker = Checker(source, SCOPE, 0.1)
+    checker.wrote(_counted_slice(written, outcome))
+    checker.check_stored(_putting(returned, call_outcome), stored)
+    verdict = checker.verdicts["stored"]
+    assert verdict.held is held, verdict.details
+
+
+def test_stored_catches_written_that_its_slices_do_not_add_up_to() -> None:
+    source = _source()
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    o = _counted_slice(1, "incomplete")
+    assert isinstance(o.result, kvpipe.WriteResult)
+    o.result = dataclasses.replace(o.result, written=2)
+    checker = Checker(source, SCOPE, 0.1)
+    checker.wrote(o)
+    checker.check_stored(
+        _putting(OK_FAILED_OK, "incomplete"),
+        {k: _payload(source, 2 + i) for i, k in enumerate(keys)},
+    )
     assert not checker.verdicts["stored"].held
 
 
