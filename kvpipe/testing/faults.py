@@ -174,6 +174,8 @@ class StoreCall:
     #: What a put or get returned to its caller (``None``: it returned nothing, having
     #: raised or been cancelled; a late completion's statuses reach nobody).
     statuses: tuple[BlockStatus, ...] | None = None
+    #: Keys whose fetched bytes a ``corrupt`` fault of this get changed.
+    corrupted: tuple[str, ...] = ()
 
 
 @final
@@ -359,6 +361,7 @@ class FaultyStore(StorageBackend):
                     if statuses[i] is BlockStatus.OK:
                         view = np.frombuffer(buffers[i], np.uint8)
                         view[rng.randrange(len(view))] ^= 1 << rng.randrange(8)
+                        call.corrupted += (batch.keys[i],)
         if any(s is not BlockStatus.OK for s in statuses):
             call.outcome = "incomplete"
         return statuses

@@ -23,7 +23,7 @@ and the :class:`~kvpipe.testing.faults.FaultyStore` call log, then ask for the v
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, final
@@ -124,8 +124,12 @@ class Checker:
         v = self.verdicts["stored"]
         lied = {c.request_id for c in store.calls if c.op == "exists" and "lie" in c.injected}
         # Blocks kvpipe itself deleted after they failed verification twice are gone by
-        # design (never wrong bytes, a miss later): not a violation, but counted.
+        # design (never wrong bytes, a miss later): not a violation, but counted. The store
+        # holds the right bytes (the faults corrupt a fetch, not the store), so a delete is
+        # excused only for a key whose fetches the faults corrupted at least twice: kvpipe
+        # deleting a block after a single failure (corruption in transit) loses a good one.
         removed = {k for c in store.calls if c.op == "delete" for k in c.keys}
+        corrupted = Counter(k for c in store.calls if c.op == "get" for k in c.corrupted)
         payload = self.source.layout.block_nbytes
         for o in self.outcomes:
             if o.kind != "write" or not isinstance(o.result, WriteResult):
@@ -135,8 +139,13 @@ class Checker:
             for b in range(first, o.start_block + o.result.skipped + o.result.written):
                 v.checked += 1
                 value = stored.get(keys[b])
-                if value is None and keys[b] in removed:
+                if value is None and keys[b] in removed and corrupted[keys[b]] >= 2:
                     self.removed_after_verification += 1
+                elif value is None and keys[b] in removed:
+                    v.fail(
+                        f"{o.request_id}: block {b} deleted by kvpipe, though the faults "
+                        f"corrupted {corrupted[keys[b]]} of its fetches (a good block lost)"
+                    )
                 elif value is None:
                     v.fail(f"{o.request_id}: block {b} counted but not stored")
                 elif value[:payload] != self._payload(self.source, int(o.src_ids[b])):

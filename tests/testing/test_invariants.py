@@ -72,6 +72,10 @@ def _putting(statuses: tuple[BlockStatus, ...] | None, outcome: str = "ok") -> F
     return store
 
 
+OK3 = (BlockStatus.OK,) * 3
+OK_FAILED_OK = (BlockStatus.OK, BlockStatus.FAILED, BlockStatus.OK)
+
+
 def test_stored_holds_when_every_counted_block_is_there() -> None:
     source = _source()
     checker = Checker(source, SCOPE, 0.1)
@@ -99,6 +103,31 @@ def test_stored_catches_counted_blocks_that_are_not_right(breakage: str) -> None
     assert not checker.verdicts["stored"].held
 
 
+@pytest.mark.parametrize(("corruptions", "held"), [(0, False), (1, False), (2, True)])
+def test_stored_excuses_a_deleted_block_only_after_two_corrupted_fetches(
+    corruptions: int, held: bool
+) -> None:
+    """kvpipe deletes a block that failed verification twice; the faults corrupt fetches,
+    never the store, so a deleted block the faults corrupted less than twice was a good one
+    (deleted after a single failure, corruption in transit: it was excused all the same)."""
+    source = _source()
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    store = _putting(OK3)
+    for n in range(corruptions):
+        get = StoreCall("get", n, "r1", 0, tuple(keys), 1.0 + n, corrupted=(keys[1],))
+        get.finished, get.outcome = 1.5 + n, "ok"
+        store.calls.append(get)
+    delete = StoreCall("delete", 0, "", 0, (keys[1],), 3.0)
+    delete.finished, delete.outcome = 3.1, "ok"
+    store.calls.append(delete)
+    checker = Checker(source, SCOPE, 0.1)
+    checker.wrote(_write(3))
+    checker.check_stored(store, {k: _payload(source, 2 + i) for i, k in enumerate(keys) if i != 1})
+    verdict = checker.verdicts["stored"]
+    assert verdict.held is held, verdict.details
+    assert checker.removed_after_verification == (1 if held else 0)
+
+
 def _counted_slice(written: int, outcome: str) -> Outcome:
     """w1 writing blocks 0-2 in one slice that counted ``written`` with ``outcome``."""
     o = _write(written)
@@ -115,10 +144,6 @@ def _counted_slice(written: int, outcome: str) -> Outcome:
         0.1,
     )
     return o
-
-
-OK3 = (BlockStatus.OK,) * 3
-OK_FAILED_OK = (BlockStatus.OK, BlockStatus.FAILED, BlockStatus.OK)
 
 
 @pytest.mark.parametrize(
