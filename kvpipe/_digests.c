@@ -292,24 +292,64 @@ static int take_rows(Rows *r, PyObject *rows_obj, int writable, const int64_t *b
 /* A value that maps a file (check_place with `mapped`) faults with SIGBUS where the file has
  * shrunk since it was mapped, or a page of it cannot be read: the thread reading it jumps back
  * to check_place instead of the process dying. Any other SIGBUS (a fault outside the value,
- * or a signal sent) goes to the handler there was before, or the default action: a fault when
- * its instruction runs again, a sent signal raised again. */
+ * or a signal sent) goes to the handler there was before, called from on_bus, which stays the
+ * process's handler: putting the one before back instead left every other thread reading a
+ * mapped value unguarded until the next guard_bus (a signal sent to the process and ignored,
+ * say, and then a file that shrank under another thread's read ended the process). Where
+ * there was none, the default action: a fault when its instruction runs again, a sent signal
+ * raised again. */
 static _Thread_local sigjmp_buf *volatile bus_jump;
 static _Thread_local const char *volatile bus_from, *volatile bus_to; /* the mapped value */
+static _Thread_local volatile int bus_chained; /* on_bus is calling the handler before */
 static struct sigaction bus_before;
 
+/* The default action for a SIGBUS not ours: the process ends by it. */
+static void bus_default(int sig, const siginfo_t *info) {
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(sig, &dfl, NULL);
+    if (info->si_code <= 0) {
+        raise(sig); /* sent, not a fault that happens again when the instruction reruns */
+    }
+}
+
 static void on_bus(int sig, siginfo_t *info, void *context) {
-    (void)sig, (void)context;
     sigjmp_buf *jump = bus_jump;
     const char *at = (const char *)info->si_addr;
     if (jump != NULL && info->si_code > 0 && at >= bus_from && at < bus_to) {
         bus_jump = NULL;
         siglongjmp(*jump, 1);
     }
-    sigaction(SIGBUS, &bus_before, NULL); /* the next guard_bus puts on_bus back */
-    if (info->si_code <= 0) {
-        raise(SIGBUS); /* sent, not a fault that happens again when the instruction reruns */
+    struct sigaction before = bus_before;
+    if (bus_chained || before.sa_handler == SIG_DFL) {
+        /* none before, or the one before raised it again having put on_bus back (as
+           faulthandler does when it was enabled after the guard) */
+        bus_default(sig, info);
+        return;
     }
+    if (before.sa_handler == SIG_IGN) {
+        if (info->si_code > 0) bus_default(sig, info); /* a fault cannot be ignored */
+        return;
+    }
+    if (before.sa_flags & SA_RESETHAND) { /* a handler for one signal only */
+        memset(&bus_before, 0, sizeof bus_before);
+        bus_before.sa_handler = SIG_DFL;
+    }
+    /* as the kernel would call it: its mask blocked, and the signal unless SA_NODEFER */
+    sigset_t mask, old;
+    mask = before.sa_mask;
+    if (!(before.sa_flags & SA_NODEFER)) sigaddset(&mask, sig);
+    pthread_sigmask(SIG_BLOCK, &mask, &old);
+    bus_chained = 1;
+    if (before.sa_flags & SA_SIGINFO) {
+        before.sa_sigaction(sig, info, context);
+    } else {
+        before.sa_handler(sig);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL); /* a signal it raised, pending, comes first */
+    bus_chained = 0;
 }
 
 /* Make on_bus the SIGBUS handler, unless it is (a handler installed since, faulthandler's

@@ -165,6 +165,57 @@ def test_a_sigbus_sent_to_the_process_is_not_swallowed_by_the_guard() -> None:
     assert "survived" not in child.stdout
 
 
+# A SIGBUS sent to a process that ignores it, again and again, to a thread that keeps reading
+# a mapped value whose file shrank: the signal once landed mid-read and took the guard away
+# (on_bus put the handler before back), and the read's fault then ended the process.
+_SENT_WHILE_READING = """
+import mmap, os, signal, tempfile, threading, time
+import numpy as np
+from kvpipe import _blockformat
+from kvpipe._blockformat import TRAILER_NBYTES
+signal.signal(signal.SIGBUS, signal.SIG_IGN)  # a SIGBUS sent here is ignored
+payload = 16 << 20  # hashing the half still there takes a while: the signal lands mid-read
+rows = [np.zeros((2, payload), np.uint8)]
+table = np.array([[0, 0, payload]], np.int64)
+codes = []
+with tempfile.TemporaryFile() as f:
+    f.write(bytes(payload + TRAILER_NBYTES))
+    f.flush()
+    mem = mmap.mmap(f.fileno(), payload + TRAILER_NBYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+    os.ftruncate(f.fileno(), payload // 2)  # its second half faults
+    value = memoryview(mem)
+
+    def read():
+        for _ in range(100):
+            codes.append(
+                _blockformat.place_if_sound(
+                    value, payload, 0, bytes(16), True, rows, 1, table, mapped=True
+                )
+            )
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    while reader.is_alive():
+        signal.pthread_kill(reader.ident, signal.SIGBUS)
+        time.sleep(0.001)
+    reader.join()
+    value.release()
+    mem.close()
+print(sorted(set(codes)), len(codes))
+"""
+
+
+def test_a_sigbus_sent_mid_read_leaves_the_guard_in_place() -> None:
+    """A ``SIGBUS`` sent while a thread reads a mapped value goes to the handler there was
+    before (here: ignored) without taking the guard away from that read."""
+    needs_native_digests()
+    child = subprocess.run(
+        [sys.executable, "-c", _SENT_WHILE_READING], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr)
+    assert child.stdout.split() == ["[3]", "100"]  # every read unreadable, none fatal
+
+
 def test_a_mapped_value_whose_file_shrank_is_unreadable_not_fatal() -> None:
     needs_native_digests()
     child = subprocess.run(
