@@ -16,6 +16,8 @@ Kinds:
               get: some blocks reported ``FAILED``
 ``lie``       exists: some missing keys reported present
 ``corrupt``   get: some fetched blocks get a byte flipped, reported ``OK``
+``swap``      get: some fetched blocks come back holding another block's intact value of the
+              same call (a store that mixed up its keys), reported ``OK``
 ``late``      the call finishes ``latency`` seconds later even if the caller gave up: a put
               still stores its blocks, a get still writes into its buffers (the staging stays
               leased until it is done)
@@ -47,8 +49,8 @@ from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageB
 __all__ = ("FaultPlan", "FaultRule", "FaultyStore", "StoreCall")
 
 Op = Literal["put", "get", "exists", "delete", "put_residency", "get_residency", "*"]
-Kind = Literal["latency", "hang", "error", "partial", "lie", "corrupt", "late"]
-_KINDS = ("latency", "hang", "error", "partial", "lie", "corrupt", "late")
+Kind = Literal["latency", "hang", "error", "partial", "lie", "corrupt", "swap", "late"]
+_KINDS = ("latency", "hang", "error", "partial", "lie", "corrupt", "swap", "late")
 _OPS = ("put", "get", "exists", "delete", "put_residency", "get_residency", "*")
 _ERRORS: dict[str, type[Exception]] = {
     "OSError": OSError,
@@ -69,7 +71,8 @@ class FaultRule:
         calls: The call numbers (per operation, from 0) it hits; ``None``: any call, with
             ``probability``.
         probability: Chance that a call is hit (when ``calls`` is ``None``).
-        blocks: Chance that each block of a hit call is affected (partial, lie, corrupt).
+        blocks: Chance that each block of a hit call is affected (partial, lie, corrupt,
+            swap).
         latency: Seconds, or ``["uniform", lo, hi]`` or ``["exp", mean]``.
         error: Name of the exception raised by ``error``.
     """
@@ -116,7 +119,8 @@ class FaultRule:
         raise ValueError(f"bad latency spec {spec!r}: a number, ['uniform', lo, hi], ['exp', mean]")
 
     def picked(self, n: int, rng: random.Random) -> list[int]:
-        """Which of ``n`` blocks a partial / lie / corrupt fault affects (at least one)."""
+        """Which of ``n`` blocks a partial / lie / corrupt / swap fault affects (at least
+        one)."""
         chosen = [i for i in range(n) if rng.random() < self.blocks]
         return chosen or ([rng.randrange(n)] if n else [])
 
@@ -174,7 +178,7 @@ class StoreCall:
     #: What a put or get returned to its caller (``None``: it returned nothing, having
     #: raised or been cancelled; a late completion's statuses reach nobody).
     statuses: tuple[BlockStatus, ...] | None = None
-    #: Keys whose fetched bytes a ``corrupt`` fault of this get changed.
+    #: Keys whose fetched bytes a ``corrupt`` or ``swap`` fault of this get changed.
     corrupted: tuple[str, ...] = ()
 
 
@@ -361,6 +365,17 @@ class FaultyStore(StorageBackend):
                     if statuses[i] is BlockStatus.OK:
                         view = np.frombuffer(buffers[i], np.uint8)
                         view[rng.randrange(len(view))] ^= 1 << rng.randrange(8)
+                        call.corrupted += (batch.keys[i],)
+            elif rule.kind == "swap":
+                whole = [i for i, st in enumerate(statuses) if st is BlockStatus.OK]
+                # The values as fetched: one swapped already is never handed on.
+                fetched = {k: bytes(buffers[k]) for k in whole} if len(whole) > 1 else {}
+                for i in rule.picked(len(batch), rng) if fetched else ():
+                    if i in fetched:
+                        theirs = fetched[rng.choice([k for k in whole if k != i])]
+                        mine = np.frombuffer(buffers[i], np.uint8)
+                        n = min(len(mine), len(theirs))
+                        mine[:n] = np.frombuffer(theirs, np.uint8)[:n]
                         call.corrupted += (batch.keys[i],)
         if any(s is not BlockStatus.OK for s in statuses):
             call.outcome = "incomplete"

@@ -101,6 +101,11 @@ SCENARIOS: Final[tuple[Scenario, ...]] = (
         (_r("get", "corrupt", probability=0.3, blocks=0.3),),
     ),
     Scenario(
+        "swapped_reads",
+        "30% of gets return another block's value for some blocks",
+        (_r("get", "swap", probability=0.3, blocks=0.3),),
+    ),
+    Scenario(
         "late",
         "30% of puts and gets finish 0.4 s later, after the caller gave up",
         (

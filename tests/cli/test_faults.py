@@ -21,7 +21,7 @@ def test_every_scenario_on_the_memory_store(capsys: pytest.CaptureFixture[str]) 
     code, report = _run(capsys, "--store", "memory", "--all")
     assert code == 0 and report["ok"] is True
     names = [s["scenario"] for s in report["scenarios"]]  # type: ignore[index]
-    assert "hang_slice" in names and "crash_loop" in names and len(names) == 13
+    assert "hang_slice" in names and "crash_loop" in names and len(names) == 14
 
 
 @pytest.mark.slow  # real time: a writer process killed mid-write

@@ -144,6 +144,24 @@ async def test_corrupt_gets_flip_bytes_and_lies_invent_keys() -> None:
     assert np.sum(np.frombuffer(got[0], np.uint8) != np.frombuffer(values[0], np.uint8)) == 1
 
 
+async def test_swapped_gets_return_another_block_s_intact_value() -> None:
+    suite = BackendConformance()
+    plan = FaultPlan(0, (FaultRule("get", "swap", calls=(0,), blocks=1.0),))
+    async with FaultyStore(kvpipe.MemoryStore(), plan) as store, suite._batches(store) as b:
+        keys, _ = b.keys(3)
+        values = [bytes([i + 1]) * b.pool.slot_nbytes for i in range(3)]
+        await b.put(store, keys, values)
+        statuses, got = await b.get(store, keys)
+        assert statuses == [BlockStatus.OK] * 3
+        for i, value in enumerate(got):  # each one whole, and another block's
+            assert value in values and value != values[i]
+        (call,) = (c for c in store.calls if c.op == "get")
+        assert call.injected == ["swap"] and sorted(call.corrupted) == sorted(keys)
+        # One block: nothing to swap with, so it comes back as stored.
+        statuses, got = await b.get(store, keys[:1])
+        assert statuses == [BlockStatus.OK] and got == values[:1]
+
+
 # Real time: nothing here waits on a clock, and under trio's mock clock the loop spins while
 # it waits for the file store's threads, which then crawl (25-31 s a run instead of ~1 s).
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -31,7 +31,8 @@ async def test_scenario_on_the_memory_store(scenario: object, seed: int) -> None
     [
         s
         for s in SCENARIOS
-        if s.name in ("hang_slice", "partial_puts", "corrupt_reads", "late", "crash")
+        if s.name
+        in ("hang_slice", "partial_puts", "corrupt_reads", "swapped_reads", "late", "crash")
     ],
     ids=lambda s: s.name,
 )
