@@ -156,7 +156,7 @@ def test_inspects_a_store_it_cannot_write(
     assert sorted(p.name for p in root.iterdir()) == files
 
 
-@pytest.mark.parametrize("damage", ["garbage", "directory"])
+@pytest.mark.parametrize("damage", ["garbage", "empty", "directory"])
 def test_a_catalog_that_cannot_be_read_is_reported_with_the_blocks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
@@ -171,9 +171,12 @@ def test_a_catalog_that_cannot_be_read_is_reported_with_the_blocks(
     catalog.unlink()
     if damage == "garbage":
         catalog.write_bytes(b"not a database" * 1000)
+    elif damage == "empty":  # a store that crashed as it made its catalog; it was given one
+        catalog.write_bytes(b"")
     else:
         catalog.mkdir()
     before = sorted(os.walk(root))
+    held = catalog.read_bytes() if catalog.is_file() else None
     assert main(["store-info", str(root), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["blocks"] == blocks > 0 and report["corrupt"] == []
@@ -182,3 +185,4 @@ def test_a_catalog_that_cannot_be_read_is_reported_with_the_blocks(
     out = capsys.readouterr().out
     assert "unreadable" in out
     assert sorted(os.walk(root)) == before  # inspection changes nothing
+    assert (catalog.read_bytes() if catalog.is_file() else None) == held

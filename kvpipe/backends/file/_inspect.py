@@ -246,7 +246,15 @@ def _open_catalog(path: str) -> Catalog:
     """The catalog at ``path``, as the store opens it where that is allowed (its last
     connection closing removes the ``-wal`` and ``-shm`` files, leaving it as it was; a
     read-only one would leave them), else read-only: a read-only file system, or a catalog
-    or directory of another user's that this one may only read."""
+    or directory of another user's that this one may only read.
+
+    Raises:
+        OSError, sqlite3.Error: It cannot be read, or it is empty (no schema to read).
+    """
+    if os.stat(path).st_size == 0:  # opened writable it would be given the schema
+        raise sqlite3.DatabaseError(
+            "empty catalog file: no schema (the store's next open makes it)"
+        )
     try:
         return Catalog(path)
     except (OSError, sqlite3.Error) as exc:
