@@ -299,7 +299,7 @@ async def run_workload(
                             dst_ids=dst,
                             crash_expected=rid in victims,
                         )
-                        t0 = anyio.current_time()
+                        t0 = o.started = anyio.current_time()
                         try:
                             if kind == "write":
                                 o.result = await pipe.write(

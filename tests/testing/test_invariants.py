@@ -128,6 +128,30 @@ def test_stored_excuses_a_deleted_block_only_after_two_corrupted_fetches(
     assert checker.removed_after_verification == (1 if held else 0)
 
 
+@pytest.mark.parametrize(("lie_at", "held"), [(0.05, True), (5.0, False)])
+def test_stored_excuses_skipped_blocks_only_for_a_lie_to_the_write_itself(
+    lie_at: float, held: bool
+) -> None:
+    """A write whose dedup probe the store lied to skipped blocks that are not stored: its
+    skipped blocks are not judged. A lie to the read of the same request id, later, used to
+    excuse the write's skipped blocks all the same."""
+    source = _source()
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    store = _store()
+    put = StoreCall("put", 0, "w1", 2, (keys[2],), 0.06, statuses=(BlockStatus.OK,))
+    put.finished, put.outcome = 0.07, "ok"
+    lie = StoreCall("exists", 0, "w1", 0, tuple(keys), lie_at, injected=["lie"])
+    lie.finished, lie.outcome = lie_at + 0.01, "ok"
+    store.calls += [lie, put] if lie_at < 0.06 else [put, lie]
+    write = _write(1, skipped=2)
+    write.started = 0.0
+    checker = Checker(source, SCOPE, 0.1)
+    checker.wrote(write)
+    checker.check_stored(store, {keys[2]: _payload(source, 4)})
+    verdict = checker.verdicts["stored"]
+    assert verdict.held is held, verdict.details
+
+
 def _counted_slice(written: int, outcome: str) -> Outcome:
     """w1 writing blocks 0-2 in one slice that counted ``written`` with ``outcome``."""
     o = _write(written)
