@@ -33,6 +33,9 @@ _MAGIC: Final = b"KVFD"
 _UNSET: Final[Any] = object()
 #: Keys a ``batch_set`` copies and stores per hop onto the loop: its copies alive at once.
 BATCH_SET_CHUNK: Final = 32
+#: Keys a ``batch_get`` fetches and places per hop onto the loop: its fetched values alive at
+#: once.
+BATCH_GET_CHUNK: Final = 32
 
 
 def _key(namespace: str, key: str) -> str:
@@ -76,6 +79,28 @@ def _verify(value: bytearray, key: str, size: int) -> memoryview | None:
         return None
     ok = (magic, version, n) == (_MAGIC, 1, size) and ksum == xxhash.xxh3_64_intdigest(key.encode())
     return payload if ok and psum == xxhash.xxh3_64_intdigest(payload) else None
+
+
+def _place(
+    chunk: list[int],
+    got: list[tuple[BlockStatus, bytearray]],
+    keys: list[str],
+    ptrs: list[int],
+    sizes: list[int],
+    out: list[int],
+) -> int:
+    """Copy each fetched value that passes its checks into its pointer (``out[i]``: its
+    size); the number of values that failed them (missing ones not counted)."""
+    bad = 0
+    for i, (status, value) in zip(chunk, got, strict=True):
+        payload = _verify(value, keys[i], sizes[i]) if status is BlockStatus.OK else None
+        if payload is None:
+            bad += status is not BlockStatus.MISSING
+            continue
+        payload.release()  # the checked payload: value's first bytes
+        ctypes.memmove(ptrs[i], (ctypes.c_char * sizes[i]).from_buffer(value), sizes[i])
+        out[i] = sizes[i]
+    return bad
 
 
 def _int(x: Any, what: str) -> int:
@@ -308,6 +333,8 @@ class KVPipeStorage:
             Per key the bytes copied, or -1 (missing, corrupt, of another size, store down);
             -1 for every key when the lists' lengths differ. A value is copied only after its
             checks passed: the caller's buffer never receives a corrupt or short value.
+            Fetched :data:`BATCH_GET_CHUNK` keys at a time under one deadline: a store failure
+            or the deadline ends the call at its chunk (-1 from there on).
         """
         n = len(keys)
         if not _lengths_match("batch_get", n, target_locations, target_sizes) or n == 0:
@@ -318,19 +345,20 @@ class KVPipeStorage:
         ptrs = [_int(p, "target_location") for p in target_locations]
         out = [-1] * n
         valid = [i for i in range(n) if sizes[i] > 0 and ptrs[i] > 0]
-        args = [ours[i] for i in valid], [sizes[i] + _TRAILER.size for i in valid]
-        got = self._run("batch_get", self._client.get, *args) if valid else []
-        if got is None:
-            return out
+        # In chunks under one deadline: only a chunk's values are alive at once, not a copy
+        # of the whole batch (a long request's read is as big as the manager's read buffer).
+        deadline = time.monotonic() + self.timeout
         bad = 0
-        for i, (status, value) in zip(valid, got, strict=True):
-            payload = _verify(value, keys[i], sizes[i]) if status is BlockStatus.OK else None
-            if payload is None:
-                bad += status is not BlockStatus.MISSING
-                continue
-            payload.release()  # the checked payload: value's first bytes
-            ctypes.memmove(ptrs[i], (ctypes.c_char * sizes[i]).from_buffer(value), sizes[i])
-            out[i] = sizes[i]
+        for lo in range(0, len(valid), BATCH_GET_CHUNK):
+            chunk = valid[lo : lo + BATCH_GET_CHUNK]
+            args = [ours[i] for i in chunk], [sizes[i] + _TRAILER.size for i in chunk]
+            got = self._run(
+                "batch_get", self._client.get, *args, timeout=deadline - time.monotonic()
+            )
+            if got is None:
+                break
+            bad += _place(chunk, got, keys, ptrs, sizes, out)
+            del got  # before the next chunk is fetched
         if bad:
             log.warning("KVPipeStorage batch_get: %d of %d values failed their checks", bad, n)
         self._remember([ours[i] for i in range(n) if out[i] > 0])

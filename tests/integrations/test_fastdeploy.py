@@ -771,6 +771,44 @@ def test_batch_set_copies_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> 
     assert max(alive) <= _fd_storage.BATCH_SET_CHUNK
 
 
+def test_batch_get_fetches_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager's read is as big as its write (``_run_read_storage``: every matched
+    block's key and value, the whole read buffer); batch_get fetched every value into host
+    memory before placing any in the caller's buffer, so a long request's read doubled the
+    manager's read buffer in host memory, as batch_set's copies once did. Values fetched
+    but not placed yet stay within one chunk."""
+    from kvpipe.integrations import _fd_storage
+
+    n = 200
+    host = np.arange(n * 16, dtype=np.uint8)
+    out = np.zeros_like(host)
+    lo, hi = out.ctypes.data, out.ctypes.data + out.nbytes
+    placed: list[int] = []  # one per copy into the caller's buffer
+    alive: list[int] = []  # per get: values fetched but not placed yet
+    fetched: list[str] = []
+    real = ctypes.memmove
+
+    def watched(dst: object, src: object, count: int) -> object:
+        if isinstance(dst, int) and lo <= dst < hi:
+            placed.append(dst)
+        return real(dst, src, count)
+
+    class Watching(kvpipe.MemoryStore):
+        async def get_blocks(self, batch: kvpipe.GetBatch) -> Sequence[kvpipe.BlockStatus]:
+            alive.append(len(fetched) - len(placed))
+            fetched.extend(batch.keys)
+            return await super().get_blocks(batch)
+
+    with KVPipeStorage(store=Watching()) as s:
+        keys = [f"k{i}" for i in range(n)]
+        assert s.batch_set(keys, [host.ctypes.data + 16 * i for i in range(n)], [16] * n) == [0] * n
+        monkeypatch.setattr(ctypes, "memmove", watched)
+        assert s.batch_get(keys, [lo + 16 * i for i in range(n)], [16] * n) == [16] * n
+    assert bytes(out) == bytes(host)
+    assert len(placed) == n
+    assert max(alive) <= _fd_storage.BATCH_GET_CHUNK, alive
+
+
 class RefusingRegistrationStore(kvpipe.MemoryStore):
     """A store that is down: registering staging fails."""
 
