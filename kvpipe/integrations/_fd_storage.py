@@ -38,11 +38,12 @@ BATCH_SET_CHUNK: Final = 32
 BATCH_GET_CHUNK: Final = 32
 
 
-def _key(namespace: str, key: str) -> str:
-    """A kvpipe key for FastDeploy's key: a hash, so no key can name a path."""
+def _key(scope: str, key: str) -> str:
+    """A kvpipe key for FastDeploy's key within ``scope`` (namespace and TP size): a hash, so
+    no key can name a path."""
     if not isinstance(key, str) or not key:
         raise TypeError(f"keys must be non-empty str, got {key!r}")
-    h = hashlib.blake2b(f"{namespace}\0{key}".encode(), digest_size=16).hexdigest()
+    h = hashlib.blake2b(f"{scope}\0{key}".encode(), digest_size=16).hexdigest()
     return f"fd@{h}"
 
 
@@ -122,7 +123,9 @@ class KVPipeStorage:
             ``~/.cache/kvpipe/fastdeploy``. ``None`` or ``""``: ``ValueError``.
         namespace: FastDeploy's model id; scopes every key.
         tp_rank: Only rank 0 creates the directory at construction.
-        tp_size: Accepted for FastDeploy's surface.
+        tp_size: The deployment's TP size; in every key, beside the namespace. FastDeploy's
+            keys name the rank only, and a rank's slice of a block (its size too) differs
+            at another TP size: deployments at different TP sizes keep apart.
         store: A kvpipe store to use instead (it is closed with this object).
         timeout: Seconds a ``batch_set`` / ``batch_get`` / ``exists`` / ``clear`` call may
             take (its caller waits at most this plus :data:`HOP_SLACK`).
@@ -163,6 +166,8 @@ class KVPipeStorage:
         self.namespace = namespace or ""
         self.tp_rank = tp_rank or 0
         self.tp_size = tp_size or 1
+        #: scopes every key: a value stored at one TP size is never asked for at another
+        self._scope = f"{self.namespace}\0tp{self.tp_size}"
         self.timeout = timeout
         self.file_path: str | None = None
         if store is None:
@@ -276,7 +281,7 @@ class KVPipeStorage:
         n = len(keys)
         if not _lengths_match("batch_set", n, target_locations, target_sizes) or n == 0:
             return [-1] * n
-        ours = [_key(self.namespace, k) for k in keys]
+        ours = [_key(self._scope, k) for k in keys]
         assert target_locations is not None and target_sizes is not None
         spans: list[tuple[int, int]] = []
         for loc, size in zip(target_locations, target_sizes, strict=True):
@@ -339,7 +344,7 @@ class KVPipeStorage:
         n = len(keys)
         if not _lengths_match("batch_get", n, target_locations, target_sizes) or n == 0:
             return [-1] * n
-        ours = [_key(self.namespace, k) for k in keys]
+        ours = [_key(self._scope, k) for k in keys]
         assert target_locations is not None and target_sizes is not None
         sizes = [_int(s, "target_size") for s in target_sizes]
         ptrs = [_int(p, "target_location") for p in target_locations]
@@ -374,7 +379,7 @@ class KVPipeStorage:
 
     def exists(self, keys: list[str]) -> dict[str, bool]:
         """``{key: stored}`` for every key (all ``False`` when the store cannot answer)."""
-        ours = [_key(self.namespace, k) for k in keys]
+        ours = [_key(self._scope, k) for k in keys]
         got = self._run("exists", self._client.exists, ours) if ours else []
         if got is None:
             return dict.fromkeys(keys, False)
@@ -398,7 +403,7 @@ class KVPipeStorage:
             return 0
         # Block by block, every part of a block before the next block: the leading run of
         # stored keys, one store call, gives the leading run of complete blocks.
-        flat = [_key(self.namespace, k) for block in zip(*parts, strict=True) for k in block]
+        flat = [_key(self._scope, k) for block in zip(*parts, strict=True) for k in block]
         got = self._run("query", self._client.stored_run, flat, timeout=timeout)
         if got is None:
             return 0

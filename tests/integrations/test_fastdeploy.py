@@ -555,6 +555,36 @@ def test_clear_removes_only_own_entries(fs: KVPipeStorage, tmp_path: Path) -> No
     assert foreign.read_text() == "data"
 
 
+def test_deployments_of_another_tp_size_keep_their_own_values(tmp_path: Path) -> None:
+    """FastDeploy's keys name the rank but not the TP size (``prefix{p}_{hash}_{rank}_key``,
+    cache_transfer_manager.read_storage_task), and a rank's block is a different slice
+    (and size) at another TP size. Two deployments of one model at TP 1 and TP 2 on one
+    store shared each key: the second's batch_set found it stored and skipped it, and its
+    read (query, then batch_get of its own size) found the other's value of another size,
+    which the file store took for corrupt and quarantined: neither deployment's value
+    survived. With the TP size in the key each keeps and reads back its own."""
+    keys_k, keys_v = ["prefix_h0_0_key"], ["prefix_h0_0_value"]
+
+    def write_then_read(s: KVPipeStorage, nbytes: int, fill: int) -> tuple[int, list[int], bytes]:
+        _src, sp = _buf(bytes([fill]) * nbytes)
+        assert s.batch_set(keys_k + keys_v, [sp, sp], [nbytes, nbytes]) == [0, 0]
+        return read(s, nbytes)
+
+    def read(s: KVPipeStorage, nbytes: int) -> tuple[int, list[int], bytes]:
+        m = s.query(keys_k, keys_v, None, None, 10.0)
+        dst, dp = _buf(b"\0" * nbytes)
+        got = s.batch_get(keys_k[:m] + keys_v[:m], [dp] * (2 * m), [nbytes] * (2 * m))
+        return m, got, dst.raw
+
+    with (
+        KVPipeStorage(file_path=str(tmp_path), namespace="m", tp_rank=0, tp_size=1) as tp1,
+        KVPipeStorage(file_path=str(tmp_path), namespace="m", tp_rank=0, tp_size=2) as tp2,
+    ):
+        assert write_then_read(tp1, 64, 1) == (1, [64, 64], b"\1" * 64)
+        assert write_then_read(tp2, 32, 2) == (1, [32, 32], b"\2" * 32)
+        assert read(tp1, 64) == (1, [64, 64], b"\1" * 64)
+
+
 # FastDeploy's own file-store unit tests (tests/cache_manager/test_cache_manager_file_store.py),
 # with KVPipeStorage in place of FileStore, where they test behaviour. Each names its original.
 
