@@ -94,38 +94,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "worker_nice":
-                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
-                    raise ConfigError(f.name, f"must be an int from 0 to 19, got {value!r}")
-            elif f.type == "int":
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ConfigError(f.name, f"must be an int >= 1, got {value!r}")
-            elif f.type == "float":
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise ConfigError(f.name, f"must be a number, got {value!r}")
-                try:
-                    finite = math.isfinite(value)
-                except OverflowError:  # an int too large for a float
-                    finite = False
-                if not finite or value <= 0:
-                    raise ConfigError(f.name, f"must be finite and > 0, got {value!r}")
-            elif f.type == "bool":
-                if not isinstance(value, bool):
-                    raise ConfigError(f.name, f"must be a bool, got {value!r}")
-            elif f.type == "str" and (not isinstance(value, str) or not value.strip()):
-                raise ConfigError(f.name, f"must be a non-empty string, got {value!r}")
-        if not self.node_id.isprintable() or any(c.isspace() or c == "@" for c in self.node_id):
-            raise ConfigError(
-                "node_id", f"must be printable, without spaces or '@', got {self.node_id!r}"
-            )
-        physical = physical_memory()
-        if physical is not None and self.staging_bytes > physical:
-            raise ConfigError(
-                "staging_bytes",
-                f"{self.staging_bytes} B ({self.staging_bytes >> 30} GiB) asked, but this "
-                f"machine has {physical} B ({physical / 2**30:.1f} GiB) of physical memory",
-            )
+            _check(f.name, str(f.type), getattr(self, f.name))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> PipelineConfig:
@@ -157,8 +126,10 @@ class PipelineConfig:
                 if raw is None or raw.strip() == "":
                     continue
                 values[f.name] = _parse(name, str(f.type), raw.strip())
+                # The value alone: a whole config built around it would also check the other
+                # fields' defaults (1 GiB of staging against this machine's memory).
                 try:
-                    cls(**{f.name: values[f.name]})
+                    _check(f.name, str(f.type), values[f.name])
                 except ConfigError as exc:
                     raise ConfigError(name, str(exc).split(": ", 1)[1]) from None
                 break
@@ -168,6 +139,46 @@ class PipelineConfig:
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _check(name: str, kind: str, value: Any) -> None:
+    """Check one field's value (``kind``: its annotation).
+
+    Raises:
+        ConfigError: The value is invalid; ``field`` is ``name``.
+    """
+    if name == "worker_nice":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+            raise ConfigError(name, f"must be an int from 0 to 19, got {value!r}")
+    elif kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(name, f"must be an int >= 1, got {value!r}")
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(name, f"must be a number, got {value!r}")
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not finite or value <= 0:
+            raise ConfigError(name, f"must be finite and > 0, got {value!r}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"must be a bool, got {value!r}")
+    elif kind == "str" and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(name, f"must be a non-empty string, got {value!r}")
+    if name == "node_id" and (
+        not value.isprintable() or any(c.isspace() or c == "@" for c in value)
+    ):
+        raise ConfigError(name, f"must be printable, without spaces or '@', got {value!r}")
+    if name == "staging_bytes":
+        physical = physical_memory()
+        if physical is not None and value > physical:
+            raise ConfigError(
+                name,
+                f"{value} B ({value >> 30} GiB) asked, but this machine has {physical} B "
+                f"({physical / 2**30:.1f} GiB) of physical memory",
+            )
 
 
 def physical_memory() -> int | None:

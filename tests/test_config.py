@@ -318,3 +318,21 @@ def test_an_int_too_large_for_a_float_is_a_config_error(field: str, value: int) 
     or the message's GiB figure)."""
     with pytest.raises(kvpipe.ConfigError, match=field):
         kvpipe.PipelineConfig(**{field: value})
+
+
+def test_each_variable_is_checked_alone_not_against_the_other_fields_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a machine with less physical memory than the default 1 GiB of staging, a valid
+    environment and override (the documented example's ``staging_bytes=64 << 20``) were
+    refused, naming ``KVPIPE_SLICE_BLOCK_NUM``: each variable was checked by building a whole
+    config around it, with the default staging, which did not fit."""
+    monkeypatch.setattr("kvpipe._config.physical_memory", lambda: 512 << 20)
+    env = {"KVPIPE_SLICE_BLOCK_NUM": "64", "AS_WRITE_SLICE_TIMEOUT": "2"}
+    cfg = PipelineConfig.from_env(environ=env, staging_bytes=64 << 20)
+    assert (cfg.slice_block_num, cfg.slice_timeout, cfg.staging_bytes) == (64, 2.0, 64 << 20)
+    cfg = PipelineConfig.from_env(environ={**env, "KVPIPE_STAGING_BYTES": str(64 << 20)})
+    assert cfg.staging_bytes == 64 << 20
+    with pytest.raises(ConfigError, match="physical memory") as info:
+        PipelineConfig.from_env(environ={**env, "KVPIPE_STAGING_BYTES": str(1 << 30)})
+    assert info.value.field == "KVPIPE_STAGING_BYTES"
