@@ -449,11 +449,19 @@ class Reader(Actor[ReadState | SliceJob]):
     async def _delete_corrupt(self, request_id: str, keys: list[str]) -> None:
         """Remove blocks that failed verification (best effort, bounded)."""
         ctx = self.ctx
-        with anyio.move_on_after(ctx.config.slice_timeout):
+        limit = ctx.config.slice_timeout
+        with anyio.move_on_after(limit) as bound:
             try:
                 await backend_call(ctx.backend, "delete", ctx.backend.delete, keys)
                 ctx.metrics.counters["corrupt_blocks_deleted"] += len(keys)
             except BackendError as exc:
                 log.warning(
-                    "read %s: could not delete %d corrupt blocks: %s", request_id, len(keys), exc
+                    "read %s: could not delete %d corrupt block(s): %s", request_id, len(keys), exc
                 )
+        if bound.cancelled_caught:
+            log.warning(
+                "read %s: could not delete %d corrupt block(s) within %g s (slice_timeout)",
+                request_id,
+                len(keys),
+                limit,
+            )

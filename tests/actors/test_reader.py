@@ -4,6 +4,7 @@ and placed slice by slice, inline or in tasks)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import anyio
@@ -271,6 +272,36 @@ class TestVirtualTime:
             assert read_counts == {"read_total_timeout": 1}
             assert seen == [("read_slice", "total_timeout")]
             assert h.ctx.pool.in_use == 0
+
+    async def test_a_deletion_of_corrupt_blocks_that_times_out_is_logged(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A store whose ``delete`` never returns: the deletion of a block that failed
+        verification twice is given up after ``slice_timeout``, and that is logged as a
+        failed deletion is. It was given up silently (only a ``BackendError`` was logged):
+        the corrupt block stays, and nothing said why ``corrupt_blocks_deleted`` stood
+        still while ``blocks_failed_verify`` grew."""
+
+        class HangingDelete(ScriptedStore):
+            async def delete(self, keys: Sequence[str]) -> None:
+                self.deleted.extend(keys)
+                await anyio.sleep_forever()
+
+        store = HangingDelete(gets={0: Act(corrupt=[3]), 1: Act(corrupt=[0])})
+        config = kvpipe.PipelineConfig(slice_block_num=8, slice_timeout=2.0)
+        async with harness(store, slice_blocks=8, config=config) as h:
+            await _store_all(h)
+            caplog.set_level(logging.WARNING, logger="kvpipe")
+            start = anyio.current_time()
+            state, _ = await _read_slice(h)
+            assert anyio.current_time() - start == pytest.approx(2.0)
+            assert state.result is not None and state.result.loaded == 3
+            assert store.deleted == [store.calls_of("get")[0].keys[3]]
+            assert "corrupt_blocks_deleted" not in h.ctx.metrics.counters
+            lines = [r.getMessage() for r in caplog.records if "delete" in r.getMessage()]
+            assert len(lines) == 1, lines
+            assert lines[0].startswith("read r: could not delete 1 corrupt block")
+            assert "2 s" in lines[0]
 
 
 async def test_work_on_blocks_past_where_loading_stopped_is_cancelled_as_it_starts() -> None:
