@@ -140,3 +140,45 @@ async def test_the_file_store_logs_failed_blocks_once_per_batch(
     store_line = records[0][1]
     assert "8 of 8 blocks failed to write" in store_line and "injected I/O error" in store_line
     assert "and 5 more" in store_line  # three named, the rest counted
+
+
+class _EvictedBeforeTheFetch(kvpipe.MemoryStore):
+    """Evicts block 2 of the next fetch just before it (another writer's put pushed it out
+    between the read's probe and its fetch)."""
+
+    evict = False
+
+    async def get_blocks(self, batch: kvpipe.backends.GetBatch) -> list[kvpipe.BlockStatus]:
+        if self.evict:
+            self.evict = False
+            await self.delete([batch.keys[2]])
+        return list(await super().get_blocks(batch))
+
+
+async def test_a_block_evicted_since_the_probe_is_debug_as_a_block_not_stored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A block found stored by the read's probe and gone at its fetch (evicted meanwhile:
+    an ordinary race in a store that evicts) was logged at WARNING as a failed block, once
+    per read under eviction pressure, while the same absence seen by the probe is DEBUG
+    (``not_stored``). A block the store failed to fetch stays a WARNING."""
+    store = _EvictedBeforeTheFetch()
+    tokens = np.arange(8 * BS)
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        assert (await pipe.write(tokens, np.arange(8))).complete
+        caplog.clear()
+        store.evict = True
+        r = await pipe.read(tokens, np.arange(8, 16), request_id="raced")
+        assert (r.loaded, r.failed_blocks, r.stop_reason) == (2, (2,), "failed_block")
+        assert _at_least(caplog, logging.INFO) == []
+        debug = [r.getMessage() for r in caplog.records if "raced" in r.getMessage()]
+        assert any("block 2" in m and "missing" in m for m in debug), debug
+    store = ScriptedStore(gets={0: Act(fail=[2])})
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        assert (await pipe.write(tokens, np.arange(8))).complete
+        caplog.clear()
+        r = await pipe.read(tokens, np.arange(8, 16), request_id="failed")
+        assert (r.loaded, r.stop_reason) == (2, "failed_block")
+        (record,) = _at_least(caplog, logging.INFO)
+        assert record.levelno == logging.WARNING and "block 2 failed" in record.getMessage()

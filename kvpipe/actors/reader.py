@@ -185,7 +185,11 @@ class Reader(Actor[ReadState | SliceJob]):
             failed += [first + i for i, c in enumerate(checks) if c is not None]
             why = checks[valid] if valid < fetched else statuses[valid].value
             detail = f"block {first + valid}: {why}"
-            log.warning(
+            # A block gone since the probe (evicted meanwhile) is no failure: as one the
+            # probe found missing (``not_stored``), DEBUG.
+            gone = valid >= fetched and statuses[valid] is BlockStatus.MISSING
+            log.log(
+                logging.DEBUG if gone else logging.WARNING,
                 "read %s: block %d failed (%s); loading stops there",
                 state.request_id,
                 first + valid,
