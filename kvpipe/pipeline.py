@@ -361,7 +361,8 @@ class Pipeline:
         self._runtime.observers.remove(observer)
 
     def crashes(self) -> tuple[ActorCrash, ...]:
-        """Every actor crash since open: which actor, when, which requests it failed."""
+        """The actor crashes since open, the latest 1000 (``statistics().restarts`` counts
+        every one): which actor, when, which requests it failed."""
         return tuple(self._runtime.metrics.crashes)
 
     def statistics(self) -> PipelineStatistics:

@@ -42,6 +42,24 @@ async def test_write_crash_fails_that_request_then_next_one_succeeds(actor: str)
         assert stats.open and stats.staging_in_use_bytes == 0 and stats.in_flight == {}
 
 
+async def test_the_crash_history_keeps_the_latest_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline crashing now and then for months kept every crash record (the request ids
+    it failed, the error's text): the history grew without bound."""
+    from kvpipe.actors import _observe
+
+    monkeypatch.setattr(_observe, "CRASH_HISTORY", 3)
+    victims = [f"v{i}" for i in range(5)]
+    config = kvpipe.PipelineConfig(slice_block_num=2, max_restarts=10)
+    hooks = CrashHooks("writer", list(victims))
+    async with kvpipe.open_pipeline(
+        _cache(), kvpipe.MemoryStore(), config=config, hooks=hooks
+    ) as pipe:
+        for rid in victims:
+            assert (await pipe.write(TOKENS, IDS, request_id=rid)).stop_reason == "actor_crashed"
+        assert [c.request_ids for c in pipe.crashes()] == [("v2",), ("v3",), ("v4",)]
+        assert pipe.statistics().restarts == {"writer": 5}
+
+
 # The actors a read of a host cache passes through: the scheduler hands it to the reader whole,
 # which leases each slice and verifies and scatters a sound one itself; the slicer serves only
 # device caches, and the swapper scatters reads only for them and after a block failed

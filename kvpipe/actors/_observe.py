@@ -6,13 +6,16 @@ whole call. With no observer attached a report costs one attribute test.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, final
+from typing import Final, Literal, Protocol, final
 
 from .._results import ActorCrash
 
-__all__ = ("Metrics", "ObservationKind", "Observer", "Observers")
+__all__ = ("CRASH_HISTORY", "Metrics", "ObservationKind", "Observer", "Observers")
+
+#: Crashes :attr:`Metrics.crashes` keeps, the latest (a server's pipeline lives for months).
+CRASH_HISTORY: Final = 1000
 
 log = logging.getLogger("kvpipe.actors")
 
@@ -91,4 +94,4 @@ class Metrics:
     counters: Counter[str] = field(default_factory=Counter)
     slices: Counter[str] = field(default_factory=Counter)
     restarts: Counter[str] = field(default_factory=Counter)
-    crashes: list[ActorCrash] = field(default_factory=list)
+    crashes: deque[ActorCrash] = field(default_factory=lambda: deque(maxlen=CRASH_HISTORY))
