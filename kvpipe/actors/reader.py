@@ -441,7 +441,13 @@ class Reader(Actor[ReadState | SliceJob]):
             try:
                 raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
                 statuses = check_statuses(ctx.backend, "get_blocks", raw, hi - lo)
-            except BackendError:
+            except BackendError as exc:  # the block's first failure is what the read reports
+                log.warning(
+                    "read %s: fetching block %d again, after it failed verification, failed: %s",
+                    state.request_id,
+                    spec.first_block + lo,
+                    exc,
+                )
                 return None
             # What was lent for these blocks before is replaced by what this fetch brought.
             lent = {i: v for i, v in (job.lent or {}).items() if not lo <= i < hi}

@@ -91,6 +91,21 @@ async def test_a_refetch_carries_the_token_prefix_of_its_own_blocks() -> None:
         job.lease.release()
 
 
+async def test_a_refetch_that_fails_is_logged_and_the_first_failure_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The store raising on the fetch of a corrupt block again was swallowed: the read
+    reported the corruption, and nothing said the store had failed meanwhile."""
+    store = ScriptedStore(gets={0: Act(corrupt=[3]), 1: Act(error=OSError("store went away"))})
+    async with harness(store, slice_blocks=8) as h:
+        await _store_all(h)
+        with caplog.at_level("WARNING", logger="kvpipe.reader"):
+            state, job = await _read_slice(h)
+        assert state.machine.stop_block == 3 and state.machine.stop_reason == "failed_block"
+        assert "fetching block 3 again" in caplog.text and "store went away" in caplog.text
+        assert h.ctx.pool.in_use == 0 and job.lease.released
+
+
 async def test_a_corrupt_block_stops_loading_and_is_deleted() -> None:
     store = ScriptedStore(gets={0: Act(corrupt=[3]), 1: Act(corrupt=[0])})
     async with harness(store, slice_blocks=8) as h:
