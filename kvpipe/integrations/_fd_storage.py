@@ -429,8 +429,11 @@ class KVPipeStorage:
 
 @contextlib.asynccontextmanager
 async def _closing(store: StorageBackend) -> AsyncIterator[StorageBackend]:
-    """Enters a store (not a file store: it opens lazily) and closes it on exit."""
-    if not isinstance(store, FileStore):
+    """Enters a store and closes it on exit. A file store whose directory is not there yet
+    (a rank other than 0 creates none: rank 0 makes it) opens lazily, on its first call;
+    one whose directory is there opens now, so its recovery scan is not charged to the
+    first call's timeout."""
+    if not isinstance(store, FileStore) or await anyio.Path(store.path).is_dir():
         await store.__aenter__()
     try:
         yield store

@@ -612,6 +612,16 @@ def test_fd_init_non_zero_tp_rank_skips_mkdir(tmp_path: Path) -> None:  # same n
         assert s.file_path == str(tmp_path / "non_existent")
 
 
+def test_fd_init_opens_a_file_store_whose_directory_is_there(tmp_path: Path) -> None:
+    """Rank 0 (which makes the directory), or a rank coming after it, opens the file store
+    at construction: its recovery scan ran in the first query or batch_set, inside that
+    call's timeout (a big store: the first calls answered 0 and their writes were lost)."""
+    with KVPipeStorage(file_path=str(tmp_path / "d"), tp_rank=0) as first:
+        assert isinstance(first.store, kvpipe.FileStore) and first.store._root is not None
+        with KVPipeStorage(file_path=str(tmp_path / "d"), tp_rank=1) as later:
+            assert isinstance(later.store, kvpipe.FileStore) and later.store._root is not None
+
+
 def test_fd_default_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVPIPE_STORE", raising=False)
     monkeypatch.setenv("FILE_BACKEND_STORAGE_DIR", str(tmp_path / "fd"))
