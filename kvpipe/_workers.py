@@ -390,6 +390,9 @@ class ThreadRunner:
 
         try:
             await anyio.lowlevel.checkpoint_if_cancelled()
+            # Past already: an idle thread would take it before the wait below could look.
+            if start_by is not None and anyio.current_time() >= start_by:
+                raise NotStarted(f"not started by {start_by:.3f}")
             self._threads.submit(work, lane)
             if start_by is not None:
                 with anyio.move_on_at(start_by):

@@ -507,3 +507,30 @@ async def test_a_call_cancelled_just_as_its_thread_reports_lets_go_of_its_hold(
         assert runner.running == 0
     lease.release()
     assert lease.released and pool.in_use == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_call_whose_start_by_has_passed_never_starts_though_a_thread_is_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``start_by`` already past when the call is made: it never starts (as inline work),
+    though an idle thread could take it at once. Here the thread takes every call before
+    the event loop looks again (the common case: it wakes in microseconds)."""
+    pool = StagingPool(16, 1)
+    lease = await pool.acquire(1)
+    ran = threading.Event()
+    async with ThreadRunner() as runner:
+        await runner.run(int)  # a thread is idle now
+        submit = runner._threads.submit
+
+        def submit_and_let_it_start(fn: Callable[[], None], lane: Lane | None = None) -> None:
+            submit(fn, lane)
+            ran.wait(5)  # the thread starts the call before the loop runs on
+
+        monkeypatch.setattr(runner._threads, "submit", submit_and_let_it_start)
+        with anyio.CancelScope(shield=True), pytest.raises(NotStarted):
+            await runner.run(ran.set, hold=lease, start_by=anyio.current_time())
+        assert runner.running == 0
+    assert not ran.is_set()
+    lease.release()
+    assert pool.in_use == 0
