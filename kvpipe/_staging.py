@@ -295,7 +295,9 @@ class ValueMemory:
         self.limit_bytes = limit_bytes
         self._free: dict[tuple[int, int], list[Rows]] = {}
         self._held = 0
-        self._lock = threading.Lock()
+        # Reentrant: a cycle collection can start while a thread holds it (Python 3.12 on,
+        # at any call) and return a buffer in that same thread (:meth:`_returned`).
+        self._lock = threading.RLock()
         #: Leases served from a returned buffer / from new memory.
         self.reused = 0
         self.allocated = 0
@@ -330,12 +332,16 @@ class ValueMemory:
         """Free every buffer held for reuse, and hold none from now on (those still in use
         are freed when let go)."""
         with self._lock:
+            self.limit_bytes = 0  # first: a buffer returned while the others go is not held
             self._free.clear()
             self._held = 0
-            self.limit_bytes = 0
 
     def _returned(self, shape: tuple[int, int], buffer: Rows) -> None:
+        spare: list[Rows] = []
         with self._lock:
-            if self._held + buffer.nbytes <= self.limit_bytes:
-                self._free.setdefault(shape, []).append(buffer)
-                self._held += buffer.nbytes
+            # Counted before the calls below, where a collection may return another buffer
+            # in this thread: that one sees this one's bytes held.
+            held = self._held + buffer.nbytes
+            if held <= self.limit_bytes:
+                self._held = held
+                self._free.setdefault(shape, spare).append(buffer)

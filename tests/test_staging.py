@@ -3,6 +3,7 @@ ThreadRunner (results, errors, and holding staging while an abandoned thread sti
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import tracemalloc
@@ -389,3 +390,49 @@ def test_value_memory_never_hands_out_memory_in_use_from_many_threads() -> None:
         t.join()
     assert broken == []
     assert memory.reused > 0
+
+
+def test_value_memory_freed_by_a_collection_under_its_own_lock_does_not_deadlock() -> None:
+    """A value kept alive only by a reference cycle goes back when the cycle collector runs:
+    in whichever thread, at whichever point it runs, the lock of the value memory held
+    (Python 3.12 on: a collection any thread scheduled runs at the next call, in ``lease`` or
+    the return of another buffer too). The return then takes the same lock in the same
+    thread; it must not wait for itself (the event loop's thread or a copy thread, for good).
+    Here the collection starts as soon as the lock is taken."""
+    memory = ValueMemory(limit_bytes=1 << 20)
+    inner = memory._lock
+
+    class CollectingLock:  # stands in for a collection that starts inside the lock
+        def __init__(self) -> None:
+            self.entered = 0
+
+        def __enter__(self) -> None:
+            inner.acquire()
+            self.entered += 1
+            if self.entered == 1:
+                gc.collect()
+
+        def __exit__(self, *exc: object) -> None:
+            self.entered -= 1
+            inner.release()
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # the cycle below waits for the collection under the lock
+    try:
+        lease = memory.lease(1000, 2)
+        cycle: list[object] = [lease.pool.buffer]
+        cycle.append(cycle)
+        del lease, cycle
+        memory._lock = CollectingLock()  # type: ignore[assignment]
+        done = threading.Event()
+
+        def take() -> None:
+            memory.lease(1000, 2)
+            done.set()
+
+        threading.Thread(target=take, daemon=True).start()
+        assert done.wait(10), "the thread waits for the lock it holds"
+        assert memory.reused == 1  # the buffer the collection freed, handed out again
+    finally:
+        if was_enabled:
+            gc.enable()
