@@ -195,8 +195,8 @@ class WorkerThreads:
             )
             try:
                 thread.start()
-            except RuntimeError as exc:
-                log.error("could not start a worker thread (%s); running its call here", exc)
+            except Exception as exc:  # RuntimeError at the system's limit, MemoryError...
+                log.error("could not start a worker thread (%r); running its call here", exc)
                 with self._lock:
                     self._threads -= 1
                 item = inbox.get_nowait()

@@ -89,16 +89,19 @@ def test_new_threads_are_started_by_the_pool_not_by_the_caller(
     assert [name for who, name in starts if who != me] == ["kvpipe-worker"] * 4
 
 
+@pytest.mark.parametrize("error", [RuntimeError, MemoryError])
 def test_a_call_whose_thread_cannot_start_runs_in_the_starter(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, error: type[BaseException]
 ) -> None:
+    """Whatever a refused start raises (a MemoryError used to end the starter thread: that
+    call never ran, and no later call needing a new thread would ever run)."""
     pool = WorkerThreads()
     _run(pool, lambda: None)  # the starter runs
     start = threading.Thread.start
 
     def refused(self: threading.Thread) -> None:
         if self.name == "kvpipe-worker":
-            raise RuntimeError("can't start new thread")
+            raise error("can't start new thread")
         start(self)
 
     monkeypatch.setattr(threading.Thread, "start", refused)
@@ -107,10 +110,11 @@ def test_a_call_whose_thread_cannot_start_runs_in_the_starter(
     pool.submit(lambda: go_on.wait(10))  # takes the idle worker
     try:
         _run(pool, lambda: ran.append(threading.current_thread().name))  # needs a new one
+        _run(pool, lambda: ran.append(threading.current_thread().name))  # and again
     finally:
         go_on.set()
         pool.shutdown()
-    assert ran == ["kvpipe-worker-starter"]
+    assert ran == ["kvpipe-worker-starter"] * 2
 
 
 def test_a_starter_that_could_not_start_leaves_the_pool_and_its_lane_usable(
