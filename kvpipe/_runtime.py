@@ -318,10 +318,16 @@ class Runtime:
         until ``UNWIND_GRACE`` past it to unwind and let go of their staging), then drain
         their inboxes. What still runs at the deadline is abandoned and logged, its memory
         kept (staging is unregistered and freed by :meth:`release`, once the worker threads
-        are done). Shielded."""
+        are done). Shielded.
+
+        Raises:
+            WrongEventLoop: Called from another thread or event loop than the pipeline's
+                (its inboxes and cancel scopes are its loop's alone); nothing is closed.
+        """
         with anyio.CancelScope(shield=True):
             if self._ctx is None:
                 return
+            self.check_loop()
             deadline = self._deadline()
             self._open = False
             self._closed_reason = self._closed_reason or "closed"

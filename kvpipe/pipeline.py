@@ -105,6 +105,10 @@ class Pipeline:
         """Stop accepting requests, let in-flight ones finish (each by its deadline, at most
         ``close_timeout``), stop the actors and return all staging.
 
+        Raises:
+            WrongEventLoop: Called from another thread or event loop than the one that
+                opened the pipeline (nothing is closed: hand the call to that loop).
+
         Cancellation: shielded — closing always completes.
         """
         await self._runtime.aclose()

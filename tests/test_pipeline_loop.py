@@ -61,3 +61,26 @@ async def test_the_device_probe_runs_off_the_event_loop(monkeypatch: pytest.Monk
     async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore()) as opened:
         assert opened.statistics().device_note == "no CUDA here (test)"
     assert probed_in and threading.get_ident() not in probed_in
+
+
+async def test_aclose_from_another_threads_loop_is_refused_at_once() -> None:
+    """``aclose`` is a call too: from another loop it closed the inboxes and set cancel scopes
+    of the pipeline's loop from a foreign thread, which woke none of the actors there; it
+    waited the close deadline plus the unwind grace, logged that the actors did not stop,
+    and left the pipeline closed to its own loop."""
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=8)
+    config = kvpipe.PipelineConfig(close_timeout=0.05)
+    async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore(), config=config) as pipe:
+
+        def in_thread() -> object:
+            try:
+                return anyio.run(pipe.aclose)
+            except kvpipe.WrongEventLoop as exc:
+                return exc
+
+        outcome = await anyio.to_thread.run_sync(in_thread)
+        assert isinstance(outcome, kvpipe.WrongEventLoop), outcome
+        # the pipeline's own loop is unaffected: still open, and answering
+        assert not pipe.closed
+        assert (await pipe.write(TOKENS, np.arange(4))).complete
+    assert pipe.closed
