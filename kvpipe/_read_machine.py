@@ -197,6 +197,17 @@ class ReadMachine:
             self.error = self._error
             return
         loaded = self.loaded()
+        if loaded == self.requested:  # an abort that came as the last blocks landed cut nothing
+            self.result = ReadResult(
+                request_id=self.request_id,
+                requested=self.requested,
+                loaded=loaded,
+                complete=True,
+                failed_blocks=(),
+                stop_reason=None,
+                elapsed=now - self.started,
+            )
+            return
         first_missing = self.start_block + loaded
         failed = set(self.failed)
         if self._ending is not None and (
@@ -204,17 +215,17 @@ class ReadMachine:
         ):  # the abort, not a stop recorded further on, is what ended loading
             self.stop_reason, self.stop_detail = self._ending
             failed.add(first_missing)
-        if loaded < self.requested and self.stop_reason is None:
+        if self.stop_reason is None:
             self.stop_reason = "failed_block"
-        if loaded < self.requested and not any(b >= first_missing for b in failed):
+        if not any(b >= first_missing for b in failed):
             failed.add(first_missing)
         self.result = ReadResult(
             request_id=self.request_id,
             requested=self.requested,
             loaded=loaded,
-            complete=loaded == self.requested,
+            complete=False,
             failed_blocks=tuple(sorted(b for b in failed if b >= self.start_block)),
-            stop_reason=None if loaded == self.requested else self.stop_reason,
+            stop_reason=self.stop_reason,
             elapsed=now - self.started,
             error=self.stop_detail,
         )

@@ -173,6 +173,8 @@ class WriteMachine:
         self, now: float, reason: StopReason | None = None, detail: str | None = None
     ) -> None:
         stored = self.skipped + self.written
+        if stored == self.requested:  # nothing to write (an ending then stops nothing)
+            reason = detail = None
         self.result = WriteResult(
             request_id=self.request_id,
             requested=self.requested,

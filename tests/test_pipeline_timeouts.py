@@ -858,3 +858,41 @@ async def test_deleting_a_corrupt_block_does_not_hold_a_device_read_past_its_dea
         assert (out["read"].loaded, out["read"].stop_reason) == (0, "total_timeout")
         assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
         assert store.deleted  # still deleted, after the fact
+
+
+@pytest.mark.parametrize("call", ["write", "read"])
+async def test_a_call_with_no_block_to_move_queued_past_its_deadline_is_complete(
+    call: str,
+) -> None:
+    """A prompt shorter than one block moves no block: queued behind a hung probe until its
+    deadline, its result is still complete and says nothing stopped it. It said
+    ``complete=True`` with ``stop_reason="total_timeout"`` (a write) or with block 0 in
+    ``failed_blocks`` (a read)."""
+    store = ScriptedStore(exists={0: Act(hang=True)})
+    config = _config(queue_depth=1, lookup_timeout=10)  # one scheduler worker, held
+    async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+        out: dict[str, Any] = {}
+
+        async def held() -> None:
+            with pytest.raises(kvpipe.OperationTimeout):
+                await pipe.lookup(TOKENS)
+
+        async def short() -> None:
+            await store.wait_calls("exists")
+            tokens, ids = np.arange(BLOCK - 1), np.arange(0)
+            start = anyio.current_time()
+            if call == "write":
+                out["result"] = await pipe.write(tokens, ids, timeout=2)
+            else:
+                out["result"] = await pipe.read(tokens, ids, timeout=2)
+            out["took"] = anyio.current_time() - start
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(held)
+            tg.start_soon(short)
+        result = out["result"]
+        assert out["took"] == pytest.approx(2.0)  # it did wait in the queue until then
+        assert result.requested == 0 and result.complete
+        assert result.stop_reason is None and result.error is None
+        if call == "read":
+            assert result.failed_blocks == ()

@@ -97,6 +97,21 @@ def test_an_aborted_read_waits_for_the_scatter_in_flight() -> None:
     assert m.result.elapsed == 3.0
 
 
+def test_an_abort_while_the_last_scatter_lands_every_block_leaves_the_read_complete() -> None:
+    """The deadline guard ends the read while its last scatter runs; the scatter lands every
+    block. Nothing was cut short: no failed block (it named block 8, one past the read's
+    range), no stop reason, no error."""
+    m = ReadMachine("r", 0, 8, started=0.0)
+    m.plan(plan_slices(0, 8, 4, 16, 128), now=0.0)
+    m.resolve(0, 4, now=1.0)
+    assert m.scatter_begin()
+    m.end("total_timeout", "deadline passed", now=2.0)
+    m.resolve(1, 4, now=3.0)
+    m.scatter_end(now=3.0)
+    assert m.result is not None and (m.result.loaded, m.result.complete) == (8, True)
+    assert (m.result.failed_blocks, m.result.stop_reason, m.result.error) == ((), None, None)
+
+
 def test_the_first_ending_wins_over_a_failure_while_the_scatter_finishes() -> None:
     """The read timed out while a scatter ran, then the pipeline closed before that scatter
     ended: the caller gets the partial result of the timeout, not ``PipelineClosed``."""
