@@ -57,8 +57,9 @@ def open_cuda_engine(
         LayoutError: ``cache`` is not a device cache.
         Unsupported: No driver, no device, or no NVRTC.
         DeviceError: A driver call or the compile failed (everything acquired is released),
-            or the pointer table's upload did not complete within ``options.drain_timeout``
-            (what the upload may still use, and the context, are kept; logged).
+            or the pointer table's upload was not seen completed (within
+            ``options.drain_timeout``, or its event failed): what the upload may still use,
+            and the context, are kept; logged.
         ValueError: The staging does not fit ``budget``.
     """
     ordinal = parse_device(cache.device)
@@ -134,8 +135,10 @@ def _upload_table(
 
     Raises:
         DeviceError: A driver call failed, or the upload had not completed after
-            ``timeout`` seconds (a stream that never completes): then the memory, stream and
-            event it may still use are left allocated (logged), never freed under it.
+            ``timeout`` seconds (a stream that never completes). Once the copy is queued, a
+            failure before it is seen completed (also of recording or querying its event)
+            leaves the memory, stream and event it may still use allocated (logged), never
+            freed under it.
     """
     data = segment_table(cache.pointers, layout_segments(cache.layout))
     table = ledger.mem_alloc(len(data))
@@ -150,24 +153,30 @@ def _upload_table(
             event = events.get()
             done.callback(events.put, event)
             drv.memcpy_htod_async(table, host.host_ptr, len(data), stream)
-            drv.event_record(event, stream)
-            give_up = time.monotonic() + timeout
-            while not drv.event_query(event):
-                if time.monotonic() >= give_up:
-                    stuck = True
-                    done.pop_all()  # the copy may still read and write these: keep them
-                    log.error(
-                        "the CUDA pointer table's upload did not complete in %.3g s; leaving "
-                        "its memory, stream and event allocated",
-                        timeout,
-                    )
-                    raise _UploadStuck(
-                        "cuEventQuery",
-                        "",
-                        f"the pointer table's upload did not complete in {timeout:.3g} s "
-                        "(drain_timeout)",
-                    )
-                time.sleep(50e-6)
+            try:
+                drv.event_record(event, stream)
+                give_up = time.monotonic() + timeout
+                while not drv.event_query(event):
+                    if time.monotonic() >= give_up:
+                        raise _UploadStuck(
+                            "cuEventQuery",
+                            "",
+                            f"the pointer table's upload did not complete in {timeout:.3g} s "
+                            "(drain_timeout)",
+                        )
+                    time.sleep(50e-6)
+            except DeviceError as exc:
+                # Queued, and not seen completed: the copy may still read and write these.
+                stuck = True
+                done.pop_all()
+                log.error(
+                    "the CUDA pointer table's upload was not seen completed (%s); leaving its "
+                    "memory, stream and event allocated",
+                    exc,
+                )
+                if isinstance(exc, _UploadStuck):
+                    raise
+                raise _UploadStuck(exc.call, exc.code, "the upload may still run") from exc
     except BaseException:
         if not stuck:
             ledger.mem_free(table)

@@ -199,6 +199,28 @@ async def test_an_upload_that_never_completes_fails_the_open_and_frees_nothing_i
     fake.run_until_idle()
 
 
+@pytest.mark.parametrize("call", ["event_record", "event_query"])
+async def test_an_upload_whose_completion_cannot_be_known_frees_nothing_it_uses(
+    fake: FakeDriver, call: str
+) -> None:
+    """The pointer table's copy is queued, then recording or querying its event fails: the
+    copy may still run, so opening fails with the driver's error but keeps what it may read
+    or write (its pinned copy, the table, its stream) and their context, as for an upload
+    that never completes. (It freed them, and destroyed the stream, under the queued copy.)"""
+    cache = fake_device_cache(fake, _layout(), 2)
+    fake.fail_next(call, "CUDA_ERROR_LAUNCH_FAILED")
+    opener = engine_opener(fake, cache, capacity=4, max_blocks=4)
+    with pytest.raises(kvpipe.DeviceError, match="CUDA_ERROR_LAUNCH_FAILED"):
+        await anyio.to_thread.run_sync(opener)
+    assert fake.violations == []  # nothing freed or destroyed under the queued copy
+    live = fake.live()
+    assert (live["pinned_allocations"], live["streams"], live["contexts"]) == (1, 1, 1)
+    assert live["device_allocations"] == 1 + len(cache.pointers)  # the table, the cache's
+    assert live["modules"] == 0
+    fake.make_current()
+    fake.run_until_idle()
+
+
 async def test_a_failed_launch_is_reported_and_the_engine_recovers(fake: FakeDriver) -> None:
     layout = _layout()
     cache = fake_device_cache(fake, layout, 6)
