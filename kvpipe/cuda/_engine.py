@@ -131,6 +131,9 @@ class CudaEngine(CopyEngine):
         self._closed = False
         #: Past this (event-loop clock) no wait of this engine goes on: see close_by.
         self._abandon_at: float | None = None
+        #: The scopes of calls waiting to start (for the producer, for scratch): close_by
+        #: moves their deadlines up to its own.
+        self._starting: set[anyio.CancelScope] = set()
 
     def mark(self, stream: int | None) -> ProducerMark:
         """Record an event on ``stream`` (default: the framework's current stream) now; copies
@@ -192,9 +195,12 @@ class CudaEngine(CopyEngine):
 
     def close_by(self, deadline: float) -> None:
         """Every wait of this engine ends by ``deadline``: one still pending then raises
-        :class:`DeviceError`; its staging slots and scratch are retired (never reused or freed)."""
+        :class:`DeviceError`; its staging slots and scratch are retired (never reused or freed).
+        A call not started by then (waiting for scratch or the producer) queues nothing."""
         if self._abandon_at is None or deadline < self._abandon_at:
             self._abandon_at = deadline
+        for scope in self._starting:  # calls not started yet: they queue nothing after it
+            scope.deadline = min(scope.deadline, deadline)
 
     async def aclose(self, *, staging_in_use: bool = False, deadline: float | None = None) -> None:
         """Wait for calls in flight and for both streams to drain, then free everything.
@@ -297,18 +303,32 @@ class CudaEngine(CopyEngine):
         try:
             scratch: Scratch | None = None
             try:
-                with anyio.move_on_at(math.inf if start_by is None else start_by):
-                    if start_by is not None and after is not None:
-                        # Queued, the copy would wait on the device for the producer's work,
-                        # however late it ends, and its caller with it (shielded): first
-                        # let that work complete, by start_by, with nothing queued yet.
-                        assert isinstance(after, ProducerMark)
-                        await self._wait(after.event)
-                    scratch = await self._scratch.acquire()
-                if scratch is None:  # still waiting at start_by (a cancelled wait takes none)
-                    raise NotStarted(
-                        f"not started by {start_by:.3f}: the producer's work or a CUDA "
-                        "scratch set still pending"
+                # Until start_by, and the close deadline (close_by may set it meanwhile).
+                limit = math.inf if start_by is None else start_by
+                if self._abandon_at is not None:
+                    limit = min(limit, self._abandon_at)
+                scope = anyio.CancelScope(deadline=limit)
+                self._starting.add(scope)
+                try:
+                    with scope:
+                        if start_by is not None and after is not None:
+                            # Queued, the copy would wait on the device for the producer's
+                            # work, however late it ends, and its caller with it (shielded):
+                            # first let that work complete, by start_by, with nothing
+                            # queued yet.
+                            assert isinstance(after, ProducerMark)
+                            await self._wait(after.event)
+                        scratch = await self._scratch.acquire()
+                finally:
+                    self._starting.discard(scope)
+                if scratch is None:  # still waiting at its deadline (a cancelled wait takes none)
+                    if start_by is not None and anyio.current_time() >= start_by:
+                        raise NotStarted(
+                            f"not started by {start_by:.3f}: the producer's work or a CUDA "
+                            "scratch set still pending"
+                        )
+                    raise DeviceError(
+                        "cuEventQuery", "", "abandoned at the close deadline before it started"
                     )
             except BaseException:
                 if after is not None:

@@ -5,6 +5,7 @@ opening fails, recovery when a copy fails, and close — over the driver's test 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -542,6 +543,56 @@ class TestVirtualTime:
             assert all((new[3] == old[3]).all() for old, new in zip(before, after, strict=True))
             lease.release()
         free_device_cache(fake, cache)
+
+    async def test_a_copy_still_waiting_for_scratch_at_the_close_deadline_queues_nothing(
+        self, fake: FakeDriver, producer: int
+    ) -> None:
+        """One scratch set, held by a gather behind the model's stream, which never drains.
+        A scatter waits for the set; the close deadline passes: the scatter gives up then
+        (DeviceError) and queues nothing, so nothing is written into the cache after close.
+        (Its wait for scratch ignored the deadline: once the gather gave up its set there,
+        the scatter took it and queued its copy, which wrote into the cache afterwards.)"""
+        from tests.cuda.devcache import device_rows
+
+        cache = fake_device_cache(fake, _layout(), 4)
+        fill_device(fake, cache, seed=8)
+        segs = layout_segments(cache.layout)
+        eng, pool = await open_engine(fake, cache, options=CudaOptions(max_calls=1))
+        model = Gate()
+        fake.host_op(producer, lambda: None, gate=model, label="hung model kernel")
+        mark = eng.mark(producer)
+        held, lease = await pool.acquire(1), await pool.acquire(1)
+        pool.buffer[lease.slots[0]] = 0x5A
+        before = device_rows(fake, cache)
+        errors: list[str] = []
+
+        async def copy(name: str, call: Any) -> None:
+            try:
+                await call()
+            except kvpipe.DeviceError:
+                errors.append(name)
+
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            gather = functools.partial(
+                eng.gather, copy_plan(segs, [0], held.slots), held, after=mark
+            )
+            tg.start_soon(copy, "gather", gather)
+            while eng.accounting().scratch_in_use == 0:  # the gather takes the set
+                await anyio.lowlevel.checkpoint()
+            launches = len(fake.launches)
+            scatter = functools.partial(eng.scatter, copy_plan(segs, [3], lease.slots), lease)
+            tg.start_soon(copy, "scatter", scatter)
+            await anyio.sleep(0.5)
+            await eng.aclose(deadline=start + 1)
+        assert anyio.current_time() - start == pytest.approx(1, abs=0.01)
+        assert sorted(errors) == ["gather", "scatter"]
+        assert len(fake.launches) == launches  # the scatter queued nothing
+        model.open()
+        mark.release()
+        fake.run_until_idle()
+        after = device_rows(fake, cache)
+        assert all((new[3] == old[3]).all() for old, new in zip(before, after, strict=True))
 
     async def test_close_ends_at_its_deadline_whatever_poll_max(self, fake: FakeDriver) -> None:
         """A stream that never drains: close gives up at its deadline exactly, not at the
