@@ -158,6 +158,8 @@ class Pipeline:
                 cache, or no stream found for a device cache.
             DeviceError: The event could not be recorded on ``stream``.
             PipelineClosed: The pipeline is closed or closed during the call.
+            WrongEventLoop: Called from another thread or event loop than the pipeline's
+                (nothing was queued).
 
         Cancellation and timeouts: each slice gets ``min(slice_timeout, time left)``; the
             call returns by its total deadline. If the calling task is cancelled, no further
@@ -214,10 +216,14 @@ class Pipeline:
             DeviceError: The event could not be recorded on ``stream``.
             IncompleteRead: ``require_all`` and not every block loaded.
             PipelineClosed: The pipeline is closed or closed during the call.
+            WrongEventLoop: Called from another thread or event loop than the pipeline's
+                (nothing was queued).
 
-        Cancellation and timeouts: fetches in flight are cancelled at the deadline or when
-            the caller is cancelled; the call returns only after any copy into the cache has
-            finished, so nothing writes into ``block_ids`` after it returns.
+        Cancellation and timeouts: each slice's fetch gets ``min(slice_timeout, time
+            left)`` (one that runs out stops loading at that slice); fetches in flight are
+            cancelled at the deadline or when the caller is cancelled; the call returns only
+            after any copy into the cache has finished, so nothing writes into
+            ``block_ids`` after it returns.
         """
         check_flag(require_all, "require_all")
         checked = self._checked(token_ids, block_ids, start_block, include_partial, timeout)
@@ -280,7 +286,9 @@ class Pipeline:
             BackendError: The store failed the query.
             OperationTimeout: No answer within ``timeout`` (default ``config.lookup_timeout``),
                 or one ``exists`` call of the store took longer than ``config.slice_timeout``.
+            ActorCrashed: The scheduler crashed while answering it (retrying is safe).
             PipelineClosed: The pipeline is closed.
+            WrongEventLoop: Called from another thread or event loop than the pipeline's.
 
         Cancellation: cancelling the caller abandons the query; nothing changes in the store.
         """
@@ -303,8 +311,12 @@ class Pipeline:
         Raises:
             RequestError: Bad arguments.
             BackendError: The store failed to record them.
-            OperationTimeout: Not recorded within ``timeout`` (some records may be).
+            OperationTimeout: Not recorded within ``timeout`` (default
+                ``config.lookup_timeout``; some records may be).
+            ActorCrashed: The scheduler crashed while recording them (flushing again is
+                idempotent).
             PipelineClosed: The pipeline is closed.
+            WrongEventLoop: Called from another thread or event loop than the pipeline's.
 
         Cancellation: some records may have been written; flushing again is idempotent.
         """
@@ -324,8 +336,16 @@ class Pipeline:
         block no node has a record for).
 
         Raises:
-            RequestError, BackendError, OperationTimeout, PipelineClosed: as for
-            :meth:`lookup`.
+            RequestError: Bad token ids, or ``include_partial`` not a bool.
+            BackendError: The store failed the query.
+            OperationTimeout: No answer within ``timeout`` (default
+                ``config.lookup_timeout``); ``slice_timeout`` does not apply.
+            ActorCrashed: The scheduler crashed while answering it (retrying is safe).
+            PipelineClosed: The pipeline is closed.
+            WrongEventLoop: Called from another thread or event loop than the pipeline's.
+
+        Cancellation: cancelling the caller abandons the query (the store call in flight is
+            cancelled); nothing changes in the store.
         """
         tokens, partial = check_tokens(token_ids), check_flag(include_partial, "include_partial")
         return list(await self._call("locate", tokens, partial, timeout))
