@@ -406,14 +406,38 @@ class StorageBackend(abc.ABC):
 
         Raises:
             BackendError: The store cannot be opened.
+
+        Cancellation and timeouts: kvpipe sets no deadline of its own here (bound slow
+            opening in the store, as ``MooncakeStore``'s ``setup_timeout`` does); cancelling
+            ``open_pipeline`` while it waits cancels this call, and the pipeline does not
+            open. Opening again after a cancelled call must work.
         """
 
     async def register_staging(self, buffer: memoryview) -> None:  # noqa: B027
         """Called when a pipeline opens, with its whole staging buffer, for registered-memory
-        transports (Mooncake). Default: nothing."""
+        transports (Mooncake). Default: nothing.
+
+        Raises:
+            Exception: Anything: ``open_pipeline`` raises ``ConfigError("store")``.
+
+        Cancellation and timeouts: no deadline of kvpipe's; a call cancelled midway counts
+            as registered (the vendor call may still complete): the buffer is unregistered
+            at close, or kept allocated for good.
+        """
 
     async def unregister_staging(self, buffer: memoryview) -> None:  # noqa: B027
-        """Called when the pipeline closes, once per registered buffer. Default: nothing."""
+        """Called when the pipeline closes, once per registered buffer, after the worker
+        threads that may use it are done. Default: nothing.
+
+        Raises:
+            Exception: Anything: logged, and the buffer is kept allocated for good (never
+                freed under the store).
+
+        Cancellation and timeouts: shielded from the closing task's cancellation; cancelled
+            at the owner's deadline (a pipeline's: ``UNWIND_GRACE``, 1 s, past its close
+            deadline; a :class:`ValueClient`'s: its ``close_timeout``), when the buffers not
+            yet unregistered are kept allocated for good (logged).
+        """
 
     def statistics(self) -> Mapping[str, float]:
         """Backend counters for :meth:`Pipeline.statistics` (default: none)."""
@@ -426,7 +450,13 @@ class StorageBackend(abc.ABC):
         return False
 
     async def aclose(self) -> None:  # noqa: B027
-        """Release the backend's resources. Default: nothing."""
+        """Release the backend's resources. Default: nothing. kvpipe never calls it: whoever
+        created the backend closes it (``async with backend``).
+
+        Cancellation and timeouts: up to the backend (``FileStore``'s and
+        ``MooncakeStore``'s are shielded and bounded by their own timeout; ``MemoryStore``'s
+        waits for nothing).
+        """
 
     async def __aenter__(self: _B) -> _B:
         return self

@@ -168,6 +168,10 @@ class FileStore(StorageBackend):
         Raises:
             BackendError: The root cannot be created or opened (not a directory, no
                 permission, ...), or its catalog cannot be opened; or the store was closed.
+
+        Cancellation and timeouts: no timeout (the recovery scan takes what the tree
+            takes). The opening runs in a worker thread that is not abandoned: a cancelled
+            call still waits for that thread, and the store is then open if it succeeded.
         """
         async with self._open_lock:
             if self._root is None:
