@@ -429,7 +429,9 @@ async def open_pipeline(
             :meth:`Pipeline.add_observer`).
 
     Raises:
-        ConfigError: A bad argument, or staging too small for one block.
+        ConfigError: A bad argument, a closed store, staging too small for one block or
+            that cannot be allocated, or the store's ``register_staging`` failed
+            (``field`` ``"store"``).
         Unsupported: A device cache where CUDA, its device or NVRTC is not usable.
         DeviceError: The device path failed to open (nothing stays allocated).
         BackendError: The store could not be opened (:meth:`StorageBackend.open`).
