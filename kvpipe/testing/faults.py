@@ -1,7 +1,8 @@
 """Fault injection: :class:`FaultyStore` wraps any backend and misbehaves on a seeded schedule.
 
 A :class:`FaultPlan` is data (a dict, JSON or TOML): a seed and a list of rules. Each rule
-names an operation (``put``, ``get``, ``exists``, ``*``), a kind of fault, which calls it hits
+names an operation (``put``, ``get``, ``exists``, ``delete``, ``put_residency``,
+``get_residency``, ``*``), a kind of fault, which calls it hits
 (explicit call numbers, or a probability per call) and its parameters. For the same seed and
 the same sequence of calls the same faults happen — deterministic in virtual time, where the
 order of calls is deterministic too.
@@ -10,7 +11,8 @@ Kinds:
 
 ``latency``   sleep first (``latency``: seconds, or ``["uniform", lo, hi]`` / ``["exp", mean]``)
 ``hang``      never answer (until the caller's cancel scope ends the call)
-``error``     raise (``error``: ``"OSError"``, ``"RuntimeError"``, ``"TimeoutError"``)
+``error``     raise (``error``: ``"OSError"``, ``"RuntimeError"``, ``"TimeoutError"``,
+              ``"ValueError"``)
 ``partial``   put: some blocks — leading or not — are reported ``FAILED`` and never stored
               (only the runs of the others reach the inner store);
               get: some blocks reported ``FAILED``
