@@ -175,3 +175,23 @@ async def test_a_store_that_cannot_open_fails_the_pipeline_s_open(error: Excepti
         assert caught.value.operation == "open" and caught.value.__cause__ is error
     else:
         assert caught.value is error
+
+
+async def test_entering_a_store_opens_it_and_a_faulty_store_opens_its_inner_one() -> None:
+    """``async with`` a backend that has its own ``open`` but not its own ``__aenter__``
+    left it unopened (the base class's entering did nothing); a ``FaultyStore`` opened by
+    a pipeline left its inner store to open on its first call."""
+    from kvpipe.testing.faults import FaultPlan, FaultyStore
+
+    class Counting(kvpipe.MemoryStore):
+        opened = 0
+
+        async def open(self) -> None:
+            self.opened += 1
+
+    async with Counting() as store:
+        assert store.opened == 1
+    inner = Counting()
+    async with FaultyStore(inner, FaultPlan()) as faulty:
+        async with kvpipe.open_pipeline(_cache(), faulty):
+            assert inner.opened == 1

@@ -459,6 +459,8 @@ class StorageBackend(abc.ABC):
         """
 
     async def __aenter__(self: _B) -> _B:
+        """Open the backend (:meth:`open`); leaving the block closes it (:meth:`aclose`)."""
+        await self.open()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

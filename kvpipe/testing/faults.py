@@ -202,6 +202,10 @@ class FaultyStore(StorageBackend):
         self._tg: anyio.abc.TaskGroup | None = None
         self.background = 0
 
+    async def open(self) -> None:
+        """Open the inner store (no fault applies)."""
+        await self.inner.open()
+
     async def __aenter__(self) -> FaultyStore:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
