@@ -21,7 +21,13 @@ from kvpipe.backends.file import store as store_mod
 from kvpipe.testing import BackendConformance
 from kvpipe.testing.batches import Batches, random_values
 from tests.backends.test_file_capacity import _check_accounting
-from tests.backends.test_file_hostile import batches, block_file, make_values, put_chain
+from tests.backends.test_file_hostile import (
+    VALUE,
+    batches,
+    block_file,
+    make_values,
+    put_chain,
+)
 from tests.helpers import ends_with_host_threads_busy
 
 pytestmark = pytest.mark.usefixtures("file_io")
@@ -64,6 +70,43 @@ async def test_a_batch_ends_only_once_every_store_thread_has_let_go_of_its_stagi
         with pytest.raises(MemoryError):
             await b.get(store, keys)
         assert finished.is_set(), "the batch returned while a share was still reading"
+
+
+async def test_a_share_whose_thread_cannot_be_started_is_done_within_its_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's thread for a share of a batch cannot be started (the system's thread
+    limit): the share must still be done, or not at all, before the call ends. The thread
+    pool had queued it before the start failed; it ran at the next call that got a thread,
+    writing the first put's block from staging that the second put had refilled: the first
+    key published (and read back ``OK``) with another key's bytes."""
+    root = tmp_path / "store"
+    pool = StagingPool(VALUE, 2)  # the second put gets the slots of the first
+    start = threading.Thread.start
+
+    def no_first_thread(thread: threading.Thread) -> None:
+        if thread.name == "kvpipe-file_0":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    async with ThreadRunner() as runner:
+        b = Batches(pool, runner)
+        first, _ = b.keys(2, seed=1)
+        second, _ = b.keys(2, seed=2)
+        async with kvpipe.FileStore(root, threads=2) as store:
+            monkeypatch.setattr(threading.Thread, "start", no_first_thread)
+            try:
+                put = await b.put(store, first, make_values(2, 1))
+            except RuntimeError:  # nothing published then, ever
+                put = [BlockStatus.FAILED] * 2
+            monkeypatch.undo()
+            assert await b.put(store, second, make_values(2, 2)) == [BlockStatus.OK] * 2
+        async with kvpipe.FileStore(root) as store:  # what the disk holds once all is done
+            statuses, got = await b.get(store, first)
+    for i in range(2):
+        if statuses[i] is BlockStatus.OK:
+            assert got[i] == make_values(2, 1)[i], f"block {i} holds another key's bytes"
+        assert statuses[i] is (BlockStatus.OK if put[i] is BlockStatus.OK else BlockStatus.MISSING)
 
 
 async def test_a_put_whose_share_fails_reports_what_the_other_shares_published(
