@@ -19,7 +19,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, Generic, TypeVar, final
+from typing import Any, Final, TypeVar, final
 
 import anyio
 
@@ -49,6 +49,7 @@ from ._reads import (
     read_one,
     regular_files,
 )
+from ._shares import in_shares
 from ._space import room, settle, sizes
 from ._spares import Spares
 from ._writes import Abandon, WriteHooks, unwritten, write_batch, write_one
@@ -446,33 +447,12 @@ class FileStore(StorageBackend):
         return self._in_shares(share, admitted)
 
     def _in_shares(self, fn: Callable[[list[T]], list[U]], items: list[T]) -> list[U]:
-        """``fn`` over ``threads`` consecutive shares of ``items``, the results in order.
-        Returns (or raises the first share's error) only once every share has returned:
-        they read into and write from the batch's staging."""
+        """``fn`` over ``threads`` consecutive shares of ``items`` in the store's threads
+        (:func:`._shares.in_shares`)."""
         pool = self._executor
         if pool is None:
             raise RuntimeError("file store is closed")
-        step = max(1, -(-len(items) // self.threads))
-        shares = [_Share(fn, items[lo : lo + step]) for lo in range(0, len(items), step)]
-        for at, share in enumerate(shares):
-            try:
-                pool.submit(share.run)
-            except Exception as exc:  # a thread could not be started (the system's limit)
-                # The pool may have queued the share all the same: whoever runs it first
-                # does, once; the rest run here rather than after this call has returned.
-                log.warning(
-                    "file store %s: could not start a worker thread (%r); running %d "
-                    "share(s) of a batch in the calling thread",
-                    self.path,
-                    exc,
-                    len(shares) - at,
-                )
-                for rest in shares[at:]:
-                    rest.run()
-                break
-        for share in shares:  # every share done before any error is raised
-            share.wait()
-        return [r for share in shares for r in share.result()]
+        return in_shares(pool, self.threads, fn, items, self.path)
 
     def _refuse_direct(self, root: Root, exc: OSError) -> None:
         """A direct read or write was refused after the probe passed (a stricter alignment,
@@ -649,45 +629,6 @@ class FileStore(StorageBackend):
             counters = dict(self._counters)
         spares = {"spare_files": self._spares.files, "spare_bytes": self._spares.held_bytes}
         return counters | spares
-
-
-@final
-class _Share(Generic[T, U]):
-    """One share of a batch: ``fn(items)``, run once, by whichever thread comes first (a
-    thread of the store's pool, or the caller where the pool could not start one)."""
-
-    def __init__(self, fn: Callable[[list[T]], list[U]], items: list[T]) -> None:
-        self._fn = fn
-        self._items = items
-        self._lock = threading.Lock()
-        self._taken = False
-        self._done = threading.Event()
-        self._result: list[U] = []
-        self._error: BaseException | None = None
-
-    def run(self) -> None:
-        """Run the share here, unless another thread has taken it."""
-        with self._lock:
-            if self._taken:
-                return
-            self._taken = True
-        try:
-            self._result = self._fn(self._items)
-        except BaseException as exc:  # raised by result(), in the caller's thread
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def wait(self) -> None:
-        """Wait until it has run."""
-        self._done.wait()
-
-    def result(self) -> list[U]:
-        """Its results, once it has run (its error raised)."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 def _warn(root: Root, errors: Sequence[str], total: int, what: str, shown: int = 3) -> None:
