@@ -63,15 +63,19 @@ class ResidencyIndex:
         nodes = sorted(await self._nodes(client))
         if not nodes or not keys:
             return [() for _ in keys]
-        names = [f"{RES_PREFIX}{key}@{node}" for key in keys for node in nodes]
+        # Each name once: the vendor's get_batch fills only the last answer of a name asked
+        # more than once, the others hold stale transfer-buffer bytes.
+        distinct = list(dict.fromkeys(keys))
+        names = [f"{RES_PREFIX}{key}@{node}" for key in distinct for node in nodes]
         raws = await self._call(client.get_batch, names)
         if len(raws) != len(names):
             raise BackendError(self._name, "get_batch", f"{len(raws)} values for {len(names)}")
+        at = {key: i for i, key in enumerate(distinct)}
         out: list[tuple[ResidencyEntry, ...]] = []
-        for i, key in enumerate(keys):
+        for key in keys:
             found = []
             for j, node in enumerate(nodes):
-                raw = bytes(raws[i * len(nodes) + j])
+                raw = bytes(raws[at[key] * len(nodes) + j])
                 if raw:  # b"" is a missing record (or a failed get: no record is trusted)
                     found.append(self._entry(key, node, raw))
             out.append(tuple(found))

@@ -296,6 +296,25 @@ async def test_node_registry_repairs_itself_at_the_next_flush(
         assert await nodes_of("blk-3") == {"node-b"}
 
 
+async def test_a_key_asked_twice_in_one_locate_reads_its_records(
+    mooncake: LocalMooncake,  # noqa: F811
+    mooncake_client: Any,  # noqa: F811
+) -> None:
+    """The vendor's ``get_batch`` of a name asked twice fills only its last answer; the
+    others hold whatever its transfer buffer held before (here: not JSON, a BackendError;
+    a stale record of the same length would be returned as current)."""
+    mooncake_client.remove_all()
+    async with kvpipe.MooncakeStore(
+        mooncake.master_address, mooncake.metadata_url, client=mooncake_client
+    ) as store:
+        await store.put_residency([kvpipe.ResidencyEntry("blk", "a", kvpipe.Residency.CPU, 1.0)])
+        assert len((await store.get_residency(["blk"]))[0]) == 1
+        await store.put_residency([kvpipe.ResidencyEntry("blk", "a", kvpipe.Residency.CPU, 2.0)])
+        got = await store.get_residency(["blk", "other", "blk"])
+        want = (kvpipe.ResidencyEntry("blk", "a", kvpipe.Residency.CPU, 2.0),)
+        assert list(got) == [want, (), want]
+
+
 class StuckCloseClient:
     """A vendor-client stand-in whose ``close`` does not return until released (as the real
     one can wait on a master that is gone)."""
