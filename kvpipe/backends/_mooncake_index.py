@@ -46,8 +46,13 @@ class ResidencyIndex:
         """
         for node in {e.node_id for e in entries}:
             await self._register(client, node)
-        keys = [f"{RES_PREFIX}{validate_key(e.key)}@{e.node_id}" for e in entries]
-        values = [json.dumps({"r": e.residency.value, "t": e.updated_at}).encode() for e in entries]
+        # The last record of each (key, node): the vendor's upsert_batch of a name given more
+        # than once keeps the first value.
+        last = {f"{RES_PREFIX}{validate_key(e.key)}@{e.node_id}": e for e in entries}
+        keys = list(last)
+        values = [
+            json.dumps({"r": e.residency.value, "t": e.updated_at}).encode() for e in last.values()
+        ]
         if keys:
             rc = await self._call(client.upsert_batch, keys, values)
             if rc != 0:

@@ -315,6 +315,22 @@ async def test_a_key_asked_twice_in_one_locate_reads_its_records(
         assert list(got) == [want, (), want]
 
 
+async def test_a_record_given_twice_in_one_flush_keeps_the_last(
+    mooncake: LocalMooncake,  # noqa: F811
+    mooncake_client: Any,  # noqa: F811
+) -> None:
+    """``put_residency`` replaces a node's record for a key, in order, as the other stores
+    do; the vendor's ``upsert_batch`` of a name given twice keeps the first value."""
+    mooncake_client.remove_all()
+    async with kvpipe.MooncakeStore(
+        mooncake.master_address, mooncake.metadata_url, client=mooncake_client
+    ) as store:
+        first = kvpipe.ResidencyEntry("blk", "a", kvpipe.Residency.GPU, 1.0)
+        last = kvpipe.ResidencyEntry("blk", "a", kvpipe.Residency.EVICTED, 2.0)
+        await store.put_residency([first, last])
+        assert list(await store.get_residency(["blk"])) == [(last,)]
+
+
 class StuckCloseClient:
     """A vendor-client stand-in whose ``close`` does not return until released (as the real
     one can wait on a master that is gone)."""
