@@ -103,7 +103,10 @@ class ResidencyIndex:
     async def _register(self, client: Any, node: str) -> None:
         """Make sure ``node`` is in the registry, checked on every flush: there is no
         compare-and-set, so a concurrent registration or a restarted master may drop it.
-        Up to :data:`_REGISTER_TRIES` writes, each read back."""
+        Up to :data:`_REGISTER_TRIES` writes, each read back; a write the vendor refuses
+        (another node's write of the registry in progress answers -601) is a lost race too.
+        """
+        rc = 0
         for attempt in range(_REGISTER_TRIES + 1):
             nodes = await self._nodes(client)
             if node in nodes:
@@ -113,10 +116,9 @@ class ResidencyIndex:
             rc = await self._call(
                 client.upsert, NODES_KEY, "\n".join(sorted({*nodes, node})).encode()
             )
-            if rc != 0:
-                raise BackendError(self._name, "upsert", f"node registry: returned {rc}")
             await anyio.sleep(0.005 * attempt)
-        raise BackendError(self._name, "upsert", f"node registry: {node!r} did not stick")
+        why = f"returned {rc}" if rc != 0 else f"{node!r} did not stick"
+        raise BackendError(self._name, "upsert", f"node registry: {why}")
 
     async def _nodes(self, client: Any) -> set[str]:
         """The registered node ids.
@@ -126,12 +128,19 @@ class ResidencyIndex:
                 ``b""`` for a missing key and for a failed get alike: an empty answer counts
                 as an empty registry only where the key is not stored (else a flush would
                 rewrite the registry with its own node alone, dropping every other node).
+                One stored but not read (as while another node rewrites it) is read again,
+                up to :data:`_REGISTER_TRIES` times.
         """
-        raw = bytes(await self._call(client.get, NODES_KEY))
-        if not raw:
+        for attempt in range(_REGISTER_TRIES):
+            if attempt:
+                await anyio.sleep(0.005 * attempt)
+            raw = bytes(await self._call(client.get, NODES_KEY))
+            if raw:
+                return {n for n in raw.decode().split("\n") if n}
             (code,) = await self._call(client.batch_is_exist, [NODES_KEY])
-            if code == 1:
-                raise BackendError(self._name, "get", "node registry: stored, but not read")
-            if code != 0:
+            if code == 0:
+                return set()
+            if code != 1:
                 raise BackendError(self._name, "batch_is_exist", f"node registry: code {code}")
-        return {n for n in raw.decode().split("\n") if n}
+            # stored, not read: another node's write of it in progress, read again
+        raise BackendError(self._name, "get", "node registry: stored, but not read")

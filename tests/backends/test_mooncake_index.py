@@ -52,10 +52,11 @@ async def test_a_failed_registry_read_never_drops_other_nodes() -> None:
     client = FakeClient()
     index = ResidencyIndex("mooncake", _call)
     await index.put(client, [_entry("a")])
-    client.failing_gets = 1
+    client.failing_gets = 100  # every read of it fails (one is read again)
     with pytest.raises(kvpipe.BackendError, match="node registry"):
         await index.put(client, [_entry("b")])
     assert client.data[NODES_KEY] == b"a"
+    client.failing_gets = 0
     await index.put(client, [_entry("b")])  # the registry reads again: b joins a
     assert client.data[NODES_KEY] == b"a\nb"
     got = await index.get(client, ["ns:k0"])
@@ -118,3 +119,43 @@ async def test_a_registration_that_never_sticks_is_a_backend_error() -> None:
     with pytest.raises(kvpipe.BackendError, match="did not stick"):
         await index.put(client, [_entry("a")])
     assert client.writes == 5
+
+
+class RewrittenRegistry(FakeClient):
+    """Another node's write of the registry is in progress for our first ``busy`` calls to
+    it, as the vendor answers then (seen with two clients registering at once on a real
+    master): our ``upsert`` of it returns -601, and our ``get`` answers ``b""`` though
+    ``batch_is_exist`` finds it."""
+
+    def __init__(self, busy: int, op: str) -> None:
+        super().__init__()
+        self.busy = busy
+        self.op = op
+
+    def _in_progress(self, op: str, key: str) -> bool:
+        if key == NODES_KEY and op == self.op and self.busy:
+            self.busy -= 1
+            return True
+        return False
+
+    def get(self, key: str) -> bytes:
+        return b"" if self._in_progress("get", key) else super().get(key)
+
+    def upsert(self, key: str, value: bytes) -> int:
+        return -601 if self._in_progress("upsert", key) else super().upsert(key, value)
+
+
+@pytest.mark.parametrize("op", ["get", "upsert"])
+async def test_another_nodes_registration_in_progress_is_waited_out(op: str) -> None:
+    """Two nodes registering at once is the race the registration's tries are for: a
+    registry being rewritten by the other is tried again, not a failed flush (nor a failed
+    locate)."""
+    client = RewrittenRegistry(busy=0, op=op)
+    index = ResidencyIndex("mooncake", _call)
+    await index.put(client, [_entry("a")])
+    client.busy = 2
+    await index.put(client, [_entry("b")])
+    assert client.data[NODES_KEY] == b"a\nb"
+    client.busy = 2
+    got = await index.get(client, ["ns:k0"])
+    assert [e.node_id for e in got[0]] == ["a", "b"]
