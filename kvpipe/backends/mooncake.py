@@ -744,7 +744,7 @@ class MooncakeStore(StorageBackend):
         call is abandoned on cancellation and may still remove them."""
         client = await self._ready()
         keys = [validate_key(k) for k in keys]
-        codes = await self._call(client.batch_remove, keys, True)
+        codes = _codes("batch_remove", await self._call(client.batch_remove, keys, True), len(keys))
         failed = [c for c in codes if c not in (0, NOT_FOUND)]
         if failed:
             raise BackendError(self.name, "batch_remove", f"codes {sorted(set(failed))}")

@@ -274,6 +274,24 @@ async def test_an_exists_answer_of_the_wrong_length_is_a_backend_error(
             await store.exists(batch)
 
 
+class ShortRemoveClient(FakeClient):
+    """``batch_remove`` answers for the first key only (the others' fate unknown)."""
+
+    def batch_remove(self, keys: list[str], force: bool) -> list[int]:
+        return [0]
+
+
+async def test_a_delete_answer_of_the_wrong_length_is_a_backend_error(
+    master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delete whose vendor call did not answer for every key is not reported done: a
+    block that failed verification may still be stored."""
+    monkeypatch.setattr(mc, "_load_client", ShortRemoveClient)
+    async with kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store:
+        with pytest.raises(kvpipe.BackendError, match="batch_remove"):
+            await store.delete(["k1", "k2"])
+
+
 class StoredValuesClient(FakeClient):
     """Holds values; ``batch_get_into`` copies them into registered memory."""
 
