@@ -137,7 +137,10 @@ class ResidencyIndex:
             raw = bytes(await self._call(client.get, NODES_KEY))
             if raw:
                 return {n for n in raw.decode().split("\n") if n}
-            (code,) = await self._call(client.batch_is_exist, [NODES_KEY])
+            answer = list(await self._call(client.batch_is_exist, [NODES_KEY]))
+            if len(answer) != 1:
+                raise BackendError(self._name, "batch_is_exist", f"{len(answer)} codes for 1")
+            (code,) = answer
             if code == 0:
                 return set()
             if code != 1:

@@ -96,10 +96,18 @@ def _each_key_once(
 
 
 def _codes(name: str, codes: Sequence[int], n: int) -> list[int]:
-    """``codes`` as a list of ints, after checking there is one per key."""
-    if len(codes) != n:
-        raise BackendError("mooncake", name, f"{len(codes)} codes for {n}")
-    return [int(c) for c in codes]
+    """``codes`` as a list of ints, after checking there is one per key.
+
+    Raises:
+        BackendError: Another number of codes, or an answer that is not int codes.
+    """
+    try:
+        out = [int(c) for c in codes]
+    except (TypeError, ValueError) as exc:
+        raise BackendError("mooncake", name, f"not int codes: {exc!r}") from exc
+    if len(out) != n:
+        raise BackendError("mooncake", name, f"{len(out)} codes for {n}")
+    return out
 
 
 def _put_from_staging(

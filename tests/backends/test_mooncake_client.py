@@ -274,6 +274,31 @@ async def test_an_exists_answer_of_the_wrong_length_is_a_backend_error(
             await store.exists(batch)
 
 
+class OddAnswerClient(FakeClient):
+    """``batch_is_exist`` answers with something other than a list of int codes."""
+
+    def __init__(self, answer: object) -> None:
+        super().__init__()
+        self.answer = answer
+
+    def batch_is_exist(self, keys: list[str]) -> object:
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [None, [1, None], ["yes", 1]])
+async def test_an_exists_answer_of_the_wrong_type_is_a_backend_error(
+    master: str, monkeypatch: pytest.MonkeyPatch, answer: object
+) -> None:
+    """Not ``int()``'s or ``len()``'s raw ``TypeError`` / ``ValueError``, which callers
+    (the FastDeploy adapter) take for their own mistake and raise on."""
+    monkeypatch.setattr(mc, "_load_client", lambda: OddAnswerClient(answer))
+    async with kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store:
+        scope = Scope("ns", VALUES_FINGERPRINT)
+        batch = KeyBatch(scope, "r", ["k1", "k2"], 0, as_tokens(np.zeros(0, np.int64)))
+        with pytest.raises(kvpipe.BackendError, match="batch_is_exist"):
+            await store.exists(batch)
+
+
 class ShortRemoveClient(FakeClient):
     """``batch_remove`` answers for the first key only (the others' fate unknown)."""
 

@@ -159,3 +159,14 @@ async def test_another_nodes_registration_in_progress_is_waited_out(op: str) -> 
     client.busy = 2
     got = await index.get(client, ["ns:k0"])
     assert [e.node_id for e in got[0]] == ["a", "b"]
+
+
+class EmptyExistClient(FakeClient):
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return []
+
+
+async def test_a_registry_lookup_answer_of_the_wrong_length_is_a_backend_error() -> None:
+    """Not the unpacking's raw ``ValueError``."""
+    with pytest.raises(kvpipe.BackendError, match="batch_is_exist"):
+        await ResidencyIndex("mooncake", _call).get(EmptyExistClient(), ["ns:k0"])
