@@ -763,6 +763,8 @@ class MooncakeStore(StorageBackend):
 
         Raises:
             BackendError: A vendor call failed.
+            ValueError: A key or node id that cannot name a record (see :func:`validate_key`;
+                node ids: printable, without spaces or ``@``).
         """
         await self._index.put(await self._ready(), entries)
 

@@ -170,3 +170,18 @@ async def test_a_registry_lookup_answer_of_the_wrong_length_is_a_backend_error()
     """Not the unpacking's raw ``ValueError``."""
     with pytest.raises(kvpipe.BackendError, match="batch_is_exist"):
         await ResidencyIndex("mooncake", _call).get(EmptyExistClient(), ["ns:k0"])
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "a@b", "a b", ""])
+async def test_a_node_id_that_cannot_name_a_record_is_refused_before_anything_is_written(
+    bad: str,
+) -> None:
+    """The registry holds one node id a line and a record is named ``key@node``: a node id
+    with a newline joined the registry as two nodes, one with ``@`` named another record."""
+    client = FakeClient()
+    index = ResidencyIndex("mooncake", _call)
+    await index.put(client, [_entry("a")])
+    before = dict(client.data)
+    with pytest.raises(ValueError, match="node id"):
+        await index.put(client, [_entry("c"), _entry(bad)])
+    assert client.data == before
