@@ -284,3 +284,37 @@ async def test_a_close_that_cancels_the_actors_at_its_deadline_leaves_no_cycle(
     assert staging() is None, "the staging outlived the pipeline"
     assert actors() is None, "the actors' context is held in a reference cycle"
     assert pipe_ref() is None, "the pipeline is held in a reference cycle"
+
+
+class _FailingProbes(kvpipe.MemoryStore):
+    """Once armed, every ``exists`` raises a fresh error (the store keeps none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    async def exists(self, batch: kvpipe.backends.KeyBatch) -> list[bool]:
+        if self.armed:
+            raise OSError("injected exists failure")
+        return list(await super().exists(batch))
+
+
+async def test_a_probe_the_store_failed_leaves_no_cycle(no_cyclic_gc: None) -> None:
+    """The store's ``exists`` raises during a read's probe: the read stops with
+    ``backend_error``. The error translated for it must not be held by the frame that
+    translated it (that frame is on its traceback), or the actors' context, and through it
+    the store, stay in a reference cycle."""
+    store = _FailingProbes()
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    config = kvpipe.PipelineConfig(staging_bytes=STAGING)
+    async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+        refs = (weakref.ref(pipe._runtime._ctx), weakref.ref(store))
+        assert (await pipe.write(TOKENS, np.arange(8))).complete
+        store.armed = True
+        assert (await pipe.read(TOKENS, np.arange(8, 16))).stop_reason == "backend_error"
+        del pipe
+    await store.aclose()
+    del store
+    actors, store_ref = refs
+    assert actors() is None, "the actors' context is held in a reference cycle"
+    assert store_ref() is None, "the store is held in a reference cycle"

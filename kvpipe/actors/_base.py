@@ -243,14 +243,16 @@ class ActorContext:
 async def backend_call(
     backend: StorageBackend, op: str, fn: Callable[..., Awaitable[T]], *args: Any
 ) -> T:
-    """Call a backend method, translating any exception into :class:`BackendError`."""
+    """Call a backend method, translating any exception into :class:`BackendError`.
+
+    No local holds the error raised: this frame is on its traceback, so the error, the frame
+    and what it holds (the batch, the store) would be a reference cycle."""
     try:
         return await fn(*args)
+    except BackendError:
+        raise
     except Exception as exc:
-        error = as_backend_error(backend, op, exc)
-        if error is exc:
-            raise
-        raise error from exc
+        raise BackendError(backend.name, op, describe_error(exc)) from exc
 
 
 def as_backend_error(backend: StorageBackend, op: str, exc: Exception) -> BackendError:
