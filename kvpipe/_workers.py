@@ -41,6 +41,7 @@ __all__ = (
     "NotStarted",
     "ThreadRunner",
     "WorkerThreads",
+    "in_thread",
     "lower_priority",
 )
 
@@ -441,3 +442,34 @@ def _call_soon(token: anyio.lowlevel.EventLoopToken, fn: Callable[..., None], *a
         soon(fn, args, token.native_token)
     else:  # pragma: no cover - anyio 4.15 (which pyproject allows) has none
         anyio.from_thread.run_sync(fn, *args, token=token)
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``anyio.to_thread.run_sync(fn, *args)``, with its error raised without a cycle.
+
+    anyio hands an error raised in the worker thread back through frames that keep it
+    (asyncio's future, trio's outcome, and the worker's frames, which the error's own
+    traceback and context keep): raised as it is, the error, those frames and every frame
+    it then passes (a store's ``open``, a pipeline's opening) stay in a reference cycle,
+    freed only by the cyclic garbage collector. The thread leaves its outcome in a box
+    instead, which is emptied here before the error is raised.
+
+    Cancellation: as ``anyio.to_thread.run_sync`` (the call runs to its end).
+    """
+    box: list[Any] = []
+
+    def call() -> None:
+        try:
+            box[:] = [True, fn(*args)]
+        except BaseException as exc:
+            box[:] = [False, exc]
+
+    await anyio.to_thread.run_sync(call)
+    ok, value = box
+    box.clear()
+    if ok:
+        return value  # type: ignore[no-any-return]
+    try:
+        raise value
+    finally:
+        value = None

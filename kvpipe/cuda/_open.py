@@ -16,6 +16,7 @@ from .._device_tensors import parse_device
 from .._errors import DeviceError, LayoutError, Unsupported
 from .._plan import layout_segments
 from .._staging import StagingPool, stride_for
+from .._workers import in_thread
 from ._driver import CudaDriver, Driver
 from ._engine import CudaEngine
 from ._kernels import KERNELS, segment_table
@@ -220,6 +221,6 @@ async def open_device_path(
         options=CudaOptions(max_calls=max_calls),
     )
     with anyio.CancelScope(shield=True):
-        engine = await anyio.to_thread.run_sync(opener)
+        engine = await in_thread(opener)
     buffer = engine.staging.array((capacity, stride_for(slot_nbytes)))
     return engine, StagingPool(slot_nbytes, capacity, buffer=buffer)

@@ -4,8 +4,10 @@ directory (made when missing). Anything else is refused clearly, before the disk
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
+import anyio
 import pytest
 
 import kvpipe
@@ -48,6 +50,37 @@ async def test_a_root_that_is_a_regular_file_says_so(tmp_path: Path) -> None:
         async with FileStore(root):
             pass
     assert root.read_bytes() == b"not a store"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_store_that_failed_to_open_is_freed_by_reference_counting(
+    tmp_path: Path, no_cyclic_gc: None
+) -> None:
+    """A pipeline's open fails on a bad root: the error passed through a worker thread's
+    frames (the event loop's await of its result); none of them may keep the store, and
+    what the caller gave it, in a reference cycle."""
+    root = tmp_path / "store"
+    root.write_bytes(b"not a store")
+    store = FileStore(root)
+    ref = weakref.ref(store)
+    cache = kvpipe.create_kv_cache(
+        kvpipe.CacheLayout.gqa(
+            num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype="float16"
+        ),
+        num_blocks=2,
+    )
+    try:
+        async with kvpipe.open_pipeline(cache, store):
+            pass
+    except kvpipe.BackendError as exc:
+        assert "exists and is a regular file" in str(exc)
+    else:
+        raise AssertionError("the pipeline opened over a regular file")
+    del store
+    # The worker thread lets go of its last call just after handing back the result: by
+    # the time it has run another.
+    await anyio.to_thread.run_sync(int)
+    assert ref() is None, "the store is held in a reference cycle"
 
 
 def test_inspecting_a_directory_that_is_not_a_store_says_so(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from pathlib import Path
 
 import anyio
@@ -287,6 +288,29 @@ async def test_opening_failure_leaves_nothing(fake: FakeDriver) -> None:
     with pytest.raises(kvpipe.DeviceError, match="NO_BINARY"):
         async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore(), device_driver=fake):
             pytest.fail("opened")  # pragma: no cover
+    free_device_cache(fake, cache)
+    fake.assert_clean()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_failed_open_leaves_no_cycle(fake: FakeDriver, no_cyclic_gc: None) -> None:
+    """The engine's open fails in its worker thread: the error comes back through the frames
+    that awaited the thread's result; none of them may keep the pipeline, its store and the
+    driver in a reference cycle."""
+    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 2)
+    store = kvpipe.MemoryStore()
+    ref = weakref.ref(store)
+    fake.fail_next("module_load", "CUDA_ERROR_NO_BINARY_FOR_GPU")
+    try:
+        async with kvpipe.open_pipeline(cache, store, device_driver=fake):
+            pytest.fail("opened")  # pragma: no cover
+    except kvpipe.DeviceError as exc:
+        assert "NO_BINARY" in str(exc)
+    del store
+    # The worker thread lets go of its last call just after handing back the result: by
+    # the time it has run another.
+    await anyio.to_thread.run_sync(int)
+    assert ref() is None, "the pipeline and its store are held in a reference cycle"
     free_device_cache(fake, cache)
     fake.assert_clean()
 

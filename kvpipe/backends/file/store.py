@@ -25,6 +25,7 @@ import anyio
 
 from ..._errors import BackendError, ConfigError
 from ..._results import ResidencyEntry
+from ..._workers import in_thread
 from .._base import (
     BlockStatus,
     FetchSink,
@@ -178,7 +179,7 @@ class FileStore(StorageBackend):
                 if self._inflight.closing:  # never open what nothing would close
                     raise BackendError(self.name, "open", f"{self.path}: the store is closed")
                 try:
-                    await anyio.to_thread.run_sync(self._open_sync)
+                    await in_thread(self._open_sync)
                 except (OSError, sqlite3.Error) as exc:
                     raise BackendError(self.name, "open", f"{self.path}: {exc}") from exc
 
