@@ -318,3 +318,27 @@ async def test_a_probe_the_store_failed_leaves_no_cycle(no_cyclic_gc: None) -> N
     actors, store_ref = refs
     assert actors() is None, "the actors' context is held in a reference cycle"
     assert store_ref() is None, "the store is held in a reference cycle"
+
+
+async def test_a_kept_log_record_of_a_failed_probe_keeps_no_pipeline(
+    no_cyclic_gc: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write whose dedup probe the store failed logs a WARNING. The record held the
+    exception itself, so a handler that keeps records (pytest's capture, a MemoryHandler)
+    kept its traceback's frames, and through them the actors' context and the store; the
+    record now holds the error's text."""
+    store = _FailingProbes()
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    config = kvpipe.PipelineConfig(staging_bytes=STAGING)
+    with caplog.at_level("WARNING", logger="kvpipe"):
+        async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+            refs = (weakref.ref(pipe._runtime._ctx), weakref.ref(store))
+            store.armed = True
+            assert (await pipe.write(TOKENS, np.arange(8))).complete
+            del pipe
+        await store.aclose()
+        del store
+    assert "dedup probe failed" in caplog.text
+    actors, store_ref = refs
+    assert actors() is None, "a kept log record holds the actors' context"
+    assert store_ref() is None, "a kept log record holds the store"

@@ -446,7 +446,7 @@ class Reader(Actor[ReadState | SliceJob]):
                     "read %s: fetching block %d again, after it failed verification, failed: %s",
                     state.request_id,
                     spec.first_block + lo,
-                    exc,
+                    str(exc),
                 )
                 return None
             # What was lent for these blocks before is replaced by what this fetch brought.
@@ -466,7 +466,10 @@ class Reader(Actor[ReadState | SliceJob]):
                 ctx.metrics.counters["corrupt_blocks_deleted"] += len(keys)
             except BackendError as exc:
                 log.warning(
-                    "read %s: could not delete %d corrupt block(s): %s", request_id, len(keys), exc
+                    "read %s: could not delete %d corrupt block(s): %s",
+                    request_id,
+                    len(keys),
+                    str(exc),
                 )
         if bound.cancelled_caught:
             log.warning(

@@ -137,7 +137,7 @@ class Scheduler(Actor[RequestState]):
             log.warning(
                 "write %s: dedup probe failed, writing the blocks not found stored before: %s",
                 state.request_id,
-                exc,
+                str(exc),
             )
 
         with state.bound(state.deadline) as scope:

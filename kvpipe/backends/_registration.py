@@ -83,7 +83,7 @@ class Registrations:
                         "unregistering staging from %s failed (the staging memory is kept, "
                         "not freed): %r",
                         self.store.name,
-                        exc,
+                        repr(exc),
                     )
                 del buffers[0]
         if bound.cancelled_caught:

@@ -247,7 +247,7 @@ class CudaEngine(CopyEngine):
                     return
                 self._ledger.pinned_free(self.staging)
         except DeviceError as exc:
-            log.error("freeing CUDA resources at close failed: %s", exc)
+            log.error("freeing CUDA resources at close failed: %s", str(exc))
             if staging_in_use:  # the staging's context must outlive the thread all the same
                 log.error("staging may still be in use at close; leaving it allocated")
                 return
@@ -460,7 +460,7 @@ class CudaEngine(CopyEngine):
         except (DeviceError, TimeoutError) as exc:
             log.error(
                 "CUDA stream did not drain after a failed copy (%s); retiring staging slots %s",
-                exc,
+                str(exc),
                 lease.slots,
             )
             lease.retain()  # never released: the slots are never handed out again
@@ -482,6 +482,6 @@ class CudaEngine(CopyEngine):
                     finally:
                         self._events.put(event)
         except (DeviceError, TimeoutError) as exc:
-            log.error("draining CUDA streams at close failed: %s", exc)
+            log.error("draining CUDA streams at close failed: %s", str(exc))
             return False
         return True

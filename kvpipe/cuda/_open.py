@@ -173,7 +173,7 @@ def _upload_table(
                 log.error(
                     "the CUDA pointer table's upload was not seen completed (%s); leaving its "
                     "memory, stream and event allocated",
-                    exc,
+                    str(exc),
                 )
                 if isinstance(exc, _UploadStuck):
                     raise

@@ -375,7 +375,9 @@ class KVPipeAttentionStore:
                     raise  # a wrong setting: raised, as programming errors are
                 # ConfigError on "store": the store refused the staging (down, say), a store
                 # failure like any other
-                log.warning("kvpipe %s %s: opening the pipeline failed: %r", what, task_id, exc)
+                log.warning(
+                    "kvpipe %s %s: opening the pipeline failed: %r", what, task_id, repr(exc)
+                )
                 return 0
         try:
             if opened:  # the call gets what is left of its timeout
@@ -424,7 +426,7 @@ class KVPipeAttentionStore:
         except (RequestError, TypeError):
             raise
         except (KVPipeError, OSError, TimeoutError) as exc:
-            log.warning("kvpipe %s %s: %r", what, task_id, exc)
+            log.warning("kvpipe %s %s: %r", what, task_id, repr(exc))
             return 0
 
     def write(

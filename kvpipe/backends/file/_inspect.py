@@ -93,11 +93,13 @@ def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
             if tmp.removable and root.remove_temp(tmp.parts, tmp.name):
                 counts["temp_removed"] += 1
         except OSError as exc:
-            log.warning("file store %s: cannot remove %s: %s", root.path, tmp.name, exc)
+            log.warning("file store %s: cannot remove %s: %s", root.path, tmp.name, str(exc))
     try:
         _repair_catalog(root, catalog, stale_after, counts)
     except CatalogFull as exc:
-        log.warning("file store %s: catalog repairs at open left for later: %s", root.path, exc)
+        log.warning(
+            "file store %s: catalog repairs at open left for later: %s", root.path, str(exc)
+        )
     return RecoveryReport(**counts)
 
 
@@ -258,7 +260,7 @@ def _open_catalog(path: str) -> Catalog:
     try:
         return Catalog(path)
     except (OSError, sqlite3.Error) as exc:
-        log.debug("file store catalog %s not writable (%s): read read-only", path, exc)
+        log.debug("file store catalog %s not writable (%s): read read-only", path, str(exc))
         return Catalog(path, writable=False)
 
 

@@ -35,7 +35,7 @@ def in_shares(
                 "file store %s: could not start a worker thread (%r); running %d "
                 "share(s) of a batch in the calling thread",
                 path,
-                exc,
+                repr(exc),
                 len(shares) - at,
             )
             for rest in shares[at:]:

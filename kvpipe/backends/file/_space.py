@@ -89,7 +89,7 @@ def settle(
                     "file store %s: disk full, %d reservation(s) left unsettled: %s",
                     root.path,
                     len(failed) + len(dropped) + len(kept),
-                    exc,
+                    str(exc),
                 )
                 return dropped
             key = left.pop()
@@ -107,7 +107,7 @@ def settle(
                 "stored, %d record(s) left unsettled (an open after this process has exited, "
                 "or after stale_temp_after, settles them)",
                 root.path,
-                exc,
+                str(exc),
                 len(left) + len(kept) + len(failed) + len(dropped),
             )
             return dropped

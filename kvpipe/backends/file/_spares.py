@@ -143,4 +143,4 @@ def _remove(root: Root, parts: Sequence[str], name: str) -> None:
     try:
         root.remove_temp(parts, name)
     except OSError as exc:
-        log.warning("file store %s: cannot remove %s: %s", root.path, name, exc)
+        log.warning("file store %s: cannot remove %s: %s", root.path, name, str(exc))

@@ -373,7 +373,7 @@ class FileStore(StorageBackend):
                     "until the next open",
                     root.path,
                     len(res.victims),
-                    exc,
+                    str(exc),
                 )
         written: list[str] = []
         errors: list[str] = []
@@ -463,7 +463,7 @@ class FileStore(StorageBackend):
             log.warning(
                 "file store %s: direct I/O refused (%s); using the page cache from now on",
                 root.path,
-                exc,
+                str(exc),
             )
 
     async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
@@ -515,12 +515,14 @@ class FileStore(StorageBackend):
             try:
                 catalog.reconcile(bad, sizes(root))
             except (CatalogFull, sqlite3.Error) as exc:  # files gone; the next open forgets them
-                log.warning("file store %s: cannot forget corrupt blocks: %s", root.path, exc)
+                log.warning("file store %s: cannot forget corrupt blocks: %s", root.path, str(exc))
         if ok and self.capacity_bytes is not None:
             try:  # bookkeeping for eviction: never the read's failure
                 catalog.touch(ok)
             except sqlite3.Error as exc:  # locked past SQLite's busy timeout, or damaged
-                log.warning("file store %s: cannot record a read for eviction: %s", root.path, exc)
+                log.warning(
+                    "file store %s: cannot record a read for eviction: %s", root.path, str(exc)
+                )
         self._count(blocks_read=len(ok))
         return statuses
 
