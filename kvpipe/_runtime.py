@@ -223,6 +223,9 @@ class Runtime:
         # abandoned at the close deadline until they return.
         self._outboxes = None
         self._inboxes = None
+        # No event reaches them any more; an observer that refers to its pipeline (a
+        # caller's closure, say) would otherwise keep it in a cycle through this runtime.
+        self.observers.active = ()
 
     async def start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
         """Create the actors' channels and context, and start their supervisor in ``tg``."""

@@ -342,3 +342,25 @@ async def test_a_kept_log_record_of_a_failed_probe_keeps_no_pipeline(
     actors, store_ref = refs
     assert actors() is None, "a kept log record holds the actors' context"
     assert store_ref() is None, "a kept log record holds the store"
+
+
+async def test_an_observer_that_refers_to_its_pipeline_keeps_it_in_no_cycle(
+    no_cyclic_gc: None,
+) -> None:
+    """An observer that holds its pipeline (a closure reading its statistics, say): the
+    pipeline held it through its runtime after close, a cycle only the collector freed."""
+    store = kvpipe.MemoryStore()
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    config = kvpipe.PipelineConfig(staging_bytes=STAGING)
+    seen: list[str] = []
+    async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+
+        def observer(kind: str, seconds: float, outcome: str, pipe: object = pipe) -> None:
+            seen.append(kind)
+
+        pipe.add_observer(observer)
+        ref = weakref.ref(pipe)
+        assert (await pipe.write(TOKENS, np.arange(8))).complete
+        del pipe, observer
+    assert seen
+    assert ref() is None, "the pipeline is held in a cycle through its observer"
