@@ -322,3 +322,35 @@ async def test_a_put_whose_eviction_the_catalog_cannot_reconcile_still_settles_i
         assert statuses == [OK]
         assert await get_raw(b, store, z) == ([OK], make_values(1, 102))
     assert any("database is locked" in r.getMessage() for r in caplog.records), caplog.text
+
+
+async def test_a_put_does_not_evict_a_block_another_put_is_writing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Put A writes stored block X again (its reservation needs no new room); put B, short of
+    room, must not evict X meanwhile: A published X all the same, so X came back without the
+    room it takes and the store ended over its capacity (found by test_file_model)."""
+    root = tmp_path / "store"
+    async with batches() as b, FileStore(root, capacity_bytes=STORED) as store:
+        x, _ = b.keys(1, seed=110)
+        z, _ = b.keys(1, seed=111)
+        assert await put_chain(b, store, x, make_values(1, 110)) == [OK]
+        token = anyio.lowlevel.current_token()
+        real = store._write
+        z_status: list[BlockStatus] = []
+        held: list[bool] = []
+
+        def write(*args: Any) -> list[BlockStatus]:
+            if not held:  # A, reserved: B runs to its end from the event loop first
+                held.append(True)
+                z_status.extend(
+                    anyio.from_thread.run(put_chain, b, store, z, make_values(1, 111), token=token)
+                )
+            return real(*args)
+
+        monkeypatch.setattr(store, "_write", write)
+        assert await put_chain(b, store, x, make_values(1, 112)) == [OK]
+        monkeypatch.undo()
+        assert z_status == [BlockStatus.NO_SPACE]
+        assert await get_raw(b, store, x) == ([OK], make_values(1, 112))
+        _check_accounting(store, root, STORED)

@@ -355,8 +355,12 @@ class Catalog:
                         continue
                 block_parent = keys[i - 1] if i else parent
                 if row:
+                    # Unsettled again until this put settles it: a block being written is
+                    # never evicted (another put evicting it here would see this one publish
+                    # it again, with no room reserved for it).
                     db.execute(
-                        "UPDATE blocks SET nbytes=?, last_access=? WHERE key=?", (nbytes, now, key)
+                        "UPDATE blocks SET nbytes=?, last_access=?, ready=0, owner=? WHERE key=?",
+                        (nbytes, now, self.owner, key),
                     )
                 else:
                     db.execute(
