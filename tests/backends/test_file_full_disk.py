@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -186,11 +187,15 @@ async def test_a_put_whose_settling_finds_the_disk_full_unpublishes_its_tail(
     settle = Catalog.settle
 
     def hog_then_settle(
-        catalog: Catalog, written: Sequence[str], failed: Sequence[str], size_of: SizeOf
+        catalog: Catalog,
+        written: Sequence[str],
+        failed: Sequence[str],
+        size_of: SizeOf,
+        *rest: Any,
     ) -> None:
         if not (small_disk / "hog").exists():
             _hog(small_disk / "hog")
-        settle(catalog, written, failed, size_of)
+        settle(catalog, written, failed, size_of, *rest)
 
     async with batches() as b, FileStore(root) as store:
         keys, _ = b.keys(16, seed=3)

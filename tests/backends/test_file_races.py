@@ -354,3 +354,37 @@ async def test_a_put_does_not_evict_a_block_another_put_is_writing_again(
         assert z_status == [BlockStatus.NO_SPACE]
         assert await get_raw(b, store, x) == ([OK], make_values(1, 112))
         _check_accounting(store, root, STORED)
+
+
+async def test_a_block_recorded_again_after_a_racing_delete_keeps_its_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delete drops the record of a block a put is writing; the put publishes it and
+    records it again. The record must name the block's parent as before, or the parent
+    passes for a prefix tail and is evicted first, from the middle of its chain, leaving
+    a block no read can reach (found by test_file_model)."""
+    root = tmp_path / "store"
+    async with batches() as b, FileStore(root, capacity_bytes=2 * STORED) as store:
+        a, _ = b.keys(2, seed=120)
+        z, _ = b.keys(1, seed=121)
+        values = make_values(2, 120)
+        assert await put_chain(b, store, a[:1], values[:1]) == [OK]
+        token = anyio.lowlevel.current_token()
+        real = store._write
+        held: list[bool] = []
+
+        def write(*args: Any) -> list[BlockStatus]:
+            if not held:  # a[1] reserved: the delete runs to its end first
+                held.append(True)
+                anyio.from_thread.run(store.delete, a[1:], token=token)
+            return real(*args)
+
+        monkeypatch.setattr(store, "_write", write)
+        assert await put_chain(b, store, a[1:], values[1:], a[0], 1) == [OK]
+        monkeypatch.undo()
+        assert held
+        # Room for z: the tail of a goes, not its head.
+        assert await put_chain(b, store, z, make_values(1, 121)) == [OK]
+        assert await get_raw(b, store, a[:1]) == ([OK], values[:1])
+        assert not block_file(root, a[1]).exists()
+        _check_accounting(store, root, 2 * STORED)

@@ -27,7 +27,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, TypeAlias, TypeVar, final
 from urllib.parse import quote
@@ -66,10 +66,11 @@ CREATE TABLE IF NOT EXISTS residency (
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('bytes', 0);
 """
-#: The record of a block file found published: (key, namespace, nbytes, created, last_access).
+#: The record of a block file found published: (key, parent, namespace, nbytes, created,
+#: last_access).
 _INSERT_READY: Final = (
     "INSERT INTO blocks (key, parent, namespace, nbytes, created, last_access, ready) "
-    "VALUES (?, NULL, ?, ?, ?, ?, 1)"
+    "VALUES (?, ?, ?, ?, ?, ?, 1)"
 )
 
 
@@ -399,12 +400,20 @@ class Catalog:
                     break
         return freed, gone
 
-    def settle(self, written: Sequence[str], failed: Sequence[str], size_of: SizeOf) -> None:
+    def settle(
+        self,
+        written: Sequence[str],
+        failed: Sequence[str],
+        size_of: SizeOf,
+        parents: Mapping[str, str | None] | None = None,
+    ) -> None:
         """Record a put's outcome: each key as :meth:`reconcile` finds it, the ``written``
-        ones read just now (for LRU eviction)."""
+        ones read just now (for LRU eviction). ``parents``: each key's parent in the put's
+        batch, for a record made again (a delete or an eviction dropped it meanwhile), so
+        that its parent is not taken for a prefix tail."""
         with self._write() as db:
-            self._reconcile(db, written, size_of, time.time())
-            self._reconcile(db, failed, size_of, None)
+            self._reconcile(db, written, size_of, time.time(), parents)
+            self._reconcile(db, failed, size_of, None, parents)
 
     def reconcile(self, keys: Sequence[str], size_of: SizeOf) -> None:
         """Make each key's record say what ``size_of`` finds at its name now: a ready block
@@ -420,7 +429,11 @@ class Catalog:
 
     @staticmethod
     def _reconcile(
-        db: sqlite3.Connection, keys: Sequence[str], size_of: SizeOf, now: float | None
+        db: sqlite3.Connection,
+        keys: Sequence[str],
+        size_of: SizeOf,
+        now: float | None,
+        parents: Mapping[str, str | None] | None = None,
     ) -> None:
         change = 0
         for key, size in zip(keys, size_of(keys), strict=True):
@@ -436,9 +449,10 @@ class Catalog:
                     (size, now, key),
                 )
                 change += size - row[0]
-            else:  # published, its record dropped meanwhile (another put of it failed)
+            else:  # published, its record dropped meanwhile (a delete, an eviction...)
                 at = now or time.time()
-                db.execute(_INSERT_READY, (key, key_namespace(key), size, at, at))
+                parent = parents.get(key) if parents else None
+                db.execute(_INSERT_READY, (key, parent, key_namespace(key), size, at, at))
                 change += size
         if change:
             db.execute("UPDATE meta SET value=value+? WHERE name='bytes'", (change,))
@@ -467,7 +481,7 @@ class Catalog:
                 if row and not row[0] and there:
                     db.execute("UPDATE blocks SET ready=1 WHERE key=?", (key,))
                 return False
-            db.execute(_INSERT_READY, (key, namespace, nbytes, created, created))
+            db.execute(_INSERT_READY, (key, None, namespace, nbytes, created, created))
             db.execute("UPDATE meta SET value=value+? WHERE name='bytes'", (nbytes,))
         return True
 

@@ -64,12 +64,13 @@ def settle(
     written: Sequence[str],
     failed: Sequence[str],
     headers: Mapping[str, bytes],
+    parents: Mapping[str, str | None] | None = None,
 ) -> list[str]:
     """Record a put's outcome (:meth:`Catalog.settle`); when the disk is too full for that,
     remove the newest of ``written``'s files, one at a time, until it is not. ``headers``:
     the header of each file the put published, by key; a file at a key's name with another
     header (another put of the key published it since) is not removed, and the key stays
-    stored.
+    stored. ``parents``: each key's parent in the put's batch (:meth:`Catalog.settle`).
 
     Returns:
         The keys of ``written`` whose files were removed (not stored after all: ``NO_SPACE``).
@@ -79,7 +80,7 @@ def settle(
     dropped: list[str] = []
     while True:
         try:
-            catalog.settle([*left, *kept], [*failed, *dropped], sizes(root))
+            catalog.settle([*left, *kept], [*failed, *dropped], sizes(root), parents)
             return dropped
         except CatalogFull as exc:
             if not left:

@@ -390,7 +390,8 @@ class FileStore(StorageBackend):
         finally:
             failed = [keys[i] for i in admitted if statuses[i] is not BlockStatus.OK]
             # the disk filled meanwhile: files of this put removed
-            for key in settle(catalog, root, written, failed, hooks.published):
+            parents = {key: keys[i - 1] if i else parent for i, key in enumerate(keys)}
+            for key in settle(catalog, root, written, failed, hooks.published, parents):
                 statuses[keys.index(key)] = BlockStatus.NO_SPACE
                 written.remove(key)
                 self._count(no_space=1)
