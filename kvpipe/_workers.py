@@ -419,6 +419,7 @@ class ThreadRunner:
         outcome, call.outcome = call.outcome, None
         assert outcome is not None
         ok, value = outcome
+        del outcome  # it holds the error: this frame, on its traceback, would be a cycle
         if ok:
             return value  # type: ignore[no-any-return]
         try:

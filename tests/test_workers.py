@@ -538,3 +538,33 @@ async def test_a_call_whose_start_by_has_passed_never_starts_though_a_thread_is_
     assert not ran.is_set()
     lease.release()
     assert pool.in_use == 0
+
+
+async def test_an_error_raised_in_a_worker_thread_leaves_no_cycle() -> None:
+    """The call's outcome, kept in a local of ``run`` after the error was raised from it,
+    held the error: ``run``'s frame is on its traceback, so the error, the frames it passed
+    and what they hold (the call's arguments: a batch, its staging) stayed in a reference
+    cycle until the collector ran."""
+    import gc
+    import weakref
+
+    class Big:
+        pass
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        async with ThreadRunner() as runner:
+            big = Big()
+            ref = weakref.ref(big)
+
+            def boom(held: Big = big) -> None:
+                raise ValueError("injected")
+
+            with pytest.raises(ValueError, match="injected"):
+                await runner.run(boom)
+            del big, boom
+            assert ref() is None, "the call's arguments are held in a reference cycle"
+    finally:
+        if enabled:
+            gc.enable()
