@@ -287,3 +287,34 @@ async def test_full_durability_syncs_the_directories_a_put_makes_into_their_pare
         monkeypatch.undo()
     made = [root, root / "blocks", root / "blocks" / "conformance"]  # each got a new entry
     assert {str(p.resolve()) for p in made} <= set(synced), synced
+
+
+def test_a_share_that_raised_leaves_no_reference_cycle() -> None:
+    """A share's error, kept by the share object that its traceback's frames hold, made a
+    cycle keeping every frame it passed (the batch's keys and staging) until the collector
+    ran."""
+    import gc
+    import weakref
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvpipe.backends.file._shares import in_shares
+
+    class Item:
+        pass
+
+    def fail(items: list[Item]) -> list[int]:
+        raise OSError("injected")
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            items = [Item(), Item()]
+            refs = [weakref.ref(i) for i in items]
+            with pytest.raises(OSError, match="injected"):
+                in_shares(pool, 2, fail, items, "store")
+            del items
+            assert all(r() is None for r in refs), "the shares' items are held in a cycle"
+    finally:
+        if enabled:
+            gc.enable()

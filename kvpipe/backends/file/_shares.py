@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Generic, TypeVar, final
@@ -69,8 +70,12 @@ class _Share(Generic[T, U]):
         try:
             self._result = self._fn(self._items)
         except BaseException as exc:  # raised by result(), in the caller's thread
+            # The error's frames lead back to this one, which holds this share, which will
+            # hold the error: a cycle. Their locals (the batch's keys and staging) go now.
+            traceback.clear_frames(exc.__traceback__)
             self._error = exc
         finally:
+            self._items = []
             self._done.set()
 
     def wait(self) -> None:
@@ -80,6 +85,10 @@ class _Share(Generic[T, U]):
     def result(self) -> list[U]:
         """Its results, once it has run (its error raised)."""
         self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
+        error, self._error = self._error, None  # this share, on its traceback, kept it
+        if error is None:
+            return self._result
+        try:
+            raise error
+        finally:
+            error = None
