@@ -297,13 +297,23 @@ def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
     out: list[tuple[int, int, Rows | None]] = []
     addrs = _addresses(values)
     n = len(values)
+    # Only values of one buffer go in one view (as for the cache's tensors, _group): values
+    # of separate allocations that happen to lie at equal steps made a view spanning them,
+    # which can overlap other arrays, and numpy's overlap handling then recursed to a
+    # segfault (seen once in the pipeline's cancel sweep, scattering lent values).
+    roots = [_buffer_root(v) for v in values] if n > 1 else []
     lo = 0
     while lo < n:
         first = values[lo]
         size, base, hi = first.size, addrs[lo], lo + 1
         stride = addrs[hi] - base if hi < n else 0
         if base >= 0 and stride >= size:  # contiguous rows that do not overlap
-            while hi < n and values[hi].size == size and addrs[hi] == base + (hi - lo) * stride:
+            while (
+                hi < n
+                and values[hi].size == size
+                and addrs[hi] == base + (hi - lo) * stride
+                and roots[hi] is roots[lo]
+            ):
                 hi += 1
         if hi - lo > 1:
             view = _as_strided(first, shape=(hi - lo, size), strides=(stride, 1), writeable=False)
@@ -314,6 +324,23 @@ def _value_runs(values: Sequence[Rows]) -> list[tuple[int, int, Rows | None]]:
             out.append((lo, lo + 1, None))
         lo = hi
     return out
+
+
+def _buffer_root(obj: object) -> object:
+    """The object that owns ``obj``'s memory: the end of its chain of array bases and of
+    the exporters of the memoryviews on the way (values lent by a store are arrays over
+    memoryviews of its arrays)."""
+    while True:
+        if isinstance(obj, np.ndarray):
+            if obj.base is None:
+                return obj
+            obj = obj.base
+        elif isinstance(obj, memoryview):
+            if obj.obj is None:
+                return obj
+            obj = obj.obj
+        else:
+            return obj
 
 
 def _addresses(values: Sequence[Rows]) -> list[int]:

@@ -569,3 +569,32 @@ def test_check_and_scatter_leaves_a_trailer_without_checksum_to_the_slow_way() -
         seg = segments[-1]
         want = staging[slots[i], seg.offset : seg.offset + seg.nbytes]
         assert np.array_equal(cache.byte_rows[seg.tensor][block], want)
+
+
+def test_values_merge_into_one_view_only_within_one_buffer() -> None:
+    """Values at equal address steps are scattered as one strided view only when they lie
+    in one buffer: values of separate allocations that happen to be adjacent made a view
+    spanning them (which can overlap other arrays: numpy's overlap handling then recursed
+    to a segfault). Values lent by a store keep merging through their memoryviews."""
+    import ctypes
+
+    from kvpipe._hostcopy import _value_runs
+
+    size = 64
+    raw = np.arange(4 * size, dtype=np.uint8)
+    one = [
+        np.frombuffer(memoryview(raw[i * size : (i + 1) * size]).toreadonly(), np.uint8)
+        for i in range(4)
+    ]
+    assert [(lo, hi) for lo, hi, _ in _value_runs(one)] == [(0, 4)]
+    # Two exporters over adjacent halves of one allocation: two owners, at equal steps.
+    halves = [(ctypes.c_ubyte * (2 * size)).from_buffer(raw, h * 2 * size) for h in range(2)]
+    two = [
+        np.frombuffer(memoryview(halves[i // 2]), np.uint8)[(i % 2) * size :][:size]
+        for i in range(4)
+    ]
+    assert [v.ctypes.data for v in two] == [raw.ctypes.data + i * size for i in range(4)]
+    runs = _value_runs(two)
+    assert [(lo, hi) for lo, hi, _ in runs] == [(0, 2), (2, 4)]
+    for lo, hi, view in runs:
+        assert view is not None and np.array_equal(view.ravel(), raw[lo * size : hi * size])
