@@ -62,9 +62,10 @@ T = TypeVar("T")
 U = TypeVar("U")
 _DURABILITIES = ("none", "data", "full")
 #: Values at least this large the page cache holds whole are read by mapping their files:
-#: hot reads through the pipeline ran ahead of reading them into a bounce buffer at 2 and
-#: 8 MiB, even at 1 MiB and behind at 256 and 512 KiB (docs/performance.md).
-MAPPED_FROM_NBYTES = 2 << 20
+#: hot reads through the pipeline ran ahead of reading them into a bounce buffer at 8 MiB,
+#: about even at 4 MiB and behind at 2 MiB and below, where the bounce buffer stays in the
+#: processor's cache (docs/performance.md).
+MAPPED_FROM_NBYTES = 4 << 20
 
 
 @final
