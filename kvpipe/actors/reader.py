@@ -392,11 +392,8 @@ class Reader(Actor[ReadState | SliceJob]):
             )
 
         nbytes = fetched * payload
-        if nbytes <= INLINE_COPY_BYTES:  # on the event loop: cancelled here, none is placed
-            await anyio.lowlevel.checkpoint()
-            if anyio.current_time() >= state.deadline:  # as a copy thread's never starts
-                raise NotStarted(f"not started by {state.deadline:.3f}")
-            return work()
+        if nbytes <= INLINE_COPY_BYTES:  # inline (0 bytes: the reader's threshold decides)
+            return await ctx.run_copy(0, work, hold=job.lease, start_by=state.deadline)
         with anyio.CancelScope(shield=True):
             checks = await ctx.run_copy(nbytes, work, hold=job.lease, start_by=state.deadline)
         return checks
