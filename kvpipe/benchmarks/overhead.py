@@ -50,6 +50,7 @@ from .._layout import CacheLayout
 from .._plan import copy_plan, layout_segments
 from .._staging import StagingPool
 from .._workers import Lane, ThreadRunner
+from ..actors.scheduler import PROBE_CHUNK_MIN
 from ..backends._base import GetBatch, KeyBatch, PutBatch
 from ..backends.memory import MemoryStore
 from ..pipeline import open_pipeline
@@ -112,12 +113,13 @@ class PlainLoop:
                 lease.release()
 
     async def _probe(self, tokens: Any, write: bool) -> tuple[str, ...]:
-        """The request's keys, after the ``exists`` probe of each slice's."""
+        """The request's keys, after the ``exists`` probe the scheduler makes: chunks of
+        ``slice_blocks`` keys, at least :data:`~kvpipe.actors.scheduler.PROBE_CHUNK_MIN`."""
         keys = block_keys(self.scope, tokens, self.block_size, False).keys
-        s = self.slice_blocks
-        for lo in range(0, len(keys), s):
+        step = max(self.slice_blocks, PROBE_CHUNK_MIN)
+        for lo in range(0, len(keys), step):
             flags = await self.store.exists(
-                KeyBatch(self.scope, "r", keys[lo : lo + s], lo, tokens)
+                KeyBatch(self.scope, "r", keys[lo : lo + step], lo, tokens)
             )
             if write and not all(flags):
                 break
