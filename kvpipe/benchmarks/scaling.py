@@ -14,12 +14,12 @@ memory:
 In the child: imports, the cache (random bytes, every page touched) and the store are set
 up first; then ``rss_before`` is taken and the kernel's peak-RSS mark of the process is
 reset (``5`` into ``/proc/self/clear_refs``); the pipeline opens, writes every block and reads
-every block back (verified). **Pipeline peak** = the kernel's peak (``VmHWM``) after the run
-minus ``rss_before``. A thread sampling the resident set every 2 ms gives the same figure
-where ``clear_refs`` is not available. (``ru_maxrss`` cannot be used: Linux carries a
-parent's peak into a child across ``fork`` and ``exec``, so every child would report the
-benchmark process's own peak.) The live Python allocations (``sys.getallocatedblocks``)
-before and after show nothing accumulates per request.
+every block back into the cache, cleared in between (verified). **Pipeline peak** = the
+kernel's peak (``VmHWM``) after the run minus ``rss_before``. A thread sampling the resident
+set every 2 ms gives the same figure where ``clear_refs`` is not available. (``ru_maxrss``
+cannot be used: Linux carries a parent's peak into a child across ``fork`` and ``exec``, so
+every child would report the benchmark process's own peak.) The live Python allocations
+(``sys.getallocatedblocks``) before and after show nothing accumulates per request.
 
 Sizes run interleaved (1x 4x 16x 1x 4x 16x ...) after one warm-up of each; seconds, peaks
 and ratios are medians over rounds. Linear time: ``seconds(kx) / (k * seconds(1x))`` = 1.
@@ -86,7 +86,14 @@ async def _child_main(params: dict[str, Any]) -> dict[str, Any]:
     from ..backends.file import FileStore
     from ..pipeline import open_pipeline
     from ._measure import THROUGHPUT_COPY_THREADS
-    from ._workload import model_layout, random_cache, rss_bytes, run_requests, same_bytes
+    from ._workload import (
+        model_layout,
+        random_cache,
+        rss_bytes,
+        run_requests,
+        same_bytes,
+        scrub,
+    )
 
     layout = model_layout("2MiB")
     cache = random_cache(layout, params["base_blocks"])
@@ -115,6 +122,9 @@ async def _child_main(params: dict[str, Any]) -> dict[str, Any]:
         sampler.start()
         async with open_pipeline(cache, store, config=config) as pipe:
             w = await run_requests(pipe, blocks=blocks, tag=1, write=True, **shape)
+            # the read goes back into the same cache: clear it (untimed, no new pages), so
+            # that the check below sees what the read moved
+            scrub(cache)
             r = await run_requests(pipe, blocks=blocks, tag=1, write=False, **shape)
         stop.set()
         sampler.join()
