@@ -172,7 +172,7 @@ async def _sweep(
                 lat["read"] += rd.latencies
     out = []
     for i, p in enumerate(points):
-        if not same_bytes(p.src, p.dst):
+        if not same_bytes(p.src, p.dst, min(p.blocks, p.dst.num_blocks)):
             raise RuntimeError(f"sweep {name} {p.spec.x}: read back different bytes")
         nbytes = p.blocks * p.src.layout.block_nbytes
         rec: dict[str, Any] = {
