@@ -9,9 +9,11 @@ request_blocks`` modulo its size), so every point moves the same bytes through c
 the same size.
 
 Rounds are interleaved over the points of a sweep (A B C D A B C D ...) after one warm-up
-round of every point; all of a sweep's pipelines stay open meanwhile. Throughput is the
-median over rounds; latency percentiles are over every request of every recorded round,
-from the call to its result (after the request got one of the ``concurrency`` turns).
+round of every point; all of a sweep's pipelines stay open meanwhile. Every read (the
+plain baseline's too) goes into a cache cleared before it and is compared with the source
+after it (both untimed). Throughput is the median over rounds; latency percentiles are over
+every request of every recorded round, from the call to its result (after the request got
+one of the ``concurrency`` turns).
 The block-size sweep also runs the plain-numpy baseline of :mod:`.memory` at each size
 (two threads), for the fraction of it the pipeline reaches.
 """
@@ -30,7 +32,15 @@ from .._config import PipelineConfig
 from ..backends.memory import MemoryStore
 from ..pipeline import Pipeline, open_pipeline
 from ._measure import THROUGHPUT_COPY_THREADS, Timer
-from ._workload import median, model_layout, percentiles, random_cache, run_requests, same_bytes
+from ._workload import (
+    median,
+    model_layout,
+    percentiles,
+    random_cache,
+    run_requests,
+    same_bytes,
+    scrub,
+)
 from .memory import PlainCopies
 
 __all__ = ("SWEEPS", "SweepBenchConfig", "SweepPoint", "run_sweep_bench")
@@ -148,8 +158,11 @@ async def _sweep(
                     "concurrency": p.spec.concurrency,
                     "cache_blocks": p.src.num_blocks,
                 }
+                moved = min(p.blocks, p.dst.num_blocks)  # the cache blocks a round reads
                 w = await run_requests(p.wpipe, tag=tag[0], write=True, **shape)
+                await run_sync(scrub, p.dst, moved)
                 rd = await run_requests(p.rpipe, tag=tag[0], write=False, **shape)
+                await _check(f"sweep {name} {p.spec.x}", p, moved)
                 mem = p.wpipe.store
                 assert isinstance(mem, MemoryStore)
                 await mem.delete(mem.keys())
@@ -159,8 +172,10 @@ async def _sweep(
                     plain = p.plain
                     async with Timer() as tw:
                         await run_sync(plain.run, plain.write, p.blocks, 2)
+                    await run_sync(scrub, p.dst, moved)
                     async with Timer() as tr:
                         await run_sync(plain.run, plain.read, p.blocks, 2)
+                    await _check(f"sweep {name} {p.spec.x}: plain", p, moved)
                     plain.store.clear()
                     runs |= {"plain_write": tw.seconds, "plain_read": tr.seconds}
                 if r == 0:
@@ -172,8 +187,6 @@ async def _sweep(
                 lat["read"] += rd.latencies
     out = []
     for i, p in enumerate(points):
-        if not same_bytes(p.src, p.dst, min(p.blocks, p.dst.num_blocks)):
-            raise RuntimeError(f"sweep {name} {p.spec.x}: read back different bytes")
         nbytes = p.blocks * p.src.layout.block_nbytes
         rec: dict[str, Any] = {
             "sweep": name,
@@ -202,6 +215,16 @@ async def _sweep(
                 rec[op]["ratio_median"] = round(median(ratios), 3)
         out.append(rec)
     return out
+
+
+async def _check(who: str, p: _Point, blocks: int) -> None:
+    """What ``who`` just read into the cleared ``p.dst`` is the source (untimed).
+
+    Raises:
+        RuntimeError: It is not.
+    """
+    if not await run_sync(same_bytes, p.src, p.dst, blocks):
+        raise RuntimeError(f"{who}: read back different bytes")
 
 
 async def run_sweep_bench(
