@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, final
 
@@ -155,29 +155,38 @@ class _Bench:
                 go = [threading.Barrier(threads + 1) for _ in range(4)]
 
                 def worker(w: int) -> None:
-                    work = self.work(w)
-                    go[0].wait()
-                    for task, tokens, src, _ in work:
-                        if store.write(task, self.k, self.v, tokens, src, 0) != len(src):
-                            raise RuntimeError(f"integration bench: write {task} incomplete")
-                    go[1].wait()
-                    go[2].wait()
-                    for task, tokens, _, dst in work:
-                        if store.read(task, self.k, self.v, tokens, dst, 0) != len(dst):
-                            raise RuntimeError(f"integration bench: read {task} incomplete")
-                    go[3].wait()
-                    self._hops(store)
+                    try:
+                        work = self.work(w)
+                        go[0].wait()
+                        for task, tokens, src, _ in work:
+                            if store.write(task, self.k, self.v, tokens, src, 0) != len(src):
+                                raise RuntimeError(f"integration bench: write {task} incomplete")
+                        go[1].wait()
+                        go[2].wait()
+                        for task, tokens, _, dst in work:
+                            if store.read(task, self.k, self.v, tokens, dst, 0) != len(dst):
+                                raise RuntimeError(f"integration bench: read {task} incomplete")
+                        go[3].wait()
+                        self._hops(store)
+                    except BaseException:
+                        for barrier in go:  # the others stop waiting for this thread
+                            barrier.abort()
+                        raise
 
                 with ThreadPoolExecutor(threads) as pool:
                     futures = [pool.submit(worker, w) for w in range(threads)]
-                    go[0].wait()
-                    t0 = time.perf_counter()
-                    go[1].wait()
-                    t1 = time.perf_counter()
-                    go[2].wait()
-                    t2 = time.perf_counter()
-                    go[3].wait()
-                    t3 = time.perf_counter()
+                    try:
+                        go[0].wait()
+                        t0 = time.perf_counter()
+                        go[1].wait()
+                        t1 = time.perf_counter()
+                        go[2].wait()
+                        t2 = time.perf_counter()
+                        go[3].wait()
+                        t3 = time.perf_counter()
+                    except threading.BrokenBarrierError:
+                        _raise_first(futures)
+                        raise
                     for f in futures:
                         f.result()
         finally:
@@ -228,6 +237,15 @@ class _Bench:
         finally:
             await anyio.to_thread.run_sync(lambda: shutil.rmtree(where, ignore_errors=True))
         return t1 - t0, t2 - t1
+
+
+def _raise_first(futures: list[Future[None]]) -> None:
+    """Raise the error of the thread that broke the barriers (the others only saw them
+    broken), once every thread has ended."""
+    errors = [f.exception() for f in futures]
+    for exc in errors:
+        if exc is not None and not isinstance(exc, threading.BrokenBarrierError):
+            raise exc
 
 
 def _us(samples: list[float], q: float) -> float:
