@@ -169,24 +169,64 @@ class Load:
         self.result: LoadResult | None = None
 
     async def __aenter__(self) -> Load:
+        """Start the client and wait for its ``ready`` line.
+
+        Raises:
+            RuntimeError: The client exited, said something else, or said nothing within
+                30 s (it is stopped and its directory removed).
+        """
         self._dir = tempfile.mkdtemp(prefix="kvpipe-bench-http-")
         self._out = os.path.join(self._dir, "latencies.f64")
-        self._proc = await anyio.open_process(
-            [*self.argv, "--out", self._out],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=None,
-        )
-        assert self._proc.stdout is not None
-        with anyio.fail_after(30):
-            line = await self._proc.stdout.receive()
+        try:
+            self._proc = await anyio.open_process(
+                [*self.argv, "--out", self._out],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=None,
+            )
+        except BaseException:
+            await anyio.to_thread.run_sync(_rmtree, self._dir)
+            raise
+        try:
+            line = await self._first_line()
+        except BaseException:
+            await self._kill()
+            raise
         if not line.startswith(b"ready"):
             await self._kill()
             raise RuntimeError(f"HTTP load generator did not start: {line!r}")
         return self
 
+    async def _first_line(self) -> bytes:
+        """The client's first line of output.
+
+        Raises:
+            RuntimeError: It exited first (its error went to standard error), or wrote no
+                line within 30 s.
+        """
+        stdout = self._proc.stdout
+        assert stdout is not None
+        line = b""
+        try:
+            with anyio.fail_after(30):
+                while b"\n" not in line:
+                    line += await stdout.receive()
+        except anyio.EndOfStream:
+            raise RuntimeError(
+                f"HTTP load generator did not start: it exited before it was ready "
+                f"(output {line!r}; its error, if any, went to standard error)"
+            ) from None
+        except TimeoutError:
+            raise RuntimeError(
+                f"HTTP load generator did not start: not ready within 30 s (output {line!r})"
+            ) from None
+        return line
+
     async def _kill(self) -> None:
-        self._proc.kill()
+        try:
+            self._proc.kill()
+        except ProcessLookupError:  # it has exited already
+            pass
         with anyio.CancelScope(shield=True):
             await self._proc.wait()
             await self._proc.aclose()

@@ -124,3 +124,25 @@ def test_server_bench_checks_each_phases_reload(
     argv += ["--server-store", "memory", "--json", str(tmp_path / "r.json")]
     with pytest.raises(RuntimeError, match="hand reloaded different bytes"):
         main(argv)
+
+
+async def test_a_load_generator_that_cannot_start_is_reported_and_cleaned_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing listens on the port: the client exits before it says "ready". That is a
+    # RuntimeError naming the cause, with the client reaped and its directory removed.
+    import socket
+    import tempfile
+
+    from kvpipe.benchmarks._asgi import Load
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed below: nothing listens there
+    load = Load(port, 100.0, 1, 10.0)
+    with pytest.raises(RuntimeError, match="HTTP load generator did not start"):
+        async with load:
+            pass
+    assert os.listdir(tmp_path) == []
+    assert load._proc.returncode is not None
