@@ -146,3 +146,28 @@ async def test_a_load_generator_that_cannot_start_is_reported_and_cleaned_up(
             pass
     assert os.listdir(tmp_path) == []
     assert load._proc.returncode is not None
+
+
+async def test_every_pass_of_a_phase_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pass reloads into a cleared cache and is checked (outside the phase's windows):
+    with the cache cleared once per phase and checked after its last pass, the last pass
+    vouched for the others."""
+    pytest.importorskip("uvicorn")
+    from kvpipe.benchmarks import server
+    from kvpipe.benchmarks.server import ServerBenchConfig, run_server_bench
+
+    real = server.HandOffload.one_pass
+    passes = [0]
+
+    async def only_every_other_pass_reloads(self: HandOffload) -> float:
+        passes[0] += 1
+        if passes[0] % 2:
+            return 0.001  # "done", nothing reloaded
+        return await real(self)
+
+    monkeypatch.setattr(server.HandOffload, "one_pass", only_every_other_pass_reloads)
+    cfg = ServerBenchConfig(
+        cache_bytes=4 << 20, per_request=2, passes=2, rounds=1, idle_seconds=0.02, rate=200.0
+    )
+    with pytest.raises(RuntimeError, match="hand reloaded different bytes"):
+        await run_server_bench(cfg)
