@@ -41,6 +41,7 @@ from .. import (
     RequestError,
     Residency,
     StorageBackend,
+    WrongEventLoop,
     open_pipeline,
 )
 from .. import FileStore as _FileStore
@@ -420,10 +421,11 @@ class KVPipeAttentionStore:
 
     def _call(self, what: str, task_id: str, timeout: float, fn: Any, *args: Any) -> int:
         """``fn(*args)``'s count; 0 (after one WARNING) when the store failed or the deadline
-        passed."""
+        passed. A misuse raises: bad arguments, or a call from inside a running event loop
+        (:class:`kvpipe.WrongEventLoop`, a ``KVPipeError`` that is no store failure)."""
         try:
             return int(self._loop.call(fn, *args, wait=timeout + HOP_SLACK))
-        except (RequestError, TypeError):
+        except (RequestError, TypeError, WrongEventLoop):
             raise
         except (KVPipeError, OSError, TimeoutError) as exc:
             log.warning("kvpipe %s %s: %r", what, task_id, repr(exc))

@@ -399,6 +399,36 @@ def test_called_inside_a_running_loop_raises() -> None:
         anyio.run(inside)
 
 
+def test_called_inside_a_running_loop_raises_once_the_caches_are_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Once a first call (from a plain thread) has bound the caches, the next calls skip
+    opening, where the misuse was caught: ``write`` / ``read`` / ``query`` /
+    ``flush_token_index`` made from inside a running event loop were logged as a failed
+    store call and answered 0 / nothing, where the docs (and the first call) raise
+    ``kvpipe.WrongEventLoop``."""
+    k, v = _gqa(True)
+    tokens = list(range(2 * BS))
+    with _store() as store:
+        assert store.write("t", k, v, tokens, [0, 1], 0) == 2
+        calls = [
+            lambda: store.write("t", k, v, tokens, [0, 1], 0),
+            lambda: store.read("t", k, v, tokens, [2, 3], 0),
+            lambda: store.query("t", tokens, 0),
+            lambda: store.flush_token_index("t", tokens, 0, True),
+        ]
+
+        async def inside() -> None:
+            for call in calls:
+                with pytest.raises(kvpipe.WrongEventLoop, match="running event loop"):
+                    call()
+
+        with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+            anyio.run(inside)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert store.query("t", tokens, 0) == 2  # from a plain thread it works
+
+
 def test_process_exit_without_close_is_prompt(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
