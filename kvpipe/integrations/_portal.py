@@ -189,12 +189,19 @@ class LoopThread:
         except RuntimeError:  # the portal stopped (close ran meanwhile)
             raise self._closed_error() from None
 
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, wait: float) -> T:
+    def call(
+        self, fn: Callable[..., Awaitable[T]], *args: Any, wait: float, settle: float = 0.0
+    ) -> T:
         """Run ``await fn(*args)`` in the loop and return its result.
 
         Args:
             wait: Seconds to wait for it; past them the call is cancelled in the loop and
                 :class:`TimeoutError` raised in the caller.
+            settle: Seconds more to wait, once cancelled, for it to have ended in the loop
+                before raising (0: raise at once). For a call whose work touches the
+                caller's memory until it ends (a copy into its caches that cancelling
+                does not interrupt): raised sooner, the caller would reuse memory still
+                being written. Past them it raises all the same (logged as an error).
 
         Raises:
             WrongEventLoop: Called from inside a running event loop (a ``RuntimeError``).
@@ -204,12 +211,28 @@ class LoopThread:
             Exception: Whatever ``fn`` raised.
         """
         self.check_caller()
-        fut = self._start(fn, *args)
+        ended = threading.Event()
+
+        async def tracked() -> T:
+            try:
+                return await fn(*args)
+            finally:
+                ended.set()
+
+        fut = self._start(tracked)
         # Waited for apart from taking the result: a TimeoutError ``fn`` raised itself
         # (``OperationTimeout``, say) is its outcome, not this wait running out.
         done, _ = concurrent.futures.wait((fut,), timeout=max(0.0, wait))
         if not done:
             fut.cancel()
+            if settle > 0 and not ended.wait(settle):
+                log.error(
+                    "%s: a call given up after %.3f s had not ended %.1f s after it was "
+                    "cancelled; it may still use its caller's memory",
+                    self.name,
+                    wait,
+                    settle,
+                )
             raise TimeoutError(f"{self.name}: no result within {wait:.3f} s")
         try:
             return fut.result()

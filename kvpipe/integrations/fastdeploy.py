@@ -5,8 +5,9 @@ The manager calls its backend synchronously from worker threads, in one of two s
 kvpipe pipeline over the per-layer Paddle caches) and :class:`KVPipeStorage` (``file`` /
 ``mooncake``, keys and host pointers on a kvpipe store). Each instance owns one event-loop
 thread; calls hop onto it and never hold the caller past their ``timeout`` plus
-:data:`HOP_SLACK`. Storage failures come back as FastDeploy's counts and codes with one
-WARNING; programming errors (wrong types, shapes) raise.
+:data:`HOP_SLACK`, but to let a copy into or out of the caches still running then end
+(nothing touches them after a call returned). Storage failures come back as FastDeploy's
+counts and codes with one WARNING; programming errors (wrong types, shapes) raise.
 
 Prefill→decode via storage (``FD_PD_TRANSFER_VIA_STORAGE=1``): the prefill side's ``write``
 includes the partial last block (key suffix ``:partial:N``); the decode side's ``read``
@@ -422,9 +423,18 @@ class KVPipeAttentionStore:
     def _call(self, what: str, task_id: str, timeout: float, fn: Any, *args: Any) -> int:
         """``fn(*args)``'s count; 0 (after one WARNING) when the store failed or the deadline
         passed. A misuse raises: bad arguments, or a call from inside a running event loop
-        (:class:`kvpipe.WrongEventLoop`, a ``KVPipeError`` that is no store failure)."""
+        (:class:`kvpipe.WrongEventLoop`, a ``KVPipeError`` that is no store failure).
+
+        A call given up at ``timeout + HOP_SLACK`` is cancelled and returns once it has ended
+        in the loop (within ``close_timeout``): a copy into or out of the caches it started
+        runs to its end, and FastDeploy reuses the blocks of a call that answered 0 (it
+        recycles a read's blocks at once)."""
         try:
-            return int(self._loop.call(fn, *args, wait=timeout + HOP_SLACK))
+            return int(
+                self._loop.call(
+                    fn, *args, wait=timeout + HOP_SLACK, settle=self._loop.close_timeout
+                )
+            )
         except (RequestError, TypeError, WrongEventLoop):
             raise
         except (KVPipeError, OSError, TimeoutError) as exc:

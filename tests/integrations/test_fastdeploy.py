@@ -11,9 +11,11 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -351,6 +353,66 @@ class StuckRegistrationStore(kvpipe.MemoryStore):
     async def register_staging(self, buffer: memoryview) -> None:
         self.registering.set()
         await anyio.sleep_forever()
+
+
+def test_a_read_that_gives_up_returns_only_after_its_copy_into_the_caches_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read whose answer did not come back within ``timeout + HOP_SLACK`` (here: its
+    last copy into the caches, begun before the deadline, still running) returned 0 at
+    once, while that copy went on writing into the blocks: FastDeploy recycles the blocks of
+    a read that loaded 0 (``request_match_blocks``: ``recycle_gpu_blocks``), so they would
+    be overwritten under the request they go to next. The read now returns only once
+    nothing writes into the caches any more."""
+    import kvpipe.actors.reader as reader
+    import kvpipe.integrations.fastdeploy as fd
+
+    timeout, slack = 0.2, 0.05
+    monkeypatch.setattr(fd, "HOP_SLACK", slack)
+    monkeypatch.setattr(reader, "INLINE_COPY_BYTES", 0)  # the copy in a copy thread
+    real = reader.check_and_scatter
+    started, go = threading.Event(), threading.Event()
+    running: list[int] = []
+
+    def slow_scatter(*args: Any) -> Any:
+        running.append(1)
+        started.set()
+        go.wait(30)
+        try:
+            return real(*args)
+        finally:
+            running.pop()
+
+    k, v = _gqa(True)
+    tokens = list(range(4 * BS))
+    with _store() as store:
+        assert store.write("t1", k, v, tokens, [0, 1, 2, 3], 0) == 4
+        dk, dv = _gqa(False)
+        before = _rows(dk + dv, [4, 5, 6, 7])
+        monkeypatch.setattr(reader, "check_and_scatter", slow_scatter)
+        begun = time.monotonic()
+
+        def release() -> None:
+            # the copy goes on until after the caller's wait has run out
+            started.wait(30)
+            time.sleep(max(0.0, begun + timeout + slack + 0.1 - time.monotonic()))
+            go.set()
+
+        releaser = threading.Thread(target=release)
+        releaser.start()
+        try:
+            store.read("t2", dk, dv, tokens, [4, 5, 6, 7], 0, timeout)
+            still_copying = bool(running)
+            after = _rows(dk + dv, [4, 5, 6, 7])
+        finally:
+            go.set()
+            releaser.join(30)
+        assert not still_copying, "read returned while its copy into the caches still ran"
+        # nothing changes the caches after the read returned
+        monkeypatch.setattr(reader, "check_and_scatter", real)
+        assert store.query("t3", tokens, 0) == 4  # the loop has moved on
+        assert _rows(dk + dv, [4, 5, 6, 7]) == after
+        assert started.is_set() and before != _rows(k + v, [0, 1, 2, 3])
 
 
 def test_first_calls_with_a_hanging_store_return_by_their_timeout(
