@@ -208,6 +208,7 @@ class KVPipeAttentionStore:
         self.include_partial_on_write = pd_via_storage and splitwise_role == "prefill"
         #: read includes it and requires every block (decode side)
         self.all_or_nothing_read = pd_via_storage and splitwise_role == "decode"
+        self._short_tokens_warned = False  # read: the one WARNING of too few tokens
         self.config = config or PipelineConfig.from_env(node_id=self.pod_name)
         #: write's deadline when the environment sets one: FastDeploy's AttentionStore.write
         #: takes AS_WRITE_TOTAL_TIMEOUT over the timeout the manager passes
@@ -505,7 +506,14 @@ class KVPipeAttentionStore:
         """Load blocks ``start_read_block_idx ..`` into ``gpu_block_ids[0] ..``; return how many
         were loaded (verified).
         On the decode side of PD via storage, every block (the partial one too) is required:
-        a shortfall logs one WARNING and returns the honest count."""
+        a shortfall logs one WARNING and returns the honest count.
+
+        Elsewhere, blocks past the full blocks of ``token_ids`` are not read (the count says
+        so): FastDeploy's manager passes ``token_ids[:matched * block_size]`` with the
+        ``matched`` blocks a query counted from the start index, so from a start index
+        above 0 the tokens end ``start`` blocks short, and the blocks they cover are loaded
+        rather than none (one WARNING the first time)."""
+        gpu_block_ids = self._covered(token_ids, gpu_block_ids, start_read_block_idx)
 
         async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
             try:
@@ -546,6 +554,29 @@ class KVPipeAttentionStore:
             timeout,
             run,
         )
+
+    def _covered(self, token_ids: list[int], block_ids: list[int], start: int) -> list[int]:
+        """``block_ids`` without those past the full blocks of ``token_ids`` (read
+        from block ``start`` on); all of them on the all-or-nothing side, or when the
+        arguments are wrong (the call then says why)."""
+        if self.all_or_nothing_read or isinstance(start, bool) or not isinstance(start, int):
+            return block_ids
+        usable = max(0, len(token_ids) // self.block_token_size - start)
+        if start < 0 or len(block_ids) <= usable:
+            return block_ids
+        log.log(
+            logging.DEBUG if self._short_tokens_warned else logging.WARNING,
+            "kvpipe read: %d tokens cover blocks up to %d, so %d of the %d blocks from block %d "
+            "are read (FastDeploy passes the tokens of the blocks matched, not of the start "
+            "index plus them; warned once)",
+            len(token_ids),
+            usable + start,
+            usable,
+            len(block_ids),
+            start,
+        )
+        self._short_tokens_warned = True
+        return list(block_ids[:usable])
 
     def query(
         self, task_id: str, token_ids: list[int], start_match_block_idx: int, timeout: float = 10.0

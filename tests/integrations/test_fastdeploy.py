@@ -191,6 +191,37 @@ def test_block_ids_begin_at_the_start_index_as_fastdeploy_passes_them() -> None:
         assert _rows(dk + dv, [10, 11, 12, 13]) == _rows(k + v, src)
 
 
+def test_a_read_from_a_start_index_loads_the_blocks_fastdeploys_tokens_cover(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """cache_transfer_manager.read_storage_task queries from ``start_read_block_idx`` (the
+    blocks the server already holds), then reads with ``token_ids[:matched * block_size]``
+    and ``gpu_block_ids[:matched]``: the tokens end ``start`` blocks short of the last block
+    asked for. The read raised RequestError into FastDeploy's thread (an ERROR and a
+    traceback there, nothing loaded); it loads the blocks the tokens cover, in order."""
+    k, v = _gqa(True)
+    tokens = list(range(6 * BS))
+    with _store() as store:
+        assert store.write("w", k, v, tokens, [10, 11, 12, 13, 14, 15], 0) == 6
+        dk, dv = _gqa(False)
+        start = 2
+        matched = store.query("q", tokens, start)
+        assert matched == 4
+        dst = [20, 21, 22, 23, 24]
+        with caplog.at_level(logging.DEBUG, "kvpipe"):
+            n = store.read("r", dk, dv, tokens[: matched * BS], dst[:matched], start)
+        assert n == 2  # blocks 2 and 3: the tokens cover blocks 0 .. 3
+        assert _rows(dk + dv, dst[:2]) == _rows(k + v, [12, 13])
+        assert _rows(dk + dv, dst[2:]) == _rows(dk + dv, [0, 0, 0])  # untouched
+        assert [r.levelname for r in caplog.records if "cover" in r.message] == ["WARNING"]
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, "kvpipe"):  # tokens that cover nothing past it
+            assert store.read("r2", dk, dv, tokens[: 2 * BS], dst[:2], start) == 0
+        assert [r.levelname for r in caplog.records if "cover" in r.message] == ["DEBUG"]
+        assert store.read("r3", dk, dv, tokens, dst[:4], start) == 4  # enough tokens: all
+        assert _rows(dk + dv, dst[:4]) == _rows(k + v, [12, 13, 14, 15])
+
+
 def test_query_counts_from_the_start_index_when_blocks_before_it_are_not_stored() -> None:
     """``query(..., start_match_block_idx=m)`` asks about blocks ``m ..`` only (FastDeploy's
     AttentionStore passes the index to the SDK's ``match``): a server holding blocks ``0 ..
