@@ -208,8 +208,12 @@ class KVPipeStorage:
             raise
 
     def close(self) -> None:
-        """Close the store and stop the loop thread (idempotent; within ``close_timeout``)."""
+        """Close the store and stop the loop thread (idempotent; within ``close_timeout``).
+        The keys kept for :meth:`clear` (up to ``remember_keys``) go too: it cannot run
+        after close."""
         self._loop.close()
+        with self._own_lock:
+            self._own.clear()
 
     def __enter__(self) -> KVPipeStorage:
         return self

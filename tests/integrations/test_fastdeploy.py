@@ -668,6 +668,18 @@ def test_path_tricks_in_keys_stay_inside(fs: KVPipeStorage, tmp_path: Path) -> N
     assert all(fs.exists(keys).values())
 
 
+def test_close_lets_go_of_the_keys_kept_for_clear(tmp_path: Path) -> None:
+    """Up to ``remember_keys`` keys (a million by default, ~150 MB) stayed alive with the
+    object after close, though clear cannot run then."""
+    storage = KVPipeStorage(file_path=str(tmp_path / "s"))
+    _keep, ptr = _buf(b"x" * 64)
+    assert storage.batch_set(["a", "b"], [ptr, ptr], [64, 64]) == [0, 0]
+    assert len(storage._own) == 2
+    storage.close()
+    assert len(storage._own) == 0
+    assert storage.clear() is True  # nothing of its own left to remove
+
+
 def test_clear_removes_only_own_entries(fs: KVPipeStorage, tmp_path: Path) -> None:
     foreign = tmp_path / "model" / "c.txt"
     foreign.write_text("data")
