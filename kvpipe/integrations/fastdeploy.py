@@ -508,17 +508,23 @@ class KVPipeAttentionStore:
         On the decode side of PD via storage, every block (the partial one too) is required:
         a shortfall logs one WARNING and returns the honest count.
 
-        Elsewhere, blocks past the full blocks of ``token_ids`` are not read (the count says
-        so): FastDeploy's manager passes ``token_ids[:matched * block_size]`` with the
+        Elsewhere, ``token_ids`` may run past the blocks given (only those are read), and
+        blocks past the full blocks of ``token_ids`` are not read (the count says so):
+        FastDeploy's manager passes ``token_ids[:matched * block_size]`` with the
         ``matched`` blocks a query counted from the start index, so from a start index
         above 0 the tokens end ``start`` blocks short, and the blocks they cover are loaded
         rather than none (one WARNING the first time)."""
         gpu_block_ids = self._covered(token_ids, gpu_block_ids, start_read_block_idx)
 
         async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
+            # only the blocks given, as write: tokens past them are not asked about (the
+            # all-or-nothing side reads the partial last block too, so takes them all)
+            tokens = token_ids
+            if not self.all_or_nothing_read:
+                tokens = token_ids[: len(block_ids) * self.block_token_size]
             try:
                 r = await pipe.read(
-                    token_ids,
+                    tokens,
                     block_ids,
                     start_block=start_read_block_idx,
                     include_partial=self.all_or_nothing_read,

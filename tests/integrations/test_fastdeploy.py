@@ -220,6 +220,9 @@ def test_a_read_from_a_start_index_loads_the_blocks_fastdeploys_tokens_cover(
         assert [r.levelname for r in caplog.records if "cover" in r.message] == ["DEBUG"]
         assert store.read("r3", dk, dv, tokens, dst[:4], start) == 4  # enough tokens: all
         assert _rows(dk + dv, dst[:4]) == _rows(k + v, [12, 13, 14, 15])
+        dk, dv = _gqa(False)  # tokens past the blocks given, as write takes them: those read
+        assert store.read("r4", dk, dv, tokens, [30, 31], 0) == 2
+        assert _rows(dk + dv, [30, 31]) == _rows(k + v, [10, 11])
 
 
 def test_query_counts_from_the_start_index_when_blocks_before_it_are_not_stored() -> None:
