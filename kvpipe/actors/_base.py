@@ -404,15 +404,21 @@ class Actor(abc.ABC, Generic[M]):
         return True
 
     async def send_until(
-        self, outbox: MemoryObjectSendStream[T], msg: T, deadline: float
+        self,
+        outbox: MemoryObjectSendStream[T],
+        msg: T,
+        state: RequestState,
+        first_block: int = 0,
     ) -> bool | None:
-        """Send ``msg``, waiting while ``outbox`` is full until ``deadline`` at most: ``True``
-        when sent, ``None`` when the deadline passed first, ``False`` when the pipeline is
-        closing. Unless ``True``, the sender still owns what ``msg`` carries."""
+        """Send ``msg`` of request ``state``, waiting while ``outbox`` is full until the
+        request's deadline at most, and no longer than the request lasts (a read's: nor once
+        loading has stopped at or before ``first_block``): ``True`` when sent, ``None`` when
+        the wait ended first, ``False`` when the pipeline is closing. Unless ``True``, the
+        sender still owns what ``msg`` carries."""
         sent = self.try_send(outbox, msg)
         if sent is not None:
             return sent
-        with anyio.move_on_at(deadline):
+        with state.bound(state.deadline, None, first_block):
             return await self.send(outbox, msg)
         return None
 

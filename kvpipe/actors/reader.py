@@ -123,14 +123,13 @@ class Reader(Actor[ReadState | SliceJob]):
         try:
             corrupt = await self._fetch(msg)
             if msg.valid:
-                state = msg.state
-                owned = (
-                    await self.send_until(self.ctx.outboxes.swapper, msg, state.deadline)
-                    is not True
-                )
+                state, first = msg.state, msg.spec.first_block
+                assert isinstance(state, ReadState)
+                sent = await self.send_until(self.ctx.outboxes.swapper, msg, state, first)
+                owned = sent is not True
                 if owned:
-                    assert isinstance(state, ReadState)
-                    state.stop_at(msg.spec.first_block, "total_timeout", [msg.spec.first_block])
+                    if not state.stopped_before(first):  # else the read ended, or stopped
+                        state.stop_at(first, "total_timeout", [first])  # its deadline
                     state.resolve(msg.spec.index, 0)
         finally:
             if owned:

@@ -51,8 +51,8 @@ class Swapper(Actor[SliceJob]):
         ctx, state = self.ctx, job.state
         if state.done or not await ctx.gather_and_seal(job):
             return False
-        sent = await self.send_until(ctx.outboxes.writer, job, state.deadline)
-        if sent is None:
+        sent = await self.send_until(ctx.outboxes.writer, job, state)
+        if sent is None:  # the deadline passed (else the write had ended: then a no-op)
             assert isinstance(state, WriteState)
             state.end("total_timeout", "deadline passed waiting for the writer")
         return bool(sent)

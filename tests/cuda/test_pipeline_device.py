@@ -4,6 +4,7 @@ stream, concurrency, registration of pinned staging, failures and leaks."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
@@ -16,6 +17,7 @@ import pytest
 
 import kvpipe
 from kvpipe._keys import as_tokens, block_keys
+from kvpipe.actors import SliceJob, Swapper
 from kvpipe.backends import BlockStatus, GetBatch
 from kvpipe.backends.file._native import block_paths
 from kvpipe.benchmarks._file_baselines import drop_cached
@@ -30,7 +32,7 @@ from tests.cuda.devcache import (
 )
 from tests.cuda.fake_driver import FakeDriver, Gate
 from tests.fakes import Act, ScriptedStore
-from tests.helpers import LAYOUTS
+from tests.helpers import LAYOUTS, checkpoints, until
 
 ALL = {**LAYOUTS, **ODD_LAYOUTS}
 
@@ -264,6 +266,63 @@ async def test_a_close_that_reached_its_deadline_still_frees_the_idle_engine(
     live = fake.live()
     assert (live["pinned_allocations"], live["device_allocations"], live["modules"]) == (0, 0, 0)
     assert live["streams"] == 1  # the model's (the producer fixture's) only
+
+
+async def test_a_read_slice_waiting_for_room_in_the_swapper_lets_go_when_its_read_ends(
+    fake: FakeDriver, producer: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swapper is busy (read a's scatter waits, as behind the model's stream) and its
+    inbox full (read b); read c's slice, fetched, waits in the reader for room there. Its
+    caller cancels: the reader stops waiting and lets go of c's staging. It waited on for
+    room or c's deadline (an hour here), holding the staging of a read that had ended; and
+    where closing an inbox wakes no sender (anyio before 4.16), one waiting for an inbox
+    whose actor escalated kept the actors from leaving until the close deadline."""
+    layout = LAYOUTS["gqa"]()
+    cache = fake_device_cache(fake, layout, 8)
+    tokens = np.arange(layout.block_size)
+    entered, go = anyio.Event(), anyio.Event()
+    scatter = Swapper._scatter
+
+    async def slow_scatter(self: Swapper, job: SliceJob) -> None:
+        if job.state.request_id == "a":
+            entered.set()
+            await go.wait()
+        await scatter(self, job)
+
+    monkeypatch.setattr(Swapper, "_scatter", slow_scatter)
+    cfg = kvpipe.PipelineConfig(
+        slice_block_num=1, queue_depth=1, copy_threads=1, total_timeout=3600, slice_timeout=3600
+    )
+    async with kvpipe.open_pipeline(
+        cache, kvpipe.MemoryStore(), config=cfg, device_driver=fake
+    ) as pipe:
+        assert (await pipe.write(tokens, [0], stream=producer)).complete
+        results: dict[str, kvpipe.ReadResult] = {}
+        c_scope = anyio.CancelScope()
+
+        async def read(rid: str, block: int) -> None:
+            with c_scope if rid == "c" else contextlib.nullcontext():
+                results[rid] = await pipe.read(tokens, [block], stream=producer, request_id=rid)
+
+        def in_use() -> int:
+            return pipe.statistics().staging_in_use_bytes
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read, "a", 1)
+            await entered.wait()
+            tg.start_soon(read, "b", 2)
+            await until(lambda: pipe.statistics().queue_depths["swapper"] == 1)
+            slot = in_use() // 2  # a's and b's
+            tg.start_soon(read, "c", 3)
+            await until(lambda: in_use() == 3 * slot)  # c's slice fetched, waiting for room
+            await checkpoints()
+            c_scope.cancel()
+            await until(lambda: pipe.statistics().in_flight == {"read": 2})
+            await until(lambda: in_use() == 2 * slot)
+            go.set()
+        assert sorted(results) == ["a", "b"] and all(r.complete for r in results.values())
+        assert in_use() == 0
+    free_device_cache(fake, cache)
 
 
 async def test_a_copy_failure_fails_the_slice_and_the_pipeline_goes_on(
