@@ -425,10 +425,6 @@ class MooncakeStore(StorageBackend):
         self._setup = setup
         return setup
 
-    async def __aenter__(self) -> MooncakeStore:
-        await self.open()
-        return self
-
     @property
     def closed(self) -> bool:
         """Whether :meth:`aclose` has run: every later call is refused."""

@@ -184,10 +184,6 @@ class FileStore(StorageBackend):
                 except (OSError, sqlite3.Error) as exc:
                     raise BackendError(self.name, "open", f"{self.path}: {exc}") from exc
 
-    async def __aenter__(self) -> FileStore:
-        await self.open()
-        return self
-
     def _open_sync(self) -> None:
         root = Root(self.path)
         catalog: Catalog | None = None
