@@ -93,7 +93,6 @@ class CudaEngine(CopyEngine):
         events: EventPool,
         staging: PinnedBuffer,
         slot_nbytes: int,
-        capacity: int,
         max_blocks: int,
         module: int,
         functions: dict[str, int],
@@ -116,7 +115,6 @@ class CudaEngine(CopyEngine):
         self._streams = streams
         self._table = table
         self._stride = stride_for(slot_nbytes)
-        self._capacity = capacity
         segments = layout_segments(cache.layout)
         self._n_seg = len(segments)
         self._max_seg = max(s.nbytes for s in segments)

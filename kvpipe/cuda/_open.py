@@ -104,7 +104,6 @@ def open_cuda_engine(
                 events=events,
                 staging=staging,
                 slot_nbytes=slot_nbytes,
-                capacity=capacity,
                 max_blocks=max_blocks,
                 module=module,
                 functions=functions,
