@@ -89,14 +89,11 @@ class BlockKeys:
     """Keys of a token sequence's blocks, from block 0.
 
     Attributes:
-        keys: One key per block; the last is the partial block's if ``partial_tokens``.
-        full_blocks: Number of full blocks.
-        partial_tokens: Tokens in the partial last block, or 0 when it is not included.
+        keys: One key per block; the last is the partial block's (``...:partial:N``) when
+            it is included.
     """
 
     keys: tuple[str, ...]
-    full_blocks: int
-    partial_tokens: int
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -139,11 +136,9 @@ def block_keys(scope: Scope, tokens: Tokens, block_size: int, include_partial: b
     full = len(tokens) // block_size
     prefix = scope.prefix
     keys = [prefix + d.hex() for d in digests]
-    partial = 0
     if len(keys) > full:
-        partial = len(tokens) - full * block_size
-        keys[-1] = f"{keys[-1]}:partial:{partial}"
-    return BlockKeys(tuple(keys), full, partial)
+        keys[-1] = f"{keys[-1]}:partial:{len(tokens) - full * block_size}"
+    return BlockKeys(tuple(keys))
 
 
 def key_digest(key: str) -> bytes:
