@@ -228,7 +228,7 @@ class Pipeline:
         check_flag(require_all, "require_all")
         checked = self._checked(token_ids, block_ids, start_block, include_partial, timeout)
         state = await self._runtime.run_marked(  # bound only on return, as in write
-            ReadState(request_id or _new_id("read"), *checked, require_all=require_all), stream
+            ReadState(request_id or _new_id("read"), *checked), stream
         )
         result = state.result
         assert result is not None

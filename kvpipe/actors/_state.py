@@ -354,9 +354,8 @@ class ReadState(SlicedState):
 
     kind: ClassVar[str] = "read"
 
-    def __init__(self, *args: Any, require_all: bool, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.require_all = require_all
         self.machine: ReadMachine = ReadMachine(
             self.request_id, self.start_block, self.end_block, self.started
         )

@@ -76,7 +76,6 @@ class Harness:
             0,
             end,
             False,
-            require_all=False,
         )
         state.keys = block_keys(self.ctx.scope, toks, BLOCK, False)
         return state
