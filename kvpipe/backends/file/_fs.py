@@ -106,7 +106,6 @@ class TempFile:
 
     parts: tuple[str, ...]
     name: str
-    age: float
     removable: bool
 
 
@@ -546,4 +545,4 @@ class Root:
                     continue
                 owner = parse_temp_name(entry.name)
                 dead = owner is not None and owner[0] == HOST and not alive(owner[1])
-                yield TempFile(parts, entry.name, age, dead or age > stale_after)
+                yield TempFile(parts, entry.name, dead or age > stale_after)
