@@ -133,38 +133,33 @@ class MemoryStore(StorageBackend):
 
         Cancellation: buffers may be partly written (a copy in a worker thread runs on).
         """
-        found = [self._data.get(key) for key in batch.keys]
         statuses: list[BlockStatus] = []
+        found: dict[int, Bytes] = {}
+        for i, key in enumerate(batch.keys):
+            value = self._data.get(key)
+            if value is None:
+                statuses.append(BlockStatus.MISSING)
+            elif len(value) != batch.value_nbytes:
+                statuses.append(BlockStatus.CORRUPT)
+            else:
+                found[i] = value
+                statuses.append(BlockStatus.OK)
         if batch.may_lend:  # values are immutable: lent, not copied
             await anyio.lowlevel.checkpoint()
-            for i, value in enumerate(found):
-                if value is None:
-                    statuses.append(BlockStatus.MISSING)
-                elif len(value) != batch.value_nbytes:
-                    statuses.append(BlockStatus.CORRUPT)
-                else:
-                    batch.lend(i, value)
-                    statuses.append(BlockStatus.OK)
+            for i, value in found.items():
+                batch.lend(i, value)
         else:
             buffers = batch.buffers
 
-            def copy() -> list[BlockStatus]:
-                out = []
-                for value, buf in zip(found, buffers, strict=True):
-                    if value is None:
-                        out.append(BlockStatus.MISSING)
-                    elif len(value) != len(buf):
-                        out.append(BlockStatus.CORRUPT)
-                    else:
-                        np.frombuffer(buf, np.uint8)[: len(value)] = np.frombuffer(value, np.uint8)
-                        out.append(BlockStatus.OK)
-                return out
+            def copy() -> None:
+                for i, value in found.items():
+                    np.frombuffer(buffers[i], np.uint8)[:] = value
 
-            if sum(len(v) for v in found if v is not None) <= _INLINE_BYTES:
-                statuses = copy()
+            if len(found) * batch.value_nbytes <= _INLINE_BYTES:
+                copy()
                 await anyio.lowlevel.checkpoint()
             else:
-                statuses = await batch.run_sync(copy)
+                await batch.run_sync(copy)
         self._counters["gets"] += 1
         self._counters["blocks_got"] += statuses.count(BlockStatus.OK)
         return statuses
