@@ -6,6 +6,7 @@ the tests check them directly.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import final
@@ -75,12 +76,7 @@ def plan_slices(
 
 def leading_run(flags: Iterable[bool]) -> int:
     """How many leading items are true (stop at the first false)."""
-    n = 0
-    for flag in flags:
-        if not flag:
-            break
-        n += 1
-    return n
+    return sum(1 for _ in itertools.takewhile(bool, flags))
 
 
 @final

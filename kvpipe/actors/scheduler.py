@@ -87,7 +87,7 @@ async def _probe_chunk(ctx: ActorContext, batch: KeyBatch) -> int:
         raise BackendError(
             ctx.backend.name, "exists", f"{len(flags)} answers for {len(batch.keys)} keys"
         )
-    return leading_run(bool(f) for f in flags)
+    return leading_run(flags)
 
 
 class Scheduler(Actor[RequestState]):

@@ -15,6 +15,7 @@ import anyio
 import numpy as np
 
 from .._keys import Scope, as_tokens
+from .._plan import leading_run
 from .._staging import StagingLease, StagingPool
 from .._workers import INLINE_COPY_BYTES, ThreadRunner
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
@@ -239,7 +240,7 @@ class ValueClient:
         if not keys:
             return []
         out = [bool(ok) for ok in await self.store.exists(self._batch(keys))]
-        lead = next((j for j, ok in enumerate(out) if not ok), len(out))
+        lead = leading_run(out)
         unsure = [j for j in range(lead + 1, len(keys)) if not out[j]]
         if unsure:
             limiter = anyio.CapacityLimiter(PROBE_WIDTH)
@@ -256,8 +257,7 @@ class ValueClient:
     async def stored_run(self, keys: Sequence[str]) -> int:
         """How many leading keys are stored, in one store call. Cancellation: as the
         store's."""
-        got = await self.store.exists(self._batch(keys)) if keys else []
-        return next((j for j, ok in enumerate(got) if not ok), len(got))
+        return leading_run(await self.store.exists(self._batch(keys))) if keys else 0
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove the keys (missing ones are ignored). Cancellation: as the store's."""
