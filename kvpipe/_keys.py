@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from ._errors import ConfigError
 
-__all__ = ("BlockKeys", "Scope", "block_keys", "chain_digests", "key_digest", "validate_namespace")
+__all__ = ("Scope", "block_keys", "chain_digests", "key_digest", "validate_namespace")
 
 _NAMESPACE_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _PERSON: Final = b"kvpipe-chain-v1"
@@ -83,22 +83,6 @@ class Scope:
         return f"{self.namespace}@{self.fingerprint}@{self.rank}-{self.world_size}@"
 
 
-@final
-@dataclass(frozen=True, slots=True)
-class BlockKeys:
-    """Keys of a token sequence's blocks, from block 0.
-
-    Attributes:
-        keys: One key per block; the last is the partial block's (``...:partial:N``) when
-            it is included.
-    """
-
-    keys: tuple[str, ...]
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
 def as_tokens(token_ids: Any) -> Tokens:
     """Token ids as a 1-D little-endian int64 array (no copy when already one)."""
     arr: Tokens = np.ascontiguousarray(np.asarray(token_ids), dtype="<i8")
@@ -123,8 +107,11 @@ def chain_digests(tokens: Tokens, block_size: int, include_partial: bool) -> lis
     return digests
 
 
-def block_keys(scope: Scope, tokens: Tokens, block_size: int, include_partial: bool) -> BlockKeys:
-    """Keys for every block of ``tokens`` under ``scope``.
+def block_keys(
+    scope: Scope, tokens: Tokens, block_size: int, include_partial: bool
+) -> tuple[str, ...]:
+    """Keys of every block of ``tokens`` under ``scope``, from block 0: one key per block;
+    the last is the partial block's (``...:partial:N``) when it is included.
 
     Args:
         scope: Namespace, layout fingerprint, rank and world size.
@@ -138,7 +125,7 @@ def block_keys(scope: Scope, tokens: Tokens, block_size: int, include_partial: b
     keys = [prefix + d.hex() for d in digests]
     if len(keys) > full:
         keys[-1] = f"{keys[-1]}:partial:{len(tokens) - full * block_size}"
-    return BlockKeys(tuple(keys))
+    return tuple(keys)
 
 
 def key_digest(key: str) -> bytes:

@@ -45,7 +45,7 @@ def _keys(tokens: Any, block_size: int = 16, partial: bool = False, scope: Scope
 
 def test_golden_keys() -> None:
     bk = _keys(GOLDEN_TOKENS, 16, True)
-    assert bk.keys == GOLDEN_KEYS
+    assert bk == GOLDEN_KEYS
     assert len(bk) == 3
 
 
@@ -73,7 +73,7 @@ def test_keys_stable_in_a_fresh_process() -> None:
     code = (
         "from kvpipe._keys import Scope, as_tokens, block_keys\n"
         f"s = Scope('llama3-8b', {FP!r}, 0, 1)\n"
-        "print('\\n'.join(block_keys(s, as_tokens(list(range(40))), 16, True).keys))\n"
+        "print('\\n'.join(block_keys(s, as_tokens(list(range(40))), 16, True)))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -96,11 +96,11 @@ def test_keys_stable_in_a_fresh_process() -> None:
     st.data(),
 )
 def test_chain_property(block_size: int, tokens: list[int], data: st.DataObject) -> None:
-    before = _keys(tokens, block_size, True).keys
+    before = _keys(tokens, block_size, True)
     j = data.draw(st.integers(0, len(tokens) - 1))
     changed = list(tokens)
     changed[j] = tokens[j] + 1
-    after = _keys(changed, block_size, True).keys
+    after = _keys(changed, block_size, True)
     assert len(before) == len(after) == -(-len(tokens) // block_size)
     block = j // block_size
     assert before[:block] == after[:block]
@@ -113,18 +113,18 @@ def test_chain_property(block_size: int, tokens: list[int], data: st.DataObject)
 def test_key_names_whole_prefix(block_size: int, tokens: list[int], data: st.DataObject) -> None:
     """Key i depends on exactly tokens[: (i+1)*block_size]: extending never changes it."""
     extra = data.draw(st.lists(st.integers(0, 1000), max_size=20))
-    short = _keys(tokens, block_size).keys
-    long = _keys(tokens + extra, block_size).keys
+    short = _keys(tokens, block_size)
+    long = _keys(tokens + extra, block_size)
     assert long[: len(short)] == short
 
 
 def test_same_block_content_at_different_positions_differs() -> None:
-    keys = _keys([5] * 48, 16).keys
+    keys = _keys([5] * 48, 16)
     assert len(set(keys)) == 3
 
 
 def test_block_size_changes_keys() -> None:
-    assert _keys(list(range(32)), 16).keys[0] != _keys(list(range(32)), 8).keys[1]
+    assert _keys(list(range(32)), 16)[0] != _keys(list(range(32)), 8)[1]
 
 
 # ---------------------------------------------------------------- partial keys
@@ -134,12 +134,12 @@ def test_partial_only_with_include_partial_and_a_tail() -> None:
     tokens = list(range(40))
     without = _keys(tokens, 16, False)
     assert len(without) == 2
-    assert not any(":partial:" in k for k in without.keys)
-    assert without.keys == GOLDEN_KEYS[:2]
+    assert not any(":partial:" in k for k in without)
+    assert without == GOLDEN_KEYS[:2]
 
     exact = _keys(list(range(32)), 16, True)  # no tail
     assert len(exact) == 2
-    assert not any(":partial:" in k for k in exact.keys)
+    assert not any(":partial:" in k for k in exact)
 
 
 @pytest.mark.parametrize("n", [1, 5, 15, 17, 31, 33])
@@ -147,21 +147,21 @@ def test_partial_suffix_counts_tail_tokens(n: int) -> None:
     bk = _keys(list(range(n)), 16, True)
     tail = n % 16
     assert len(bk) == n // 16 + 1
-    assert bk.keys[-1].endswith(f":partial:{tail}")
-    assert all(":partial:" not in k for k in bk.keys[:-1])
+    assert bk[-1].endswith(f":partial:{tail}")
+    assert all(":partial:" not in k for k in bk[:-1])
 
 
 def test_partial_key_differs_from_full_key_of_longer_sequence() -> None:
     # the partial block of 40 tokens is a prefix of block 2 of 48 tokens: different keys
-    part = _keys(list(range(40)), 16, True).keys[2]
-    full = _keys(list(range(48)), 16, True).keys[2]
+    part = _keys(list(range(40)), 16, True)[2]
+    full = _keys(list(range(48)), 16, True)[2]
     assert part != full
     assert part.split(":partial:")[0] != full
 
 
 def test_too_short_for_a_block() -> None:
-    assert _keys([1, 2, 3], 16, False).keys == ()
-    assert _keys([], 16, True).keys == ()
+    assert _keys([1, 2, 3], 16, False) == ()
+    assert _keys([], 16, True) == ()
 
 
 # ---------------------------------------------------------------- scope
@@ -169,7 +169,7 @@ def test_too_short_for_a_block() -> None:
 
 def test_scope_parts_in_key() -> None:
     scope = Scope("model.v2_a-b", "0123456789abcdef", rank=3, world_size=8)
-    key = _keys(list(range(16)), 16, scope=scope).keys[0]
+    key = _keys(list(range(16)), 16, scope=scope)[0]
     assert scope.prefix == "model.v2_a-b@0123456789abcdef@3-8@"
     assert key.startswith(scope.prefix)
     assert len(key) == len(scope.prefix) + 32
@@ -186,8 +186,8 @@ def test_scope_parts_in_key() -> None:
 )
 def test_different_scopes_give_different_keys(other: Scope) -> None:
     tokens = list(range(48))
-    base = set(_keys(tokens).keys)
-    assert base.isdisjoint(_keys(tokens, scope=other).keys)
+    base = set(_keys(tokens))
+    assert base.isdisjoint(_keys(tokens, scope=other))
 
 
 def test_scope_rejects_rank_not_below_world_size() -> None:
@@ -283,12 +283,12 @@ def test_validate_namespace_rejects_non_strings(ns: Any) -> None:
     "dtype", [np.int32, np.int64, np.uint16, np.uint32, np.int16, np.dtype(">i8")]
 )
 def test_token_dtypes_give_same_keys(dtype: Any) -> None:
-    ref = _keys(GOLDEN_TOKENS, 16, True).keys
-    assert _keys(np.array(GOLDEN_TOKENS, dtype=dtype), 16, True).keys == ref
+    ref = _keys(GOLDEN_TOKENS, 16, True)
+    assert _keys(np.array(GOLDEN_TOKENS, dtype=dtype), 16, True) == ref
 
 
 def test_python_list_and_tuple_inputs() -> None:
-    assert _keys(tuple(GOLDEN_TOKENS), 16, True).keys == GOLDEN_KEYS
+    assert _keys(tuple(GOLDEN_TOKENS), 16, True) == GOLDEN_KEYS
 
 
 def test_as_tokens_is_little_endian_int64() -> None:
@@ -297,4 +297,4 @@ def test_as_tokens_is_little_endian_int64() -> None:
     assert arr.flags.c_contiguous
     strided = np.arange(10, dtype=np.int64)[::2]
     assert as_tokens(strided).tolist() == [0, 2, 4, 6, 8]
-    assert _keys(strided, 2).keys == _keys([0, 2, 4, 6, 8], 2).keys
+    assert _keys(strided, 2) == _keys([0, 2, 4, 6, 8], 2)

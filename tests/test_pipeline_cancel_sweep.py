@@ -483,7 +483,7 @@ async def test_cancel_a_read_whose_block_fails_verification(
         for k in range(K_MAX):
             tokens = _tokens(k + 1)
             await _prepare(pipe, "read", tokens)
-            store.bad = block_keys(pipe.scope, as_tokens(tokens), BLOCK, False).keys[2 * at + 1]
+            store.bad = block_keys(pipe.scope, as_tokens(tokens), BLOCK, False)[2 * at + 1]
             outcome = await _cancel_after(k, _call(pipe, "read", tokens), None, pipe)
             store.bad = None
             placed = _snapshot(cache, DST)

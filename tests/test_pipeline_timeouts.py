@@ -242,7 +242,7 @@ async def test_concurrent_requests_overlap_but_slices_of_one_go_in_order() -> No
 def _keys_of(pipe: kvpipe.Pipeline, tokens: np.ndarray) -> set[str]:
     from kvpipe._keys import as_tokens, block_keys
 
-    return set(block_keys(pipe.scope, as_tokens(tokens), BLOCK, False).keys)
+    return set(block_keys(pipe.scope, as_tokens(tokens), BLOCK, False))
 
 
 async def test_a_cancelled_lookup_stops_asking_the_store() -> None:
@@ -409,7 +409,7 @@ async def test_deleting_a_corrupt_block_does_not_hold_back_the_read() -> None:
     store = SlowDelete()
     async with kvpipe.open_pipeline(_cache(), store, config=_config()) as pipe:
         assert (await pipe.write(TOKENS, IDS)).complete
-        key = block_keys(pipe.scope, as_tokens(TOKENS), BLOCK, False).keys[5]
+        key = block_keys(pipe.scope, as_tokens(TOKENS), BLOCK, False)[5]
         bad = store._data[key].copy()
         bad[0] ^= 0xFF  # a payload byte: the checksum no longer matches
         store._data[key] = bad

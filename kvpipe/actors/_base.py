@@ -197,7 +197,7 @@ class ActorContext:
     def digests_of(self, state: WriteState | ReadState, spec: SliceSpec) -> list[bytes]:
         """Digests of a slice's keys (for block trailers)."""
         assert state.keys is not None
-        return [key_digest(k) for k in state.keys.keys[spec.first_block : spec.end_block]]
+        return [key_digest(k) for k in state.keys[spec.first_block : spec.end_block]]
 
     def key_batch(self, request_id: str, keys: Sequence[str], first: int, tokens: Any) -> KeyBatch:
         """A key-only batch of consecutive blocks."""
@@ -215,7 +215,7 @@ class ActorContext:
         over their slots of its staging lease."""
         state, spec = job.state, job.spec
         assert state.keys is not None
-        first, keys = spec.first_block + lo, state.keys.keys
+        first, keys = spec.first_block + lo, state.keys
         end = spec.end_block if hi is None else spec.first_block + hi
         # The tokens through the batch's last block (a partial one's: to the sequence's end)
         token_end = min(end * self.layout.block_size, len(state.tokens))

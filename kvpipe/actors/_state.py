@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from .._engine import OrderMark
 from .._errors import ActorCrashed, BackendError, KVPipeError, OperationTimeout, PipelineClosed
-from .._keys import BlockKeys, Tokens
+from .._keys import Tokens
 from .._plan import SliceSpec
 from .._read_machine import ReadMachine
 from .._results import ReadResult, ReadStopReason, SliceOutcome, WriteResult
@@ -184,7 +184,7 @@ class CallState(RequestState):
         self.tokens = tokens
         self.include_partial = include_partial
         self.params = params
-        self.keys: BlockKeys | None = None
+        self.keys: tuple[str, ...] | None = None
         self.value: Any = None
         self._error: BaseException | None = None
 
@@ -236,7 +236,7 @@ class SlicedState(RequestState):
         self.start_block = start_block
         self.end_block = end_block
         self.include_partial = include_partial
-        self.keys: BlockKeys | None = None
+        self.keys: tuple[str, ...] | None = None
         #: Where the producer's device work stood at call time; copies wait for it.
         self.after: OrderMark | None = None
 

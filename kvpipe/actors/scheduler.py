@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import anyio
 
 from .._errors import BackendError, OperationTimeout
-from .._keys import BlockKeys, Tokens, block_keys
+from .._keys import Tokens, block_keys
 from .._plan import SliceSpec, leading_run, plan_slices
 from .._results import BlockLocation, Holder, ReadStopReason, Residency, ResidencyEntry
 from ..backends._base import KeyBatch
@@ -115,7 +115,7 @@ class Scheduler(Actor[RequestState]):
         else:
             await self._call(msg)
 
-    async def _keys(self, tokens: Tokens, include_partial: bool) -> BlockKeys:
+    async def _keys(self, tokens: Tokens, include_partial: bool) -> tuple[str, ...]:
         ctx = self.ctx
         args = (ctx.scope, tokens, ctx.layout.block_size, include_partial)
         if len(tokens) <= _THREAD_KEYS_TOKENS:
@@ -129,7 +129,7 @@ class Scheduler(Actor[RequestState]):
     async def _write(self, state: WriteState) -> None:
         ctx = self.ctx
         assert state.keys is not None
-        keys = state.keys.keys[state.start_block : state.end_block]
+        keys = state.keys[state.start_block : state.end_block]
 
         def failed(exc: BackendError | OperationTimeout) -> None:
             # Deduplication is an optimisation: without it the blocks are rewritten.
@@ -157,7 +157,7 @@ class Scheduler(Actor[RequestState]):
     async def _read(self, state: ReadState) -> None:
         ctx = self.ctx
         assert state.keys is not None
-        keys = state.keys.keys[state.start_block : state.end_block]
+        keys = state.keys[state.start_block : state.end_block]
         with state.bound(state.deadline) as scope:
             try:
                 available = await probe_leading(
@@ -187,7 +187,7 @@ class Scheduler(Actor[RequestState]):
             try:
                 if state.op == "lookup":
                     start = int(state.params["start_block"])
-                    keys = state.keys.keys[start:]
+                    keys = state.keys[start:]
                     state.succeed(
                         await probe_leading(self.ctx, state.request_id, keys, start, state.tokens)
                     )
@@ -212,7 +212,7 @@ class Scheduler(Actor[RequestState]):
         residency: Residency = state.params["residency"]
         start = int(state.params["start_block"])
         now = time.time()
-        keys = state.keys.keys[start:]
+        keys = state.keys[start:]
         for lo in range(0, len(keys), ctx.slice_blocks):
             entries = [
                 ResidencyEntry(k, ctx.config.node_id, residency, now)
@@ -225,7 +225,7 @@ class Scheduler(Actor[RequestState]):
     async def _locate(self, state: CallState) -> list[BlockLocation]:
         ctx = self.ctx
         assert state.keys is not None
-        keys = state.keys.keys
+        keys = state.keys
         out: list[BlockLocation] = []
         for lo in range(0, len(keys), ctx.slice_blocks):
             chunk = keys[lo : lo + ctx.slice_blocks]

@@ -293,7 +293,7 @@ def _round_keys(pipe: Any, n: int, per: int, round_no: int, data: _Round) -> lis
     keys: list[str] = []
     for first in range(0, n, per):
         tokens = _tokens(first, min(per, n - first), layout.block_size, round_no)
-        keys += block_keys(pipe.scope, as_tokens(tokens), layout.block_size, False).keys
+        keys += block_keys(pipe.scope, as_tokens(tokens), layout.block_size, False)
     return keys
 
 

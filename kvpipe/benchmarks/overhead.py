@@ -115,7 +115,7 @@ class PlainLoop:
     async def _probe(self, tokens: Any, write: bool) -> tuple[str, ...]:
         """The request's keys, after the ``exists`` probe the scheduler makes: chunks of
         ``slice_blocks`` keys, at least :data:`~kvpipe.actors.scheduler.PROBE_CHUNK_MIN`."""
-        keys = block_keys(self.scope, tokens, self.block_size, False).keys
+        keys = block_keys(self.scope, tokens, self.block_size, False)
         step = max(self.slice_blocks, PROBE_CHUNK_MIN)
         for lo in range(0, len(keys), step):
             flags = await self.store.exists(

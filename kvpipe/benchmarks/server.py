@@ -189,7 +189,7 @@ def _keys(pipe: Pipeline, blocks: int, per: int, tag: int) -> list[str]:
     for first in range(0, blocks, per):
         count = min(per, blocks - first)
         tokens = np.arange(first * bs, (first + count) * bs, dtype=np.int64) + tag * 10**10
-        keys += block_keys(pipe.scope, as_tokens(tokens), bs, False).keys
+        keys += block_keys(pipe.scope, as_tokens(tokens), bs, False)
     return keys
 
 

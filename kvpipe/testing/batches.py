@@ -39,7 +39,7 @@ class Batches:
     def keys(self, n: int, seed: int = 0, partial: bool = False) -> tuple[tuple[str, ...], Tokens]:
         """``n`` chained keys of one sequence (the last one partial if asked), its tokens."""
         tokens = as_tokens(np.arange(seed * 100_000, seed * 100_000 + n * _BLOCK - partial))
-        keys = block_keys(_SCOPE, tokens, _BLOCK, partial).keys
+        keys = block_keys(_SCOPE, tokens, _BLOCK, partial)
         for i, key in enumerate(keys):
             self._where[key] = (tokens, i, keys)
         return keys, tokens

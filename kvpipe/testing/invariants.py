@@ -116,7 +116,7 @@ class Checker:
 
     def _keys(self, o: Outcome) -> tuple[str, ...]:
         tokens = as_tokens(o.tokens)
-        return block_keys(self.scope, tokens, self.source.layout.block_size, o.include_partial).keys
+        return block_keys(self.scope, tokens, self.source.layout.block_size, o.include_partial)
 
     def _payload(self, cache: KVCache, block: int) -> bytes:
         return b"".join(rows[block].tobytes() for rows in cache.byte_rows)

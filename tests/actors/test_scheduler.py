@@ -38,8 +38,8 @@ async def test_write_skips_the_stored_leading_blocks_and_plans_the_rest(engine: 
         sched = Scheduler(h.ctx, h.inboxes["scheduler"])
         probe = h.write_state(TOKENS, np.arange(10))
         assert probe.keys is not None
-        await _store_first(store, probe.keys.keys, 3)
-        store._data[probe.keys.keys[5]] = b"x"  # a non-leading hit does not count
+        await _store_first(store, probe.keys, 3)
+        store._data[probe.keys[5]] = b"x"  # a non-leading hit does not count
         await sched.handle(state)
         assert state.machine.skipped == 3
         assert [(s.first_block, s.count) for s in state.slices] == [(3, 4), (7, 3)]
@@ -52,7 +52,7 @@ async def test_write_of_an_entirely_stored_prefix_finishes_without_slices() -> N
     async with harness(store) as h:
         state = h.write_state(TOKENS, np.arange(10))
         assert state.keys is not None
-        await _store_first(store, state.keys.keys, 10)
+        await _store_first(store, state.keys, 10)
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert state.done and state.result is not None
         assert (state.result.skipped, state.result.written, state.result.complete) == (10, 0, True)
@@ -76,7 +76,7 @@ async def test_dedup_probe_asks_in_chunks_and_stops_at_the_first_chunk_with_a_mi
     async with harness(store, slice_blocks=2) as h:
         state = h.write_state(TOKENS, np.arange(10))
         assert state.keys is not None
-        store.inner._data.update({k: b"x" for k in state.keys.keys[:3]})
+        store.inner._data.update({k: b"x" for k in state.keys[:3]})
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert [(c.first_block, len(c.keys)) for c in store.calls_of("exists")] == calls
         assert state.machine.skipped == 3
@@ -101,7 +101,7 @@ async def test_a_dedup_probe_failing_on_a_later_chunk_keeps_what_the_earlier_fou
     async with harness(store, slice_blocks=2) as h:
         state = h.write_state(TOKENS, np.arange(10))
         assert state.keys is not None
-        store.inner._data.update({k: b"x" for k in state.keys.keys[:3]})
+        store.inner._data.update({k: b"x" for k in state.keys[:3]})
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert [(c.first_block, len(c.keys)) for c in store.calls_of("exists")] == [(0, 2), (2, 2)]
         assert state.machine.skipped == 2
@@ -115,8 +115,8 @@ async def test_read_stops_at_the_first_block_not_stored(engine: str) -> None:
         h.ctx.engine.name = engine
         state = h.read_state(TOKENS, np.arange(10))
         assert state.keys is not None
-        store._data.update({k: b"x" for k in state.keys.keys[:6]})
-        store._data[state.keys.keys[7]] = b"x"
+        store._data.update({k: b"x" for k in state.keys[:6]})
+        store._data[state.keys[7]] = b"x"
         await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
         assert [(s.first_block, s.count) for s in state.slices] == [(0, 4), (4, 2)]
         assert state.machine.stop_block == 6 and state.machine.stop_reason == "not_stored"
@@ -239,7 +239,7 @@ class TestVirtualTime:
             state = make(TOKENS, np.arange(10), timeout=7)
             assert state.keys is not None
             if kind == "read":  # stored: the read has slices to hand on
-                await _store_first(store, state.keys.keys, 10)
+                await _store_first(store, state.keys, 10)
             start = anyio.current_time()
             await Scheduler(h.ctx, h.inboxes["scheduler"]).handle(state)
             assert anyio.current_time() - start == pytest.approx(7.0)

@@ -28,10 +28,7 @@ async def test_gather_packs_every_layer_and_role_and_seals_each_block() -> None:
             value = job.lease.view(i)
             expected = np.concatenate([rows[block] for rows in h.ctx.cache.byte_rows])
             assert np.array_equal(value[: h.ctx.payload_nbytes], expected)
-            assert (
-                check_block(value, h.ctx.payload_nbytes, key_digest(state.keys.keys[i]), True)
-                is None
-            )
+            assert check_block(value, h.ctx.payload_nbytes, key_digest(state.keys[i]), True) is None
         job.lease.release()
 
 

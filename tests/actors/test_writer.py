@@ -110,7 +110,7 @@ async def test_a_host_cache_s_slices_are_gathered_and_sealed_by_the_writer() -> 
         got = GetBatch(
             h.ctx.scope,
             "r",
-            state.keys.keys,
+            state.keys,
             0,
             as_tokens(TOKENS[: 6 * BLOCK]),
             None,
@@ -124,7 +124,7 @@ async def test_a_host_cache_s_slices_are_gathered_and_sealed_by_the_writer() -> 
             value = lease.view(i)
             expected = np.concatenate([rows[block] for rows in h.ctx.cache.byte_rows])
             assert np.array_equal(value[: h.ctx.payload_nbytes], expected)
-            digest = key_digest(state.keys.keys[i])
+            digest = key_digest(state.keys[i])
             assert check_block(value, h.ctx.payload_nbytes, digest, True) is None
         lease.release()
         assert h.ctx.pool.in_use == 0

@@ -477,7 +477,7 @@ def _source_cache() -> kvpipe.KVCache:
 
 def _pipeline_keys(namespace: str) -> tuple[str, ...]:
     scope = Scope(namespace, LAYOUT.fingerprint)
-    return block_keys(scope, as_tokens(TOKENS), LAYOUT.block_size, False).keys
+    return block_keys(scope, as_tokens(TOKENS), LAYOUT.block_size, False)
 
 
 async def _read_back_with_block_tampered(

@@ -66,7 +66,7 @@ class Layout:
 
 
 def _layout(scope: Scope, payload: int, *sequences: np.ndarray[Any, Any]) -> Layout:
-    chains = tuple(block_keys(scope, as_tokens(t), 4, False).keys for t in sequences)
+    chains = tuple(block_keys(scope, as_tokens(t), 4, False) for t in sequences)
     return Layout(scope, value_nbytes(payload), chains)
 
 

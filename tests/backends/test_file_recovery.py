@@ -86,7 +86,7 @@ def _catalog(store: FileStore) -> Catalog:
 def _other_keys(n: int, namespace: str = "other") -> tuple[str, ...]:
     """Keys in another namespace (same layout fingerprint as the Batches scope)."""
     scope = Scope(namespace, SCOPE.fingerprint)
-    return block_keys(scope, as_tokens(np.arange(500, 500 + n * 4)), 4, False).keys
+    return block_keys(scope, as_tokens(np.arange(500, 500 + n * 4)), 4, False)
 
 
 def _temp_file(root: Path, key: str, host: str, pid: int, age: float = 0.0) -> Path:

@@ -156,7 +156,7 @@ class Traffic:
     read_ids: Ids = field(default_factory=lambda: np.arange(16, 16 + BLOCKS))
 
     def keys(self, r: int) -> tuple[str, ...]:
-        return block_keys(self.pipe.scope, as_tokens(tokens_of(r)), BS, False).keys
+        return block_keys(self.pipe.scope, as_tokens(tokens_of(r)), BS, False)
 
     async def writer(self) -> None:
         """Write requests 100, 101, ... one after the other; a second client checks each

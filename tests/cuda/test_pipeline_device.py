@@ -671,7 +671,7 @@ async def test_a_device_cache_round_trips_through_the_file_store(
         drop_cached(str(tmp_path / "store"))
         # the file of block 4 changed on disk (the pipeline's own keys name it: the 5th key)
         async with kvpipe.open_pipeline(dst, store, config=config, device_driver=fake) as pipe:
-            key = block_keys(pipe.scope, as_tokens(tokens), layout.block_size, False).keys[4]
+            key = block_keys(pipe.scope, as_tokens(tokens), layout.block_size, False)[4]
             path = tmp_path / "store" / os.fsdecode(block_paths([key])[0])
             raw = bytearray(path.read_bytes())
             raw[-100] ^= 0xFF

@@ -80,7 +80,7 @@ def test_stored_holds_when_every_counted_block_is_there() -> None:
     source = _source()
     checker = Checker(source, SCOPE, 0.1)
     checker.wrote(_write(3))
-    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False)
     checker.check_stored(
         _putting((BlockStatus.OK,) * 3),
         {k: _payload(source, 2 + i) + b"trailer" for i, k in enumerate(keys)},
@@ -93,7 +93,7 @@ def test_stored_catches_counted_blocks_that_are_not_right(breakage: str) -> None
     source = _source()
     checker = Checker(source, SCOPE, 0.1)
     checker.wrote(_write(3))
-    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False)
     stored = {k: _payload(source, 2 + i) for i, k in enumerate(keys)}
     if breakage == "missing":
         del stored[keys[2]]
@@ -111,7 +111,7 @@ def test_stored_excuses_a_deleted_block_only_after_two_corrupted_fetches(
     never the store, so a deleted block the faults corrupted less than twice was a good one
     (deleted after a single failure, corruption in transit: it was excused all the same)."""
     source = _source()
-    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False)
     store = _putting(OK3)
     for n in range(corruptions):
         get = StoreCall("get", n, "r1", 0, tuple(keys), 1.0 + n, corrupted=(keys[1],))
@@ -136,7 +136,7 @@ def test_stored_excuses_skipped_blocks_only_for_a_lie_to_the_write_itself(
     skipped blocks are not judged. A lie to the read of the same request id, later, used to
     excuse the write's skipped blocks all the same."""
     source = _source()
-    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False)
     store = _store()
     put = StoreCall("put", 0, "w1", 2, (keys[2],), 0.06, statuses=(BlockStatus.OK,))
     put.finished, put.outcome = 0.07, "ok"
@@ -197,7 +197,7 @@ def test_stored_judges_each_slice_by_what_its_put_returned(
     """Every block is in the store with the right bytes (a late completion stored the lot),
     so only the put's answer at the time tells a count that is a lie."""
     source = _source()
-    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False)
     stored = {k: _payload(source, 2 + i) for i, k in enumerate(keys)}
     checker = Checker(source, SCOPE, 0.1)
     checker.wrote(_counted_slice(written, outcome))
@@ -208,7 +208,7 @@ def test_stored_judges_each_slice_by_what_its_put_returned(
 
 def test_stored_catches_written_that_its_slices_do_not_add_up_to() -> None:
     source = _source()
-    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False).keys
+    keys = block_keys(SCOPE, as_tokens(TOKENS), 4, False)
     o = _counted_slice(1, "incomplete")
     assert isinstance(o.result, kvpipe.WriteResult)
     o.result = dataclasses.replace(o.result, written=2)
