@@ -67,3 +67,24 @@ def test_a_failed_put_is_reported() -> None:
     src, dst, staging, keys = caches(4)
     with pytest.raises(RuntimeError, match="batch_upsert_from codes"):
         hand_loop(BufferClient(fail_put=True), src, dst, staging, keys, 2, checksums=True)
+
+
+class GetMovesNothing(BufferClient):
+    """Reports every get complete but writes nothing into the buffers."""
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        return list(sizes)
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_get_that_moves_nothing_is_caught(checksums: bool) -> None:
+    # The read goes into the staging rows the write gathered into: unless they are cleared
+    # first, a get that moved nothing verifies and scatters the write's own bytes.
+    src, dst, staging, keys = caches(5)
+    if checksums:
+        with pytest.raises(RuntimeError, match="block 0 came back different"):
+            hand_loop(GetMovesNothing(), src, dst, staging, keys, 2, checksums=True)
+        return
+    hand_loop(GetMovesNothing(), src, dst, staging, keys, 2, checksums=False)
+    # no checksum: the caller's check of ``dst`` must see that nothing came back
+    assert not any(np.array_equal(a, b) for a, b in zip(src.byte_rows, dst.byte_rows, strict=True))
