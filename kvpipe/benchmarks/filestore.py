@@ -13,7 +13,8 @@ same payload bytes from and into one contiguous buffer, one file per block, with
 ``fdatasync`` policy, through the page cache with one thread and with four, and with
 ``O_DIRECT`` (whole pages) with four; and the hand-written read-then-scatter (each file into
 one buffer, then its rows into a layer-major cache, no checksum) with one and two threads,
-reading the raw ×1 files. Ratios are medians of per-round ratios.
+reading the raw ×1 files. Every contender's read, too, goes into a cleared buffer (or
+cache) and is checked right after it, untimed. Ratios are medians of per-round ratios.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, final
 
@@ -107,14 +108,6 @@ class _Round:
         nbytes = n * layout.block_nbytes
         self.write, self.hot, self.cold = (Measurement(nbytes) for _ in range(3))
 
-    def check(self) -> None:
-        """Every contender read back what was written."""
-        assert np.array_equal(self.readback, self.contiguous)
-        assert np.array_equal(self.direct_out, self.contiguous)
-        for cache in (self.dst, self.hand):
-            for a, b in zip(self.src.byte_rows, cache.byte_rows, strict=True):
-                assert np.array_equal(a, b)
-
 
 async def _bench_size(
     name: str, cfg: FileBenchConfig, tick: Callable[[str], None]
@@ -134,7 +127,6 @@ async def _bench_size(
             statistics = await _bench_durability(name, durability, cfg, config, data, workdir, tick)
         finally:
             await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
-        data.check()
         records.append(
             {
                 "block_size": name,
@@ -180,6 +172,11 @@ async def _bench_durability(
             await anyio.to_thread.run_sync(fn, *args)
         return t.seconds
 
+    async def checked(who: str, which: str, same: Awaitable[bool]) -> None:
+        """A contender's read, into a cleared buffer, checked right after it (untimed)."""
+        if not await same:
+            raise RuntimeError(f"file bench: {who}'s {which} read brought back other bytes")
+
     async def pipeline_round(wpipe: Any, rpipe: Any) -> float:
         async def read_checked(which: str) -> float:
             """One timed read of every block into a cleared ``data.dst``, then its check
@@ -219,17 +216,22 @@ async def _bench_durability(
             )
             w = await in_thread(raw_write, root, src, threads, durability, direct)
             data.write.add(label, w)
-            for m in (data.hot, data.cold):
+            for m, which in ((data.hot, "hot"), (data.cold, "cold")):
                 if m is data.hot:
                     await anyio.to_thread.run_sync(warm_cached, root)
                 else:
                     await anyio.to_thread.run_sync(drop_cached, root)
+                await anyio.to_thread.run_sync(out.fill, 0)
                 m.add(label, await in_thread(raw_read, root, out, threads, direct))
+                await checked(label, which, anyio.to_thread.run_sync(np.array_equal, out, src))
                 for hand in hands:
                     if m is data.cold:
                         await anyio.to_thread.run_sync(drop_cached, root)
+                    await anyio.to_thread.run_sync(scrub, data.hand)
                     rows = data.hand.byte_rows
                     m.add(hand, await in_thread(hand_read, root, rows, int(hand[-1])))
+                    same = anyio.to_thread.run_sync(same_bytes, data.src, data.hand)
+                    await checked(hand, which, same)
             await anyio.to_thread.run_sync(shutil.rmtree, root)
             tick(f"{name} {durability} {label}")
             return w

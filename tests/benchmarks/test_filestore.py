@@ -48,3 +48,38 @@ async def test_runs_and_cleans_up(tmp_path: Path) -> None:
     (record,) = await run_filestore_bench(tiny(tmp_path))
     assert record["blocks"] == 8 and record["read_cold"]["rounds"] == 1
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("baseline", "who", "key"),
+    [
+        ("raw_read", "raw1", (1, False)),
+        ("raw_read", "direct4", (4, True)),
+        ("hand_read", "hand2", (2, False)),
+    ],
+)
+async def test_a_contender_read_that_moves_no_bytes_is_caught(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    baseline: str,
+    who: str,
+    key: tuple[int, bool],
+) -> None:
+    # Every contender reads into a buffer of its own that must be cleared before each read
+    # and checked after it: otherwise only the first read (the warm-up's hot one) has to
+    # bring anything, and every later one passes on its bytes.
+    real = getattr(filestore, baseline)
+    calls = [0]
+
+    def first_read_only(root: str, out: Any, threads: int, direct: bool = False) -> None:
+        """``who`` reads only once (the warm-up's hot read); the others always."""
+        if (threads, direct) == key:
+            calls[0] += 1
+            if calls[0] > 1:
+                return
+        real(root, out, threads, *([direct] if baseline == "raw_read" else []))
+
+    monkeypatch.setattr(filestore, baseline, first_read_only)
+    with pytest.raises(RuntimeError, match=f"{who}'s cold read"):
+        await run_filestore_bench(tiny(tmp_path))
+    assert os.listdir(tmp_path) == []
