@@ -18,13 +18,19 @@ _FILE_OPS: Final = (
     ("read_cold", "read, evicted"),
 )
 _WRITE_COLS: Final = (("raw1", "raw x1"), ("raw4", "raw x4"), ("direct4", "O_DIRECT x4"))
-_READ_COLS: Final = (*_WRITE_COLS, ("hand1", "hand-written x1"), ("hand2", "hand-written x2"))
+_HAND_COLS: Final = (("hand1", "hand-written x1"), ("hand2", "hand-written x2"))
+#: The columns of each table: no O_DIRECT read among the page-cache reads (it skips the cache).
+_COLS: Final = {
+    "write": _WRITE_COLS,
+    "read_hot": (*_WRITE_COLS[:2], *_HAND_COLS),
+    "read_cold": (*_WRITE_COLS, *_HAND_COLS),
+}
 
 
 def file_markdown(records: list[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     for op, title in _FILE_OPS:
-        cols = _WRITE_COLS if op == "write" else _READ_COLS
+        cols = _COLS[op]
         lines += [
             f"| block | durability | {title} | pipeline GB/s (median / best) | "
             + " | ".join(f"{c} GB/s" for _, c in cols)
@@ -124,7 +130,7 @@ def file_table(records: list[dict[str, Any]]) -> Table:
                 f"{r['block_size']} {r['durability']}",
                 title.replace("read, ", ""),
                 f"{w['gbps_median']} / {w['gbps_best']}",
-                "/".join(str(w[f"{k}_gbps_median"]) for k in ("raw1", "raw4", "direct4")),
+                "/".join(str(w.get(f"{k}_gbps_median", "-")) for k in ("raw1", "raw4", "direct4")),
                 "/".join(str(w[f"{k}_gbps_median"]) for k in hands) or "-",
                 "/".join(str(w[f"ratio_vs_{k}"]) for k in ("raw1", *hands)),
             )

@@ -7,7 +7,8 @@ three compare the pipeline with its backend's baseline for block sizes of 256 Ki
 - ``file``: the pipeline over the file store versus raw file writes/reads of the same bytes
   (one file per block, same fsync policy) and a hand-written read-then-scatter, per
   durability (``data`` and ``none``), reads hot (page cache) and cold (evicted) apart.
-  Rounds: pipeline, raw ×1 (and hand-written ×1, ×2), raw ×4, O_DIRECT ×4.
+  Rounds: pipeline, raw ×1 (and hand-written ×1, ×2), raw ×4, O_DIRECT ×4 (which reads cold
+  only: an O_DIRECT read skips the page cache).
 - ``mooncake``: the pipeline over :class:`kvpipe.MooncakeStore` versus the direct Mooncake
   client (``batch_put_from`` / ``batch_upsert_from`` / ``batch_get_into`` on registered
   buffers of the same client, same value sizes), with the data in this process's segment

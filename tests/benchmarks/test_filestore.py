@@ -10,6 +10,7 @@ import pytest
 
 from kvpipe.benchmarks import filestore
 from kvpipe.benchmarks.filestore import FileBenchConfig, run_filestore_bench
+from kvpipe.cli._bench_tables import file_markdown, file_table
 
 
 def tiny(tmp_path: Path) -> FileBenchConfig:
@@ -83,3 +84,21 @@ async def test_a_contender_read_that_moves_no_bytes_is_caught(
     with pytest.raises(RuntimeError, match=f"{who}'s cold read"):
         await run_filestore_bench(tiny(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+async def test_the_page_cache_table_has_no_o_direct_read(tmp_path: Path) -> None:
+    # An O_DIRECT read skips the page cache (it comes from the device even with the file
+    # cached), so it has no place among the page-cache reads, nor in their best-of ratio.
+    (record,) = await run_filestore_bench(tiny(tmp_path))
+    hot, cold = record["read_hot"], record["read_cold"]
+    assert not any(k.startswith(("direct4_", "ratio_vs_direct4")) for k in hot)
+    assert cold["direct4_gbps_median"] > 0 and "ratio_vs_direct4" in cold
+    headers = {
+        line.split(" | ")[2]: line
+        for line in file_markdown([record])
+        if line.startswith("| block | durability |")
+    }
+    assert "O_DIRECT" not in headers["read, page cache"]
+    assert "O_DIRECT x4 GB/s" in headers["read, evicted"]
+    assert "O_DIRECT x4 GB/s" in headers["write"]
+    file_table([record])  # renders without the missing column
