@@ -37,6 +37,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, TypeVar, final
@@ -142,23 +143,48 @@ class _Bench:
         if len({s.block_nbytes for s in specs}) != 1:
             raise ValueError("the device scenario's layout has tensors of one block size")
         self.seg_nbytes = specs[0].block_nbytes
-        self.tensors = [
-            _DeviceArray(drv, (2 * self.blocks, *s.block_shape), s.dtype, cfg.ordinal)
-            for s in specs
-        ]
+        # what :meth:`close` releases, newest first; a setup that fails part way releases
+        # what it had (the caller's driver may stay open: nothing is left behind on it)
+        self._release = ExitStack()
+        try:
+            self._set_up(specs)
+        except BaseException:
+            self._release.close()
+            raise
+
+    def _set_up(self, specs: list[Any]) -> None:
+        cfg, drv, layout, keep = self.cfg, self.drv, self.layout, self._release.callback
+        self.tensors: list[_DeviceArray] = []
+        for s in specs:
+            t = _DeviceArray(drv, (2 * self.blocks, *s.block_shape), s.dtype, cfg.ordinal)
+            keep(drv.mem_free, t.ptr)
+            self.tensors.append(t)
         self.cache = KVCache.from_tensors(layout, self.tensors)
         self.producer = drv.stream_create()
+        keep(drv.stream_destroy, self.producer)
         self.plain_store: dict[int, np.ndarray[Any, Any]] = {}
         # the plain loop's own: a stream, an event and a pinned buffer per thread, kept
         # across passes as a hand-written offload would keep them
         self._pool = ThreadPoolExecutor(cfg.threads)
-        self._streams = [drv.stream_create() for _ in range(cfg.threads)]
-        self._events = [drv.event_create() for _ in range(cfg.threads)]
+        keep(self._pool.shutdown)
+        self._streams: list[int] = []
+        self._events: list[int] = []
+        self._hosts: list[PinnedBuffer] = []
         chunk = self.per_slice * layout.block_nbytes
-        self._hosts = [PinnedBuffer(drv, chunk, mapped=False) for _ in range(cfg.threads)]
+        for _ in range(cfg.threads):
+            self._streams.append(drv.stream_create())
+            keep(drv.stream_destroy, self._streams[-1])
+            self._events.append(drv.event_create())
+            keep(drv.event_destroy, self._events[-1])
+            self._hosts.append(PinnedBuffer(drv, chunk, mapped=False))
+            keep(self._hosts[-1].free)
         # the bench's own, for filling, poisoning, checking and the link: one tensor's bytes
         self._host = PinnedBuffer(drv, max(self.tensors[0].nbytes, chunk), mapped=False)
-        self._stream, self._event = drv.stream_create(), drv.event_create()
+        keep(self._host.free)
+        self._stream = drv.stream_create()
+        keep(drv.stream_destroy, self._stream)
+        self._event = drv.event_create()
+        keep(drv.event_destroy, self._event)
         self._fill_random()
 
     def _fill_random(self) -> None:
@@ -281,17 +307,8 @@ class _Bench:
         return out
 
     def close(self) -> None:
-        self._pool.shutdown()
-        for stream, event, host in zip(self._streams, self._events, self._hosts, strict=True):
-            self.drv.stream_destroy(stream)
-            self.drv.event_destroy(event)
-            host.free()
-        self._host.free()
-        self.drv.stream_destroy(self._stream)
-        self.drv.event_destroy(self._event)
-        self.drv.stream_destroy(self.producer)
-        for t in self.tensors:
-            self.drv.mem_free(t.ptr)
+        """Release everything :meth:`__init__` set up (newest first)."""
+        self._release.close()
 
 
 async def run_device_bench(

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from kvpipe._errors import DeviceError
 from kvpipe.benchmarks import device, report
 from kvpipe.benchmarks.device import DeviceBenchConfig, run_device_bench
 from tests.cuda.fake_driver import FakeDriver
@@ -77,3 +78,17 @@ async def test_leaves_no_context_current_in_the_threads_it_ran_on() -> None:
     fake.assert_clean()
     left = [(t.name, fake.current_of(t.ident)) for t in threading.enumerate() if t.ident]
     assert [(name, ctx) for name, ctx in left if ctx] == []
+
+
+@pytest.mark.parametrize(
+    "call", ["stream_create", "event_create", "host_alloc", "memcpy_htod_async"]
+)
+async def test_a_setup_that_fails_frees_what_it_had(call: str) -> None:
+    """A device error while the scenario sets up (say no device memory or pinned memory left
+    for its buffers) is raised with everything set up before it freed: the caller's driver
+    may stay open (here: the test double's ledger must be empty)."""
+    fake = FakeDriver()
+    fake.fail_next(call)
+    with pytest.raises(DeviceError, match="injected"):
+        await run_device_bench(SMALL, driver=fake)
+    fake.assert_clean()
