@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, TypeVar, final
 
+import anyio
 import numpy as np
 import xxhash
 from anyio.to_thread import run_sync
@@ -335,7 +336,9 @@ async def run_device_bench(
         try:
             return await _measure(cfg, bench, info, tick, driver)
         finally:
-            await _on_device(drv, bench.close)
+            # shielded: cancelled, an unshielded run_sync raises before it runs anything
+            with anyio.CancelScope(shield=True):
+                await _on_device(drv, bench.close)
     finally:
         drv.close()
 

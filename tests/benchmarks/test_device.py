@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import anyio
 import pytest
 
 from kvpipe._errors import DeviceError
@@ -91,4 +92,18 @@ async def test_a_setup_that_fails_frees_what_it_had(call: str) -> None:
     fake.fail_next(call)
     with pytest.raises(DeviceError, match="injected"):
         await run_device_bench(SMALL, driver=fake)
+    fake.assert_clean()
+
+
+async def test_a_cancelled_run_frees_the_device_memory() -> None:
+    """Cancelled mid-run (a caller's timeout, Ctrl-C), the scenario still frees its device
+    buffers, streams and pinned memory before it returns."""
+    fake = FakeDriver()
+    with anyio.CancelScope() as scope:
+
+        def tick(what: str) -> None:
+            scope.cancel()
+
+        await run_device_bench(SMALL, tick, driver=fake)
+    assert scope.cancelled_caught
     fake.assert_clean()
