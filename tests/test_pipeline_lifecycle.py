@@ -195,3 +195,42 @@ async def test_entering_a_store_opens_it_and_a_faulty_store_opens_its_inner_one(
     async with FaultyStore(inner, FaultPlan()) as faulty:
         async with kvpipe.open_pipeline(_cache(), faulty):
             assert inner.opened == 1
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})]
+)
+async def test_an_actor_crashing_as_the_close_deadline_cancels_it_is_a_crash_not_a_raw_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two scheduler handlers in waits their requests' end does not reach (shielded, as a
+    copy thread's) at the close deadline: the actors are cancelled, one handler then hits a
+    checkpoint (cancelled) and the other raises. The actor's task group ends in a group of
+    the cancellation and the error, which the supervisor's ``except Exception`` let through:
+    a raw ``ExceptionGroup(RuntimeError)`` left ``open_pipeline``, and no crash was
+    recorded or logged. It is a crash like any other now, and the close is clean."""
+
+    async def stuck(ctx: Any, request_id: str, *args: Any, **kw: Any) -> int:
+        with anyio.CancelScope(shield=True):  # past the cancellation, at 0.5 s past the deadline
+            await anyio.sleep(0.7 if request_id == "raises" else 0.65)
+        if request_id == "raises":
+            raise RuntimeError("injected scheduler bug")
+        return 0
+
+    monkeypatch.setattr(scheduler_module, "probe_leading", stuck)
+    config = kvpipe.PipelineConfig(close_timeout=0.1)
+    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), config=config) as pipe:
+
+        async def write(rid: str) -> None:
+            with pytest.raises(kvpipe.PipelineClosed):
+                await pipe.write(TOKENS, IDS, request_id=rid)
+
+        async with anyio.create_task_group() as tg:
+            for rid in ("raises", "cancelled"):
+                tg.start_soon(write, rid)
+            await _until_in_flight(pipe, 2)
+            await pipe.aclose()
+    assert [(c.actor, c.error, c.restarted) for c in pipe.crashes()] == [
+        ("scheduler", "RuntimeError('injected scheduler bug')", False)
+    ]
+    assert "actor scheduler crashed (RuntimeError('injected scheduler bug'))" in caplog.text

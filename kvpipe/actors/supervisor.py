@@ -46,6 +46,17 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def _split_crash(exc: BaseException) -> tuple[Exception | None, BaseException | None]:
+    """What ended an actor: its errors (a crash; ``None``: none) and the rest (its
+    cancellation; ``None``: none), split out of the group its task group raised."""
+    if isinstance(exc, Exception):
+        return exc, None
+    if not isinstance(exc, BaseExceptionGroup):
+        return None, exc
+    errors, rest = exc.split(Exception)
+    return errors, rest
+
+
 def _forget_frames(exc: BaseException | None, seen: set[int] | None = None) -> None:
     """Clear the locals of every finished frame in ``exc``'s tracebacks (its group members,
     causes and contexts too), so a kept exception holds no actor, request or staging."""
@@ -123,20 +134,40 @@ class Supervisor:
         crashes: deque[float] = deque()
         while True:
             actor = self._live[child.name] = child.factory()
+            ended: BaseException | None = None
             try:
                 await actor.run()
                 return
-            except Exception as exc:
-                if self._on_crash(child, actor, exc, crashes):
+            except BaseException as exc:
+                # An actor cancelled (at the close deadline) as one of its tasks fails ends
+                # in a group of both: a crash all the same, and the cancellation goes on.
+                error, ended = _split_crash(exc)
+                if error is None:
+                    raise
+                stop = self._on_crash(child, actor, error, crashes, restart=ended is None)
+                del error
+                if stop and ended is None:
                     return
             finally:
                 self._live.pop(child.name, None)
                 del actor
+            if ended is not None:  # raised here: not in a chain with the actor's error
+                try:
+                    raise ended
+                finally:
+                    ended = None
 
     def _on_crash(
-        self, child: ChildSpec, actor: Actor[Any], exc: BaseException, crashes: deque[float]
+        self,
+        child: ChildSpec,
+        actor: Actor[Any],
+        exc: BaseException,
+        crashes: deque[float],
+        *,
+        restart: bool = True,
     ) -> bool:
-        """Record, log and fail what the crashed actor held; ``True`` to stop (escalated)."""
+        """Record, log and fail what the crashed actor held; ``True`` to stop (escalated).
+        ``restart=False``: the actor was cancelled as it crashed, and is not restarted."""
         cause = _root_cause(exc)
         held = actor.held_requests()
         now = anyio.current_time()
@@ -149,10 +180,9 @@ class Supervisor:
         if len(held) > 8:
             ids += f"; and {len(held) - 8} more"
         escalate = len(crashes) > self._max_restarts
+        restart = restart and not escalate
         self._metrics.crashes.append(
-            ActorCrash(
-                child.name, now, tuple(s.request_id for s in held), repr(cause), not escalate
-            )
+            ActorCrash(child.name, now, tuple(s.request_id for s in held), repr(cause), restart)
         )
         # As text: a log record holding the exception would keep its frames.
         trace = "".join(traceback.format_exception(cause)).rstrip()
@@ -169,20 +199,31 @@ class Supervisor:
             )
             self._on_escalate(child.name, cause)  # fails every request: the pipeline closed
         else:
-            self._metrics.restarts[child.name] += 1
             # Logged before the requests are failed, so the line shows how far each got.
-            log.warning(
-                "actor %s crashed (%r); restarting (%d of %d allowed within %.0f s); failed "
-                "%d request(s): %s\n%s",
-                child.name,
-                cause,
-                len(crashes),
-                self._max_restarts,
-                self._window,
-                len(held),
-                ids,
-                trace,
-            )
+            if restart:
+                self._metrics.restarts[child.name] += 1
+                log.warning(
+                    "actor %s crashed (%r); restarting (%d of %d allowed within %.0f s); "
+                    "failed %d request(s): %s\n%s",
+                    child.name,
+                    cause,
+                    len(crashes),
+                    self._max_restarts,
+                    self._window,
+                    len(held),
+                    ids,
+                    trace,
+                )
+            else:
+                log.warning(
+                    "actor %s crashed (%r) as it was cancelled at the close deadline; not "
+                    "restarted; failed %d request(s): %s\n%s",
+                    child.name,
+                    cause,
+                    len(held),
+                    ids,
+                    trace,
+                )
             for state in held:
                 state.crashed(child.name, cause)
         _forget_frames(exc)
