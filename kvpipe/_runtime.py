@@ -304,6 +304,11 @@ class Runtime:
         self._open = False
         self._closed_reason = f"actor {actor!r} crashed repeatedly: {exc!r}"
         self._stop_all(f"pipeline closed: {self._closed_reason}")
+        # The escalated actor is not restarted: nothing receives from its inbox any more.
+        # What waits there lets go of its staging now, as at close, not at aclose.
+        recv = self._inboxes.by_name().get(actor) if self._inboxes is not None else None
+        if recv is not None:
+            self._drain(recv)
 
     def _stop_all(self, message: str) -> None:
         """Fail every request in flight with :class:`PipelineClosed` (``message``), then close

@@ -325,6 +325,65 @@ async def test_a_read_slice_waiting_for_room_in_the_swapper_lets_go_when_its_rea
     free_device_cache(fake, cache)
 
 
+async def test_an_escalation_lets_go_of_the_slices_waiting_for_the_escalated_actor(
+    fake: FakeDriver, producer: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swapper crashes past its restart intensity while two reads' fetched slices wait
+    in its inbox. Every caller gets ``PipelineClosed`` at once; the slices, which no actor
+    receives any more (the escalated one is not restarted), kept their staging until
+    ``aclose``, where escalation behaves like a close, at once (docs/architecture.md)."""
+    layout = LAYOUTS["gqa"]()
+    cache = fake_device_cache(fake, layout, 8)
+    tokens = np.arange(layout.block_size)
+    entered, go = anyio.Event(), anyio.Event()
+    scatter = Swapper._scatter
+
+    async def crashing_scatter(self: Swapper, job: SliceJob) -> None:
+        if job.state.request_id.startswith("crash"):
+            entered.set()
+            await go.wait()
+            raise RuntimeError("injected copy failure")
+        await scatter(self, job)
+
+    monkeypatch.setattr(Swapper, "_scatter", crashing_scatter)
+    cfg = kvpipe.PipelineConfig(
+        slice_block_num=1,
+        queue_depth=2,
+        copy_threads=1,
+        max_restarts=1,
+        total_timeout=3600,
+        slice_timeout=3600,
+    )
+    async with kvpipe.open_pipeline(
+        cache, kvpipe.MemoryStore(), config=cfg, device_driver=fake
+    ) as pipe:
+        assert (await pipe.write(tokens, [0], stream=producer)).complete
+        go.set()
+        first = await pipe.read(tokens, [1], stream=producer, request_id="crash-1")
+        assert first.stop_reason == "actor_crashed"  # restarted; the next crash escalates
+        entered, go = anyio.Event(), anyio.Event()
+        outcomes: dict[str, object] = {}
+
+        async def read(rid: str, block: int) -> None:
+            with pytest.raises(kvpipe.PipelineClosed) as info:
+                await pipe.read(tokens, [block], stream=producer, request_id=rid)
+            outcomes[rid] = info.value
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read, "crash-2", 1)
+            await entered.wait()
+            for rid, block in (("b", 2), ("c", 3)):
+                tg.start_soon(read, rid, block)
+            await until(lambda: pipe.statistics().queue_depths["swapper"] == 2)
+            go.set()
+        assert sorted(outcomes) == ["b", "c", "crash-2"] and pipe.closed
+        await until(lambda: pipe._runtime._supervisor is None or pipe._runtime._supervisor.stopped)
+        stats = pipe.statistics()
+        assert stats.queue_depths["swapper"] == 0
+        assert stats.staging_in_use_bytes == 0
+    free_device_cache(fake, cache)
+
+
 async def test_a_copy_failure_fails_the_slice_and_the_pipeline_goes_on(
     fake: FakeDriver, producer: int
 ) -> None:
