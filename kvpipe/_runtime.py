@@ -488,6 +488,8 @@ class Runtime:
             self._in_flight.discard(state)
             if not self._in_flight:
                 self._idle.set()
+            if isinstance(state, ReadState) and state.result is not None:
+                self._count_read(state.result.loaded)
             if self.observers.active:
                 self._observe(state, cancelled)
         error = state.error
@@ -498,6 +500,14 @@ class Runtime:
             raise error
         finally:
             error = None
+
+    def _count_read(self, loaded: int) -> None:
+        """Count a read's ``loaded`` blocks: what its result counts, and only that (blocks
+        a later slice placed past a short one, or placed as the read ended, are not loaded)."""
+        if loaded:  # counters appear once non-zero
+            counters = self.metrics.counters
+            counters["blocks_read"] += loaded
+            counters["bytes_read"] += loaded * self.layout.block_nbytes
 
     def _observe(self, state: RequestState, cancelled: bool) -> None:
         """Report the call's latency and outcome to the observers."""

@@ -36,7 +36,7 @@ _COUNTERS: Final = {
     "blocks_written": "Blocks newly stored by writes.",
     "bytes_written": "Payload bytes of the blocks newly stored.",
     "blocks_skipped": "Leading blocks a write found already stored and skipped.",
-    "blocks_read": "Blocks loaded into the cache by reads, verified.",
+    "blocks_read": "Blocks loaded into the cache by reads: the sum of their results' loaded.",
     "bytes_read": "Payload bytes loaded into the cache.",
     "bytes_gathered": "Bytes gathered from the cache into staging for writes.",
     "blocks_flushed": "Blocks recorded in the residency index by flush_index.",

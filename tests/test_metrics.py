@@ -340,3 +340,22 @@ async def test_a_scrape_while_the_pipeline_closes_reads_each_part_once() -> None
         assert samples[("kvpipe_staging_capacity_bytes", labels)] > 0
         assert samples[("kvpipe_staging_in_use_bytes", labels)] == 0
         metrics.close()
+
+
+async def test_blocks_read_counts_what_the_reads_results_count() -> None:
+    """A host read of two slices fetched at once: the second is placed in the cache while the
+    first is still being fetched, then the first fails at its first block, so the read loads
+    nothing (``loaded`` is a leading run). ``blocks_read`` counted the second slice's four
+    blocks all the same: the metrics reported blocks read that no result counts."""
+    store = ScriptedStore(gets={0: Act(delay=0.5, fail=[0])})
+    seq = tokens(5, 8)
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        assert (await pipe.write(seq, np.arange(8))).written == 8
+        r = await pipe.read(seq, np.arange(40, 48))
+        assert (r.loaded, r.stop_reason) == (0, "failed_block")
+        assert [c.first_block for c in store.calls_of("get")] == [0, 4]
+        assert all(c.finished for c in store.calls_of("get"))  # both slices were fetched
+        assert (await pipe.read(seq[: 4 * BS], np.arange(50, 54))).loaded == 4
+        counters = pipe.statistics().counters
+    assert counters["blocks_read"] == 4
+    assert counters["bytes_read"] == 4 * LAYOUT.block_nbytes

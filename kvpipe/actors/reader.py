@@ -203,8 +203,6 @@ class Reader(Actor[ReadState | SliceJob]):
             self._debug(job, outcome, valid, elapsed, None)
         if scattered >= valid:  # every sound block is in the cache already: nothing to scatter
             job.valid = 0
-            if scattered < spec.count:  # placed short of the slice's end: not counted yet
-                self._count_read(valid)
             state.resolve(spec.index, valid)  # a no-op when already resolved
             return corrupt
         # Placed from the store's buffers: the swapper needs them in staging.
@@ -249,16 +247,7 @@ class Reader(Actor[ReadState | SliceJob]):
         self._debug(job, "total_timeout", placed, elapsed, detail)
         at = spec.first_block + placed
         state.stop_at(at, "total_timeout", list(range(at, spec.end_block)), detail)
-        self._count_read(placed)
         state.resolve(spec.index, placed)
-
-    def _count_read(self, blocks: int) -> None:
-        """Count ``blocks`` placed in the cache, verified (as the swapper counts its own)."""
-        if not blocks:  # counters appear once non-zero
-            return
-        counters = self.ctx.metrics.counters
-        counters["blocks_read"] += blocks
-        counters["bytes_read"] += blocks * self.ctx.payload_nbytes
 
     async def _get_and_place(
         self, job: SliceJob, batch: GetBatch, deadline: float, claimed: bool
@@ -323,7 +312,6 @@ class Reader(Actor[ReadState | SliceJob]):
                     checks = sink.checks[:fetched]
                     scattered = leading_run(sink.placed[:fetched])
                 if scattered == spec.count:
-                    self._count_read(scattered)
                     state.resolve(spec.index, scattered)
             else:
                 checks = await self._verify(job, 0, fetched)

@@ -94,8 +94,6 @@ class Swapper(Actor[SliceJob]):
             except NotStarted:  # a copy thread, device scratch or the model's stream was busy
                 self._not_started(state, job)
                 return
-            ctx.metrics.counters["blocks_read"] += valid
-            ctx.metrics.counters["bytes_read"] += plan.nbytes
             state.resolve(spec.index, valid)
         finally:
             state.scatter_end()

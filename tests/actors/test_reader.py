@@ -122,16 +122,14 @@ async def test_a_corrupt_block_stops_loading_and_is_deleted() -> None:
 
 
 @pytest.mark.parametrize("act", [Act(fail=[3]), Act(corrupt=[3])], ids=["failed", "corrupt"])
-async def test_blocks_placed_before_a_failed_one_are_counted_read(act: Act) -> None:
-    """The sound blocks a host cache's slice placed before its failed block are loaded: the
-    read counters count them as the swapper counts those it scatters."""
+async def test_blocks_placed_before_a_failed_one_are_loaded(act: Act) -> None:
+    """The sound blocks a host cache's slice placed before its failed block are loaded (the
+    read counters count what the result counts: tests/test_metrics.py)."""
     store = ScriptedStore(gets={0: act, 1: Act(corrupt=[0])})
     async with harness(store, slice_blocks=8) as h:
         await _store_all(h)
         state, _ = await _read_slice(h)
         assert state.result is not None and state.result.loaded == 3
-        assert h.ctx.metrics.counters["blocks_read"] == 3
-        assert h.ctx.metrics.counters["bytes_read"] == 3 * h.ctx.payload_nbytes
 
 
 async def test_a_block_the_store_returns_for_another_key_is_rejected() -> None:
