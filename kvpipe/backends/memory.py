@@ -7,6 +7,7 @@ copied, into that memory when large.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import final
 
@@ -56,7 +57,8 @@ _INLINE_BYTES = 256 * 1024
 
 @final
 class MemoryStore(StorageBackend):
-    """Blocks kept in this process's memory. Shared by pipelines of one process only.
+    """Blocks kept in this process's memory. Shared by pipelines of one process only, on
+    any of its event loops (its dictionary and counts are updated under a lock).
 
     Args:
         capacity_bytes: When set, a put that would exceed it reports ``NO_SPACE`` for the
@@ -79,6 +81,9 @@ class MemoryStore(StorageBackend):
         self._data: dict[str, Bytes] = {}
         self._residency: dict[str, dict[str, ResidencyEntry]] = {}
         self._bytes = 0
+        # Pipelines on event loops of other threads may share the store: each put's, get's
+        # and delete's dictionary work and its counts go under it (never across an await).
+        self._lock = threading.Lock()
         self._counters = {"puts": 0, "gets": 0, "blocks_put": 0, "blocks_got": 0, "no_space": 0}
 
     @property
@@ -113,19 +118,20 @@ class MemoryStore(StorageBackend):
                 _copies_into, self._memory, values, batch.value_nbytes
             )
             lease.release()  # the memory stays with the copies, and comes back after them
-        self._counters["puts"] += 1
         statuses = []
-        for key, value in zip(batch.keys, copies, strict=True):
-            previous = self._data.get(key)
-            old = 0 if previous is None else len(previous)
-            if self._capacity is not None and self._bytes - old + len(value) > self._capacity:
-                statuses.append(BlockStatus.NO_SPACE)
-                self._counters["no_space"] += 1
-                continue
-            self._data[key] = value
-            self._bytes += len(value) - old
-            statuses.append(BlockStatus.OK)
-        self._counters["blocks_put"] += statuses.count(BlockStatus.OK)
+        with self._lock:
+            self._counters["puts"] += 1
+            for key, value in zip(batch.keys, copies, strict=True):
+                previous = self._data.get(key)
+                old = 0 if previous is None else len(previous)
+                if self._capacity is not None and self._bytes - old + len(value) > self._capacity:
+                    statuses.append(BlockStatus.NO_SPACE)
+                    self._counters["no_space"] += 1
+                    continue
+                self._data[key] = value
+                self._bytes += len(value) - old
+                statuses.append(BlockStatus.OK)
+            self._counters["blocks_put"] += statuses.count(BlockStatus.OK)
         return statuses
 
     async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
@@ -160,8 +166,9 @@ class MemoryStore(StorageBackend):
                 await anyio.lowlevel.checkpoint()
             else:
                 await batch.run_sync(copy)
-        self._counters["gets"] += 1
-        self._counters["blocks_got"] += statuses.count(BlockStatus.OK)
+        with self._lock:
+            self._counters["gets"] += 1
+            self._counters["blocks_got"] += statuses.count(BlockStatus.OK)
         return statuses
 
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
@@ -172,10 +179,11 @@ class MemoryStore(StorageBackend):
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove keys (missing ones are ignored); a cancelled call removes none."""
         await anyio.lowlevel.checkpoint()
-        for key in keys:
-            value = self._data.pop(validate_key(key), None)
-            if value is not None:
-                self._bytes -= len(value)
+        with self._lock:
+            for key in keys:
+                value = self._data.pop(validate_key(key), None)
+                if value is not None:
+                    self._bytes -= len(value)
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
         """Record where each entry's node holds its block; a cancelled call records none."""

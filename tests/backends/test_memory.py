@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 
+import anyio
 import numpy as np
 import pytest
 
@@ -147,3 +149,91 @@ async def test_a_stored_value_of_another_size_is_corrupt_not_copied_in_part() ->
         assert await short.put(store, keys, random_values(2, 64, 1)) == [BlockStatus.OK] * 2
         statuses, _ = await full.get(store, keys)
         assert statuses == [BlockStatus.CORRUPT] * 2
+
+
+class _PausingDict(dict[str, object]):
+    """The store's dictionary; the first lookup made in ``thread`` stops there, after the
+    lookup, until ``go_on`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: threading.Thread | None = None
+        self.paused = threading.Event()
+        self.go_on = threading.Event()
+
+    def get(self, key: str, default: object = None) -> object:
+        found = super().get(key, default)
+        if threading.current_thread() is self.thread and not self.paused.is_set():
+            self.paused.set()
+            assert self.go_on.wait(30)
+        return found
+
+
+class _WatchedLock:
+    """A lock that says when ``thread`` starts to wait for it (``waited``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.waited = threading.Event()
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is self.thread:
+            self.waited.set()
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+
+def _put_in_own_loop(store: kvpipe.MemoryStore, keys: list[str], fill: int) -> list[BlockStatus]:
+    """Put a 64-byte value under each key, on an event loop of this thread's own."""
+
+    async def put() -> list[BlockStatus]:
+        async with ThreadRunner() as runner:
+            lease = StagingPool(64, len(keys)).try_acquire(len(keys))
+            assert lease is not None
+            lease.pool.buffer[:] = fill
+            common = (SCOPE, "r", keys, 0, as_tokens(np.arange(4 * len(keys))))
+            batch = PutBatch(*common, lease=lease, value_nbytes=64, runner=runner, limiter=None)
+            return list(await store.put_blocks(batch))
+
+    return anyio.run(put)
+
+
+def test_puts_of_one_key_from_two_threads_count_its_bytes_once() -> None:
+    """One store shared by pipelines on two event loops in two threads: a put of a key in
+    one thread between the lookup of the key's old value and the update of another put of
+    that key (a thread switch there) made the other put count the key's bytes as new, so
+    ``nbytes`` counted them twice, and with ``capacity_bytes`` the store refused puts it had
+    room for (even once empty). Interleaved deterministically: the first put stops after its
+    lookup until the second has stored the key (or waits for the store's lock)."""
+    store = kvpipe.MemoryStore(capacity_bytes=128)
+    data = _PausingDict()
+    store._data = data  # type: ignore[assignment]
+    lock = _WatchedLock()
+    store._lock = lock  # type: ignore[attr-defined]
+    results: dict[str, list[BlockStatus]] = {}
+    moved = threading.Event()  # the second put is done, or waits for the first
+
+    def run(name: str, fill: int) -> None:
+        results[name] = _put_in_own_loop(store, ["k"], fill)
+        moved.set()
+
+    first = threading.Thread(target=run, args=("first", 1))
+    second = threading.Thread(target=run, args=("second", 2))
+    data.thread, lock.thread = first, second
+    first.start()
+    assert data.paused.wait(30)
+    second.start()
+    threading.Thread(target=lambda: lock.waited.wait(30) and moved.set(), daemon=True).start()
+    assert moved.wait(30)
+    data.go_on.set()
+    first.join(30)
+    second.join(30)
+    assert results == {"first": [BlockStatus.OK], "second": [BlockStatus.OK]}
+    assert store.nbytes == 64 == sum(len(v) for v in store._data.values())  # type: ignore[arg-type]
+    assert store.statistics()["puts"] == 2
+    anyio.run(store.delete, ["k"])
+    assert store.nbytes == 0
+    assert _put_in_own_loop(store, ["a", "b"], 3) == [BlockStatus.OK] * 2
