@@ -177,11 +177,13 @@ class MemoryStore(StorageBackend):
         return [validate_key(key) in self._data for key in batch.keys]
 
     async def delete(self, keys: Sequence[str]) -> None:
-        """Remove keys (missing ones are ignored); a cancelled call removes none."""
+        """Remove keys (missing ones are ignored); a cancelled call removes none, nor does
+        one with an invalid key (``ValueError``)."""
         await anyio.lowlevel.checkpoint()
+        checked = [validate_key(key) for key in keys]
         with self._lock:
-            for key in keys:
-                value = self._data.pop(validate_key(key), None)
+            for key in checked:
+                value = self._data.pop(key, None)
                 if value is not None:
                     self._bytes -= len(value)
 

@@ -237,3 +237,17 @@ def test_puts_of_one_key_from_two_threads_count_its_bytes_once() -> None:
     anyio.run(store.delete, ["k"])
     assert store.nbytes == 0
     assert _put_in_own_loop(store, ["a", "b"], 3) == [BlockStatus.OK] * 2
+
+
+async def test_a_delete_with_an_invalid_key_removes_none() -> None:
+    """The keys before the invalid one were removed, then ValueError raised: a caller
+    retrying without it could not tell which were gone."""
+    suite = BackendConformance()
+    store = kvpipe.MemoryStore()
+    async with suite._batches(store) as b:
+        keys, _ = b.keys(2)
+        values = [bytes([i]) * b.pool.slot_nbytes for i in range(2)]
+        assert await b.put(store, keys, values) == [BlockStatus.OK] * 2
+        with pytest.raises(ValueError):
+            await store.delete([keys[0], "bad\x00key", keys[1]])
+        assert await store.exists(b.key_batch(keys)) == [True, True]
