@@ -62,7 +62,8 @@ class MemoryStore(StorageBackend):
 
     Args:
         capacity_bytes: When set, a put that would exceed it reports ``NO_SPACE`` for the
-            blocks that do not fit (nothing is evicted).
+            blocks that do not fit (nothing is evicted). It bounds the stored values' bytes,
+            not the memory held: a put's values share one buffer, freed when all are gone.
         recycle_bytes: At most this much memory of deleted or replaced values is held for
             new puts to reuse (0: none); freed when the store is closed or dropped.
     """
