@@ -74,6 +74,32 @@ _INSERT_READY: Final = (
 )
 
 
+#: Seconds a catalog call waits for another connection's lock before it fails.
+_BUSY_TIMEOUT: Final = 30.0
+
+
+def _to_wal(db: sqlite3.Connection) -> None:
+    """Put the database of ``db`` in WAL mode (a no-op once it is). Two connections turning a
+    new database to WAL at once (processes opening a new store together) may get
+    ``SQLITE_BUSY`` at once, without SQLite waiting out its busy timeout: retried until then.
+
+    Raises:
+        sqlite3.Error: SQLite refused it, or stayed busy past :data:`_BUSY_TIMEOUT`.
+    """
+    deadline = time.monotonic() + _BUSY_TIMEOUT
+    pause = 0.001
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
+            if not busy or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
+
+
 class CatalogFull(OSError):
     """The catalog cannot record a change: its disk is full (or it was opened read-only
     because the disk was full). Nothing of the transaction was recorded."""
@@ -263,9 +289,9 @@ class Catalog:
             db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
         else:
             db = sqlite3.connect(
-                self.path, timeout=30.0, isolation_level=None, check_same_thread=False
+                self.path, timeout=_BUSY_TIMEOUT, isolation_level=None, check_same_thread=False
             )
-            db.execute("PRAGMA journal_mode=WAL")
+            _to_wal(db)
             db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA busy_timeout=30000")
         self._all.append(db)
