@@ -441,9 +441,11 @@ class Catalog:
             self._reconcile(db, written, size_of, time.time(), parents)
             self._reconcile(db, failed, size_of, None, parents)
 
-    def reconcile(self, keys: Sequence[str], size_of: SizeOf) -> None:
+    def reconcile(self, keys: Sequence[str], size_of: SizeOf) -> int:
         """Make each key's record say what ``size_of`` finds at its name now: a ready block
-        of that many bytes, or no record at all.
+        of that many bytes, or no record at all. Returns how many records it removed (of
+        keys whose file is gone; one removed already, by another process say, is not
+        counted).
 
         Every operation that changes a block file (put, delete, eviction, quarantine) ends
         with this, inside one write transaction, so another process's change to the same
@@ -451,7 +453,7 @@ class Catalog:
         records the files there are, whichever operation finishes last.
         """
         with self._write() as db:
-            self._reconcile(db, keys, size_of, None)
+            return self._reconcile(db, keys, size_of, None)
 
     @staticmethod
     def _reconcile(
@@ -460,14 +462,16 @@ class Catalog:
         size_of: SizeOf,
         now: float | None,
         parents: Mapping[str, str | None] | None = None,
-    ) -> None:
-        change = 0
+    ) -> int:
+        """:meth:`reconcile` in the transaction of ``db``; the records removed."""
+        change = removed = 0
         for key, size in zip(keys, size_of(keys), strict=True):
             row = db.execute("SELECT nbytes FROM blocks WHERE key=?", (key,)).fetchone()
             if size is None:
                 if row:
                     db.execute("DELETE FROM blocks WHERE key=?", (key,))
                     change -= row[0]
+                    removed += 1
             elif row:
                 db.execute(
                     "UPDATE blocks SET nbytes=?, ready=1, last_access=coalesce(?, last_access) "
@@ -482,6 +486,7 @@ class Catalog:
                 change += size
         if change:
             db.execute("UPDATE meta SET value=value+? WHERE name='bytes'", (change,))
+        return removed
 
     def touch(self, keys: Sequence[str]) -> None:
         """Record a read of these blocks (for LRU eviction); skipped when the disk is full."""

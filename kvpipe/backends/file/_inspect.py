@@ -135,9 +135,10 @@ def _repair_catalog(root: Root, catalog: Catalog, stale_after: float, counts: Co
                 catalog.reconcile([key], sizes(root))  # published; its writer died unsettled
         elif ready or dead:
             gone.append(key)  # the file is gone, or its writer died before publishing it
-    if gone:
-        catalog.reconcile(gone, sizes(root))
-        counts["forgotten"] = len(gone)
+    if gone:  # another process may have deleted or evicted some meanwhile: not repairs
+        forgotten = catalog.reconcile(gone, sizes(root))
+        if forgotten:
+            counts["forgotten"] = forgotten
 
 
 @final
