@@ -22,6 +22,10 @@ them and chained (``raise BackendError(...) from exc``); they are never swallowe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._results import ReadResult
 
 __all__ = (
     "ActorCrashed",
@@ -83,7 +87,7 @@ class IncompleteRead(KVPipeError):
         failed_blocks: Block indices that failed (also in ``result.failed_blocks``).
     """
 
-    def __init__(self, message: str, result: object, failed_blocks: Sequence[int]) -> None:
+    def __init__(self, message: str, result: ReadResult, failed_blocks: Sequence[int]) -> None:
         super().__init__(message)
         self.result = result
         self.failed_blocks = tuple(failed_blocks)

@@ -38,7 +38,6 @@ from .. import (
     Pipeline,
     PipelineClosed,
     PipelineConfig,
-    ReadResult,
     RequestError,
     Residency,
     StorageBackend,
@@ -534,7 +533,6 @@ class KVPipeAttentionStore:
                 )
             except IncompleteRead as exc:
                 partial = exc.result
-                assert isinstance(partial, ReadResult)
                 # The pipeline already warned of any shortfall but a block not stored (a
                 # normal miss to it, a failed handoff here): one WARNING per call either way.
                 level = logging.WARNING if partial.stop_reason == "not_stored" else logging.DEBUG
