@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, final
 
 import anyio
@@ -373,11 +373,7 @@ class ThreadRunner:
             box.clear()
             try:
                 # anyio.from_thread works here without a token, as in anyio's own threads.
-                with (
-                    claim_worker_thread(token.backend_class, token.native_token)
-                    if claim_worker_thread is not None
-                    else contextlib.nullcontext()
-                ):
+                with _as_loop_thread(token):
                     ok, value = True, f(*a)
             except BaseException as exc:
                 ok, value = False, exc
@@ -433,6 +429,42 @@ class ThreadRunner:
         self._running -= 1
         if self._running == 0:
             self._idle.set()
+
+
+@contextlib.contextmanager
+def _as_loop_thread(token: anyio.lowlevel.EventLoopToken) -> Iterator[None]:
+    """Claim the calling thread for ``token``'s loop as anyio's own worker threads are, so
+    that ``anyio.from_thread`` finds the loop without a token.
+
+    On trio anyio hands no token on to trio then, and trio looks in thread-locals of its own
+    that only ``trio.to_thread`` sets (not public API, so guarded). They are set as for a
+    thread whose caller may have stopped waiting (``abandon_on_cancel``): a call into the
+    loop runs in trio's system nursery, not in the caller's task.
+    """
+    with (
+        claim_worker_thread(token.backend_class, token.native_token)
+        if claim_worker_thread is not None
+        else contextlib.nullcontext()
+    ):
+        data: Any = None
+        if token.backend_class.__module__.endswith("._trio"):
+            try:
+                import trio._threads
+
+                data = trio._threads.PARENT_TASK_DATA
+            except (ImportError, AttributeError):  # pragma: no cover - another trio
+                pass  # from_thread then needs a token there
+        if data is None:
+            yield
+            return
+        data.token = token.native_token
+        data.abandon_on_cancel = True
+        data.cancel_register = [None]  # from_thread.check_cancelled: never cancelled
+        data.task_register = [None]
+        try:
+            yield
+        finally:
+            del data.token, data.abandon_on_cancel, data.cancel_register, data.task_register
 
 
 def _call_soon(token: anyio.lowlevel.EventLoopToken, fn: Callable[..., None], *args: Any) -> None:

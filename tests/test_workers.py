@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import pytest
 from trio.testing import MockClock
@@ -568,3 +569,26 @@ async def test_an_error_raised_in_a_worker_thread_leaves_no_cycle() -> None:
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
+    ids=["asyncio", "uvloop", "trio"],
+)
+async def test_anyio_from_thread_needs_no_token_in_a_worker_thread() -> None:
+    """The runner's threads are claimed as anyio's own, so a blocking call (a backend's
+    ``batch.run_sync``) can call back into the loop with ``anyio.from_thread`` and no token.
+    On trio that raised ``RuntimeError: this thread wasn't created by Trio``: anyio hands trio
+    no token then, and trio looks in thread-locals that only its own threads had."""
+
+    async def plus_one(x: int) -> int:
+        await anyio.lowlevel.checkpoint()
+        return x + 1
+
+    def blocking() -> tuple[int, int]:
+        return anyio.from_thread.run_sync(threading.get_ident), anyio.from_thread.run(plus_one, 1)
+
+    async with ThreadRunner() as runner:
+        assert await runner.run(blocking) == (threading.get_ident(), 2)
+        assert await runner.run(blocking) == (threading.get_ident(), 2)  # a reused thread
