@@ -25,6 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from .. import (
@@ -45,6 +46,7 @@ from .. import (
     open_pipeline,
 )
 from .. import FileStore as _FileStore
+from .._device_tensors import device_tensor, parse_device
 from ._fd_storage import KVPipeStorage
 from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
 
@@ -127,6 +129,33 @@ def infer_layout(
         # FastDeploy's scales are of paddle's default dtype (float32, or the model's)
         scale_dtype=str(key_scales[0].dtype).removeprefix("paddle.") if key_scales else "bfloat16",
     )
+
+
+class _FirstBlocks:
+    """The first ``num_blocks`` blocks of a cache tensor that has more, in place: its memory
+    (``data_ptr()``), not a copy, as :meth:`kvpipe.KVCache.from_tensors` reads a tensor.
+
+    FastDeploy's MTP draft layer (``num_extra_cache_layer``) has ``num_gpu_block_expand_ratio``
+    times the model's blocks; the manager's block ids are the model's, which index the same
+    blocks of it (MTP copies the request's block table), and the blocks past them are its
+    own. Its block ``b`` starts at the same offset as in a tensor of the model's count.
+    """
+
+    __slots__ = ("_tensor", "device", "dtype", "shape")
+
+    def __init__(self, tensor: Any, num_blocks: int) -> None:
+        self._tensor = tensor
+        self.shape = (num_blocks, *(int(d) for d in tensor.shape[1:]))
+        self.dtype = tensor.dtype
+        on = device_tensor(tensor)
+        index = parse_device(on.device) if on is not None else None
+        self.device = SimpleNamespace(type="cpu" if index is None else "cuda", index=index)
+
+    def data_ptr(self) -> int:
+        return int(self._tensor.data_ptr())
+
+    def is_contiguous(self) -> bool:
+        return bool(self._tensor.is_contiguous())
 
 
 @dataclass
@@ -309,6 +338,13 @@ class KVPipeAttentionStore:
                         ordered.append(val_cache[layer])
                     if scales:
                         ordered += [scales[layer], scales[n + layer]]
+                # the draft layers of MTP may have more blocks than the model's: their
+                # first ones are those the block ids name (a layer with fewer is refused)
+                blocks = int(key_cache[0].shape[0])
+                ordered = [
+                    _FirstBlocks(t, blocks) if t.shape and int(t.shape[0]) > blocks else t
+                    for t in ordered
+                ]
                 try:
                     cache = KVCache.from_tensors(layout, ordered)
                 except LayoutError as exc:

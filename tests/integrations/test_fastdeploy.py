@@ -290,6 +290,58 @@ def test_write_takes_token_ids_past_the_blocks_it_is_given() -> None:
         assert _rows(dk + dv, [10, 11, 12, 13]) == _rows(k + v, [5, 6, 7, 8])
 
 
+def _mtp(fill: bool, expand_ratio: float) -> tuple[list, list]:
+    """FastDeploy's caches with MTP (speculative method "mtp"): the model's ``LAYERS`` layers,
+    then ``num_extra_cache_layer`` = 1 draft-model layer of ``int(BLOCKS *
+    num_gpu_block_expand_ratio)`` blocks, heads, block size, head dim and dtype as the
+    model's (cache_transfer_manager._init_gpu_cache, spec_decode/mtp.py
+    initialize_kv_cache). The draft layer's block ``b`` is the model's block ``b``: MTP
+    copies the request's block table; its blocks past the model's are its own free list."""
+    k, v = _gqa(fill)
+    n = int(BLOCKS * expand_ratio)
+    for caches in (k, v):
+        t = paddle.randn([n, 2, BS, 8]) if fill else paddle.zeros([n, 2, BS, 8])
+        caches.append(t.astype("bfloat16"))
+    return k, v
+
+
+@pytest.mark.parametrize("expand_ratio", [1, 1.25])
+def test_mtp_caches_round_trip_with_the_draft_layer(expand_ratio: float) -> None:
+    """The manager passes ``layer_num = num_layers + num_extra_layers`` and as many
+    tensors; with ``num_gpu_block_expand_ratio`` above 1 (a speculative_config key) the
+    draft layer has more blocks than the others. Its blocks come back with the model's,
+    under the same block ids, as FastDeploy's AttentionStore moves them (one block id list
+    for every layer); its blocks past the model's are not touched."""
+    src_k, src_v = _mtp(True, expand_ratio)
+    dst_k, dst_v = _mtp(False, expand_ratio)
+    tokens = list(range(3 * BS))
+    with KVPipeAttentionStore(
+        layer_num=LAYERS + 1,
+        block_token_size=BS,
+        store=kvpipe.MemoryStore(),
+        cache_sets=2,
+    ) as store:
+        assert store.write("t", src_k, src_v, tokens, [3, 4, 5], 0) == 3
+        assert store.query("t", tokens, 0) == 3
+        assert store.read("t", dst_k, dst_v, tokens, [BLOCKS - 1, 0, 7], 0) == 3
+    assert _rows(dst_k + dst_v, [BLOCKS - 1, 0, 7]) == _rows(src_k + src_v, [3, 4, 5])
+    for t in (dst_k[-1], dst_v[-1]):
+        assert not t.astype("float32").numpy()[BLOCKS:].any()
+
+
+def test_a_draft_layer_with_fewer_blocks_is_a_clear_value_error() -> None:
+    """num_gpu_block_expand_ratio below 1: the model's block ids would run past the draft
+    layer's blocks, so the caches are refused, naming the shapes."""
+    k, v = _mtp(True, 0.5)
+    with (
+        KVPipeAttentionStore(
+            layer_num=LAYERS + 1, block_token_size=BS, store=kvpipe.MemoryStore()
+        ) as store,
+        pytest.raises(ValueError, match=r"\[16, 2, 4, 8\]"),
+    ):
+        store.write("t", k, v, list(range(BS)), [0], 0)
+
+
 def test_layout_mismatch_is_a_clear_value_error() -> None:
     k, v = _gqa(True)
     with _store() as store, pytest.raises(ValueError, match="block_token_size"):

@@ -184,3 +184,35 @@ def test_every_layout_round_trips_from_4_threads(
     fake.stream_destroy(stream)
     for t in every:
         fake.device_free(t.ptr)
+
+
+def test_an_mtp_draft_layer_with_more_blocks_round_trips(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FastDeploy with MTP and ``num_gpu_block_expand_ratio`` 1.5: the manager's last layer
+    (the draft model's) has 15 blocks to the model's 10, and the model's block ids. A write
+    and a read into other blocks move its blocks with the model's; its blocks past the
+    model's are not touched."""
+    stream = fake.stream_create()
+    monkeypatch.setattr(cuda_engine, "current_stream", lambda framework, ordinal: stream)
+    keys, values = _caches(fake, seed=6)
+    extra = int(BLOCKS * 1.5)
+    keys += _tensors(fake, 1, (extra, HEADS, BLOCK, DIM), "bfloat16", seed=7)
+    values += _tensors(fake, 1, (extra, HEADS, BLOCK, DIM), "bfloat16", seed=8)
+    tail = [fake.read_device(t.ptr, t.nbytes) for t in (keys[-1], values[-1])]
+    tokens = list(range(3 * BLOCK))
+    with KVPipeAttentionStore(
+        layer_num=LAYERS + 1, block_token_size=BLOCK, store=kvpipe.MemoryStore(), device_driver=fake
+    ) as adapter:
+        assert adapter.write("t", keys, values, tokens, [0, 1, 2], 0) == 3
+        assert adapter.read("t", keys, values, tokens, [9, 8, 7], 0) == 3
+    for t in keys + values:
+        n = t.nbytes // int(t.shape[0])
+        for src, dst in ((0, 9), (1, 8), (2, 7)):
+            assert fake.read_device(t.ptr + dst * n, n) == fake.read_device(t.ptr + src * n, n)
+    for t, before in zip((keys[-1], values[-1]), tail, strict=True):
+        n = t.nbytes // extra
+        assert fake.read_device(t.ptr + BLOCKS * n, (extra - BLOCKS) * n) == before[BLOCKS * n :]
+    fake.stream_destroy(stream)
+    for t in keys + values:
+        fake.device_free(t.ptr)
