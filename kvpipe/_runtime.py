@@ -63,6 +63,8 @@ _STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
 #: the deadline unwinding (they release their staging as they do), and staging nothing uses
 #: any more being unregistered from the store (else kept allocated for good).
 UNWIND_GRACE: Final = 1.0
+#: Requests a close names in its log line (the rest are counted): bounded, not one per request.
+_LOGGED_REQUESTS: Final = 8
 
 
 @final
@@ -310,12 +312,25 @@ class Runtime:
         if recv is not None:
             self._drain(recv)
 
-    def _stop_all(self, message: str) -> None:
-        """Fail every request in flight with :class:`PipelineClosed` (``message``), then close
+    def _stop_all(self, message: str, why: str = "") -> None:
+        """Fail every request in flight with :class:`PipelineClosed` (``message``, after the
+        request and how far it got), logged in one WARNING (``message``, ``why``); then close
         the inboxes: every actor leaves its loop once its inbox is empty. Each caller gets
         an error of its own: one raised in many would carry all their tracebacks."""
-        for state in list(self._in_flight):
-            state.fail(PipelineClosed(message))
+        pending = [s for s in self._in_flight if not s.done]
+        if pending:
+            shown = "; ".join(s.describe() for s in pending[:_LOGGED_REQUESTS])
+            more = len(pending) - _LOGGED_REQUESTS
+            log.warning(
+                "%s%s; failed %d request(s) in flight: %s%s",
+                message,
+                why,
+                len(pending),
+                shown,
+                f"; and {more} more" if more > 0 else "",
+            )
+        for state in pending:
+            state.fail(PipelineClosed(f"{state.describe()}: {message}"))
         if self._outboxes is not None:
             self._outboxes.close()
 
@@ -343,7 +358,10 @@ class Runtime:
                 self.engine.close_by(deadline)
             with anyio.move_on_at(deadline):
                 await self._idle.wait()
-            self._stop_all("pipeline closed")
+            self._stop_all(
+                "pipeline closed",
+                f": close_timeout ({self.config.close_timeout:g} s) passed",
+            )
             supervisor = self._supervisor
             if supervisor is not None:
                 # The requests' work was cancelled with them: the actors unwind it and leave
@@ -443,7 +461,9 @@ class Runtime:
         """
         self.check_loop()
         if not self._open:
-            raise PipelineClosed(f"pipeline is not open ({self._closed_reason or 'not started'})")
+            raise PipelineClosed(
+                f"{state.describe()}: pipeline is not open ({self._closed_reason or 'not started'})"
+            )
         self._in_flight.add(state)
         self._idle = anyio.Event() if len(self._in_flight) == 1 else self._idle
         cancelled = False
@@ -461,7 +481,7 @@ class Runtime:
                         with state.bound(state.deadline, "submit"):
                             await self._outboxes.scheduler.send(state)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    raise PipelineClosed("pipeline closed") from None
+                    raise PipelineClosed(f"{state.describe()}: pipeline closed") from None
                 await state.wait()
             if not state.done and not state.holders:
                 # Queued (in inboxes, or never submitted): no actor's scope ends it.

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+import trio.testing
 
 import kvpipe
 from kvpipe.backends.file._fs import Root
@@ -22,6 +23,13 @@ from tests.helpers import fill_random
 BS = 16
 LAYOUT = kvpipe.CacheLayout.mla(num_layers=2, kv_lora_rank=32, rope_dim=8, block_size=BS)
 CONFIG = kvpipe.PipelineConfig(slice_block_num=8, slice_timeout=0.2, staging_bytes=4 << 20)
+
+
+def _virtual_time() -> Any:
+    """trio's MockClock through anyio: waits for deadlines take no real time."""
+    return pytest.mark.parametrize(
+        "anyio_backend", [("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})]
+    )
 
 
 def _cache(blocks: int = 512) -> kvpipe.KVCache:
@@ -182,3 +190,45 @@ async def test_a_block_evicted_since_the_probe_is_debug_as_a_block_not_stored(
         assert (r.loaded, r.stop_reason) == (2, "failed_block")
         (record,) = _at_least(caplog, logging.INFO)
         assert record.levelno == logging.WARNING and "block 2 failed" in record.getMessage()
+
+
+@_virtual_time()
+async def test_requests_failed_at_close_are_named_in_their_errors_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A write and a read still in their store calls at the close deadline were failed with
+    ``PipelineClosed("pipeline closed")``: the error named no request, and nothing was
+    logged, so neither the callers nor the log said which requests close abandoned or how
+    far they had got (8 of the write's 16 blocks were stored)."""
+    store = ScriptedStore(puts={3: Act(hang=True)}, gets={0: Act(hang=True)})
+    config = kvpipe.PipelineConfig(
+        slice_block_num=8, slice_timeout=30, total_timeout=60, close_timeout=1
+    )
+    stored, fresh = np.arange(16 * BS), np.arange(16 * BS) + 10_000
+    errors: dict[str, BaseException] = {}
+
+    async def call(rid: str, fn: Any, *args: Any) -> None:
+        try:
+            await fn(*args, request_id=rid)
+        except kvpipe.PipelineClosed as exc:
+            errors[rid] = exc
+
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with anyio.create_task_group() as tg:
+        async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+            assert (await pipe.write(stored, np.arange(16))).complete  # puts 0 and 1
+            caplog.clear()
+            tg.start_soon(call, "w-open", pipe.write, fresh, np.arange(16))  # put 3 hangs
+            tg.start_soon(call, "r-open", pipe.read, stored, np.arange(16, 32))  # get 0 hangs
+            await store.wait_calls("put", 4)
+            await store.wait_calls("get", 1)
+    assert sorted(errors) == ["r-open", "w-open"]
+    assert "w-open" in str(errors["w-open"]) and "8 of 16 blocks stored" in str(errors["w-open"])
+    assert "r-open" in str(errors["r-open"])
+    records = _at_least(caplog, logging.INFO)
+    assert [(r.name, r.levelno) for r in records] == [("kvpipe.pipeline", logging.WARNING)]
+    message = records[0].getMessage()
+    for part in ("2 request(s)", "close_timeout", "w-open (8 of 16 blocks stored", "r-open"):
+        assert part in message, message
+    with pytest.raises(kvpipe.PipelineClosed, match="write w-late"):  # one after close too
+        await pipe.write(fresh, np.arange(16), request_id="w-late")

@@ -590,7 +590,7 @@ async def test_a_close_that_fails_still_ends_the_shielded_actors(
     them for ever."""
     from kvpipe._runtime import Runtime
 
-    def broken(self: Runtime, why: str) -> None:
+    def broken(self: Runtime, *args: str) -> None:
         raise RuntimeError("close broke")
 
     monkeypatch.setattr(Runtime, "_stop_all", broken)
