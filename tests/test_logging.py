@@ -232,3 +232,29 @@ async def test_requests_failed_at_close_are_named_in_their_errors_and_logged_onc
         assert part in message, message
     with pytest.raises(kvpipe.PipelineClosed, match="write w-late"):  # one after close too
         await pipe.write(fresh, np.arange(16), request_id="w-late")
+
+
+async def test_a_corrupt_block_deleted_from_the_store_is_logged_with_its_request_and_index(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A block that failed verification twice is deleted from the store; that went unlogged
+    (only a deletion that failed was), so a block vanished from the store with no line
+    saying so, and the log of a failed deletion named no block."""
+    store = ScriptedStore(gets={0: Act(corrupt=[3]), 1: Act(corrupt=[0])})
+    tokens = np.arange(8 * BS)
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        assert (await pipe.write(tokens, np.arange(8))).complete
+        caplog.clear()
+        r = await pipe.read(tokens, np.arange(8, 16), request_id="r-bad")
+        assert (r.loaded, r.stop_reason) == (3, "failed_block")
+        assert store.deleted == [store.calls_of("get")[0].keys[3]]
+    records = _at_least(caplog, logging.INFO)
+    assert [(r.name, r.levelno) for r in records] == [
+        ("kvpipe.reader", logging.WARNING),
+        ("kvpipe.reader", logging.WARNING),
+    ], [r.getMessage() for r in records]
+    failed, deleted = (r.getMessage() for r in records)
+    assert "r-bad" in failed and "block 3 failed" in failed
+    for part in ("r-bad", "deleted 1", "scripted", "block 3", store.deleted[0]):
+        assert part in deleted, deleted

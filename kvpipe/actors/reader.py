@@ -40,6 +40,8 @@ from ._state import ReadState, RequestState, describe_error
 __all__ = ("Reader",)
 
 log = logging.getLogger("kvpipe.reader")
+#: Blocks a deletion's log line names (the rest are counted).
+_NAMED_BLOCKS = 4
 
 
 class Reader(Actor[ReadState | SliceJob]):
@@ -76,7 +78,7 @@ class Reader(Actor[ReadState | SliceJob]):
         past where loading stopped is resolved without being fetched. Blocks of inline slices
         that failed verification are deleted after the loop, once every slice is resolved:
         the read's result does not wait for that."""
-        corrupt: list[str] = []
+        corrupt: list[tuple[int, str]] = []
         for spec in state.slices:
             if state.stopped_before(spec.first_block):
                 state.resolve(spec.index, 0)
@@ -116,9 +118,9 @@ class Reader(Actor[ReadState | SliceJob]):
         if corrupt:
             await self.detach(self._delete_corrupt, msg.state.request_id, corrupt)
 
-    async def _place(self, msg: SliceJob) -> list[str]:
+    async def _place(self, msg: SliceJob) -> list[tuple[int, str]]:
         """Fetch, verify and place one slice; passes its staging on to the swapper or lets go
-        of it. Returns the keys of blocks that failed verification twice (to delete)."""
+        of it. Returns the blocks (index, key) that failed verification twice (to delete)."""
         owned = True
         try:
             corrupt = await self._fetch(msg)
@@ -136,8 +138,9 @@ class Reader(Actor[ReadState | SliceJob]):
                 msg.release()
         return corrupt
 
-    async def _fetch(self, job: SliceJob) -> list[str]:
-        """Fetch and verify; sets ``job.valid``; returns keys of blocks that failed checks."""
+    async def _fetch(self, job: SliceJob) -> list[tuple[int, str]]:
+        """Fetch and verify; sets ``job.valid``; returns the blocks (index, key) that failed
+        their checks twice."""
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, ReadState)
         first = spec.first_block
@@ -178,7 +181,7 @@ class Reader(Actor[ReadState | SliceJob]):
                 fetched = bad + len(checks2)
                 ctx.metrics.counters["blocks_refetched"] += len(again)
         valid = leading_run(c is None for c in checks)
-        corrupt = [batch.keys[i] for i in sorted(confirmed)]
+        corrupt = [(first + i, batch.keys[i]) for i in sorted(confirmed)]
         if valid < spec.count:
             failed = [first + i for i, s in enumerate(statuses) if s is not BlockStatus.OK]
             failed += [first + i for i, c in enumerate(checks) if c is not None]
@@ -440,25 +443,40 @@ class Reader(Actor[ReadState | SliceJob]):
             return statuses
         return None
 
-    async def _delete_corrupt(self, request_id: str, keys: list[str]) -> None:
-        """Remove blocks that failed verification (best effort, bounded)."""
+    async def _delete_corrupt(self, request_id: str, blocks: list[tuple[int, str]]) -> None:
+        """Remove blocks (index, key) that failed verification twice (best effort, bounded);
+        what was deleted, or why not, is logged in one line."""
         ctx = self.ctx
         limit = ctx.config.slice_timeout
+        keys = [key for _, key in blocks]
+        named = "; ".join(f"block {i} ({key})" for i, key in blocks[:_NAMED_BLOCKS])
+        if len(blocks) > _NAMED_BLOCKS:
+            named += f"; and {len(blocks) - _NAMED_BLOCKS} more"
         with anyio.move_on_after(limit) as bound:
             try:
                 await backend_call(ctx.backend, "delete", ctx.backend.delete, keys)
                 ctx.metrics.counters["corrupt_blocks_deleted"] += len(keys)
-            except BackendError as exc:
                 log.warning(
-                    "read %s: could not delete %d corrupt block(s): %s",
+                    "read %s: deleted %d block(s) that failed verification twice from the %s "
+                    "store: %s",
                     request_id,
                     len(keys),
+                    ctx.backend.name,
+                    named,
+                )
+            except BackendError as exc:
+                log.warning(
+                    "read %s: could not delete %d corrupt block(s) (%s): %s",
+                    request_id,
+                    len(keys),
+                    named,
                     str(exc),
                 )
         if bound.cancelled_caught:
             log.warning(
-                "read %s: could not delete %d corrupt block(s) within %g s (slice_timeout)",
+                "read %s: could not delete %d corrupt block(s) (%s) within %g s (slice_timeout)",
                 request_id,
                 len(keys),
+                named,
                 limit,
             )
