@@ -361,8 +361,18 @@ class Pipeline:
         """Run a key-only call over ``tokens`` and ``include_partial``, both checked."""
         limit = check_timeout(timeout, self.config.lookup_timeout)
         now = anyio.current_time()
+        limit_from = "timeout" if timeout is not None else "lookup_timeout"
         state = await self._runtime.run(  # bound only on return, as in write
-            CallState(_new_id(op), now + limit, now, op, tokens, include_partial, **params)
+            CallState(
+                _new_id(op),
+                now + limit,
+                now,
+                op,
+                tokens,
+                include_partial,
+                limit_from=limit_from,
+                **params,
+            )
         )
         return state.value
 

@@ -258,3 +258,22 @@ async def test_a_corrupt_block_deleted_from_the_store_is_logged_with_its_request
     assert "r-bad" in failed and "block 3 failed" in failed
     for part in ("r-bad", "deleted 1", "scripted", "block 3", store.deleted[0]):
         assert part in deleted, deleted
+
+
+@_virtual_time()
+@pytest.mark.parametrize("timeout", [None, 2.5])
+async def test_a_lookup_that_times_out_names_its_limit(timeout: float | None) -> None:
+    """A lookup whose store does not answer by its deadline raised
+    ``OperationTimeout("lookup lookup-<pid>-<n> timed out")``: it named neither the limit
+    nor where it came from (the call's ``timeout`` or ``config.lookup_timeout``)."""
+    store = ScriptedStore(exists={0: Act(hang=True)})
+    config = kvpipe.PipelineConfig(slice_timeout=100, lookup_timeout=4)
+    async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+        with pytest.raises(kvpipe.OperationTimeout) as caught:
+            await pipe.lookup(np.arange(8 * BS), timeout=timeout)
+    message = str(caught.value)
+    assert message.startswith("lookup lookup-"), message
+    if timeout is None:
+        assert "4 s (lookup_timeout)" in message, message
+    else:
+        assert "2.5 s (timeout)" in message, message

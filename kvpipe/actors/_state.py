@@ -177,10 +177,15 @@ class CallState(RequestState):
         op: Literal["lookup", "locate", "flush"],
         tokens: Tokens,
         include_partial: bool,
+        *,
+        limit_from: str = "timeout",
         **params: Any,
     ) -> None:
         super().__init__(request_id, deadline, started)
         self.op = op
+        #: What set its deadline, for its timeout's message: the call's ``timeout``, or
+        #: the config field it defaulted to.
+        self.limit_from = limit_from
         self.tokens = tokens
         self.include_partial = include_partial
         self.params = params
@@ -209,7 +214,8 @@ class CallState(RequestState):
     def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
         what = f"{self.op} {self.request_id}"
         if cause == "total_timeout":
-            self.fail(OperationTimeout(f"{what} timed out ({detail})"))
+            limit = f"{self.deadline - self.started:g} s ({self.limit_from})"
+            self.fail(OperationTimeout(f"{what} timed out: no answer within {limit}; {detail}"))
         elif cause == "cancelled":
             self.fail(KVPipeError(f"{what}: {detail}"))
         else:

@@ -204,7 +204,7 @@ class Scheduler(Actor[RequestState]):
                 state.fail(exc.with_traceback(tb.tb_next if tb is not None else None))
                 del tb
         if scope.cancelled_caught:
-            state.fail(OperationTimeout(f"{state.op} {state.request_id} timed out"))
+            state.end("total_timeout", "deadline passed waiting for the store")
 
     async def _flush(self, state: CallState) -> int:
         ctx = self.ctx
