@@ -277,3 +277,42 @@ async def test_a_lookup_that_times_out_names_its_limit(timeout: float | None) ->
         assert "4 s (lookup_timeout)" in message, message
     else:
         assert "2.5 s (timeout)" in message, message
+
+
+async def test_the_file_store_lines_name_the_request_and_its_blocks(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file store's one line per batch (blocks it failed to write, or found corrupt and
+    quarantined) named the store and the keys but not the request, which its batch carries:
+    with requests in flight together nothing tied the line to the request that failed."""
+    tokens = np.arange(16 * BS)
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with (
+        kvpipe.FileStore(tmp_path / "store") as store,
+        kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe,
+    ):
+        assert (await pipe.write(tokens, np.arange(16))).complete
+        for path in (tmp_path / "store").rglob("*.kvb"):  # every block file tampered with
+            data = bytearray(path.read_bytes())
+            data[100] ^= 1
+            path.write_bytes(data)
+        caplog.clear()
+        r = await pipe.read(tokens[: 8 * BS], np.arange(16, 24), request_id="r-tampered")
+        assert (r.loaded, r.stop_reason) == (0, "failed_block")
+        (read_line,) = [r for r in caplog.records if r.name == "kvpipe.file_store"]
+
+        def broken(*args: Any, **kwargs: Any) -> bool:
+            raise OSError(errno.EIO, "injected I/O error")
+
+        monkeypatch.setattr(Root, "write_atomic", broken)
+        caplog.clear()
+        w = await pipe.write(tokens[: 8 * BS] + 1, np.arange(8), request_id="w-eio")
+        assert (w.written, w.stop_reason) == (0, "incomplete_slice")
+        (write_line,) = [r for r in caplog.records if r.name == "kvpipe.file_store"]
+    assert read_line.levelno == logging.WARNING
+    message = read_line.getMessage()
+    for part in ("read r-tampered", "blocks 0-7", "quarantined", str(tmp_path / "store")):
+        assert part in message, message
+    message = write_line.getMessage()
+    for part in ("write w-eio", "blocks 0-7", "injected I/O error"):
+        assert part in message, message

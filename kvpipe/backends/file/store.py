@@ -321,6 +321,7 @@ class FileStore(StorageBackend):
                 batch.scope.fingerprint,
                 abandoned,
                 batch.checksums,
+                _batch_label("write", batch),
             )
         except anyio.get_cancelled_exc_class():
             abandoned.set()
@@ -336,6 +337,7 @@ class FileStore(StorageBackend):
         fingerprint: str,
         abandoned: Abandon,
         checksums: list[int] | None,
+        label: str = "",
     ) -> list[BlockStatus]:
         if not keys:
             return []
@@ -395,7 +397,7 @@ class FileStore(StorageBackend):
         if BlockStatus.NO_SPACE in statuses:
             self._spares.drain(root)
         self._count(blocks_written=len(written), bytes_written=len(written) * value_nbytes)
-        _warn(root, errors, len(keys), "failed to write")
+        _warn(root, errors, len(keys), "failed to write", label)
         return statuses
 
     def _write(
@@ -485,6 +487,7 @@ class FileStore(StorageBackend):
             batch.buffers,
             batch.scope.fingerprint,
             batch.sink,
+            _batch_label("read", batch),
         )
 
     def _get_sync(
@@ -495,6 +498,7 @@ class FileStore(StorageBackend):
         buffers: list[memoryview],
         fingerprint: str,
         sink: FetchSink | None,
+        label: str = "",
     ) -> list[BlockStatus]:
         errors: list[str] = []
         hooks = ReadHooks(lambda: self._direct_reads, self._refuse_direct, self._count, errors)
@@ -505,7 +509,7 @@ class FileStore(StorageBackend):
             return self._read(hooks, root, keys, buffers, fingerprint, part)
 
         statuses = self._in_shares(share, list(range(len(keys))))
-        _warn(root, errors, len(keys), "could not be read")
+        _warn(root, errors, len(keys), "could not be read", label)
         bad = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.CORRUPT]
         ok = [k for k, s in zip(keys, statuses, strict=True) if s is BlockStatus.OK]
         if bad:
@@ -632,14 +636,30 @@ class FileStore(StorageBackend):
         return counters | spares
 
 
-def _warn(root: Root, errors: Sequence[str], total: int, what: str, shown: int = 3) -> None:
-    """Log a batch's errors in one line, not one per block: the first ``shown``, and how many
-    more there were."""
+def _batch_label(op: str, batch: KeyBatch) -> str:
+    """The request and blocks of a batch, for its log line (``""`` without a request id)."""
+    if not batch.request_id or not batch.keys:
+        return ""
+    last = batch.first_block + len(batch.keys) - 1
+    return f"{op} {batch.request_id} (blocks {batch.first_block}-{last}): "
+
+
+def _warn(
+    root: Root, errors: Sequence[str], total: int, what: str, label: str = "", shown: int = 3
+) -> None:
+    """Log a batch's errors in one line, not one per block: the batch's request and blocks
+    (``label``), the first ``shown`` errors, and how many more there were."""
     if errors:
         more = f"; and {len(errors) - shown} more" if len(errors) > shown else ""
         some = "; ".join(errors[:shown]) + more
         log.warning(
-            "file store %s: %d of %d blocks %s: %s", root.path, len(errors), total, what, some
+            "file store %s: %s%d of %d blocks %s: %s",
+            root.path,
+            label,
+            len(errors),
+            total,
+            what,
+            some,
         )
 
 
