@@ -1,8 +1,10 @@
 """The residency index of :class:`kvpipe.MooncakeStore`, kept in Mooncake itself.
 
-One JSON record per (block key, node) under ``kvpipe-res@<key>@<node>``, and a registry of
-node ids under ``kvpipe-res-nodes`` that reads consult; see ``docs/backends.md``. Uses the
-vendor client it is handed, never imports the vendor package.
+One JSON record per (block key, node), kept twice: under ``kvpipe-res-b@<key>@<node>``,
+written first, and ``kvpipe-res@<key>@<node>``, written second (the one name of earlier
+versions, which still read it); and a registry of node ids under ``kvpipe-res-nodes`` that
+reads consult; see ``docs/backends.md``. Uses the vendor client it is handed, never imports
+the vendor package.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from .._errors import BackendError
 from .._results import Residency, ResidencyEntry
 from ._base import validate_key
 
-__all__ = ("NODES_KEY", "RES_PREFIX", "ResidencyIndex")
+__all__ = ("FIRST_PREFIX", "NODES_KEY", "RES_PREFIX", "ResidencyIndex")
 
+#: The name of a (key, node) record written second, the one name of earlier versions.
 RES_PREFIX: Final = "kvpipe-res@"
+#: The name of its copy written first: readable while the other is rewritten.
+FIRST_PREFIX: Final = "kvpipe-res-b@"
 NODES_KEY: Final = "kvpipe-res-nodes"
 _REGISTER_TRIES: Final = 5
 
@@ -41,6 +46,11 @@ class ResidencyIndex:
     async def put(self, client: Any, entries: Sequence[ResidencyEntry]) -> None:
         """Replace each (key, node) record; every node of ``entries`` joins the registry.
 
+        The vendor's upsert of a stored name leaves it unreadable until the upsert ends, so
+        each record is kept under two names written one after the other: while either is
+        rewritten the other holds the old record or the new one, and a reader never finds
+        none. A failed first write leaves the second name as it was.
+
         Raises:
             BackendError: A vendor call failed, or a node would not stay in the registry.
             ValueError: A node id that is empty, not printable, or holds a space or ``@``
@@ -53,13 +63,15 @@ class ResidencyIndex:
             await self._register(client, node)
         # The last record of each (key, node): the vendor's upsert_batch of a name given more
         # than once keeps the first value.
-        last = {f"{RES_PREFIX}{validate_key(e.key)}@{e.node_id}": e for e in entries}
-        keys = list(last)
+        last = {f"{validate_key(e.key)}@{e.node_id}": e for e in entries}
         values = [
             json.dumps({"r": e.residency.value, "t": e.updated_at}).encode() for e in last.values()
         ]
-        if keys:
-            rc = await self._call(client.upsert_batch, keys, values)
+        if not last:
+            return
+        for prefix in (FIRST_PREFIX, RES_PREFIX):  # never both unreadable at once
+            names = [prefix + name for name in last]
+            rc = await self._call(client.upsert_batch, names, values)
             if rc != 0:
                 raise BackendError(self._name, "upsert_batch", f"returned {rc}")
 
@@ -76,7 +88,12 @@ class ResidencyIndex:
         # Each name once: the vendor's get_batch fills only the last answer of a name asked
         # more than once, the others hold stale transfer-buffer bytes.
         distinct = list(dict.fromkeys(keys))
-        names = [f"{RES_PREFIX}{key}@{node}" for key in distinct for node in nodes]
+        names = [
+            f"{prefix}{key}@{node}"
+            for key in distinct
+            for node in nodes
+            for prefix in (FIRST_PREFIX, RES_PREFIX)
+        ]
         raws = await self._call(client.get_batch, names)
         if len(raws) != len(names):
             raise BackendError(self._name, "get_batch", f"{len(raws)} values for {len(names)}")
@@ -85,9 +102,13 @@ class ResidencyIndex:
         for key in keys:
             found = []
             for j, node in enumerate(nodes):
-                raw = bytes(raws[at[key] * len(nodes) + j])
-                if raw:  # b"" is a missing record (or a failed get: no record is trusted)
-                    found.append(self._entry(key, node, raw))
+                i = 2 * (at[key] * len(nodes) + j)
+                # b"" is a missing name (or one being rewritten, or a failed get: no record
+                # is trusted); of two, the newer, and on a tie the one written first (a
+                # flush between its two writes: the other is the old record).
+                copies = [self._entry(key, node, bytes(raw)) for raw in raws[i : i + 2] if raw]
+                if copies:
+                    found.append(max(copies, key=lambda e: e.updated_at))
             out.append(tuple(found))
         return out
 

@@ -754,8 +754,9 @@ class MooncakeStore(StorageBackend):
             raise BackendError(self.name, "batch_remove", f"codes {sorted(set(failed))}")
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
-        """One record per (key, node); the node joins the registry of node ids. Vendor calls
-        are abandoned on cancellation.
+        """One record per (key, node), written under two names one after the other (a
+        record being rewritten stays readable under the other); the node joins the registry of
+        node ids. Vendor calls are abandoned on cancellation.
 
         Raises:
             BackendError: A vendor call failed.

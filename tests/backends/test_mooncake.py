@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -329,6 +330,73 @@ async def test_a_record_given_twice_in_one_flush_keeps_the_last(
         last = kvpipe.ResidencyEntry("blk", "a", kvpipe.Residency.EVICTED, 2.0)
         await store.put_residency([first, last])
         assert list(await store.get_residency(["blk"])) == [(last,)]
+
+
+class HeldRecordWrites:
+    """A vendor client whose ``upsert_batch`` of residency records stops midway, in the
+    master state the vendor's own upsert of a stored key is in until it ends: the names
+    stored but not readable (``batch_is_exist`` 0, ``get_batch`` ``b""``). It drops them and
+    reserves them anew (``batch_put_session_start``, as an upsert of another size does),
+    hands the test an event in :attr:`held` and waits for it, then revokes the reservation
+    and makes the real call. Other calls pass through."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.held: queue.Queue[threading.Event | None] = queue.Queue()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def upsert_batch(self, keys: list[str], values: list[bytes]) -> int:
+        from kvpipe.backends._mooncake_index import NODES_KEY
+
+        if NODES_KEY not in keys:
+            self.client.batch_remove(keys, True)
+            assert list(self.client.batch_put_session_start(keys, [len(v) for v in values])) == [
+                0
+            ] * len(keys)
+            release = threading.Event()
+            self.held.put(release)
+            assert release.wait(30), "the test never released the held write"
+            self.client.batch_put_session_revoke(keys)
+        rc: int = self.client.upsert_batch(keys, values)
+        return rc
+
+
+async def test_a_record_being_rewritten_is_still_located(
+    mooncake: LocalMooncake,  # noqa: F811
+    mooncake_client: Any,  # noqa: F811
+) -> None:
+    """A flush rewrites its node's records with the vendor's upsert, which leaves a stored
+    name unreadable until it ends: a ``locate`` meanwhile found no record of the block (and
+    stopped there), though the node held it before the flush and after. Every moment of a
+    flush shows the record, the old or the new one."""
+    mooncake_client.remove_all()  # leased names stay: a key no other test uses
+    held = HeldRecordWrites(mooncake_client)
+    old = kvpipe.ResidencyEntry("blk-rewritten", "node-a", kvpipe.Residency.GPU, 1.0)
+    new = kvpipe.ResidencyEntry("blk-rewritten", "node-a", kvpipe.Residency.EVICTED, 2.0)
+    address = (mooncake.master_address, mooncake.metadata_url)
+    async with (
+        kvpipe.MooncakeStore(*address, client=mooncake_client) as reader,
+        kvpipe.MooncakeStore(*address, client=held) as writer,
+    ):
+        await reader.put_residency([old])
+        seen: list[Any] = []
+
+        async def flush() -> None:
+            try:
+                await writer.put_residency([new])
+            finally:
+                held.held.put(None)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flush)
+            while (release := await anyio.to_thread.run_sync(held.held.get, True, 30)) is not None:
+                seen.append(tuple((await reader.get_residency(["blk-rewritten"]))[0]))
+                release.set()
+        assert seen, "no record write was held"
+        assert all(got in ((old,), (new,)) for got in seen), seen
+        assert list(await reader.get_residency(["blk-rewritten"])) == [(new,)]
 
 
 class StuckCloseClient:

@@ -9,7 +9,7 @@ import pytest
 
 import kvpipe
 from kvpipe import Residency, ResidencyEntry
-from kvpipe.backends._mooncake_index import NODES_KEY, ResidencyIndex
+from kvpipe.backends._mooncake_index import FIRST_PREFIX, NODES_KEY, RES_PREFIX, ResidencyIndex
 
 
 class FakeClient:
@@ -71,15 +71,17 @@ async def test_an_empty_registry_is_empty() -> None:
     assert client.data[NODES_KEY] == b"a"
 
 
+@pytest.mark.parametrize("prefix", [FIRST_PREFIX, RES_PREFIX])
 @pytest.mark.parametrize("raw", [b"{not json", b'{"r": "nowhere", "t": 1}', b'{"t": 1}', b"[1]"])
-async def test_a_record_this_index_did_not_write_is_a_backend_error(raw: bytes) -> None:
+async def test_a_record_this_index_did_not_write_is_a_backend_error(
+    raw: bytes, prefix: str
+) -> None:
     """A damaged (or foreign) record under a residency key raised ``JSONDecodeError`` /
     ``KeyError`` / ``ValueError`` out of ``locate``; it is the store's failure."""
     client = FakeClient()
     index = ResidencyIndex("mooncake", _call)
     await index.put(client, [_entry("a")])
-    (name,) = [k for k in client.data if k != NODES_KEY]
-    client.data[name] = raw
+    client.data[f"{prefix}ns:k0@a"] = raw
     with pytest.raises(kvpipe.BackendError, match="residency record"):
         await index.get(client, ["ns:k0"])
 
@@ -185,3 +187,32 @@ async def test_a_node_id_that_cannot_name_a_record_is_refused_before_anything_is
     with pytest.raises(ValueError, match="node id"):
         await index.put(client, [_entry("c"), _entry(bad)])
     assert client.data == before
+
+
+class FailingSecondWrite(FakeClient):
+    """A client whose ``upsert_batch`` of names under ``RES_PREFIX`` fails (returns -1)."""
+
+    def upsert_batch(self, keys: list[str], values: list[bytes]) -> int:
+        if any(k.startswith(RES_PREFIX) for k in keys):
+            return -1
+        return super().upsert_batch(keys, values)
+
+
+async def test_a_flush_stopped_between_its_two_writes_shows_its_new_record() -> None:
+    """Each record is written under two names, the first then the second; a reader takes the
+    newer, and of two as new (``updated_at`` is wall-clock time), the first written: the
+    second may still hold the record before the flush."""
+    client = FakeClient()
+    index = ResidencyIndex("mooncake", _call)
+    await index.put(client, [_entry("a")])
+    stopped = FailingSecondWrite()
+    stopped.data = client.data
+    new = ResidencyEntry("ns:k0", "a", Residency.EVICTED, 1.0)  # the old record's time
+    with pytest.raises(kvpipe.BackendError, match="upsert_batch"):
+        await index.put(stopped, [new])
+    assert client.data[f"{FIRST_PREFIX}ns:k0@a"] != client.data[f"{RES_PREFIX}ns:k0@a"]
+    assert await index.get(client, ["ns:k0"]) == [(new,)]
+    # An earlier version of kvpipe on that node writes the second name alone: it is newer.
+    client.data[f"{RES_PREFIX}ns:k0@a"] = b'{"r": "gpu", "t": 3.0}'
+    later = ResidencyEntry("ns:k0", "a", Residency.GPU, 3.0)
+    assert await index.get(client, ["ns:k0"]) == [(later,)]
