@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -397,6 +398,38 @@ async def test_a_record_being_rewritten_is_still_located(
         assert seen, "no record write was held"
         assert all(got in ((old,), (new,)) for got in seen), seen
         assert list(await reader.get_residency(["blk-rewritten"])) == [(new,)]
+
+
+async def test_two_nodes_flushing_one_block_at_once_keep_both_records(
+    mooncake: LocalMooncake,  # noqa: F811
+    mooncake_client: Any,  # noqa: F811
+) -> None:
+    """Each node's record of a block has names of its own, never a list the nodes share: a
+    node flushing a block while another node's flush of it is midway loses neither record
+    (a read-modify-write of one shared record would drop one of them)."""
+    mooncake_client.remove_all()  # leased names stay: a key no other test uses
+    held = HeldRecordWrites(mooncake_client)
+    a = kvpipe.ResidencyEntry("blk-both", "node-a", kvpipe.Residency.GPU, 1.0)
+    b = kvpipe.ResidencyEntry("blk-both", "node-b", kvpipe.Residency.CPU, 1.0)
+    address = (mooncake.master_address, mooncake.metadata_url)
+    async with (
+        kvpipe.MooncakeStore(*address, client=mooncake_client) as node_b,
+        kvpipe.MooncakeStore(*address, client=held) as node_a,
+    ):
+        await node_b.put_residency([dataclasses.replace(e, updated_at=0.5) for e in (a, b)])
+
+        async def flush() -> None:
+            try:
+                await node_a.put_residency([a])
+            finally:
+                held.held.put(None)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flush)
+            while (release := await anyio.to_thread.run_sync(held.held.get, True, 30)) is not None:
+                await node_b.put_residency([b])
+                release.set()
+        assert list(await node_b.get_residency(["blk-both"])) == [(a, b)]
 
 
 class StuckCloseClient:
