@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -156,26 +157,46 @@ def test_inspects_a_store_it_cannot_write(
     assert sorted(p.name for p in root.iterdir()) == files
 
 
-@pytest.mark.parametrize("damage", ["garbage", "empty", "directory"])
+def _sql(path: Path, *statements: str) -> None:
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        for statement in statements:
+            db.execute(statement)
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize(
+    "damage", ["garbage", "empty", "directory", "another database", "tables lost"]
+)
 def test_a_catalog_that_cannot_be_read_is_reported_with_the_blocks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
     """A damaged catalog (overwritten, or a directory in its place): the blocks are still
-    reported, with the catalog's error, and the exit code is 1; it was a traceback."""
+    reported, with the catalog's error, and the exit code is 1; it was a traceback. An
+    SQLite database without the catalog's tables (another program's, or a catalog that lost
+    some) was given them, turned to WAL and reported as a sound, empty catalog (exit 0)."""
     root = tmp_path / "store"
     _demo_store(root)
     capsys.readouterr()
     assert main(["store-info", str(root), "--json"]) == 0
     blocks = json.loads(capsys.readouterr().out)["blocks"]
     catalog = root / "catalog.sqlite3"
+    held_before = catalog.read_bytes()
     catalog.unlink()
     if damage == "garbage":
         catalog.write_bytes(b"not a database" * 1000)
     elif damage == "empty":  # a store that crashed as it made its catalog; it was given one
         catalog.write_bytes(b"")
+    elif damage == "another database":
+        _sql(catalog, "CREATE TABLE other (x)", "INSERT INTO other VALUES (1)")
+    elif damage == "tables lost":  # the store's own catalog, which lost two of its tables
+        catalog.write_bytes(held_before)
+        _sql(catalog, "DROP TABLE blocks", "DROP TABLE meta")
     else:
         catalog.mkdir()
     before = sorted(os.walk(root))
+    mtime = catalog.stat().st_mtime_ns
     held = catalog.read_bytes() if catalog.is_file() else None
     assert main(["store-info", str(root), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
@@ -186,3 +207,22 @@ def test_a_catalog_that_cannot_be_read_is_reported_with_the_blocks(
     assert "unreadable" in out
     assert sorted(os.walk(root)) == before  # inspection changes nothing
     assert (catalog.read_bytes() if catalog.is_file() else None) == held
+    assert catalog.stat().st_mtime_ns == mtime
+
+
+def test_a_catalog_in_rollback_journal_mode_is_read_unchanged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A catalog not in WAL mode (a copy made with SQLite's .backup, say) is read as it is;
+    store-info turned it to WAL, rewriting its header."""
+    root = tmp_path / "store"
+    _demo_store(root)
+    capsys.readouterr()
+    catalog = root / "catalog.sqlite3"
+    _sql(catalog, "PRAGMA journal_mode=DELETE")
+    held, mtime, files = catalog.read_bytes(), catalog.stat().st_mtime_ns, sorted(os.walk(root))
+    assert main(["store-info", str(root), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["blocks"] == report["catalog_blocks"] > 0 and report["catalog_error"] is None
+    assert catalog.read_bytes() == held and catalog.stat().st_mtime_ns == mtime
+    assert sorted(os.walk(root)) == files

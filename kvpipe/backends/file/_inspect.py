@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import final
+from urllib.parse import quote
 
 import xxhash
 
@@ -245,24 +246,73 @@ def _read_catalog(path: str, names: set[str], report: StoreReport) -> None:
     report.untracked = len(names - tracked)
 
 
+#: What the catalog's schema makes (:data:`._catalog._SCHEMA`), by kind.
+_TABLES = frozenset({"blocks", "residency", "meta"})
+_INDEXES = frozenset({"blocks_parent", "blocks_access"})
+
+
 def _open_catalog(path: str) -> Catalog:
-    """The catalog at ``path``, as the store opens it where that is allowed (its last
+    """The catalog at ``path``, as the store opens it where that changes nothing (its last
     connection closing removes the ``-wal`` and ``-shm`` files, leaving it as it was; a
-    read-only one would leave them), else read-only: a read-only file system, or a catalog
-    or directory of another user's that this one may only read.
+    read-only one would leave them), else read-only: a read-only file system, a catalog or
+    directory of another user's that this one may only read, or a catalog the store's open
+    would change (not in WAL mode, or missing an index: that open converts and creates).
 
     Raises:
-        OSError, sqlite3.Error: It cannot be read, or it is empty (no schema to read).
+        OSError, sqlite3.Error: It cannot be read, it is empty (no schema to read), or it
+            lacks a table of the catalog or its ``bytes`` total (another program's
+            database, or a damaged catalog).
     """
     if os.stat(path).st_size == 0:  # opened writable it would be given the schema
         raise sqlite3.DatabaseError(
             "empty catalog file: no schema (the store's next open makes it)"
         )
     try:
-        return Catalog(path)
-    except (OSError, sqlite3.Error) as exc:
-        log.debug("file store catalog %s not writable (%s): read read-only", path, str(exc))
-        return Catalog(path, writable=False)
+        unchanged = _opens_unchanged(path)
+    except _NotACatalog:
+        raise
+    except sqlite3.Error as exc:  # cannot be opened so (read-only), or damaged: told below
+        log.debug("file store catalog %s not probed (%s): read read-only", path, str(exc))
+        unchanged = False
+    if unchanged:
+        try:
+            return Catalog(path)
+        except (OSError, sqlite3.Error) as exc:
+            log.debug("file store catalog %s not writable (%s): read read-only", path, str(exc))
+    return Catalog(path, writable=False)
+
+
+class _NotACatalog(sqlite3.DatabaseError):
+    """An SQLite database without the catalog's tables: another program's, or damaged."""
+
+
+def _opens_unchanged(path: str) -> bool:
+    """Whether the store's own open of the catalog at ``path`` (which creates any part of
+    its schema that is missing and turns it to WAL) would leave it as it is, read through a
+    connection that writes nothing (it creates no table, sets no journal mode).
+
+    Raises:
+        _NotACatalog: It lacks a table of the catalog or its ``bytes`` total: damaged, or
+            not a catalog.
+        sqlite3.Error: It cannot be opened so (read-only) or read.
+    """
+    db = sqlite3.connect(f"file:{quote(path)}?mode=rw", uri=True, isolation_level=None)
+    try:
+        names = {
+            kind: {
+                name for name, k in db.execute("SELECT name, type FROM sqlite_master") if k == kind
+            }
+            for kind in ("table", "index")
+        }
+        missing = sorted(_TABLES - names["table"])
+        if missing:
+            raise _NotACatalog(f"not a kvpipe catalog: no table {', '.join(missing)}")
+        if db.execute("SELECT 1 FROM meta WHERE name='bytes'").fetchone() is None:
+            raise _NotACatalog("damaged catalog: no 'bytes' total in its meta table")
+        (journal,) = db.execute("PRAGMA journal_mode").fetchone()
+    finally:
+        db.close()
+    return str(journal).lower() == "wal" and _INDEXES <= names["index"]
 
 
 def _inspect_file(
