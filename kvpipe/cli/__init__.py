@@ -6,17 +6,22 @@ named ``COMMAND``; adding one (``store-info``, ``bench``, ``faults``) is an impo
 in :data:`COMMANDS`.
 
 Exit codes: 0 success, 1 the command ran and failed (e.g. the demo's verification), 2 a
-usage or configuration error (reported in one line, without a traceback), 130 interrupted.
+usage or configuration error (reported in one line, without a traceback), 130 interrupted
+(Ctrl-C), 143 terminated (SIGTERM). Either signal cancels the command, so that it cleans up
+what it made (a store directory, the Mooncake processes it started) before it exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -48,6 +53,11 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Errors that mean "you asked for something invalid", not "it ran and failed".
 _USAGE_ERRORS = (UsageError, ConfigError, RequestError, LayoutError, Unsupported)
 _EXIT_INTERRUPTED = 130
+_EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class _Terminated(Exception):
+    """The command was cancelled by SIGTERM."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +123,33 @@ def _reportable(exc: BaseException) -> Exception | None:
     return None
 
 
+async def _until_sigterm(
+    run: Callable[[argparse.Namespace, CommandIO], Awaitable[int]],
+    args: argparse.Namespace,
+    io: CommandIO,
+) -> int:
+    """Run a command; SIGTERM cancels it, as Ctrl-C does (its clean-up runs), rather than
+    killing the process on the spot (Python's default), which left what it had made behind.
+
+    A command may take SIGTERM itself meanwhile (``mooncake-up`` stops on it and exits 0).
+    Off the main thread (``main`` called from a worker thread) signals cannot be handled:
+    the command just runs.
+
+    Raises:
+        _Terminated: SIGTERM cancelled the command.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return await run(args, io)
+    loop = asyncio.get_running_loop()
+    with anyio.CancelScope() as scope:
+        loop.add_signal_handler(signal.SIGTERM, scope.cancel)
+        try:
+            return await run(args, io)
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvpipe`` command line.
 
@@ -120,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0 ok, 1 failed, 2 usage or configuration error, 130 interrupted.
+        The exit code: 0 ok, 1 failed, 2 usage or configuration error, 130 interrupted,
+        143 terminated.
     """
     parser = build_parser()
     try:
@@ -134,12 +172,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with logging_to(io.err, args.log_level):
             code: int = anyio.run(
-                args.run, args, io, backend="asyncio", backend_options=_backend_options()
+                _until_sigterm,
+                args.run,
+                args,
+                io,
+                backend="asyncio",
+                backend_options=_backend_options(),
             )
         return code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return _EXIT_INTERRUPTED
+    except _Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        return _EXIT_TERMINATED
     except BrokenPipeError:  # `kvpipe demo | head`: the reader left; say nothing more
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -59,7 +59,8 @@ _SEGMENT_HELP: Final = (
 @asynccontextmanager
 async def open_store(args: argparse.Namespace) -> AsyncIterator[kvpipe.StorageBackend]:
     """The store the demo runs on; a file store's directory is removed afterwards unless
-    ``--keep-store`` (or it already existed); a Mooncake is started for the run and stopped."""
+    ``--keep-store`` (or it already existed), however the run ends (cancelled too); a
+    Mooncake is started for the run and stopped."""
     if args.store == "memory":
         yield kvpipe.MemoryStore()
         return
@@ -78,7 +79,8 @@ async def open_store(args: argparse.Namespace) -> AsyncIterator[kvpipe.StorageBa
             yield store
     finally:
         if not (existed or args.keep_store):
-            await run_sync(shutil.rmtree, root, True)
+            with anyio.CancelScope(shield=True):  # a cancelled run (SIGTERM) cleans up too
+                await run_sync(shutil.rmtree, root, True)
             if parent is not None and parent_made:
                 with contextlib.suppress(OSError):
                     os.rmdir(parent)

@@ -134,7 +134,8 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
                 rows.append(_row(await run_kill_scenario(f"{root}/kill", args.seed)))
                 progress.advance(task)
     finally:
-        await anyio.to_thread.run_sync(shutil.rmtree, root, True)
+        with anyio.CancelScope(shield=True):  # a cancelled run (SIGTERM) cleans up too
+            await anyio.to_thread.run_sync(shutil.rmtree, root, True)
     ok = all(not r["broken"] for r in rows)
     if args.json:
         print(

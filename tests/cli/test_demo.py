@@ -273,3 +273,57 @@ async def test_a_finished_phase_bar_keeps_its_rate() -> None:
     assert column.render(task).plain == "2 GB/s"
     now += 10.0  # the read phase
     assert column.render(task).plain == "2 GB/s"
+
+
+#: ``python -c`` body: ``kvpipe ARGV[2:]``, with the process sending itself SIGTERM (as
+#: ``kill PID``, systemd or a container runtime would) when the async function ``ARGV[1]``
+#: (``module:name``) of the command is called, which then runs on; it prints the PIDs of its
+#: children first (``--store mooncake``: the master and metadata server).
+TERMINATED_MIDWAY = """
+import glob, importlib, os, signal, sys
+from kvpipe.cli import main
+module, name = sys.argv[1].split(":")
+module = importlib.import_module(module)
+original = getattr(module, name)
+async def terminated_midway(*args, **kwargs):
+    kids = [p for f in glob.glob("/proc/self/task/*/children") for p in open(f).read().split()]
+    print("children", *kids, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return await original(*args, **kwargs)
+setattr(module, name, terminated_midway)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def run_terminated(
+    cwd: Path, at: str, *argv: str
+) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    """``kvpipe ARGV`` as a process SIGTERMed as ``at`` is called, and its children's PIDs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPIPE_", "AS_WRITE_"))}
+    env["TMPDIR"] = str(cwd)  # temporary directories (Mooncake's logs, faults' stores)
+    proc = subprocess.run(
+        [sys.executable, "-c", TERMINATED_MIDWAY, at, *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    kids = [
+        int(p)
+        for line in proc.stdout.splitlines()
+        if line.startswith("children")
+        for p in line.split()[1:]
+    ]
+    return proc, kids
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path) -> None:
+    """SIGTERM (``kill PID``) killed the demo on the spot: its store directory
+    ./kvpipe-data/demo-PID stayed behind, full of blocks. It now ends the run as Ctrl-C
+    does, cleaning up, with exit code 143 and one line on stderr."""
+    proc, _ = run_terminated(tmp_path, "kvpipe.cli.demo:_write_all", "demo", *SMALL)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip().splitlines() == ["kvpipe demo: terminated"]
+    assert list(tmp_path.iterdir()) == []

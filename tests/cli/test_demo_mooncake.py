@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpipe.backends.mooncake_local import LocalMooncake
 from kvpipe.cli import main, mooncake_up
+
+from .test_demo import run_terminated
 
 # Real time: the demo against a real Mooncake master it starts.
 pytestmark = pytest.mark.slow
@@ -48,3 +54,21 @@ def test_demo_on_mooncake_verifies_every_block_and_stops_mooncake(
     assert server.master is None and server.metadata is None
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", server.rpc_port), timeout=0.5).close()
+
+
+def test_sigterm_stops_the_mooncake_it_started(tmp_path: Path) -> None:
+    """SIGTERM killed ``kvpipe demo --store mooncake`` on the spot, and the master and
+    metadata server it started (in sessions of their own, so a signal to the demo's
+    process group missed them too) ran on, orphaned, holding their ports."""
+    at = "kvpipe.cli.demo:_write_all"
+    proc, kids = run_terminated(tmp_path, at, "demo", "--store", "mooncake", *SMALL)
+    try:
+        assert len(kids) == 2, proc.stdout
+        assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
+        assert proc.stderr.strip().splitlines()[-1] == "kvpipe demo: terminated"
+        assert [pid for pid in kids if os.path.exists(f"/proc/{pid}")] == []
+        assert list(tmp_path.iterdir()) == []  # the processes' log directory too
+    finally:
+        for pid in kids:  # only after a failure: the children of the demo run above
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

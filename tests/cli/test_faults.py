@@ -10,6 +10,8 @@ import pytest
 from kvpipe.cli import main
 from kvpipe.testing.scenarios import SCENARIOS
 
+from .test_demo import run_terminated
+
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, object]]:
     code = main(["--log-level", "critical", "faults", "--seed", "3", "--json", *args])
@@ -117,3 +119,13 @@ def test_a_mooncake_that_does_not_start_is_a_message_not_a_traceback(
     captured = capsys.readouterr()
     assert "Mooncake did not start" in captured.err and "exited with 1" in captured.err
     assert captured.out == "" and stopped
+
+
+def test_sigterm_removes_the_stores_it_made(tmp_path: Path) -> None:
+    """SIGTERM killed the run on the spot, leaving its kvpipe-faults-* directory of file
+    stores in the temporary directory; it now ends as Ctrl-C does: exit 143, cleaned up."""
+    at = "kvpipe.cli.faults:run_scenario"
+    proc, _ = run_terminated(tmp_path, at, "faults", "--store", "file", "--scenario", "baseline")
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip().splitlines() == ["kvpipe faults: terminated"]
+    assert list(tmp_path.iterdir()) == []
