@@ -182,11 +182,28 @@ def _render(s: Mapping[str, Any], console: Console) -> None:
         )
 
 
+def _check_store_dir(path: str) -> None:
+    """Refuse a ``--store-dir`` that cannot be a directory, before the run starts.
+
+    Raises:
+        ui.UsageError: ``path``, or the nearest of its parents that exists, is not a
+            directory.
+    """
+    nearest = os.path.abspath(path)
+    while not os.path.lexists(nearest):
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        where = "" if nearest == os.path.abspath(path) else f" ({nearest} is not one)"
+        raise ui.UsageError(f"--store-dir {path}: not a directory{where}")
+
+
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     """Run the demo (see the module docstring); 0 when every block verified, else 1."""
     started = time.perf_counter()
     if args.segment_mib is not None and args.segment_mib < 1:
         raise ui.UsageError(f"--segment-mib must be >= 1, got {args.segment_mib}")
+    if args.store == "file" and args.store_dir is not None:
+        _check_store_dir(args.store_dir)
     preset = PRESETS[args.layout]
     layout = preset.layout()
     nbytes = layout.block_nbytes

@@ -327,3 +327,20 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path) -> None:
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
     assert proc.stderr.strip().splitlines() == ["kvpipe demo: terminated"]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_store_dir_that_cannot_be_one_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, where: str
+) -> None:
+    """It was exit 1 ("failed", as a verification that found bad blocks) with the file
+    store's open error, after the header was printed and the cache filled."""
+    (tmp_path / "f").write_text("x")
+    path = tmp_path / "f" if where == "a file" else tmp_path / "f" / "store"
+    assert main(["demo", *SMALL, "--store-dir", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"kvpipe demo: error: --store-dir {path}: not a directory")
+    assert (tmp_path / "f").read_text() == "x"
