@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import anyio
 import numpy as np
 import pytest
@@ -99,6 +101,7 @@ async def test_lookup_crash_raises_actor_crashed() -> None:
         with pytest.raises(kvpipe.ActorCrashed) as info:
             await pipe.lookup(TOKENS)
         assert info.value.actor == "scheduler"
+        assert re.match(r"lookup lookup-\S+: actor 'scheduler' crashed", str(info.value))
         assert await pipe.lookup(TOKENS) == 0
 
 

@@ -219,7 +219,7 @@ class CallState(RequestState):
         elif cause == "cancelled":
             self.fail(KVPipeError(f"{what}: {detail}"))
         else:
-            self.fail(ActorCrashed(actor, detail))
+            self.fail(ActorCrashed(actor, f"{what}: {detail}"))
 
 
 class SlicedState(RequestState):
