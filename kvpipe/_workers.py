@@ -197,7 +197,7 @@ class WorkerThreads:
             try:
                 thread.start()
             except Exception as exc:  # RuntimeError at the system's limit, MemoryError...
-                log.error("could not start a worker thread (%r); running its call here", repr(exc))
+                log.error("could not start a worker thread (%s); running its call here", repr(exc))
                 with self._lock:
                     self._threads -= 1
                 item = inbox.get_nowait()
@@ -383,7 +383,7 @@ class ThreadRunner:
             try:
                 _call_soon(token, report, result)
             except Exception as exc:  # the event loop is gone: nothing to release
-                log.debug("worker thread ended after its event loop: %r", repr(exc))
+                log.debug("worker thread ended after its event loop: %s", repr(exc))
 
         try:
             await anyio.lowlevel.checkpoint_if_cancelled()

@@ -63,11 +63,11 @@ class Setup:
             try:
                 self.client.close()
             except Exception as exc:
-                log.error("mooncake: closing a client set up after its store closed: %r", repr(exc))
+                log.error("mooncake: closing a client set up after its store closed: %s", repr(exc))
         try:
             _call_soon(self._token, self.done.set)
         except Exception as exc:  # the event loop is gone: nobody waits
-            log.debug("mooncake: setup ended after its event loop: %r", repr(exc))
+            log.debug("mooncake: setup ended after its event loop: %s", repr(exc))
 
     def orphan(self) -> bool:
         """The store closes without taking the client: the thread closes it if its setup

@@ -81,7 +81,7 @@ class Registrations:
                     self.kept = True
                     log.warning(
                         "unregistering staging from %s failed (the staging memory is kept, "
-                        "not freed): %r",
+                        "not freed): %s",
                         self.store.name,
                         repr(exc),
                     )

@@ -192,7 +192,7 @@ def _put_from_staging(
         except Exception as exc:
             if not published:
                 raise
-            log.error("mooncake: %s raised after values were published: %r", name, repr(exc))
+            log.error("mooncake: %s raised after values were published: %s", name, repr(exc))
             codes = [_RAISED] * len(picked)
         for i, code in zip(picked, codes, strict=True):
             out[i] = (code, how)
@@ -215,7 +215,7 @@ def _check_visible(client: Any, keys: list[str], out: list[tuple[int, str]]) -> 
     try:
         found = _codes("batch_is_exist", client.batch_is_exist([keys[i] for i in put]), len(put))
     except Exception as exc:
-        log.error("mooncake: batch_is_exist after a put raised: %r", repr(exc))
+        log.error("mooncake: batch_is_exist after a put raised: %s", repr(exc))
         return
     for i, code in zip(put, found, strict=True):
         if code == 0:

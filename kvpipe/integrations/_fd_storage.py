@@ -245,12 +245,12 @@ class KVPipeStorage:
             if exc.field != "staging_bytes":
                 raise
             # No memory for the staging of a new value size: the process's, not the caller's.
-            log.warning("KVPipeStorage %s failed: %r", what, repr(exc))
+            log.warning("KVPipeStorage %s failed: %s", what, repr(exc))
             return None
         except (TypeError, ValueError, WrongEventLoop):  # the caller's mistake, not the store's
             raise
         except Exception as exc:
-            log.warning("KVPipeStorage %s failed: %r", what, repr(exc))
+            log.warning("KVPipeStorage %s failed: %s", what, repr(exc))
             return None
 
     def _remember(self, keys: Sequence[str]) -> None:

@@ -414,7 +414,7 @@ class KVPipeAttentionStore:
                 # ConfigError on "store": the store refused the staging (down, say), a store
                 # failure like any other
                 log.warning(
-                    "kvpipe %s %s: opening the pipeline failed: %r", what, task_id, repr(exc)
+                    "kvpipe %s %s: opening the pipeline failed: %s", what, task_id, repr(exc)
                 )
                 return 0
         try:
@@ -474,7 +474,7 @@ class KVPipeAttentionStore:
         except (RequestError, TypeError, WrongEventLoop):
             raise
         except (KVPipeError, OSError, TimeoutError) as exc:
-            log.warning("kvpipe %s %s: %r", what, task_id, repr(exc))
+            log.warning("kvpipe %s %s: %s", what, task_id, repr(exc))
             return 0
 
     def write(

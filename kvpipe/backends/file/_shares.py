@@ -33,7 +33,7 @@ def in_shares(
             # The pool may have queued the share all the same: whoever runs it first
             # does, once; the rest run here rather than after this call has returned.
             log.warning(
-                "file store %s: could not start a worker thread (%r); running %d "
+                "file store %s: could not start a worker thread (%s); running %d "
                 "share(s) of a batch in the calling thread",
                 path,
                 repr(exc),
