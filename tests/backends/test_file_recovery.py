@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -843,3 +844,91 @@ async def test_a_catalog_that_cannot_be_opened_is_not_taken_for_damaged(tmp_path
         await FileStore(root).open()
     assert (root / "catalog.sqlite3").is_dir()
     assert not _set_aside(root)
+
+
+# -- (f) reservations of writers that died while the store stays open --------------------------
+
+#: A writer of another container sharing the volume (its own PID namespace: pids this
+#: process cannot judge), as its catalog owner token says.
+_OTHER_NAMESPACE = "other-container.0123456789abcdef:4242"
+
+
+def _reserve_as(root: Path, owner: str, keys: Sequence[str], parent: str, age: float) -> None:
+    """Reserve room for ``keys`` (a chain after ``parent``) as the writer ``owner`` does at
+    the start of a put, made ``age`` seconds ago; the writer then dies (never settles)."""
+    catalog = Catalog(str(root / "catalog.sqlite3"), owner)
+    try:
+        res = catalog.reserve(keys, parent, SCOPE.namespace, STORED, None, 1 << 40)
+        assert res.admitted == [True] * len(keys)
+        then = time.time() - age
+        with sqlite3.connect(root / "catalog.sqlite3") as db:
+            db.executemany(
+                "UPDATE blocks SET created=?, last_access=? WHERE key=?",
+                [(then, then, k) for k in keys],
+            )
+    finally:
+        catalog.close()
+
+
+async def test_an_open_store_settles_a_dead_writers_old_reservations_when_it_needs_room(
+    tmp_path: Path, b: Batches
+) -> None:
+    """Ranks in containers (a PID namespace each) sharing a store: a rank killed mid-put
+    leaves its reservations unsettled, and the long-lived ranks never reopen the store. Once
+    older than ``stale_temp_after`` they must not keep taking capacity, nor pin the chain
+    they continue against eviction: a put that needs room settles them."""
+    root = tmp_path / "store"
+    a, _ = b.keys(4, seed=1)
+    d, _ = b.keys(2, seed=2)
+    async with FileStore(root, capacity_bytes=4 * STORED, stale_temp_after=STALE) as store:
+        assert await put_chain(b, store, a[:2], make_values(2, 1)) == [OK] * 2
+        _reserve_as(root, _OTHER_NAMESPACE, a[2:], a[1], age=2 * STALE)
+        assert _catalog(store).stats().pending == 2
+        assert await put_chain(b, store, d, make_values(2, 2)) == [OK] * 2
+        stats = _catalog(store).stats()
+        assert (stats.pending, stats.blocks, stats.bytes) == (0, 4, 4 * STORED)
+        assert await get_raw(b, store, [*a[:2], *d]) == (
+            [OK] * 4,
+            make_values(2, 1) + make_values(2, 2),
+        )
+
+
+async def test_an_open_store_settles_reservations_of_dead_writers_of_its_pid_namespace(
+    tmp_path: Path, b: Batches, dead_pid: int
+) -> None:
+    """A rank of this host (same PID namespace) killed mid-put: its pid says it is dead, so
+    a put that needs room settles its reservations at once, however recent."""
+    root = tmp_path / "store"
+    a, _ = b.keys(4, seed=1)
+    d, _ = b.keys(2, seed=2)
+    async with FileStore(root, capacity_bytes=4 * STORED, stale_temp_after=STALE) as store:
+        assert await put_chain(b, store, a[:2], make_values(2, 1)) == [OK] * 2
+        _reserve_as(root, f"{HOST}:{dead_pid}", a[2:], a[1], age=1.0)
+        assert await put_chain(b, store, d, make_values(2, 2)) == [OK] * 2
+        assert _catalog(store).stats().pending == 0
+
+
+@pytest.mark.parametrize(
+    "owner", [_OTHER_NAMESPACE, "live"], ids=["other-pid-namespace", "live-pid"]
+)
+async def test_an_open_store_never_settles_a_recent_reservation_it_cannot_judge_dead(
+    tmp_path: Path, b: Batches, live_pid: int, owner: str
+) -> None:
+    """A writer that may be alive (its pid runs, or it is of another PID namespace) and
+    reserved less than ``stale_temp_after`` ago is writing: its reservation stays, and the
+    chain it continues is not evicted under it."""
+    root = tmp_path / "store"
+    owner = f"{HOST}:{live_pid}" if owner == "live" else owner
+    a, _ = b.keys(4, seed=1)
+    d, _ = b.keys(2, seed=2)
+    async with FileStore(root, capacity_bytes=4 * STORED, stale_temp_after=STALE) as store:
+        assert await put_chain(b, store, a[:2], make_values(2, 1)) == [OK] * 2
+        _reserve_as(root, owner, a[2:], a[1], age=STALE / 2)
+        assert await put_chain(b, store, d, make_values(2, 2)) == [BlockStatus.NO_SPACE] * 2
+        assert _catalog(store).records()[a[2]] == (
+            False,
+            pytest.approx(time.time() - STALE / 2, abs=60),
+            owner,
+        )
+        assert _catalog(store).stats().pending == 2
+        assert await get_raw(b, store, a[:2]) == ([OK] * 2, make_values(2, 1))

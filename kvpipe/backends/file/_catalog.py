@@ -4,7 +4,9 @@ It holds the residency index and a record of every block (size, parent, times) f
 and eviction; block data lives only in the block files. A put reserves its bytes in one
 ``BEGIN IMMEDIATE`` transaction, evicting prefix tails (blocks no stored block names as
 parent), least recently used first, never the blocks being written or their parent; a block
-that cannot be admitted is refused, and so is every block after it in the batch.
+that cannot be admitted is refused, and so is every block after it in the batch. A put that
+must evict first settles the reservations of puts that are over (:meth:`Catalog.reserve`):
+their writers died, in a process that may be the only one to have reopened the store.
 
 A write transaction on a full disk is rolled back and raises :class:`CatalogFull`. A catalog
 that cannot be opened for writing (SQLite must create its ``-shm`` and ``-wal`` files) is
@@ -34,6 +36,7 @@ from urllib.parse import quote
 
 from ..._results import Residency, ResidencyEntry
 from ._format import key_namespace
+from ._sysio import owner_is_dead
 
 __all__ = ("Catalog", "CatalogFull", "CatalogStats", "Reservation", "SizeOf", "open_or_replace")
 
@@ -345,6 +348,8 @@ class Catalog:
         nbytes: int,
         capacity: int | None,
         room: int,
+        stale_after: float | None = None,
+        size_of: SizeOf | None = None,
     ) -> Reservation:
         """Reserve room for a batch of consecutive blocks (``parent`` precedes ``keys[0]``).
 
@@ -352,6 +357,20 @@ class Catalog:
             room: Bytes the batch may take on disk (:func:`._space.room`). Each block counts
                 ``nbytes`` against it (a file is written before it replaces an older one);
                 blocks past it are refused, without eviction.
+            stale_after: With ``size_of``: before it first evicts, settle (as
+                :meth:`reconcile` does) every other put's reservation made more than this
+                many seconds ago, or by a dead process of this host and PID namespace
+                (:func:`._sysio.owner_is_dead`). A writer killed mid-put leaves its
+                reservations unsettled, and only an open settles them otherwise: processes
+                that share a store and never reopen it (ranks in containers, each of its own
+                PID namespace) would lose that capacity, and the chain each continues would
+                stay pinned against eviction. Nothing bounds how long a live put takes (a
+                caller that stops waiting does not stop its thread): a put is assumed to end
+                within ``stale_after`` (the store's ``stale_temp_after``, which its recovery
+                at open assumes of temporary files and reservations already). One that does
+                not loses its reservation: its record is made to say what is at its name,
+                and its own settling records the block it publishes; meanwhile the capacity
+                may be overshot by that put's blocks.
 
         Raises:
             CatalogFull: The disk is full: nothing was reserved.
@@ -361,6 +380,7 @@ class Catalog:
         victims: list[str] = []
         freed = 0
         protect = {*keys, parent}
+        sweep = size_of is not None and stale_after is not None
         with self._write() as db:
             (total,) = db.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()
             for i, key in enumerate(keys):
@@ -372,6 +392,12 @@ class Catalog:
                 if room < nbytes:
                     admitted.append(False)
                     continue
+                if capacity is not None and total + need > capacity and sweep:
+                    assert size_of is not None and stale_after is not None
+                    sweep = False  # once per reservation
+                    db.execute("UPDATE meta SET value=? WHERE name='bytes'", (total,))
+                    self._settle_abandoned(db, now - stale_after, size_of, protect)
+                    (total,) = db.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()
                 if capacity is not None and total + need > capacity:
                     got, gone = self._evict(db, total + need - capacity, protect)
                     victims += gone
@@ -400,6 +426,28 @@ class Catalog:
                 admitted.append(True)
             db.execute("UPDATE meta SET value=? WHERE name='bytes'", (total,))
         return Reservation(admitted, victims, freed)
+
+    @staticmethod
+    def _settle_abandoned(
+        db: sqlite3.Connection, cutoff: float, size_of: SizeOf, protect: set[str | None]
+    ) -> None:
+        """Settle, in the transaction of ``db``, the reservations (unsettled records) not in
+        ``protect`` made before ``cutoff`` or by a dead process of this PID namespace (see
+        :meth:`reserve`). Reads only the unsettled records (an index's range: the blocks
+        being written now, by every process)."""
+        dead: dict[str | None, bool] = {}
+        keys = []
+        for key, at, owner in db.execute(
+            "SELECT key, last_access, owner FROM blocks WHERE ready=0"
+        ).fetchall():
+            if key in protect:
+                continue
+            if owner not in dead:
+                dead[owner] = owner_is_dead(owner)
+            if at < cutoff or dead[owner]:
+                keys.append(key)
+        if keys:
+            Catalog._reconcile(db, keys, size_of, None)
 
     @staticmethod
     def _evict(

@@ -84,8 +84,8 @@ def settle(
             return dropped
         except CatalogFull as exc:
             if not left:
-                # Nothing left to free: the records stay unsettled until the next open
-                # settles them from the files there are (recovery).
+                # Nothing left to free: the records stay unsettled until the next open, or
+                # a put that must evict, settles them from the files there are.
                 log.error(
                     "file store %s: disk full, %d reservation(s) left unsettled: %s",
                     root.path,
@@ -105,8 +105,8 @@ def settle(
             # names: they are stored, whatever the catalog says.
             log.error(
                 "file store %s: the catalog cannot record a put (%s); the blocks written are "
-                "stored, %d record(s) left unsettled (an open after this process has exited, "
-                "or after stale_temp_after, settles them)",
+                "stored, %d record(s) left unsettled (an open or a put that must evict "
+                "settles them once this process has exited, or after stale_temp_after)",
                 root.path,
                 str(exc),
                 len(left) + len(kept) + len(failed) + len(dropped),

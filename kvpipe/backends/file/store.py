@@ -80,9 +80,11 @@ class FileStore(StorageBackend):
         capacity_bytes: When set, stay under it by evicting prefix tails, least recently
             used first; blocks that still do not fit are refused (``NO_SPACE``).
         threads: Worker threads a batch's file I/O is spread over.
-        stale_temp_after: Seconds after which any temporary file is considered abandoned
-            (temporary files of dead writers on this host, in this PID namespace, are
-            removed at once).
+        stale_temp_after: Seconds after which any temporary file, and any put's
+            reservation of capacity, is considered abandoned (those of dead writers on this
+            host, in this PID namespace, at once): a put is assumed to end within it.
+            Temporary files are removed at open; reservations are settled at open and by a
+            put that must evict (:meth:`._catalog.Catalog.reserve`).
         scan_on_open: Walk the tree at open: remove stale temporary files, adopt block
             files the catalog does not know, forget records whose file is gone.
         direct_io: Use ``O_DIRECT`` for writes of page-aligned values of at least 64 KiB and
@@ -346,7 +348,16 @@ class FileStore(StorageBackend):
         nbytes = file_nbytes(value_nbytes, padded=direct)
         space = key_namespace(keys[0])
         try:
-            res = catalog.reserve(keys, parent, space, nbytes, self.capacity_bytes, room(root))
+            res = catalog.reserve(
+                keys,
+                parent,
+                space,
+                nbytes,
+                self.capacity_bytes,
+                room(root),
+                self.stale_temp_after,
+                sizes(root),
+            )
         except CatalogFull:
             self._count(no_space=len(keys))
             return [BlockStatus.NO_SPACE] * len(keys)
