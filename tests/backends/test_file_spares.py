@@ -4,8 +4,10 @@ holds one or read as a block once it has been reused."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -351,3 +353,102 @@ async def test_a_mapped_block_file_is_not_written_over(
             statuses, _ = await b.get(store, keys, sink)
         assert statuses == [BlockStatus.OK] and sink.got[0] == want
         assert store.statistics().get("corrupt", 0) == 0
+
+
+def _holds_write_flock(st: os.stat_result, pid: int) -> bool:
+    """Whether ``/proc/locks`` shows process ``pid`` holding an exclusive ``flock`` on the
+    file of ``st``."""
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in Path("/proc/locks").read_text().splitlines():
+        f = line.split()
+        if "->" not in f and f[1:6] == ["FLOCK", "ADVISORY", "WRITE", str(pid), dev]:
+            return True
+    return False
+
+
+def _fork_holding(st: os.stat_result) -> tuple[int, int, bool]:
+    """Fork a child (no exec) that says whether it inherited a descriptor of the file of
+    ``st``, then waits for a byte on its pipe and exits at once. Returns its pid, the pipe's
+    write end, and what it said."""
+    said_r, said_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but system calls, then _exit
+        try:
+            held = False
+            for name in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError):
+                    mine = os.fstat(int(name))
+                    held |= (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
+            os.write(said_w, b"1" if held else b"0")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    os.close(said_w)
+    os.close(go_r)
+    try:
+        said = os.read(said_r, 1)
+    finally:
+        os.close(said_r)
+    return pid, go_w, said == b"1"
+
+
+def _write_over(root: int, spare: bytes, value: bytes, got: list[list[int]]) -> None:
+    """Publish ``value`` as ``d/a`` under ``root`` over the spare file ``spare`` in one
+    native call; its result into ``got``."""
+    assert fileio is not None
+    args = ([b"d"], [b".a.tmp"], [b"a"], [[value]], 0, False, bytearray(1), [spare])
+    got.append(fileio.write_files(root, *args))
+
+
+@native
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_child_forked_while_a_spare_is_rewritten_does_not_hide_the_block(
+    tmp_path: Path,
+) -> None:
+    """A process that forks (without exec: multiprocessing's fork, a data loader's
+    workers) while the native writer holds the exclusive ``flock`` of a spare it is writing
+    over: the child shares the descriptor's open file description, so a lock left to
+    ``close`` would stay held by the child after the write, and every reader would read the
+    published block as missing until the child exits."""
+    assert fileio is not None
+    (tmp_path / "d").mkdir()
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    value = b"v" * (64 << 20)  # a write long enough to fork during it
+    try:
+        for attempt in range(20):  # until the fork lands while the writer holds the file
+            spare = tmp_path / "d" / f".spare{attempt}.tmp"
+            spare.write_bytes(b"old block")
+            st = spare.stat()
+            got: list[list[int]] = []
+            args = (root, f"d/{spare.name}".encode(), value, got)
+            writer = threading.Thread(target=_write_over, args=args)
+            writer.start()
+            child = None
+            try:
+                while writer.is_alive() and child is None:
+                    if _holds_write_flock(st, os.getpid()):
+                        child = _fork_holding(st)
+            finally:
+                writer.join()
+            assert got == [[0]]
+            assert os.stat(tmp_path / "d" / "a").st_ino == st.st_ino  # the spare was reused
+            if child is None:
+                continue
+            pid, go, inherited = child
+            try:
+                fd = os.open(tmp_path / "d" / "a", os.O_RDONLY)
+                try:
+                    readable = still_block(fd, os.fstat(fd))
+                finally:
+                    os.close(fd)
+            finally:
+                os.write(go, b"!")
+                os.close(go)
+                os.waitpid(pid, 0)
+            if inherited:
+                assert readable, "the forked child kept the writer's lock: the block read missing"
+                return
+        pytest.skip("no fork landed while the writer held the spare")
+    finally:
+        os.close(root)

@@ -578,6 +578,13 @@ static long write_one(int dir_fd, const char *dir, const char *tmp, const char *
     if (out == 0 && durability >= 1 && fdatasync(fd) != 0) {
         out = -errno;
     }
+    if (reused) {
+        /* The lock belongs to the open file description, which a process forked meanwhile
+           (without exec: O_CLOEXEC does not apply) shares: close would leave it held by
+           that child, and the block published below would read as missing everywhere until
+           the child exits. */
+        flock(fd, LOCK_UN);
+    }
     if (close(fd) != 0 && out == 0) {
         out = -errno;
     }
