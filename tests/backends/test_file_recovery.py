@@ -853,13 +853,18 @@ async def test_a_catalog_that_cannot_be_opened_is_not_taken_for_damaged(tmp_path
 _OTHER_NAMESPACE = "other-container.0123456789abcdef:4242"
 
 
-def _reserve_as(root: Path, owner: str, keys: Sequence[str], parent: str, age: float) -> None:
+def _reserve_as(
+    root: Path, owner: str, keys: Sequence[str], parent: str | None, age: float
+) -> None:
     """Reserve room for ``keys`` (a chain after ``parent``) as the writer ``owner`` does at
-    the start of a put, made ``age`` seconds ago; the writer then dies (never settles)."""
+    the start of a put, made ``age`` seconds ago (0: now, a record there already keeping
+    its creation time); the writer then dies (never settles), or is still writing."""
     catalog = Catalog(str(root / "catalog.sqlite3"), owner)
     try:
         res = catalog.reserve(keys, parent, SCOPE.namespace, STORED, None, 1 << 40)
         assert res.admitted == [True] * len(keys)
+        if not age:
+            return
         then = time.time() - age
         with sqlite3.connect(root / "catalog.sqlite3") as db:
             db.executemany(
@@ -932,3 +937,43 @@ async def test_an_open_store_never_settles_a_recent_reservation_it_cannot_judge_
         )
         assert _catalog(store).stats().pending == 2
         assert await get_raw(b, store, a[:2]) == ([OK] * 2, make_values(2, 1))
+
+
+async def test_an_open_never_settles_a_recent_reservation_of_an_old_block(
+    tmp_path: Path, b: Batches
+) -> None:
+    """A writer of another PID namespace puts again a block stored long ago: its
+    reservation is recent, though the block's record was created more than
+    ``stale_temp_after`` ago. A store opened meanwhile must not take it for abandoned, and
+    so must not evict the block being written."""
+    root = tmp_path / "store"
+    a, _ = b.keys(1, seed=1)
+    async with FileStore(root, stale_temp_after=STALE) as store:
+        assert await put_chain(b, store, a, make_values(1, 1)) == [OK]
+    with sqlite3.connect(root / "catalog.sqlite3") as db:
+        then = time.time() - 2 * STALE
+        db.execute("UPDATE blocks SET created=?, last_access=?", (then, then))
+    _reserve_as(root, _OTHER_NAMESPACE, a, None, age=0.0)  # put again just now
+    d, _ = b.keys(1, seed=2)
+    async with FileStore(root, capacity_bytes=STORED, stale_temp_after=STALE) as store:
+        assert _catalog(store).records()[a[0]][0] is False, "a live writer's reservation settled"
+        assert await put_chain(b, store, d, make_values(1, 2)) == [BlockStatus.NO_SPACE]
+        assert block_file(root, a[0]).exists()
+
+
+async def test_reads_of_a_block_do_not_keep_a_dead_writers_reservation_of_it_fresh(
+    tmp_path: Path, b: Batches
+) -> None:
+    """A writer of another PID namespace died putting again a block stored before; the old
+    block is still read (it is there until replaced). Those reads do not make the dead
+    writer's reservation recent: once it is older than ``stale_temp_after``, a put that
+    needs room settles it (and may then evict the block)."""
+    root = tmp_path / "store"
+    a, _ = b.keys(1, seed=1)
+    d, _ = b.keys(2, seed=2)
+    async with FileStore(root, capacity_bytes=2 * STORED, stale_temp_after=STALE) as store:
+        assert await put_chain(b, store, a, make_values(1, 1)) == [OK]
+        _reserve_as(root, _OTHER_NAMESPACE, a, None, age=2 * STALE)
+        assert await get_raw(b, store, a) == ([OK], make_values(1, 1))
+        assert await put_chain(b, store, d, make_values(2, 2)) == [OK] * 2
+        assert _catalog(store).stats().pending == 0

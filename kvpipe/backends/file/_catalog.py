@@ -537,15 +537,23 @@ class Catalog:
         return removed
 
     def touch(self, keys: Sequence[str]) -> None:
-        """Record a read of these blocks (for LRU eviction); skipped when the disk is full."""
+        """Record a read of these blocks (for LRU eviction); skipped when the disk is full.
+        A block being written again (its reservation unsettled) is left as it is: its time
+        says when it was reserved, for telling an abandoned reservation (:meth:`reserve`),
+        and its put's settling records it as used then."""
         now = time.time()
         with contextlib.suppress(CatalogFull), self._write() as db:
-            db.executemany("UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys])
+            db.executemany(
+                "UPDATE blocks SET last_access=? WHERE key=? AND ready=1",
+                [(now, k) for k in keys],
+            )
 
     def records(self) -> dict[str, tuple[bool, float, str | None]]:
-        """Every block record: key → (ready, created, owner of an unsettled reservation)."""
+        """Every block record: key → (ready, last reserved or read, owner of an unsettled
+        reservation). The time is not the record's creation: a put of a key stored long
+        ago reserves it again now."""
         with self._conn() as db:
-            rows = db.execute("SELECT key, ready, created, owner FROM blocks")
+            rows = db.execute("SELECT key, ready, last_access, owner FROM blocks")
             return {k: (bool(r), c, o) for k, r, c, o in rows}
 
     def adopt(self, key: str, namespace: str, nbytes: int, created: float, size_of: SizeOf) -> bool:

@@ -129,8 +129,8 @@ def _repair_catalog(root: Root, catalog: Catalog, stale_after: float, counts: Co
                 counts["adopted"] += 1
     cutoff = time.time() - stale_after
     gone = []
-    for key, (ready, created, owner) in records.items():
-        dead = not ready and (created < cutoff or owner_is_dead(owner))
+    for key, (ready, reserved, owner) in records.items():
+        dead = not ready and (reserved < cutoff or owner_is_dead(owner))
         if key in seen:
             if dead:
                 catalog.reconcile([key], sizes(root))  # published; its writer died unsettled
