@@ -20,6 +20,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import pytest
 
+from kvpipe._results import Residency, ResidencyEntry
 from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import FileStore
 from kvpipe.backends.file import store as store_mod
@@ -388,3 +389,41 @@ async def test_a_block_recorded_again_after_a_racing_delete_keeps_its_parent(
         assert await get_raw(b, store, a[:1]) == ([OK], values[:1])
         assert not block_file(root, a[1]).exists()
         _check_accounting(store, root, 2 * STORED)
+
+
+async def test_a_cancelled_residency_write_never_lands_over_a_later_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled ``put_residency`` (a ``flush_index`` that timed out) leaves its worker
+    thread running. Held before the catalog took it (behind another thread's write
+    transaction, say: the lock is not first come, first served), it must not record its
+    entry after a later call of the same node for the same key has recorded that one: it
+    used to, and the index kept saying ``GPU`` for a block the node had flushed ``EVICTED``
+    since."""
+    parked, go, landed = threading.Event(), threading.Event(), threading.Event()
+    real = Catalog.put_residency
+    calls: list[int] = []
+
+    def put_residency(self: Catalog, *args: Any) -> None:
+        calls.append(1)
+        if len(calls) > 1:
+            return real(self, *args)
+        parked.set()
+        go.wait(10)
+        try:
+            return real(self, *args)
+        finally:
+            landed.set()
+
+    monkeypatch.setattr(Catalog, "put_residency", put_residency)
+    async with FileStore(tmp_path / "store") as store:
+        old = ResidencyEntry("k-0", "node-a", Residency.GPU, 1.0)
+        new = ResidencyEntry("k-0", "node-a", Residency.EVICTED, 2.0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.put_residency, [old])
+            assert await anyio.to_thread.run_sync(parked.wait, 10)
+            tg.cancel_scope.cancel()  # its caller stops waiting; the thread runs on
+        await store.put_residency([new])
+        go.set()
+        assert await anyio.to_thread.run_sync(landed.wait, 10)
+        assert list(await store.get_residency(["k-0"])) == [(new,)]

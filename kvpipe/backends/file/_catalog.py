@@ -591,9 +591,15 @@ class Catalog:
 
     # -- residency ---------------------------------------------------------------------------
 
-    def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
-        """Upsert one record per (key, node)."""
+    def put_residency(
+        self, entries: Sequence[ResidencyEntry], abandoned: Callable[[], bool] | None = None
+    ) -> None:
+        """Upsert one record per (key, node); nothing when ``abandoned()`` is true once this
+        has the write lock (its caller stopped waiting: a later call of that caller's may
+        have recorded newer entries already, which these must not replace)."""
         with self._write() as db:
+            if abandoned is not None and abandoned():
+                return
             db.executemany(
                 "INSERT INTO residency VALUES (?, ?, ?, ?) ON CONFLICT (key, node_id) DO "
                 "UPDATE SET residency=excluded.residency, updated_at=excluded.updated_at",

@@ -625,11 +625,20 @@ class FileStore(StorageBackend):
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
         """Record residency in the catalog (visible to every process sharing the root).
 
-        Cancellation: stops waiting at once; the write's thread runs on to the end."""
+        Cancellation: stops waiting at once; the write's thread runs on, and records nothing
+        unless it had the catalog's write lock before the call was cancelled (so it never
+        replaces what a later call recorded)."""
         _, catalog = await self._ready()
         for e in entries:
             validate_key(e.key)
-        await self._thread("put_residency", catalog.put_residency, list(entries))
+        abandoned = Abandon()
+        try:
+            await self._thread(
+                "put_residency", catalog.put_residency, list(entries), abandoned.is_set
+            )
+        except anyio.get_cancelled_exc_class():
+            abandoned.set()
+            raise
 
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
         """Every node's record for each key.
