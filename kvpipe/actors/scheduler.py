@@ -241,6 +241,16 @@ class Scheduler(Actor[RequestState]):
             for i, (key, entries) in enumerate(zip(chunk, records, strict=True)):
                 if not entries:
                     return out
+                if not all(
+                    type(e) is ResidencyEntry and isinstance(e.residency, Residency)
+                    for e in entries
+                ):
+                    raise BackendError(
+                        ctx.backend.name,
+                        "get_residency",
+                        f"answered block {lo + i} with records that are not ResidencyEntry "
+                        "of a Residency",
+                    )
                 if any(e.key != key for e in entries):
                     raise BackendError(
                         ctx.backend.name,

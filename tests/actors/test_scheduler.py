@@ -217,6 +217,52 @@ async def test_a_locate_answered_for_other_keys_is_a_backend_error() -> None:
         assert "another key" in str(state.error)
 
 
+@pytest.mark.parametrize("bad", ["tuple", "str_residency"])
+async def test_a_locate_answered_with_malformed_records_is_a_backend_error(bad: str) -> None:
+    """A store whose ``get_residency`` answers something else than ``ResidencyEntry``
+    records of a ``Residency`` (rows as plain tuples, or the residency as its text: a
+    third-party store's slip) is a ``BackendError`` for that call, as a wrong count of
+    answers is. It used to crash the scheduler (``AttributeError``, an actor restart; a
+    few such calls closed the pipeline), or hand the caller holders whose residency was
+    a string, which ``held_by(...) is Residency.GPU`` never matches."""
+
+    class Malformed(kvpipe.MemoryStore):
+        async def get_residency(self, keys):  # type: ignore[no-untyped-def]
+            records = await super().get_residency(keys)
+            if bad == "tuple":
+                return [
+                    [(e.key, e.node_id, e.residency.value, e.updated_at) for e in r]
+                    for r in records
+                ]
+            return [
+                [
+                    kvpipe.ResidencyEntry(e.key, e.node_id, e.residency.value, e.updated_at)
+                    for e in r
+                ]  # type: ignore[arg-type]
+                for r in records
+            ]
+
+    async with harness(Malformed()) as h:
+        sched = Scheduler(h.ctx, h.inboxes["scheduler"])
+        now = anyio.current_time()
+        flush = CallState(
+            "f",
+            now + 5,
+            now,
+            "flush",
+            as_tokens(TOKENS),
+            False,
+            start_block=0,
+            residency=kvpipe.Residency.GPU,
+        )
+        await sched.handle(flush)
+        assert flush.error is None
+        state = CallState("l", now + 5, now, "locate", as_tokens(TOKENS), False)
+        await sched.handle(state)
+        assert isinstance(state.error, kvpipe.BackendError), state.value
+        assert "get_residency" in str(state.error)
+
+
 class TestVirtualTime:
     @pytest.fixture
     def anyio_backend(self) -> tuple[str, dict[str, object]]:
