@@ -189,11 +189,14 @@ class MemoryStore(StorageBackend):
                     self._bytes -= len(value)
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
-        """Record where each entry's node holds its block; a cancelled call records none."""
+        """Record where each entry's node holds its block; a cancelled call records none, nor
+        does one with an invalid key (``ValueError``)."""
         await anyio.lowlevel.checkpoint()
         for e in entries:
             validate_key(e.key)
-            self._residency.setdefault(e.key, {})[e.node_id] = e
+        with self._lock:
+            for e in entries:
+                self._residency.setdefault(e.key, {})[e.node_id] = e
 
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
         """Every node's record for each key; a cancelled call answers nothing."""

@@ -251,3 +251,16 @@ async def test_a_delete_with_an_invalid_key_removes_none() -> None:
         with pytest.raises(ValueError):
             await store.delete([keys[0], "bad\x00key", keys[1]])
         assert await store.exists(b.key_batch(keys)) == [True, True]
+
+
+async def test_a_residency_write_with_an_invalid_key_records_none() -> None:
+    """The entries before the invalid one were recorded, then ValueError raised."""
+    suite = BackendConformance()
+    store = kvpipe.MemoryStore()
+    async with suite._batches(store) as b:
+        keys, _ = b.keys(2)
+        good = [kvpipe.ResidencyEntry(k, "node-a", kvpipe.Residency.GPU, 1.0) for k in keys]
+        bad = kvpipe.ResidencyEntry("bad\x00key", "node-a", kvpipe.Residency.GPU, 1.0)
+        with pytest.raises(ValueError):
+            await store.put_residency([good[0], bad, good[1]])
+        assert await store.get_residency(keys) == [(), ()]
