@@ -113,11 +113,13 @@ class Runtime:
         self._registrations = Registrations(store)
         self.slice_blocks = min(self.config.slice_block_num, pool_slots)
         if self.slice_blocks < self.config.slice_block_num:
+            # A block takes a slot (its payload, trailer and alignment), not its payload.
             log.warning(
-                "slice_block_num=%d blocks of %d B do not fit staging_bytes=%d; slices are cut "
-                "to %d blocks",
+                "slice_block_num=%d blocks of %d B (a %d B staging slot each) do not fit "
+                "staging_bytes=%d; slices are cut to %d blocks",
                 self.config.slice_block_num,
                 payload,
+                stride_for(self._slot_nbytes),
                 self.config.staging_bytes,
                 self.slice_blocks,
             )

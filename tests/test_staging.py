@@ -50,6 +50,28 @@ def test_slot_size_is_what_docs_say(num_layers: int, head_dim: int, stride: int)
     )
 
 
+def test_the_warning_of_cut_slices_names_what_a_block_takes_in_staging(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Staging sized as ``slice_block_num * block_nbytes`` (16384 B for 4 blocks of 4096 B)
+    holds 3 slots of 4160 B. The warning used to say "4 blocks of 4096 B do not fit
+    staging_bytes=16384", which they do by that arithmetic: it names the slot's bytes."""
+    layout = kvpipe.CacheLayout.gqa(
+        num_layers=1, num_kv_heads=2, head_dim=64, block_size=8, dtype="float16"
+    )
+    assert layout.block_nbytes == 4096
+    config = kvpipe.PipelineConfig(staging_bytes=4 * 4096, slice_block_num=4)
+    with caplog.at_level("WARNING", logger="kvpipe"):
+        pipe = kvpipe.Pipeline(
+            kvpipe.create_kv_cache(layout, 4), kvpipe.MemoryStore(), config=config
+        )
+    assert pipe.slice_blocks == 3
+    (record,) = [r for r in caplog.records if "slices are cut" in r.getMessage()]
+    message = record.getMessage()
+    assert "4 blocks" in message and "4160 B" in message and "16384" in message, message
+    assert "cut to 3 blocks" in message, message
+
+
 @pytest.mark.parametrize(("nbytes", "slots"), [(0, 1), (1, 0), (-1, 4)])
 def test_pool_rejects_empty(nbytes: int, slots: int) -> None:
     with pytest.raises(ValueError):
