@@ -977,3 +977,40 @@ async def test_reads_of_a_block_do_not_keep_a_dead_writers_reservation_of_it_fre
         assert await get_raw(b, store, a) == ([OK], make_values(1, 1))
         assert await put_chain(b, store, d, make_values(2, 2)) == [OK] * 2
         assert _catalog(store).stats().pending == 0
+
+
+#: Another writer of another container, alive and putting now.
+_LIVE_OTHER_NAMESPACE = "live-container.fedcba9876543210:777"
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["old-block", "new-block"])
+async def test_an_open_never_settles_a_reservation_made_again_during_its_scan(
+    tmp_path: Path, b: Batches, monkeypatch: pytest.MonkeyPatch, stored: bool
+) -> None:
+    """A writer of another PID namespace died long ago putting a block (stored before, or
+    new), leaving its reservation unsettled. While an open scans the tree (after it read
+    the catalog's records), a live writer of another container puts that block again and
+    reserves it anew. The open judges the record as it is when it settles it: the live
+    writer's fresh reservation stays unsettled (so the block is not evicted under it, and
+    its bytes stay reserved), not taken for the dead writer's stale one."""
+    root = tmp_path / "store"
+    a, _ = b.keys(1, seed=1)
+    async with FileStore(root, stale_temp_after=STALE) as store:
+        if stored:
+            assert await put_chain(b, store, a, make_values(1, 1)) == [OK]
+    _reserve_as(root, _OTHER_NAMESPACE, a, None, age=2 * STALE)  # died long ago
+    records = Catalog.records
+
+    def then_a_live_writer_reserves(catalog: Catalog) -> dict[str, Any]:
+        seen = records(catalog)
+        _reserve_as(root, _LIVE_OTHER_NAMESPACE, a, None, age=0.0)  # during the walk
+        return seen
+
+    monkeypatch.setattr(Catalog, "records", then_a_live_writer_reserves)
+    d, _ = b.keys(1, seed=2)
+    async with FileStore(root, capacity_bytes=STORED, stale_temp_after=STALE) as store:
+        monkeypatch.setattr(Catalog, "records", records)
+        ready, _, owner = _catalog(store).records()[a[0]]
+        assert (ready, owner) == (False, _LIVE_OTHER_NAMESPACE), "a live reservation settled"
+        assert await put_chain(b, store, d, make_values(1, 2)) == [BlockStatus.NO_SPACE]
+        assert block_file(root, a[0]).exists() is stored

@@ -103,6 +103,19 @@ def _to_wal(db: sqlite3.Connection) -> None:
         pause = min(2 * pause, 0.1)
 
 
+def _abandoned(
+    reserved: float, owner: str | None, cutoff: float, dead: dict[str | None, bool]
+) -> bool:
+    """Whether a reservation made at ``reserved`` by ``owner`` is abandoned: made before
+    ``cutoff``, or by a dead process of this host and PID namespace
+    (:func:`._sysio.owner_is_dead`; ``dead`` caches its answers by owner)."""
+    if reserved < cutoff:
+        return True
+    if owner not in dead:
+        dead[owner] = owner_is_dead(owner)
+    return dead[owner]
+
+
 class CatalogFull(OSError):
     """The catalog cannot record a change: its disk is full (or it was opened read-only
     because the disk was full). Nothing of the transaction was recorded."""
@@ -436,16 +449,13 @@ class Catalog:
         :meth:`reserve`). Reads only the unsettled records (an index's range: the blocks
         being written now, by every process)."""
         dead: dict[str | None, bool] = {}
-        keys = []
-        for key, at, owner in db.execute(
-            "SELECT key, last_access, owner FROM blocks WHERE ready=0"
-        ).fetchall():
-            if key in protect:
-                continue
-            if owner not in dead:
-                dead[owner] = owner_is_dead(owner)
-            if at < cutoff or dead[owner]:
-                keys.append(key)
+        keys = [
+            key
+            for key, at, owner in db.execute(
+                "SELECT key, last_access, owner FROM blocks WHERE ready=0"
+            ).fetchall()
+            if key not in protect and _abandoned(at, owner, cutoff, dead)
+        ]
         if keys:
             Catalog._reconcile(db, keys, size_of, None)
 
@@ -502,6 +512,23 @@ class Catalog:
         """
         with self._write() as db:
             return self._reconcile(db, keys, size_of, None)
+
+    def reconcile_abandoned(self, keys: Sequence[str], size_of: SizeOf, cutoff: float) -> int:
+        """:meth:`reconcile`, except for a key whose record is, in the transaction, a
+        reservation made at or after ``cutoff`` by a process not known dead (see
+        :meth:`reserve`): a live writer's, left as it is. Recovery at open judges the records
+        it read before walking the tree; a live writer may have reserved one of those keys
+        again meanwhile. Returns how many records it removed."""
+        with self._write() as db:
+            dead: dict[str | None, bool] = {}
+            settled = []
+            for key in keys:
+                row = db.execute(
+                    "SELECT ready, last_access, owner FROM blocks WHERE key=?", (key,)
+                ).fetchone()
+                if row is None or row[0] or _abandoned(row[1], row[2], cutoff, dead):
+                    settled.append(key)
+            return self._reconcile(db, settled, size_of, None)
 
     @staticmethod
     def _reconcile(

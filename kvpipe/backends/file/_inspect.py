@@ -129,15 +129,18 @@ def _repair_catalog(root: Root, catalog: Catalog, stale_after: float, counts: Co
                 counts["adopted"] += 1
     cutoff = time.time() - stale_after
     gone = []
+    # Judged again in each transaction: a live writer may have reserved a key again since
+    # the records were read (its reservation stays), or another process deleted or evicted
+    # it (not a repair).
     for key, (ready, reserved, owner) in records.items():
         dead = not ready and (reserved < cutoff or owner_is_dead(owner))
         if key in seen:
-            if dead:
-                catalog.reconcile([key], sizes(root))  # published; its writer died unsettled
+            if dead:  # published; its writer died unsettled
+                catalog.reconcile_abandoned([key], sizes(root), cutoff)
         elif ready or dead:
             gone.append(key)  # the file is gone, or its writer died before publishing it
-    if gone:  # another process may have deleted or evicted some meanwhile: not repairs
-        forgotten = catalog.reconcile(gone, sizes(root))
+    if gone:
+        forgotten = catalog.reconcile_abandoned(gone, sizes(root), cutoff)
         if forgotten:
             counts["forgotten"] = forgotten
 
