@@ -548,7 +548,8 @@ class KVPipeAttentionStore:
         FastDeploy's manager passes ``token_ids[:matched * block_size]`` with the
         ``matched`` blocks a query counted from the start index, so from a start index
         above 0 the tokens end ``start`` blocks short, and the blocks they cover are loaded
-        rather than none (one WARNING the first time)."""
+        rather than none (one WARNING the first time); tokens that end before the start
+        index cover none: 0."""
         gpu_block_ids = self._covered(token_ids, gpu_block_ids, start_read_block_idx)
 
         async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
@@ -557,6 +558,8 @@ class KVPipeAttentionStore:
             tokens = token_ids
             if not self.all_or_nothing_read:
                 tokens = token_ids[: len(block_ids) * self.block_token_size]
+                if len(tokens) // self.block_token_size < start_read_block_idx:
+                    return 0  # the tokens end before the start index: they cover none
             try:
                 r = await pipe.read(
                     tokens,
@@ -610,7 +613,7 @@ class KVPipeAttentionStore:
             "are read (FastDeploy passes the tokens of the blocks matched, not of the start "
             "index plus them; warned once)",
             len(token_ids),
-            usable + start,
+            len(token_ids) // self.block_token_size,
             usable,
             len(block_ids),
             start,

@@ -225,6 +225,35 @@ def test_a_read_from_a_start_index_loads_the_blocks_fastdeploys_tokens_cover(
         assert _rows(dk + dv, [30, 31]) == _rows(k + v, [10, 11])
 
 
+def test_a_read_from_a_start_index_past_the_tokens_loads_nothing_without_raising(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The common case of FastDeploy's short tokens: the server holds more blocks than the
+    store has past them (``start`` 4, ``matched`` 1), so ``token_ids[:matched *
+    block_size]`` ends before the start index. The read raised RequestError ('4 tokens make
+    1 full block(s); block_ids has 4') into FastDeploy's thread (an ERROR and a traceback
+    there) instead of loading the 0 blocks the tokens cover; the WARNING said the tokens
+    covered blocks up to 4."""
+    k, v = _gqa(True)
+    tokens = list(range(8 * BS))
+    with _store() as store:
+        assert store.write("w", k, v, tokens, [10, 11, 12, 13, 14], 0) == 5
+        dk, dv = _gqa(False)
+        start = 4
+        matched = store.query("q", tokens, start)
+        assert matched == 1
+        before = _rows(dk + dv, [20])
+        with caplog.at_level(logging.DEBUG, "kvpipe"):
+            n = store.read("r", dk, dv, tokens[: matched * BS], [20], start)
+        assert n == 0
+        assert _rows(dk + dv, [20]) == before  # untouched
+        warned = [r for r in caplog.records if "cover" in r.message]
+        assert [r.levelname for r in warned] == ["WARNING"]
+        assert "cover blocks up to 1," in warned[0].message  # block 0 only: 1 full block
+        assert store.read("r2", dk, dv, tokens, [20], start) == 1  # enough tokens: loaded
+        assert _rows(dk + dv, [20]) == _rows(k + v, [14])
+
+
 def test_query_counts_from_the_start_index_when_blocks_before_it_are_not_stored() -> None:
     """``query(..., start_match_block_idx=m)`` asks about blocks ``m ..`` only (FastDeploy's
     AttentionStore passes the index to the SDK's ``match``): a server holding blocks ``0 ..
