@@ -441,7 +441,11 @@ class KVPipeAttentionStore:
         unbound: int = 0,
     ) -> int:
         """``fn(pipeline)``'s count over the most recently used pipeline, run as :meth:`_call`
-        runs it; ``unbound`` when no caches are bound yet (0 after one WARNING when closed)."""
+        runs it; ``unbound`` when no caches are bound yet (0 after one WARNING when closed).
+
+        Raises:
+            kvpipe.WrongEventLoop: Called from inside a running event loop (bound or not)."""
+        self._loop.check_caller()
         entry = self._take(None)
         if entry is None:
             if self._loop.closed:

@@ -606,6 +606,24 @@ def test_called_inside_a_running_loop_raises_once_the_caches_are_bound(
         assert store.query("t", tokens, 0) == 2  # from a plain thread it works
 
 
+def test_query_and_flush_inside_a_running_loop_raise_before_the_caches_are_bound() -> None:
+    """Before a write or read bound the caches, ``query`` and ``flush_token_index`` never
+    reached the loop: from inside a running event loop they answered as if called from a
+    thread (a decode instance's query: every block asked about, as stored), where the docs
+    and every other call raise ``kvpipe.WrongEventLoop``."""
+    tokens = list(range(3 * BS))
+    with _store(splitwise_role="decode") as store:
+
+        async def inside() -> None:
+            with pytest.raises(kvpipe.WrongEventLoop, match="running event loop"):
+                store.query("t", tokens, 0)
+            with pytest.raises(kvpipe.WrongEventLoop, match="running event loop"):
+                store.flush_token_index("t", tokens, 0, True)
+
+        anyio.run(inside)
+        assert store.query("t", tokens, 0) == 3  # from a plain thread: every block asked
+
+
 def test_process_exit_without_close_is_prompt(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
