@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from .. import (
     BackendError,
     CacheLayout,
@@ -237,6 +239,8 @@ class KVPipeAttentionStore:
         #: read includes it and requires every block (decode side)
         self.all_or_nothing_read = pd_via_storage and splitwise_role == "decode"
         self._short_tokens_warned = False  # read: the one WARNING of too few tokens
+        #: each calling thread's last query: (task id, token ids), for its read (see read)
+        self._asked = threading.local()
         self.config = config or PipelineConfig.from_env(node_id=self.pod_name)
         #: write's deadline when the environment sets one: FastDeploy's AttentionStore.write
         #: takes AS_WRITE_TOTAL_TIMEOUT over the timeout the manager passes
@@ -553,7 +557,10 @@ class KVPipeAttentionStore:
         ``matched`` blocks a query counted from the start index, so from a start index
         above 0 the tokens end ``start`` blocks short, and the blocks they cover are loaded
         rather than none (one WARNING the first time); tokens that end before the start
-        index cover none: 0."""
+        index cover none: 0. Unless the calling thread's last ``query`` was of this
+        ``task_id`` with tokens that ``token_ids`` begins (FastDeploy's order: the query has
+        the request's tokens): the read then takes those, and loads every block matched."""
+        token_ids = self._asked_tokens(task_id, token_ids)
         gpu_block_ids = self._covered(token_ids, gpu_block_ids, start_read_block_idx)
 
         async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
@@ -602,6 +609,24 @@ class KVPipeAttentionStore:
             run,
         )
 
+    def _asked_tokens(self, task_id: str, token_ids: list[int]) -> list[int]:
+        """The token ids of this thread's last query of ``task_id`` when they run past
+        ``token_ids`` and begin with them; else ``token_ids``."""
+        last = getattr(self._asked, "last", None)
+        if last is None or last[0] != task_id:
+            return token_ids
+        asked = last[1]
+        n = len(token_ids)
+        if len(asked) <= n:
+            return token_ids
+        head = asked[:n]
+        same = (
+            head == token_ids
+            if isinstance(head, list) and isinstance(token_ids, list)
+            else bool(np.array_equal(np.asarray(head), np.asarray(token_ids)))
+        )
+        return asked if same else token_ids
+
     def _covered(self, token_ids: list[int], block_ids: list[int], start: int) -> list[int]:
         """``block_ids`` without those past the full blocks of ``token_ids`` (read
         from block ``start`` on); all of them on the all-or-nothing side, or when the
@@ -639,6 +664,8 @@ class KVPipeAttentionStore:
         bind its caches. The read then loads what is stored and returns that count, which
         FastDeploy takes as the truth (``gpu_block_ids[:n]``).
         """
+
+        self._asked.last = (task_id, token_ids)
 
         async def run(pipe: Pipeline) -> int:
             return await pipe.lookup(

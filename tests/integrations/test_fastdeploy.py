@@ -254,6 +254,41 @@ def test_a_read_from_a_start_index_past_the_tokens_loads_nothing_without_raising
         assert _rows(dk + dv, [20]) == _rows(k + v, [14])
 
 
+@pytest.mark.parametrize(("start", "pd"), [(2, False), (4, False), (1, True)])
+def test_a_read_after_its_query_loads_every_block_matched(start: int, pd: bool) -> None:
+    """In FastDeploy's order (read_storage_task: query(task, tokens, start), then from the
+    same thread read(task, tokens[:matched * block_size], ids[:matched], start)) the read
+    takes the query's tokens, which its own begin, and loads every block matched from the
+    start index, not only those its cut tokens cover (none at all once start >= matched;
+    on the decode side of PD via storage, a RequestError)."""
+    k, v = _gqa(True)
+    tokens = list(range(6 * BS + (3 if pd else 0)))
+    n = 7 if pd else 6
+    shared = kvpipe.MemoryStore()
+
+    def instance(role: str) -> KVPipeAttentionStore:
+        return KVPipeAttentionStore(
+            layer_num=LAYERS,
+            block_token_size=BS,
+            store=shared,
+            splitwise_role=role,
+            pd_via_storage=pd,
+        )
+
+    with instance("prefill" if pd else "mixed") as writer:
+        assert writer.write("w", k, v, tokens, list(range(10, 10 + n)), 0) == n
+    dk, dv = _gqa(False)
+    with instance("decode" if pd else "mixed") as reader:
+        if not pd:  # a mixed instance looks up nothing before its caches are bound
+            assert reader.read("bind", dk, dv, tokens[:BS], [31], 0) == 1
+        matched = reader.query("t", tokens, start)
+        assert matched == n - start
+        dst = list(range(20, 20 + matched))
+        got = reader.read("t", dk, dv, tokens[: matched * BS], dst, start)
+        assert got == matched
+        assert _rows(dk + dv, dst) == _rows(k + v, list(range(10 + start, 10 + n)))
+
+
 def test_query_counts_from_the_start_index_when_blocks_before_it_are_not_stored() -> None:
     """``query(..., start_match_block_idx=m)`` asks about blocks ``m ..`` only (FastDeploy's
     AttentionStore passes the index to the SDK's ``match``): a server holding blocks ``0 ..
