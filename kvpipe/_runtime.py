@@ -406,12 +406,17 @@ class Runtime:
 
     @staticmethod
     def _drain(recv: MemoryObjectReceiveStream[Any]) -> None:
+        """Let go of the jobs in ``recv``. Each is taken as an actor's loop takes it: one
+        that a sender still waiting was moving in (an escalation drains while the other
+        actors run) is then the drain's, not that sender's, also when its wait is cancelled
+        in the same step (:meth:`~kvpipe.actors.Actor.send`); a withdrawn one is its
+        sender's."""
         while True:
             try:
                 item = recv.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
-            if isinstance(item, SliceJob) and not item.withdrawn and not item.lease.released:
+            if isinstance(item, SliceJob) and item.take() and not item.lease.released:
                 item.release()
 
     # -- the common path ---------------------------------------------------------------------

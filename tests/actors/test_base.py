@@ -11,6 +11,7 @@ import pytest
 from anyio.streams.memory import MemoryObjectSendStream
 
 from kvpipe._plan import SliceSpec
+from kvpipe._runtime import Runtime
 from kvpipe._staging import StagingPool
 from kvpipe.actors._base import Actor
 from kvpipe.actors._channels import SliceJob
@@ -139,3 +140,32 @@ async def test_a_job_moved_into_the_inbox_as_its_waiting_send_is_cancelled_stays
                 await anyio.lowlevel.checkpoint()
     assert results == ["cancelled"]  # the sender owns the job ...
     assert keeper.kept == []  # ... and no actor handles it
+
+
+async def test_a_job_drained_from_a_waiting_sender_as_its_wait_is_cancelled_is_released_once() -> (
+    None
+):
+    """An escalation fails the requests (cancelling their senders' waits) and drains the
+    escalated actor's inbox in one step, while the other actors still run. Draining moves
+    a waiting sender's job in and lets go of it: the drain took it, so the sender, whose
+    wait anyio still cancels, must not let go of it a second time ("staging lease released
+    twice", the sending actor crashing; slots a worker thread holds handed back under it).
+    With anyio 4.15 closing the inbox leaves the sender waiting, so this is what an
+    escalation did."""
+    pool = StagingPool(64, 2)
+    send, recv = anyio.create_memory_object_stream[SliceJob](1)
+    head, job = _job(pool), _job(pool)
+    send.send_nowait(head)  # the inbox is full
+    results: list[object] = []
+    scope = anyio.CancelScope()
+
+    async with send, recv, anyio.create_task_group() as tg:
+        tg.start_soon(_send, send, job, scope, results)
+        while not send.statistics().tasks_waiting_send:
+            await anyio.lowlevel.checkpoint()
+        scope.cancel()  # the request failed, in the same step as ...
+        Runtime._drain(recv)  # ... the escalated actor's inbox drained
+    assert head.lease.released and job.lease.released
+    # The drain took it and let go of it: the sender (which lets go of a job it still owns,
+    # one its send did not hand over) does not own it.
+    assert results == [True] and not job.withdrawn

@@ -384,6 +384,70 @@ async def test_an_escalation_lets_go_of_the_slices_waiting_for_the_escalated_act
     free_device_cache(fake, cache)
 
 
+async def test_an_escalation_lets_go_of_a_slice_waiting_to_enter_the_escalated_inbox_once(
+    fake: FakeDriver, producer: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swapper escalates while one read's slice waits in its full inbox and another's
+    waits for room there (its reader in ``send_until``). Draining the inbox at escalation
+    moves the waiting slice in, and must not release it: its sender, whose wait the failed
+    request cancels, must not let go of it again. Released by both before, the reader
+    crashed on "staging lease released twice" after the escalation. (With anyio 4.16 and
+    later, closing the inboxes first withdraws the waiting slice, so this fails with anyio
+    4.15 only, which kvpipe supports; tests/actors/test_base.py shows the hand-over on any
+    anyio.)"""
+    layout = LAYOUTS["gqa"]()
+    cache = fake_device_cache(fake, layout, 8)
+    tokens = np.arange(layout.block_size)
+    entered, go = anyio.Event(), anyio.Event()
+    scatter = Swapper._scatter
+
+    async def crashing_scatter(self: Swapper, job: SliceJob) -> None:
+        if job.state.request_id.startswith("crash"):
+            entered.set()
+            await go.wait()
+            raise RuntimeError("injected copy failure")
+        await scatter(self, job)
+
+    monkeypatch.setattr(Swapper, "_scatter", crashing_scatter)
+    cfg = kvpipe.PipelineConfig(
+        slice_block_num=1,
+        queue_depth=1,
+        copy_threads=1,
+        max_restarts=1,
+        total_timeout=3600,
+        slice_timeout=3600,
+    )
+    async with kvpipe.open_pipeline(
+        cache, kvpipe.MemoryStore(), config=cfg, device_driver=fake
+    ) as pipe:
+        assert (await pipe.write(tokens, [0], stream=producer)).complete
+        go.set()
+        first = await pipe.read(tokens, [1], stream=producer, request_id="crash-1")
+        assert first.stop_reason == "actor_crashed"  # restarted; the next crash escalates
+        entered, go = anyio.Event(), anyio.Event()
+        outcomes: dict[str, object] = {}
+
+        async def read(rid: str, block: int) -> None:
+            with pytest.raises(kvpipe.PipelineClosed) as info:
+                await pipe.read(tokens, [block], stream=producer, request_id=rid)
+            outcomes[rid] = info.value
+
+        swapper = pipe._runtime._outboxes.swapper  # type: ignore[union-attr]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read, "crash-2", 1)
+            await entered.wait()
+            tg.start_soon(read, "b", 2)
+            await until(lambda: pipe.statistics().queue_depths["swapper"] == 1)
+            tg.start_soon(read, "c", 3)
+            await until(lambda: swapper.statistics().tasks_waiting_send == 1)
+            go.set()
+        assert sorted(outcomes) == ["b", "c", "crash-2"] and pipe.closed
+        await until(lambda: pipe._runtime._supervisor is None or pipe._runtime._supervisor.stopped)
+        assert [c.actor for c in pipe.crashes()] == ["swapper", "swapper"]
+        assert pipe.statistics().staging_in_use_bytes == 0
+    free_device_cache(fake, cache)
+
+
 async def test_a_copy_failure_fails_the_slice_and_the_pipeline_goes_on(
     fake: FakeDriver, producer: int
 ) -> None:
