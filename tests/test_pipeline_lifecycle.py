@@ -9,11 +9,14 @@ import weakref
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 import trio.testing
 
 import kvpipe
+from kvpipe import _runtime as runtime_module
+from kvpipe._runtime import Runtime
 from kvpipe.actors import scheduler as scheduler_module
 from tests.fakes import Act, ScriptedStore
 from tests.helpers import fill_random, until
@@ -234,3 +237,52 @@ async def test_an_actor_crashing_as_the_close_deadline_cancels_it_is_a_crash_not
         ("scheduler", "RuntimeError('injected scheduler bug')", False)
     ]
     assert "actor scheduler crashed (RuntimeError('injected scheduler bug'))" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})]
+)
+async def test_an_actor_crashing_as_it_is_cancelled_at_close_is_not_restarted_on_any_loop(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As above, on every loop, with the handlers let go of by the actors' cancellation
+    itself (no clock). On asyncio anyio's task group leaves a task that ended cancelled out
+    of the group it raises: the supervisor saw a plain crash and recorded, counted and
+    logged a restart ("restarting (1 of 3 allowed ...)", ``restarted=True``) of an actor
+    that was being cancelled at the close deadline, where trio's said ``restarted=False``."""
+    cancelled = anyio.Event()
+    cancel_actors = Runtime.cancel_actors
+
+    def cancel_and_tell(self: Runtime) -> None:
+        cancel_actors(self)
+        cancelled.set()
+
+    async def stuck(ctx: Any, request_id: str, *args: Any, **kw: Any) -> int:
+        with anyio.CancelScope(shield=True):  # past the deadline, as a copy thread's wait
+            await cancelled.wait()
+        if request_id == "raises":
+            raise RuntimeError("injected scheduler bug")
+        await anyio.lowlevel.checkpoint()  # the other one ends cancelled
+        return 0
+
+    monkeypatch.setattr(Runtime, "cancel_actors", cancel_and_tell)
+    monkeypatch.setattr(runtime_module, "UNWIND_GRACE", 0.02)
+    monkeypatch.setattr(scheduler_module, "probe_leading", stuck)
+    config = kvpipe.PipelineConfig(close_timeout=0.01)
+    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), config=config) as pipe:
+
+        async def write(rid: str) -> None:
+            with pytest.raises(kvpipe.PipelineClosed):
+                await pipe.write(TOKENS, IDS, request_id=rid)
+
+        async with anyio.create_task_group() as tg:
+            for rid in ("raises", "cancelled"):
+                tg.start_soon(write, rid)
+            await _until_in_flight(pipe, 2)
+            await pipe.aclose()
+    assert [(c.actor, c.error, c.restarted) for c in pipe.crashes()] == [
+        ("scheduler", "RuntimeError('injected scheduler bug')", False)
+    ]
+    assert pipe.statistics().restarts.get("scheduler", 0) == 0
+    assert "restarting" not in caplog.text
+    assert "as it was cancelled at the close deadline; not restarted" in caplog.text

@@ -14,6 +14,7 @@ returns, the supervisor lets go of its actors and callback.
 from __future__ import annotations
 
 import logging
+import math
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -55,6 +56,12 @@ def _split_crash(exc: BaseException) -> tuple[Exception | None, BaseException | 
         return None, exc
     errors, rest = exc.split(Exception)
     return errors, rest
+
+
+def _cancelled_here() -> bool:
+    """Whether the calling task's cancel scopes have been cancelled (the actors', at the
+    close deadline)."""
+    return anyio.current_effective_deadline() == -math.inf
 
 
 def _forget_frames(exc: BaseException | None, seen: set[int] | None = None) -> None:
@@ -144,9 +151,12 @@ class Supervisor:
                 error, ended = _split_crash(exc)
                 if error is None:
                     raise
-                stop = self._on_crash(child, actor, error, crashes, restart=ended is None)
+                # On asyncio anyio's task group leaves a task that ended cancelled out of the
+                # group: the cancellation shows in the scope the actors run in, not in it.
+                cancelled = ended is not None or _cancelled_here()
+                stop = self._on_crash(child, actor, error, crashes, restart=not cancelled)
                 del error
-                if stop and ended is None:
+                if (stop or cancelled) and ended is None:
                     return
             finally:
                 self._live.pop(child.name, None)
