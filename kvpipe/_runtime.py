@@ -319,7 +319,9 @@ class Runtime:
         request and how far it got), logged in one WARNING (``message``, ``why``); then close
         the inboxes: every actor leaves its loop once its inbox is empty. Each caller gets
         an error of its own: one raised in many would carry all their tracebacks."""
-        pending = [s for s in self._in_flight if not s.done]
+        # Not one that has ended, or is ending (a read waiting for its scatters): the first
+        # ending wins, so failing it changes nothing (its ending is logged when it settles).
+        pending = [s for s in self._in_flight if not s.ending]
         if pending:
             shown = "; ".join(s.describe() for s in pending[:_LOGGED_REQUESTS])
             more = len(pending) - _LOGGED_REQUESTS

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 import trio.testing
 
 import kvpipe
+from kvpipe._runtime import Runtime
+from kvpipe.actors import reader as reader_module
 from kvpipe.backends.file._fs import Root
 from tests.fakes import Act, CrashHooks, ScriptedStore
 from tests.helpers import fill_random
@@ -316,3 +320,59 @@ async def test_the_file_store_lines_name_the_request_and_its_blocks(
     message = write_line.getMessage()
     for part in ("write w-eio", "blocks 0-7", "injected I/O error"):
         assert part in message, message
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [("trio", {"clock": trio.testing.MockClock(autojump_threshold=0.1)})]
+)
+async def test_a_read_ended_before_close_is_not_logged_as_failed_by_it(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read whose caller was cancelled while its check-and-scatter copies (in a copy
+    thread, shielded) has ended, but it stays in flight until the copy is out. The close
+    deadline passing then does not fail it (the first ending wins: its caller sees its
+    cancellation), yet the close's WARNING named it among the requests it "failed"."""
+    layout = kvpipe.CacheLayout.gqa(
+        num_layers=4, num_kv_heads=2, head_dim=64, block_size=BS, dtype="bfloat16"
+    )
+    cache = kvpipe.create_kv_cache(layout, 32)
+    fill_random(cache)
+    entered, go = threading.Event(), threading.Event()
+    check_and_scatter = reader_module.check_and_scatter
+
+    def held(*args: Any) -> Any:
+        entered.set()
+        go.wait(10)
+        return check_and_scatter(*args)
+
+    stop_all = Runtime._stop_all
+
+    def stop_all_then_go(self: Runtime, *args: Any) -> None:
+        stop_all(self, *args)
+        go.set()
+
+    monkeypatch.setattr(reader_module, "check_and_scatter", held)
+    monkeypatch.setattr(Runtime, "_stop_all", stop_all_then_go)
+    config = kvpipe.PipelineConfig(
+        slice_block_num=16, total_timeout=600, close_timeout=1, staging_bytes=4 << 20
+    )
+    tokens = np.arange(16 * BS)
+    caplog.set_level(logging.INFO, logger="kvpipe")
+    async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore(), config=config) as pipe:
+        assert (await pipe.write(tokens, np.arange(16))).complete
+        async with anyio.create_task_group() as tg:
+            caller = anyio.CancelScope()
+
+            async def read() -> None:
+                with caller:
+                    await pipe.read(tokens, np.arange(16, 32), request_id="r-cancelled")
+
+            tg.start_soon(read)
+            while not entered.is_set():  # the copy thread has the slice (real time)
+                await anyio.lowlevel.checkpoint()
+            caller.cancel()
+            await pipe.aclose()
+    assert caller.cancelled_caught
+    messages = [r.getMessage() for r in _at_least(caplog, logging.INFO)]
+    failed = [m for m in messages if "request(s) in flight" in m]
+    assert not any("r-cancelled" in m for m in failed), failed

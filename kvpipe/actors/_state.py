@@ -68,6 +68,12 @@ class RequestState(abc.ABC):
         return self._over
 
     @property
+    def ending(self) -> bool:
+        """Whether the request has ended, or an ending has been decided that a later one
+        cannot change (a read aborted, waiting for its running scatters)."""
+        return self._over
+
+    @property
     @abc.abstractmethod
     def error(self) -> BaseException | None:
         """The error the caller sees instead of a result (``None``: none)."""
@@ -370,6 +376,10 @@ class ReadState(SlicedState):
     def result(self) -> ReadResult | None:
         """The result, once settled."""
         return self.machine.result
+
+    @property
+    def ending(self) -> bool:
+        return self._over or self.machine.aborted
 
     def plan(self, slices: tuple[SliceSpec, ...]) -> None:
         """Set the slices; each must later be resolved exactly once (none: the read ends)."""
