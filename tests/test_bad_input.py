@@ -341,7 +341,36 @@ async def test_a_mooncake_master_that_is_not_there() -> None:
         await kvpipe.MooncakeStore(f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata").open()
 
 
-async def test_a_raw_key_with_a_path_in_it() -> None:
-    store = kvpipe.MemoryStore()
-    with pytest.raises(ValueError, match="invalid block key"):
-        await store.delete(["../../etc/passwd"])
+@pytest.mark.parametrize("kind", ["memory", "file"])
+async def test_a_raw_key_with_a_path_in_it(kind: str, tmp_path: Path) -> None:
+    """A store's own refusal of a key is a kvpipe error (``RequestError``, still a
+    ``ValueError``): it was a bare ``ValueError``, outside the one hierarchy."""
+    store: kvpipe.StorageBackend = (
+        kvpipe.MemoryStore() if kind == "memory" else kvpipe.FileStore(tmp_path / "s")
+    )
+    async with store:
+        with pytest.raises(kvpipe.RequestError, match="invalid block key"):
+            await store.delete(["../../etc/passwd"])
+        with pytest.raises(kvpipe.RequestError, match="invalid block key"):
+            await store.get_residency(["a b"])
+
+
+async def test_a_value_client_refuses_bad_arguments_with_kvpipe_errors() -> None:
+    """``ValueClient`` (public): a bad key or value is a ``RequestError``, a bad ``slots`` a
+    ``ConfigError`` (both still ``ValueError``); they were bare ``ValueError``."""
+    with pytest.raises(kvpipe.ConfigError, match="slots") as info:
+        kvpipe.ValueClient(kvpipe.MemoryStore(), slots=0)
+    assert info.value.field == "slots"
+    async with kvpipe.MemoryStore() as store, kvpipe.ValueClient(store) as client:
+        with pytest.raises(kvpipe.RequestError, match="invalid block key"):
+            await client.put(["../x"], [b"x"])
+        with pytest.raises(kvpipe.RequestError, match="one value per key"):
+            await client.put(["a", "b"], [b"x"])
+        with pytest.raises(kvpipe.RequestError, match="empty value"):
+            await client.put(["a"], [b""])
+        with pytest.raises(kvpipe.RequestError, match="one positive size per key"):
+            await client.get(["a"], [0])
+        with pytest.raises(kvpipe.RequestError, match="invalid block key"):
+            await client.exists(["a b"])
+        with pytest.raises(kvpipe.RequestError, match="invalid block key"):
+            await client.delete(["a b"])

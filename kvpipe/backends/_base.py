@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
+from .._errors import RequestError
 from .._keys import Scope, Tokens
 from .._results import ResidencyEntry
 from .._staging import StagingLease, private_lease
@@ -38,10 +39,11 @@ def validate_key(key: str) -> str:
     every key they receive.
 
     Raises:
-        ValueError: The key has another character, is empty, or is too long.
+        RequestError: The key has another character, is empty, or is too long (a
+            ``ValueError``).
     """
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-        raise ValueError(f"invalid block key {key!r}")
+        raise RequestError(f"invalid block key {key!r}")
     return key
 
 

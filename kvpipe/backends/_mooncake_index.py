@@ -15,7 +15,7 @@ from typing import Any, Final, final
 
 import anyio
 
-from .._errors import BackendError
+from .._errors import BackendError, RequestError
 from .._results import Residency, ResidencyEntry
 from ._base import validate_key
 
@@ -53,12 +53,13 @@ class ResidencyIndex:
 
         Raises:
             BackendError: A vendor call failed, or a node would not stay in the registry.
-            ValueError: A node id that is empty, not printable, or holds a space or ``@``
-                (the registry is one id a line; a record is named ``key@node``).
+            RequestError: A node id that is empty, not printable, or holds a space or ``@``
+                (the registry is one id a line; a record is named ``key@node``), or a bad
+                key (a ``ValueError``).
         """
         for node in {e.node_id for e in entries}:
             if not node or not node.isprintable() or any(c.isspace() or c == "@" for c in node):
-                raise ValueError(f"node id {node!r}: printable, without spaces or '@'")
+                raise RequestError(f"node id {node!r}: printable, without spaces or '@'")
         for node in {e.node_id for e in entries}:
             await self._register(client, node)
         # The last record of each (key, node): the vendor's upsert_batch of a name given more

@@ -14,6 +14,7 @@ from typing import Any, Final, TypeAlias, TypeVar
 import anyio
 import numpy as np
 
+from .._errors import ConfigError, RequestError
 from .._keys import Scope, as_tokens
 from .._plan import leading_run
 from .._staging import StagingLease, StagingPool
@@ -80,7 +81,7 @@ class ValueClient:
         if not isinstance(store, StorageBackend):
             raise TypeError(f"store must be a kvpipe.StorageBackend, got {type(store).__name__}")
         if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots!r}")
+            raise ConfigError("slots", f"must be >= 1, got {slots!r}")
         self.store = store
         self.scope = Scope(namespace, VALUES_FINGERPRINT)
         self.slots = slots
@@ -164,19 +165,19 @@ class ValueClient:
             One status per key.
 
         Raises:
-            ValueError: A bad key, an empty value, or keys and values of different lengths
-                (before anything is stored).
+            RequestError: A bad key, an empty value, or keys and values of different
+                lengths (before anything is stored; a ``ValueError``).
             Exception: Whatever the store raised for the whole batch.
 
         Cancellation: as the store's ``put_blocks`` (values not yet published are not).
         """
         if len(keys) != len(values):
-            raise ValueError("one value per key")
+            raise RequestError("one value per key")
         for k in keys:
             validate_key(k)
         sizes = [memoryview(v).nbytes for v in values]
         if 0 in sizes:
-            raise ValueError(f"empty value for key {keys[sizes.index(0)]!r}")
+            raise RequestError(f"empty value for key {keys[sizes.index(0)]!r}")
         out: list[BlockStatus] = [BlockStatus.FAILED] * len(keys)
         for size, picked in self._runs(sizes):
             pool = await self._pool(size)
@@ -203,13 +204,14 @@ class ValueClient:
             empty one.
 
         Raises:
-            ValueError: A bad key or size, or keys and sizes of different lengths.
+            RequestError: A bad key or size, or keys and sizes of different lengths (a
+                ``ValueError``).
             Exception: Whatever the store raised for the whole batch.
 
         Cancellation: as the store's ``get_blocks``.
         """
         if len(keys) != len(nbytes) or any(int(n) < 1 for n in nbytes):
-            raise ValueError("one positive size per key")
+            raise RequestError("one positive size per key")
         for k in keys:
             validate_key(k)
         out = [(BlockStatus.FAILED, bytearray()) for _ in keys]

@@ -179,7 +179,7 @@ class MemoryStore(StorageBackend):
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove keys (missing ones are ignored); a cancelled call removes none, nor does
-        one with an invalid key (``ValueError``)."""
+        one with an invalid key (``RequestError``, a ``ValueError``)."""
         await anyio.lowlevel.checkpoint()
         checked = [validate_key(key) for key in keys]
         with self._lock:
@@ -190,7 +190,7 @@ class MemoryStore(StorageBackend):
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
         """Record where each entry's node holds its block; a cancelled call records none, nor
-        does one with an invalid key (``ValueError``)."""
+        does one with an invalid key (``RequestError``, a ``ValueError``)."""
         await anyio.lowlevel.checkpoint()
         for e in entries:
             validate_key(e.key)

@@ -760,8 +760,9 @@ class MooncakeStore(StorageBackend):
 
         Raises:
             BackendError: A vendor call failed.
-            ValueError: A key or node id that cannot name a record (see :func:`validate_key`;
-                node ids: printable, without spaces or ``@``).
+            RequestError: A key or node id that cannot name a record (see
+                :func:`validate_key`; node ids: printable, without spaces or ``@``; a
+                ``ValueError``).
         """
         await self._index.put(await self._ready(), entries)
 

@@ -613,17 +613,17 @@ async def test_invalid_raw_keys_are_refused_by_every_method(
     root = tmp_path / "store"
     good, _ = b.keys(1, seed=9)
     batch_keys = [good[0], key]
-    with pytest.raises(ValueError, match="invalid block key"):
+    with pytest.raises(kvpipe.RequestError, match="invalid block key"):
         await put_chain(b, store, batch_keys, make_values(2, seed=9))
-    with pytest.raises(ValueError, match="invalid block key"):
+    with pytest.raises(kvpipe.RequestError, match="invalid block key"):
         await get_raw(b, store, batch_keys)
-    with pytest.raises(ValueError, match="invalid block key"):
+    with pytest.raises(kvpipe.RequestError, match="invalid block key"):
         await store.exists(b.key_batch(batch_keys))
-    with pytest.raises(ValueError, match="invalid block key"):
+    with pytest.raises(kvpipe.RequestError, match="invalid block key"):
         await store.delete(batch_keys)
-    with pytest.raises(ValueError, match="invalid block key"):
+    with pytest.raises(kvpipe.RequestError, match="invalid block key"):
         await store.get_residency(batch_keys)
-    with pytest.raises(ValueError, match="invalid block key"):
+    with pytest.raises(kvpipe.RequestError, match="invalid block key"):
         await store.put_residency([kvpipe.ResidencyEntry(key, "node", kvpipe.Residency.GPU, 0.0)])
     assert sorted(os.listdir(tmp_path)) == ["store"]
     assert not (root / "blocks").exists()

@@ -184,7 +184,7 @@ async def test_a_node_id_that_cannot_name_a_record_is_refused_before_anything_is
     index = ResidencyIndex("mooncake", _call)
     await index.put(client, [_entry("a")])
     before = dict(client.data)
-    with pytest.raises(ValueError, match="node id"):
+    with pytest.raises(kvpipe.RequestError, match="node id"):
         await index.put(client, [_entry("c"), _entry(bad)])
     assert client.data == before
 
