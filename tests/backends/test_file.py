@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sqlite3
 import stat
 import threading
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from kvpipe._staging import StagingPool
 from kvpipe._workers import ThreadRunner
 from kvpipe.backends import BlockStatus, StorageBackend
 from kvpipe.backends.file import store as store_mod
+from kvpipe.backends.file._catalog import Catalog
 from kvpipe.testing import BackendConformance
 from kvpipe.testing.batches import Batches, random_values
 from tests.backends.test_file_capacity import _check_accounting
@@ -25,6 +27,7 @@ from tests.backends.test_file_hostile import (
     VALUE,
     batches,
     block_file,
+    get_raw,
     make_values,
     put_chain,
 )
@@ -192,7 +195,7 @@ async def test_a_call_after_close_is_refused_without_opening_the_store_again(
             await store.open()
         await store.aclose()
         assert store.closed
-        with pytest.raises((kvpipe.BackendError, OSError)):
+        with pytest.raises(kvpipe.BackendError):
             await store.exists(b.key_batch(keys))
         with pytest.raises(kvpipe.BackendError, match="closed"):
             await store.open()
@@ -318,3 +321,54 @@ def test_a_share_that_raised_leaves_no_reference_cycle() -> None:
     finally:
         if enabled:
             gc.enable()
+
+
+def _locked(*_: object) -> Any:
+    raise sqlite3.OperationalError("database is locked")
+
+
+def _eio(*_: object) -> Any:
+    raise OSError(errno.EIO, "Input/output error")
+
+
+#: (operation, what fails in the worker thread: (where, name, how)).
+_FAILING: list[tuple[str, list[tuple[Any, str, Any]]]] = [
+    ("put_residency", [(Catalog, "put_residency", _locked)]),
+    ("get_residency", [(Catalog, "get_residency", _locked)]),
+    ("delete", [(Catalog, "reconcile", _locked)]),
+    ("put_blocks", [(Catalog, "reserve", _locked)]),
+    ("exists", [(store_mod, "regular_files", _eio), (store_mod.Root, "exists", _eio)]),
+    ("get_blocks", [(store_mod, "read_batch", _eio), (store_mod, "read_one", _eio)]),
+]
+
+
+@pytest.mark.parametrize(("op", "failing"), _FAILING, ids=[f[0] for f in _FAILING])
+async def test_a_failing_catalog_or_disk_is_a_backend_error_not_a_vendor_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, op: str, failing: list[tuple[Any, str, Any]]
+) -> None:
+    """SQLite's and the OS's errors from a call's worker thread (the catalog locked past its
+    busy timeout, a read-only catalog's ``CatalogFull``, an I/O error under a probe) escaped
+    the store's methods as they were: ``sqlite3.OperationalError`` or ``OSError``, outside
+    kvpipe's one hierarchy (open already translated them). Now a ``BackendError`` naming the
+    method, chained to the vendor's error."""
+    async with batches() as b, kvpipe.FileStore(tmp_path / "store") as store:
+        keys, _ = b.keys(2, seed=3)
+        entry = kvpipe.ResidencyEntry(keys[0], "node", kvpipe.Residency.GPU, 0.0)
+        calls = {
+            "put_residency": lambda: store.put_residency([entry]),
+            "get_residency": lambda: store.get_residency(keys),
+            "delete": lambda: store.delete(keys),
+            "put_blocks": lambda: put_chain(b, store, keys, make_values(2, 3)),
+            "exists": lambda: store.exists(b.key_batch(keys)),
+            "get_blocks": lambda: get_raw(b, store, keys),
+        }
+        assert await put_chain(b, store, keys, make_values(2, 3)) == [BlockStatus.OK] * 2
+        for where, name, how in failing:
+            monkeypatch.setattr(where, name, how)
+        with pytest.raises(kvpipe.BackendError) as info:
+            await calls[op]()
+        monkeypatch.undo()
+        assert info.value.backend == "file" and info.value.operation == op, str(info.value)
+        assert isinstance(info.value.__cause__, OSError | sqlite3.Error)
+        assert str(info.value.__cause__) in str(info.value)
+        assert len(await store.exists(b.key_batch(keys))) == 2  # the store still answers

@@ -61,6 +61,9 @@ log = logging.getLogger("kvpipe.file_store")
 T = TypeVar("T")
 U = TypeVar("U")
 _DURABILITIES = ("none", "data", "full")
+#: Errors of the OS and of SQLite that a method's worker thread may raise: translated into
+#: :class:`BackendError` at the store's boundary (``CatalogFull`` is an ``OSError``).
+_VENDOR_ERRORS: Final = (OSError, sqlite3.Error)
 #: Values at least this large the page cache holds whole are read by mapping their files:
 #: hot reads through the pipeline ran ahead of reading them into a bounce buffer at 8 MiB,
 #: about even at 4 MiB and behind at 2 MiB and below, where the bounce buffer stays in the
@@ -292,7 +295,16 @@ class FileStore(StorageBackend):
             self._counters.update(deltas)
 
     async def _thread(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        return await self._gate.run(op, self._inflight.track(fn), *args)
+        try:
+            return await self._gate.run(op, self._inflight.track(fn), *args)
+        except _VENDOR_ERRORS as exc:
+            raise self._failed(op, exc) from exc
+
+    def _failed(self, op: str, exc: Exception) -> BackendError:
+        """``op``'s failure ``exc`` (the OS's or SQLite's: the catalog locked past its busy
+        timeout, or read-only; an I/O error; the store closing under the call) as the
+        :class:`BackendError` every store method raises instead."""
+        return BackendError(self.name, op, f"{self.path}: {type(exc).__name__}: {exc}")
 
     # -- blocks ------------------------------------------------------------------------------
 
@@ -328,6 +340,8 @@ class FileStore(StorageBackend):
         except anyio.get_cancelled_exc_class():
             abandoned.set()
             raise
+        except _VENDOR_ERRORS as exc:  # the catalog's reservation, say: nothing published
+            raise self._failed("put_blocks", exc) from exc
 
     def _put_sync(
         self,
@@ -463,7 +477,7 @@ class FileStore(StorageBackend):
         (:func:`._shares.in_shares`)."""
         pool = self._executor
         if pool is None:
-            raise RuntimeError("file store is closed")
+            raise OSError(errno.ESHUTDOWN, "the file store is closed")
         return in_shares(pool, self.threads, fn, items, self.path)
 
     def _refuse_direct(self, root: Root, exc: OSError) -> None:
@@ -490,16 +504,19 @@ class FileStore(StorageBackend):
         """
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        return await batch.run_sync(
-            self._inflight.track(self._get_sync),
-            root,
-            catalog,
-            keys,
-            batch.buffers,
-            batch.scope.fingerprint,
-            batch.sink,
-            _batch_label("read", batch),
-        )
+        try:
+            return await batch.run_sync(
+                self._inflight.track(self._get_sync),
+                root,
+                catalog,
+                keys,
+                batch.buffers,
+                batch.scope.fingerprint,
+                batch.sink,
+                _batch_label("read", batch),
+            )
+        except _VENDOR_ERRORS as exc:
+            raise self._failed("get_blocks", exc) from exc
 
     def _get_sync(
         self,
