@@ -19,7 +19,16 @@ from typing import Any, Final
 import anyio
 import xxhash
 
-from .. import BlockStatus, ConfigError, FileStore, StorageBackend, ValueClient, WrongEventLoop
+from .. import (
+    BackendError,
+    BlockStatus,
+    ConfigError,
+    FileStore,
+    RequestError,
+    StorageBackend,
+    ValueClient,
+    WrongEventLoop,
+)
 from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
 
 __all__ = ("KVPipeStorage",)
@@ -120,7 +129,8 @@ class KVPipeStorage:
     Args:
         file_path: The store's base directory; the store lives in ``<file_path>/<namespace>``.
             Not given: ``KVPIPE_STORE`` (a URL), else ``FILE_BACKEND_STORAGE_DIR``, else
-            ``~/.cache/kvpipe/fastdeploy``. ``None`` or ``""``: ``ValueError``.
+            ``~/.cache/kvpipe/fastdeploy``. ``None`` or ``""``: ``ConfigError`` (a
+            ``ValueError``); a directory that cannot be made: ``BackendError``.
         namespace: FastDeploy's model id; scopes every key.
         tp_rank: Only rank 0 creates the directory at construction.
         tp_size: The deployment's TP size; in every key, beside the namespace. FastDeploy's
@@ -162,7 +172,7 @@ class KVPipeStorage:
         if unknown:
             log.debug("KVPipeStorage: ignoring unknown keywords %s", sorted(unknown))
         if file_path is not _UNSET and (file_path is None or file_path == ""):
-            raise ValueError("file_path must be specified for the FileStore backend")
+            raise ConfigError("file_path", "file_path must be specified for the FileStore backend")
         self.namespace = namespace or ""
         self.tp_rank = tp_rank or 0
         self.tp_size = tp_size or 1
@@ -185,10 +195,13 @@ class KVPipeStorage:
                 base = os.fspath(file_path)
                 self.file_path = os.path.join(base, self.namespace) if self.namespace else base
                 if self.tp_rank == 0:
-                    os.makedirs(self.file_path, exist_ok=True)
+                    try:
+                        os.makedirs(self.file_path, exist_ok=True)
+                    except OSError as exc:  # as the store's own open would say it
+                        raise BackendError("file", "open", f"{self.file_path}: {exc}") from exc
                 store = FileStore(self.file_path)
         elif file_path is not _UNSET:
-            raise ValueError("give file_path or store, not both")
+            raise ConfigError("file_path", "give file_path or store, not both")
         self.store = store
         #: kvpipe keys this instance stored or saw stored, least recent first, at most
         #: remember_keys of them
@@ -291,7 +304,7 @@ class KVPipeStorage:
         for loc, size in zip(target_locations, target_sizes, strict=True):
             ptr, nbytes = _int(loc, "target_location"), _int(size, "target_size")
             if ptr <= 0 or nbytes <= 0:
-                raise ValueError(f"bad target location/size {loc!r}/{size!r}")
+                raise RequestError(f"bad target location/size {loc!r}/{size!r}")
             spans.append((ptr, nbytes))
         # In chunks: only a chunk's copies are alive at once, not a copy of the whole batch
         # (a long request's batch is as big as the manager's write buffer).
@@ -327,7 +340,7 @@ class KVPipeStorage:
     ) -> int:
         """One key of :meth:`batch_set`: 0 or -1."""
         if not isinstance(target_location, int) or target_size is None:
-            raise ValueError("target_location must be a pointer int with target_size")
+            raise RequestError("target_location must be a pointer int with target_size")
         return self.batch_set([key], [target_location], [target_size])[0]
 
     def batch_get(

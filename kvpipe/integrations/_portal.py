@@ -24,6 +24,7 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from .. import (
+    ConfigError,
     FileStore,
     MemoryStore,
     MooncakeStore,
@@ -304,19 +305,22 @@ def store_from_url(url: str) -> StorageBackend:
     ``mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata``.
 
     Raises:
-        ValueError: An unknown scheme, a relative or empty file path, or a Mooncake URL
-            without host, port or ``metadata``.
+        ConfigError: ``KVPIPE_STORE`` (its ``field``; a ``ValueError``): an unknown scheme, a
+            relative or empty file path, or a Mooncake URL without host, port or
+            ``metadata``.
     """
     if not isinstance(url, str) or not url:
-        raise ValueError(f"KVPIPE_STORE: expected a store URL, got {url!r}")
+        raise ConfigError("KVPIPE_STORE", f"expected a store URL, got {url!r}")
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-            raise ValueError(f"KVPIPE_STORE {url!r}: a file URL needs an absolute path (file:///x)")
+            raise ConfigError(
+                "KVPIPE_STORE", f"{url!r}: a file URL needs an absolute path (file:///x)"
+            )
         return FileStore(urllib.parse.unquote(parts.path))
     if parts.scheme == "memory":
         if parts.netloc or parts.path not in ("", "/"):
-            raise ValueError(f"KVPIPE_STORE {url!r}: a memory URL takes no path (memory://)")
+            raise ConfigError("KVPIPE_STORE", f"{url!r}: a memory URL takes no path (memory://)")
         return MemoryStore()
     if parts.scheme == "mooncake":
         query = urllib.parse.parse_qs(parts.query)
@@ -326,11 +330,12 @@ def store_from_url(url: str) -> StorageBackend:
         except ValueError:
             port = None
         if not parts.hostname or port is None or not metadata:
-            raise ValueError(
-                f"KVPIPE_STORE {url!r}: expected "
-                "mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata"
+            raise ConfigError(
+                "KVPIPE_STORE",
+                f"{url!r}: expected mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata",
             )
         return MooncakeStore(f"{parts.hostname}:{port}", metadata)
-    raise ValueError(
-        f"KVPIPE_STORE {url!r}: unknown scheme {parts.scheme!r} (file://, memory://, mooncake://)"
+    raise ConfigError(
+        "KVPIPE_STORE",
+        f"{url!r}: unknown scheme {parts.scheme!r} (file://, memory://, mooncake://)",
     )

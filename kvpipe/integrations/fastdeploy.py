@@ -68,6 +68,18 @@ def _namespace(namespace: str, model_version: str) -> str:
     return f"{clean}.{hashlib.blake2b(raw.encode(), digest_size=6).hexdigest()}"
 
 
+def _env_int(name: str, raw: str) -> int:
+    """Environment variable ``name``'s integer value (empty: 0).
+
+    Raises:
+        ConfigError: It is not an integer (``field``: ``name``).
+    """
+    try:
+        return int(raw.strip() or 0)
+    except ValueError:
+        raise ConfigError(name, f"expected an integer, got {raw!r}") from None
+
+
 def infer_layout(
     key_cache: Sequence[Any],
     val_cache: Sequence[Any],
@@ -84,31 +96,34 @@ def infer_layout(
     with scale tensors are block-wise fp8.
 
     Raises:
-        ValueError: The tensors disagree with ``layer_num`` / ``block_token_size`` or with
-            each other (the message names the shapes).
+        TypeError: ``key_cache`` or ``val_cache`` is not a list (or tuple) of tensors.
+        LayoutError: The tensors disagree with ``layer_num`` / ``block_token_size`` or with
+            each other (the message names the shapes; a ``ValueError``).
     """
     if not isinstance(key_cache, (list, tuple)) or not isinstance(val_cache, (list, tuple)):
         raise TypeError("key_cache and val_cache must be lists of per-layer tensors")
     shapes = [tuple(int(d) for d in t.shape) for t in key_cache]
     if len(key_cache) != layer_num or (val_cache and len(val_cache) != layer_num):
-        raise ValueError(
+        raise LayoutError(
             f"expected {layer_num} per-layer tensors (layer_num), got {len(key_cache)} key and "
             f"{len(val_cache)} value tensors"
         )
     if not shapes or any(len(s) != 4 for s in shapes):
-        raise ValueError(
+        raise LayoutError(
             f"key caches must be [num_blocks, heads, block_size, dim], got {shapes[:2]}"
         )
     _, heads, block_size, dim = shapes[0]
     if block_size != block_token_size:
-        raise ValueError(
+        raise LayoutError(
             f"key cache shape {shapes[0]} has block size {block_size}, but block_token_size is "
             f"{block_token_size}"
         )
     dtype = str(key_cache[0].dtype).removeprefix("paddle.")
     if not val_cache:
         if heads != 1 or dim <= rope_dim:
-            raise ValueError(f"MLA cache shape {shapes[0]}: expected [n, 1, bs, lora + {rope_dim}]")
+            raise LayoutError(
+                f"MLA cache shape {shapes[0]}: expected [n, 1, bs, lora + {rope_dim}]"
+            )
         return CacheLayout.mla(
             num_layers=layer_num,
             kv_lora_rank=dim - rope_dim,
@@ -118,7 +133,7 @@ def infer_layout(
         )
     vshapes = [tuple(int(d) for d in t.shape) for t in val_cache]
     if vshapes != shapes:
-        raise ValueError(
+        raise LayoutError(
             f"value cache shapes {vshapes[:2]} differ from key cache shapes {shapes[:2]}"
         )
     return CacheLayout.gqa(
@@ -223,7 +238,7 @@ class KVPipeAttentionStore:
         env = os.environ
         self.namespace = env.get("AS_NAMESPACE", namespace)
         self.pod_name = env.get("AS_POD_NAME", pod_name)
-        if int(env.get("ENABLE_EP_DP_IN_FD", "1") or 0):
+        if _env_int("ENABLE_EP_DP_IN_FD", env.get("ENABLE_EP_DP_IN_FD", "1")):
             self.pod_name = f"{self.pod_name}_{splitwise_role}_{dp_id}"
         self.model_version = env.get("AS_MODEL_VERSION", model_version)
         self.layer_num = int(layer_num)
@@ -314,7 +329,7 @@ class KVPipeAttentionStore:
         bounded by the call's ``timeout``.
 
         Raises:
-            ValueError: The tensors do not make a cache of the inferred layout (as
+            LayoutError: The tensors do not make a cache of the inferred layout (as
                 :meth:`kvpipe.KVCache.from_tensors` refuses them: wrong dtype or shape, or
                 two of them sharing memory, such as one tensor for key and value).
             TimeoutError: The pipeline did not open within ``timeout`` (another thread's
@@ -352,7 +367,7 @@ class KVPipeAttentionStore:
                 try:
                     cache = KVCache.from_tensors(layout, ordered)
                 except LayoutError as exc:
-                    raise ValueError(f"FastDeploy caches do not fit {layout.kind}: {exc}") from exc
+                    raise LayoutError(f"FastDeploy caches do not fit {layout.kind}: {exc}") from exc
                 pipe, leave = self._loop.enter_leavable(
                     open_pipeline(
                         cache,

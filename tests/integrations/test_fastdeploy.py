@@ -401,20 +401,22 @@ def test_a_draft_layer_with_fewer_blocks_is_a_clear_value_error() -> None:
         KVPipeAttentionStore(
             layer_num=LAYERS + 1, block_token_size=BS, store=kvpipe.MemoryStore()
         ) as store,
-        pytest.raises(ValueError, match=r"\[16, 2, 4, 8\]"),
+        pytest.raises(kvpipe.LayoutError, match=r"\[16, 2, 4, 8\]"),
     ):
         store.write("t", k, v, list(range(BS)), [0], 0)
 
 
 def test_layout_mismatch_is_a_clear_value_error() -> None:
+    """A LayoutError (a ValueError): it was a bare ValueError, outside kvpipe's hierarchy
+    (the adapter even turned from_tensors' LayoutError into one)."""
     k, v = _gqa(True)
-    with _store() as store, pytest.raises(ValueError, match="block_token_size"):
+    with _store() as store, pytest.raises(kvpipe.LayoutError, match="block_token_size"):
         bad = KVPipeAttentionStore(layer_num=LAYERS, block_token_size=8, store=kvpipe.MemoryStore())
         try:
             bad.write("t", k, v, list(range(8)), [0], 0)
         finally:
             bad.close()
-    with _store() as store, pytest.raises(ValueError, match="layer_num"):
+    with _store() as store, pytest.raises(kvpipe.LayoutError, match="layer_num"):
         store.write("t", k[:1], v[:1], list(range(8)), [0, 1], 0)
 
 
@@ -683,10 +685,27 @@ def test_process_exit_without_close_is_prompt(tmp_path: Path) -> None:
 
 
 def test_bad_store_url_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ConfigError naming the variable, as for kvpipe's other environment variables (a
+    ValueError still); it was a bare ValueError."""
     for url in ("ftp://x", "file://relative", "mooncake://host", "memory://x/y"):
         monkeypatch.setenv("KVPIPE_STORE", url)
-        with pytest.raises(ValueError, match="KVPIPE_STORE"):
-            KVPipeAttentionStore(layer_num=1)
+        for make in (lambda: KVPipeAttentionStore(layer_num=1), KVPipeStorage):
+            with pytest.raises(kvpipe.ConfigError, match="KVPIPE_STORE") as info:
+                make()
+            assert info.value.field == "KVPIPE_STORE"
+
+
+def test_a_bad_integer_in_the_environment_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ENABLE_EP_DP_IN_FD=yes was int()'s bare ValueError out of the constructor."""
+    monkeypatch.setenv("ENABLE_EP_DP_IN_FD", "yes")
+    with pytest.raises(kvpipe.ConfigError, match="ENABLE_EP_DP_IN_FD") as info:
+        KVPipeAttentionStore(layer_num=1, store=kvpipe.MemoryStore())
+    assert info.value.field == "ENABLE_EP_DP_IN_FD"
+    monkeypatch.setenv("ENABLE_EP_DP_IN_FD", "0")
+    with KVPipeAttentionStore(layer_num=1, store=kvpipe.MemoryStore(), pod_name="p") as store:
+        assert store.pod_name == "p"
 
 
 # -- KVCacheStorage (file / mooncake) ----------------------------------------------------------
@@ -874,8 +893,28 @@ def test_fd_init_with_namespace(tmp_path: Path) -> None:  # test_init_with_names
 
 def test_fd_init_none_file_path_raises() -> None:  # test_init_none_file_path_raises
     for bad in (None, ""):
-        with pytest.raises(ValueError, match="file_path must be specified"):
+        with pytest.raises(kvpipe.ConfigError, match="file_path must be specified"):
             KVPipeStorage(file_path=bad)
+    with pytest.raises(kvpipe.ConfigError, match="not both"):
+        KVPipeStorage(file_path="/tmp/x", store=kvpipe.MemoryStore())
+
+
+def test_fd_a_file_path_that_cannot_be_made_is_a_backend_error(tmp_path: Path) -> None:
+    """The directory that rank 0 makes at construction is a file: the OS's FileExistsError
+    escaped as it was (the store's own open says the same as a BackendError)."""
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(kvpipe.BackendError, match="File exists") as info:
+        KVPipeStorage(file_path=str(tmp_path / "f"))
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_fd_bad_target_pointers_are_request_errors(tmp_path: Path) -> None:
+    """A zero or negative pointer or size: a RequestError (a ValueError), not a bare one."""
+    with KVPipeStorage(file_path=str(tmp_path)) as fs:
+        with pytest.raises(kvpipe.RequestError, match="bad target"):
+            fs.batch_set(["k"], [0], [8])
+        with pytest.raises(kvpipe.RequestError, match="target_location"):
+            fs.set("k", None, 8)
 
 
 def test_fd_init_non_zero_tp_rank_skips_mkdir(tmp_path: Path) -> None:  # same name
