@@ -200,6 +200,27 @@ async def test_entering_a_store_opens_it_and_a_faulty_store_opens_its_inner_one(
             assert inner.opened == 1
 
 
+async def _close_during_two_writes(close_timeout: float) -> kvpipe.Pipeline:
+    """Close a pipeline while two writes ("raises", "cancelled") are in its scheduler; both
+    callers get ``PipelineClosed``, and one scheduler crash is recorded, not restarted."""
+    config = kvpipe.PipelineConfig(close_timeout=close_timeout)
+    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), config=config) as pipe:
+
+        async def write(rid: str) -> None:
+            with pytest.raises(kvpipe.PipelineClosed):
+                await pipe.write(TOKENS, IDS, request_id=rid)
+
+        async with anyio.create_task_group() as tg:
+            for rid in ("raises", "cancelled"):
+                tg.start_soon(write, rid)
+            await _until_in_flight(pipe, 2)
+            await pipe.aclose()
+    assert [(c.actor, c.error, c.restarted) for c in pipe.crashes()] == [
+        ("scheduler", "RuntimeError('injected scheduler bug')", False)
+    ]
+    return pipe
+
+
 @pytest.mark.parametrize(
     "anyio_backend", [("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})]
 )
@@ -221,21 +242,7 @@ async def test_an_actor_crashing_as_the_close_deadline_cancels_it_is_a_crash_not
         return 0
 
     monkeypatch.setattr(scheduler_module, "probe_leading", stuck)
-    config = kvpipe.PipelineConfig(close_timeout=0.1)
-    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), config=config) as pipe:
-
-        async def write(rid: str) -> None:
-            with pytest.raises(kvpipe.PipelineClosed):
-                await pipe.write(TOKENS, IDS, request_id=rid)
-
-        async with anyio.create_task_group() as tg:
-            for rid in ("raises", "cancelled"):
-                tg.start_soon(write, rid)
-            await _until_in_flight(pipe, 2)
-            await pipe.aclose()
-    assert [(c.actor, c.error, c.restarted) for c in pipe.crashes()] == [
-        ("scheduler", "RuntimeError('injected scheduler bug')", False)
-    ]
+    await _close_during_two_writes(0.1)
     assert "actor scheduler crashed (RuntimeError('injected scheduler bug'))" in caplog.text
 
 
@@ -268,21 +275,7 @@ async def test_an_actor_crashing_as_it_is_cancelled_at_close_is_not_restarted_on
     monkeypatch.setattr(Runtime, "cancel_actors", cancel_and_tell)
     monkeypatch.setattr(runtime_module, "UNWIND_GRACE", 0.02)
     monkeypatch.setattr(scheduler_module, "probe_leading", stuck)
-    config = kvpipe.PipelineConfig(close_timeout=0.01)
-    async with kvpipe.open_pipeline(_cache(), kvpipe.MemoryStore(), config=config) as pipe:
-
-        async def write(rid: str) -> None:
-            with pytest.raises(kvpipe.PipelineClosed):
-                await pipe.write(TOKENS, IDS, request_id=rid)
-
-        async with anyio.create_task_group() as tg:
-            for rid in ("raises", "cancelled"):
-                tg.start_soon(write, rid)
-            await _until_in_flight(pipe, 2)
-            await pipe.aclose()
-    assert [(c.actor, c.error, c.restarted) for c in pipe.crashes()] == [
-        ("scheduler", "RuntimeError('injected scheduler bug')", False)
-    ]
+    pipe = await _close_during_two_writes(0.01)
     assert pipe.statistics().restarts.get("scheduler", 0) == 0
     assert "restarting" not in caplog.text
     assert "as it was cancelled at the close deadline; not restarted" in caplog.text

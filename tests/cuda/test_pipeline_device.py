@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import weakref
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -325,6 +326,56 @@ async def test_a_read_slice_waiting_for_room_in_the_swapper_lets_go_when_its_rea
     free_device_cache(fake, cache)
 
 
+class _EscalatingSwapper:
+    """A device pipeline whose swapper crashes on reads with request ids ``crash*``, each
+    held at its scatter (``entered``) until released (``go``), with max_restarts=1: after
+    :meth:`open`'s first crash, the next one escalates."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self.go = anyio.Event(), anyio.Event()
+        scatter = Swapper._scatter
+
+        async def crashing_scatter(swapper: Swapper, job: SliceJob) -> None:
+            if job.state.request_id.startswith("crash"):
+                self.entered.set()
+                await self.go.wait()
+                raise RuntimeError("injected copy failure")
+            await scatter(swapper, job)
+
+        monkeypatch.setattr(Swapper, "_scatter", crashing_scatter)
+        self.outcomes: dict[str, object] = {}
+
+    @contextlib.asynccontextmanager
+    async def open(
+        self, fake: FakeDriver, producer: int, cache: kvpipe.KVCache, queue_depth: int
+    ) -> AsyncIterator[kvpipe.Pipeline]:
+        cfg = kvpipe.PipelineConfig(
+            slice_block_num=1,
+            queue_depth=queue_depth,
+            copy_threads=1,
+            max_restarts=1,
+            total_timeout=3600,
+            slice_timeout=3600,
+        )
+        tokens = np.arange(cache.layout.block_size)
+        async with kvpipe.open_pipeline(
+            cache, kvpipe.MemoryStore(), config=cfg, device_driver=fake
+        ) as pipe:
+            assert (await pipe.write(tokens, [0], stream=producer)).complete
+            self.go.set()
+            first = await pipe.read(tokens, [1], stream=producer, request_id="crash-1")
+            assert first.stop_reason == "actor_crashed"  # restarted; the next crash escalates
+            self.entered, self.go = anyio.Event(), anyio.Event()
+            yield pipe
+
+    async def read(self, pipe: kvpipe.Pipeline, producer: int, rid: str, block: int) -> None:
+        """A read the escalation fails with ``PipelineClosed``, recorded in ``outcomes``."""
+        tokens = np.arange(pipe.cache.layout.block_size)
+        with pytest.raises(kvpipe.PipelineClosed) as info:
+            await pipe.read(tokens, [block], stream=producer, request_id=rid)
+        self.outcomes[rid] = info.value
+
+
 async def test_an_escalation_lets_go_of_the_slices_waiting_for_the_escalated_actor(
     fake: FakeDriver, producer: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -332,51 +383,17 @@ async def test_an_escalation_lets_go_of_the_slices_waiting_for_the_escalated_act
     in its inbox. Every caller gets ``PipelineClosed`` at once; the slices, which no actor
     receives any more (the escalated one is not restarted), kept their staging until
     ``aclose``, where escalation behaves like a close, at once (docs/architecture.md)."""
-    layout = LAYOUTS["gqa"]()
-    cache = fake_device_cache(fake, layout, 8)
-    tokens = np.arange(layout.block_size)
-    entered, go = anyio.Event(), anyio.Event()
-    scatter = Swapper._scatter
-
-    async def crashing_scatter(self: Swapper, job: SliceJob) -> None:
-        if job.state.request_id.startswith("crash"):
-            entered.set()
-            await go.wait()
-            raise RuntimeError("injected copy failure")
-        await scatter(self, job)
-
-    monkeypatch.setattr(Swapper, "_scatter", crashing_scatter)
-    cfg = kvpipe.PipelineConfig(
-        slice_block_num=1,
-        queue_depth=2,
-        copy_threads=1,
-        max_restarts=1,
-        total_timeout=3600,
-        slice_timeout=3600,
-    )
-    async with kvpipe.open_pipeline(
-        cache, kvpipe.MemoryStore(), config=cfg, device_driver=fake
-    ) as pipe:
-        assert (await pipe.write(tokens, [0], stream=producer)).complete
-        go.set()
-        first = await pipe.read(tokens, [1], stream=producer, request_id="crash-1")
-        assert first.stop_reason == "actor_crashed"  # restarted; the next crash escalates
-        entered, go = anyio.Event(), anyio.Event()
-        outcomes: dict[str, object] = {}
-
-        async def read(rid: str, block: int) -> None:
-            with pytest.raises(kvpipe.PipelineClosed) as info:
-                await pipe.read(tokens, [block], stream=producer, request_id=rid)
-            outcomes[rid] = info.value
-
+    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 8)
+    esc = _EscalatingSwapper(monkeypatch)
+    async with esc.open(fake, producer, cache, queue_depth=2) as pipe:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(read, "crash-2", 1)
-            await entered.wait()
+            tg.start_soon(esc.read, pipe, producer, "crash-2", 1)
+            await esc.entered.wait()
             for rid, block in (("b", 2), ("c", 3)):
-                tg.start_soon(read, rid, block)
+                tg.start_soon(esc.read, pipe, producer, rid, block)
             await until(lambda: pipe.statistics().queue_depths["swapper"] == 2)
-            go.set()
-        assert sorted(outcomes) == ["b", "c", "crash-2"] and pipe.closed
+            esc.go.set()
+        assert sorted(esc.outcomes) == ["b", "c", "crash-2"] and pipe.closed
         await until(lambda: pipe._runtime._supervisor is None or pipe._runtime._supervisor.stopped)
         stats = pipe.statistics()
         assert stats.queue_depths["swapper"] == 0
@@ -395,53 +412,19 @@ async def test_an_escalation_lets_go_of_a_slice_waiting_to_enter_the_escalated_i
     later, closing the inboxes first withdraws the waiting slice, so this fails with anyio
     4.15 only, which kvpipe supports; tests/actors/test_base.py shows the hand-over on any
     anyio.)"""
-    layout = LAYOUTS["gqa"]()
-    cache = fake_device_cache(fake, layout, 8)
-    tokens = np.arange(layout.block_size)
-    entered, go = anyio.Event(), anyio.Event()
-    scatter = Swapper._scatter
-
-    async def crashing_scatter(self: Swapper, job: SliceJob) -> None:
-        if job.state.request_id.startswith("crash"):
-            entered.set()
-            await go.wait()
-            raise RuntimeError("injected copy failure")
-        await scatter(self, job)
-
-    monkeypatch.setattr(Swapper, "_scatter", crashing_scatter)
-    cfg = kvpipe.PipelineConfig(
-        slice_block_num=1,
-        queue_depth=1,
-        copy_threads=1,
-        max_restarts=1,
-        total_timeout=3600,
-        slice_timeout=3600,
-    )
-    async with kvpipe.open_pipeline(
-        cache, kvpipe.MemoryStore(), config=cfg, device_driver=fake
-    ) as pipe:
-        assert (await pipe.write(tokens, [0], stream=producer)).complete
-        go.set()
-        first = await pipe.read(tokens, [1], stream=producer, request_id="crash-1")
-        assert first.stop_reason == "actor_crashed"  # restarted; the next crash escalates
-        entered, go = anyio.Event(), anyio.Event()
-        outcomes: dict[str, object] = {}
-
-        async def read(rid: str, block: int) -> None:
-            with pytest.raises(kvpipe.PipelineClosed) as info:
-                await pipe.read(tokens, [block], stream=producer, request_id=rid)
-            outcomes[rid] = info.value
-
+    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 8)
+    esc = _EscalatingSwapper(monkeypatch)
+    async with esc.open(fake, producer, cache, queue_depth=1) as pipe:
         swapper = pipe._runtime._outboxes.swapper  # type: ignore[union-attr]
         async with anyio.create_task_group() as tg:
-            tg.start_soon(read, "crash-2", 1)
-            await entered.wait()
-            tg.start_soon(read, "b", 2)
+            tg.start_soon(esc.read, pipe, producer, "crash-2", 1)
+            await esc.entered.wait()
+            tg.start_soon(esc.read, pipe, producer, "b", 2)
             await until(lambda: pipe.statistics().queue_depths["swapper"] == 1)
-            tg.start_soon(read, "c", 3)
+            tg.start_soon(esc.read, pipe, producer, "c", 3)
             await until(lambda: swapper.statistics().tasks_waiting_send == 1)
-            go.set()
-        assert sorted(outcomes) == ["b", "c", "crash-2"] and pipe.closed
+            esc.go.set()
+        assert sorted(esc.outcomes) == ["b", "c", "crash-2"] and pipe.closed
         await until(lambda: pipe._runtime._supervisor is None or pipe._runtime._supervisor.stopped)
         assert [c.actor for c in pipe.crashes()] == ["swapper", "swapper"]
         assert pipe.statistics().staging_in_use_bytes == 0
