@@ -876,7 +876,7 @@ def _reserve_as(
 
 
 async def test_an_open_store_settles_a_dead_writers_old_reservations_when_it_needs_room(
-    tmp_path: Path, b: Batches
+    tmp_path: Path, b: Batches, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Ranks in containers (a PID namespace each) sharing a store: a rank killed mid-put
     leaves its reservations unsettled, and the long-lived ranks never reopen the store. Once
@@ -892,6 +892,8 @@ async def test_an_open_store_settles_a_dead_writers_old_reservations_when_it_nee
         assert await put_chain(b, store, d, make_values(2, 2)) == [OK] * 2
         stats = _catalog(store).stats()
         assert (stats.pending, stats.blocks, stats.bytes) == (0, 4, 4 * STORED)
+        settled = [r for r in caplog.records if "settled 2 reservation(s)" in r.message]
+        assert [r.levelname for r in settled] == ["WARNING"]  # an operator sees it
         assert await get_raw(b, store, [*a[:2], *d]) == (
             [OK] * 4,
             make_values(2, 1) + make_values(2, 2),

@@ -457,6 +457,12 @@ class Catalog:
             if key not in protect and _abandoned(at, owner, cutoff, dead)
         ]
         if keys:
+            log.warning(
+                "file store: a put needing room settled %d reservation(s) of writers that "
+                "died or have been writing for over stale_temp_after (first: %s)",
+                len(keys),
+                keys[0],
+            )
             Catalog._reconcile(db, keys, size_of, None)
 
     @staticmethod
