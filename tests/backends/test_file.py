@@ -155,6 +155,25 @@ async def test_close_takes_none_of_the_event_loop_librarys_shared_threads(tmp_pa
     assert ended, "closing waited for one of the host's threads"
 
 
+async def test_a_catalog_that_fails_to_close_still_lets_go_of_the_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error closing the catalog escaped aclose raw and left the root's descriptor open
+    (and the store half closed); it is logged, and everything is closed all the same."""
+    store = kvpipe.FileStore(tmp_path / "store")
+    await store.open()
+    root_fd = store._root.fd  # type: ignore[union-attr]
+
+    def failing_close(self: Catalog) -> None:
+        raise sqlite3.OperationalError("unable to close due to unfinalized statements")
+
+    monkeypatch.setattr(Catalog, "close", failing_close)
+    await store.aclose()
+    assert "closing: unable to close" in caplog.text
+    link = anyio.Path(f"/proc/self/fd/{root_fd}")  # closed (or its number reused since)
+    assert not await link.is_symlink() or await link.readlink() != (tmp_path / "store").resolve()
+
+
 async def test_close_does_not_wait_past_its_timeout_for_an_open_under_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -279,10 +279,15 @@ class FileStore(StorageBackend):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        self._spares.drain(self._root)
-        self._catalog.close()
-        self._root.close()
+        root, catalog = self._root, self._catalog
         self._root = self._catalog = None
+        try:
+            self._spares.drain(root)
+            catalog.close()
+        except (OSError, sqlite3.Error) as exc:  # closed all the same: nothing left open
+            log.error("file store %s: closing: %s", root.path, str(exc))
+        finally:
+            root.close()
 
     async def _ready(self) -> tuple[Root, Catalog]:
         if self._root is None:
