@@ -9,8 +9,11 @@ context its page sets up, or accounted for:
   the page's own test module and command; the two sketches (a token-indexed SDK, a
   registered-memory transport) round-trip a pipeline over small fakes of the client they
   assume.
-- Every other block: a script of its own. One that needs a Mooncake master or a GPU is
-  skipped, saying so.
+- docs/backends.md's ``MooncakeStore`` block: a script, on a Mooncake started on 127.0.0.1
+  for the test (tests/backends/mooncake_fixtures.py), its addresses put in place of the
+  block's as a user puts those ``kvpipe mooncake-up`` printed. Skipped, saying so, only
+  where the ``mooncake`` package is not installed.
+- Every other block: a script of its own. One that needs a GPU is skipped, saying so.
 
 A ``print`` whose comment gives its output (on its line, or the comment line right after it)
 must print exactly that line, unless the comment says "e.g.". Temporary directories the
@@ -19,8 +22,10 @@ snippets make go under the test's ``tmp_path``.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
+import importlib.util
 import io
 import logging
 import os
@@ -38,6 +43,8 @@ import numpy as np
 import pytest
 
 import kvpipe
+from kvpipe.backends.mooncake_local import LocalMooncake
+from tests.backends.mooncake_fixtures import mooncake  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [
@@ -85,12 +92,14 @@ def _kind(s: Snippet) -> str:
         return "backend"
     if "BackendConformance" in s.code:
         return "conformance"
+    if "MooncakeStore(" in s.code:
+        return "mooncake"
     return "script"
 
 
 def _needs_hardware(code: str) -> str | None:
     if "MooncakeStore(" in code:
-        return "needs a Mooncake master (kvpipe mooncake-up): not run here"
+        return "needs a Mooncake master (kvpipe mooncake-up)"
     if re.search(r"cuda|import torch", code, re.I):
         return "needs a CUDA GPU: not run here"
     return None
@@ -115,14 +124,16 @@ def _stated_outputs(code: str) -> list[str]:
     return stated
 
 
-def _run(s: Snippet, namespace: dict[str, Any]) -> None:
-    """Run a snippet in ``namespace``; check the output its comments state."""
+def _run(s: Snippet, namespace: dict[str, Any]) -> list[str]:
+    """Run a snippet in ``namespace``; check the output its comments state. Returns the
+    lines it printed (stripped)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(s.compiled(), namespace)
     printed = [line.strip() for line in out.getvalue().splitlines()]
     for want in _stated_outputs(s.code):
         assert want in printed, f"{s}: says it prints {want!r}; it printed {printed}"
+    return printed
 
 
 @pytest.fixture
@@ -145,6 +156,7 @@ def test_every_snippet_is_run_somewhere() -> None:
     kinds = {str(s): _kind(s) for s in SNIPPETS}
     assert list(kinds.values()).count("readme") == 1, kinds  # what test_examples.py runs
     assert list(kinds.values()).count("conformance") == 1, kinds
+    assert list(kinds.values()).count("mooncake") == 1, kinds  # the addresses replaced below
     named = {m.group(1) for s in SNIPPETS for m in _BACKEND_CLASS.finditer(s.code)}
     assert named == {"SQLiteStore", *_SKETCH_CLIENTS}, named
 
@@ -165,6 +177,38 @@ def test_a_script_runs_as_written(snippet: Snippet, user_session: dict[str, Any]
     if reason:
         pytest.skip(f"{snippet}: {reason}")
     _run(snippet, user_session)
+
+
+#: The addresses docs/backends.md's MooncakeStore block stands for ``kvpipe mooncake-up``'s.
+_SNIPPET_MASTER = "127.0.0.1:50051"
+_SNIPPET_METADATA = "http://127.0.0.1:8080/metadata"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mooncake") is None,
+    reason="the mooncake package is not installed (pip install kvpipe[mooncake])",
+)
+def test_the_mooncake_block_runs_on_a_local_mooncake(
+    mooncake: LocalMooncake,  # noqa: F811
+    user_session: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/backends.md's MooncakeStore block on a master and metadata server of 127.0.0.1,
+    with the environment ``kvpipe mooncake-up`` tells every client to set: it writes 20
+    blocks, reads all 20 back and prints the count and the store's statistics."""
+    (s,) = [s for s in SNIPPETS if _kind(s) == "mooncake"]
+    for address in (_SNIPPET_MASTER, _SNIPPET_METADATA):
+        assert s.code.count(f'"{address}"') == 1, f"{s}: not one {address!r}: update the test"
+    code = s.code.replace(f'"{_SNIPPET_MASTER}"', f'"{mooncake.master_address}"').replace(
+        f'"{_SNIPPET_METADATA}"', f'"{mooncake.metadata_url}"'
+    )
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    printed = _run(Snippet(s.page, s.line, code), user_session)
+    assert len(printed) == 1, f"{s}: printed {printed}"
+    loaded, _, stats = printed[0].partition(" ")
+    statistics = ast.literal_eval(stats)
+    assert loaded == "20", printed
+    assert (statistics["blocks_put"], statistics["blocks_got"]) == (20, 20), statistics
 
 
 def _backend_class(name: str) -> type[kvpipe.StorageBackend]:
