@@ -15,9 +15,10 @@ import pytest
 import kvpipe
 from kvpipe._blockformat import value_nbytes
 from kvpipe.backends import BlockStatus
-from kvpipe.backends.file import FileStore
-from kvpipe.backends.file._catalog import Catalog
+from kvpipe.backends.file import FileStore, _space
+from kvpipe.backends.file._catalog import Catalog, SizeOf
 from kvpipe.backends.file._format import HEADER_NBYTES
+from kvpipe.backends.file._fs import Root
 from kvpipe.testing.batches import Batches
 from tests.backends.test_file_hostile import (
     VALUE,
@@ -29,6 +30,7 @@ from tests.backends.test_file_hostile import (
     make_values,
     put_chain,
 )
+from tests.backends.test_file_native import no_free_fds
 
 OK, NO_SPACE = BlockStatus.OK, BlockStatus.NO_SPACE
 #: Bytes one block counts against a store's capacity: its value and the file header.
@@ -396,3 +398,42 @@ async def test_a_read_whose_bookkeeping_the_catalog_refuses_still_returns_its_bl
         want = [OK, OK, BlockStatus.CORRUPT] if corrupt else [OK] * 3
         assert statuses == want
         assert got[:2] == make_values(3, 9)[:2]
+
+
+@pytest.mark.usefixtures("file_io")
+async def test_a_put_that_cannot_look_at_its_file_keeps_its_record(
+    tmp_path: Path, b: Batches, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settling a put whose block file cannot be looked at just then (every descriptor in
+    use, ``EMFILE``; ``EACCES``, ``EIO`` alike): the native lookup read the file as missing
+    and the catalog dropped its record, with the file still stored. The store then grew past
+    its capacity for good, and eviction never removed the file. The record stays as it was
+    (a reservation, settled as one a put left unsettled); the os path failed the whole put,
+    its block published."""
+    root = tmp_path / "store"
+    a, _ = b.keys(1, seed=50)
+    c, _ = b.keys(1, seed=51)
+    real = _space.sizes
+
+    def starved(root: Root) -> SizeOf:
+        inner = real(root)
+
+        def size_of(keys: Sequence[str]) -> list[int | None]:
+            with no_free_fds():
+                return inner(keys)
+
+        return size_of
+
+    async with FileStore(root, capacity_bytes=STORED) as store:
+        monkeypatch.setattr(_space, "sizes", starved)  # the put's settling only
+        assert await put_chain(b, store, a, make_values(1, 50)) == [OK]
+        monkeypatch.setattr(_space, "sizes", real)
+        assert block_file(root, a[0]).is_file()
+        assert a[0] in _catalog(store).known_keys()
+        assert _catalog(store).stats().bytes == STORED
+        await put_chain(b, store, c, make_values(1, 51))
+        assert len(_block_files(root)) * STORED <= STORED  # never past the capacity
+    # Settled as any reservation left unsettled: at an open once it is stale.
+    async with FileStore(root, capacity_bytes=STORED, stale_temp_after=1e-6) as store:
+        _check_accounting(store, root, STORED)
+        assert await _stored(b, store, a) == [True]

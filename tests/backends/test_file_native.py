@@ -3,8 +3,10 @@ writes, and what each answers for missing files, links, FIFOs, wrong sizes and a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import resource
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,6 +83,36 @@ def test_file_sizes_stops_at_the_first_miss(root: tuple[Path, int]) -> None:
     assert fileio.file_sizes(fd, paths, True) == [1, 0, -1, -1]
     assert fileio.file_sizes(fd, paths, False) == [1, 0, -1, 3]
     assert fileio.file_sizes(fd, [b"d/link", b"d", b"../d/a"], False) == [-1] * 3
+
+
+@contextlib.contextmanager
+def no_free_fds() -> Iterator[None]:
+    """Every file descriptor this process may open in use (``EMFILE``), as in a busy server,
+    until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor: all below in use
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_file_sizes_tells_a_file_it_cannot_look_at_from_a_missing_one(
+    root: tuple[Path, int],
+) -> None:
+    """An open that failed for any reason (``EMFILE``, ``EACCES``, ``EIO``...) read as a
+    missing file (-1), and the catalog dropped the records of blocks still on disk: only a
+    path that is not there (or not a regular file) is -1; another failure is ``-1 - errno``."""
+    path, fd = root
+    (path / "d" / "a").write_bytes(b"abc")
+    with no_free_fds():
+        got = fileio.file_sizes(fd, [b"d/a", b"d/gone"], False)
+        stopped = fileio.file_sizes(fd, [b"d/a", b"d/a"], True)
+    assert got == [-1 - errno.EMFILE, -1 - errno.EMFILE]  # neither could be looked at
+    assert stopped == [-1 - errno.EMFILE, -1]  # stops there: not known to be there
+    assert fileio.file_sizes(fd, [b"d/a", b"d/gone"], False) == [3, -1]
 
 
 def test_write_files_publishes_atomically(root: tuple[Path, int]) -> None:

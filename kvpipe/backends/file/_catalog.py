@@ -38,10 +38,22 @@ from ..._results import Residency, ResidencyEntry
 from ._format import key_namespace
 from ._sysio import owner_is_dead
 
-__all__ = ("Catalog", "CatalogFull", "CatalogStats", "Reservation", "SizeOf", "open_or_replace")
+__all__ = (
+    "UNKNOWN",
+    "Catalog",
+    "CatalogFull",
+    "CatalogStats",
+    "Reservation",
+    "SizeOf",
+    "open_or_replace",
+)
 
-#: The sizes of the block files at keys' names now (``None``: there is none).
+#: The sizes of the block files at keys' names now (``None``: there is none; :data:`UNKNOWN`:
+#: it could not be looked at).
 SizeOf: TypeAlias = Callable[[Sequence[str]], list[int | None]]
+#: A size :data:`SizeOf` could not learn (``EMFILE``, ``EACCES``, ``EIO``...: the file may be
+#: there): the key's record is left as it is.
+UNKNOWN: Final = -1
 
 log = logging.getLogger("kvpipe.file_store")
 R = TypeVar("R")
@@ -507,7 +519,8 @@ class Catalog:
 
     def reconcile(self, keys: Sequence[str], size_of: SizeOf) -> int:
         """Make each key's record say what ``size_of`` finds at its name now: a ready block
-        of that many bytes, or no record at all. Returns how many records it removed (of
+        of that many bytes, or no record at all (a size :data:`UNKNOWN` leaves the record as
+        it is: never dropped for a file that may be there). Returns how many records it removed (of
         keys whose file is gone; one removed already, by another process say, is not
         counted).
 
@@ -547,6 +560,8 @@ class Catalog:
         """:meth:`reconcile` in the transaction of ``db``; the records removed."""
         change = removed = 0
         for key, size in zip(keys, size_of(keys), strict=True):
+            if size == UNKNOWN:
+                continue
             row = db.execute("SELECT nbytes FROM blocks WHERE key=?", (key,)).fetchone()
             if size is None:
                 if row:

@@ -417,9 +417,10 @@ done:
 PyDoc_STRVAR(file_sizes_doc,
 "file_sizes(dir_fd, paths, stop_at_missing) -> list[int]\n\n"
 "The size of each of paths (relative to dir_fd, never through a symbolic link or out of it)\n"
-"that is a regular file; -1 for one that is not (missing, a link, a directory...). With\n"
-"stop_at_missing, every path after the first that is not one is answered -1 without being\n"
-"looked at. The GIL is released throughout.");
+"that is a regular file; -1 for one that is not (missing, a link, a directory...); -1 - errno\n"
+"for one that could not be looked at (EMFILE, EACCES, EIO...: it may be there). With\n"
+"stop_at_missing, every path after the first that is not known to be one is answered -1\n"
+"without being looked at. The GIL is released throughout.");
 
 static PyObject *file_sizes(PyObject *self, PyObject *args) {
     (void)self;
@@ -449,9 +450,18 @@ static PyObject *file_sizes(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         int fd = open_confined(dir_fd, cpaths[i], O_PATH);
-        if (fd >= 0) {
+        if (fd < 0) {
+            /* Only a path that is not there, or not a regular file inside the root, is -1:
+             * EMFILE, EACCES, EIO... say nothing about the file. */
+            int err = errno;
+            if (err != ENOENT && err != ENOTDIR && err != ELOOP && err != EXDEV) {
+                sizes[i] = -1 - (long long)err;
+            }
+        } else {
             struct stat st;
-            if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+            if (fstat(fd, &st) != 0) {
+                sizes[i] = -1 - (long long)errno;
+            } else if (S_ISREG(st.st_mode)) {
                 sizes[i] = (long long)st.st_size;
             }
             close(fd);

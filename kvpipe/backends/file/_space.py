@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from . import _native
-from ._catalog import Catalog, CatalogFull, SizeOf
+from ._catalog import UNKNOWN, Catalog, CatalogFull, SizeOf
 from ._format import block_location
 from ._fs import Root
 
@@ -46,16 +46,43 @@ def room(root: Root) -> int:
 
 def sizes(root: Root) -> SizeOf:
     """The sizes of the block files at keys' names under ``root`` (for
-    :meth:`Catalog.reconcile`): in one native call where the extension is built."""
+    :meth:`Catalog.reconcile`): in one native call where the extension is built. A file that
+    cannot be looked at (``EMFILE``, ``EACCES``, ``EIO``...) is :data:`UNKNOWN`, never
+    missing (its record stays), and logged once per call."""
     fileio = _native.fileio
-    if fileio is None:
-        return lambda keys: [root.size(*block_location(key)) for key in keys]
+
+    def by_os(keys: Sequence[str]) -> list[int | None]:
+        found: list[int | None] = []
+        errors: list[tuple[str, int]] = []
+        for key in keys:
+            try:
+                found.append(root.size(*block_location(key)))
+            except OSError as exc:
+                found.append(UNKNOWN)
+                errors.append((key, exc.errno or 0))
+        _unknown(root, errors)
+        return found
 
     def native(keys: Sequence[str]) -> list[int | None]:
         found = fileio.file_sizes(root.fd, _native.block_paths(keys), False)
-        return [n if n >= 0 else None for n in found]
+        _unknown(root, [(k, -1 - n) for k, n in zip(keys, found, strict=True) if n < -1])
+        return [n if n >= 0 else None if n == -1 else UNKNOWN for n in found]
 
-    return native
+    return by_os if fileio is None else native
+
+
+def _unknown(root: Root, errors: Sequence[tuple[str, int]]) -> None:
+    """Log the block files a size lookup could not look at: (key, errno) each."""
+    if errors:
+        key, err = errors[0]
+        log.warning(
+            "file store %s: cannot look at %d block file(s) (first %s: %s); their records "
+            "are left as they are",
+            root.path,
+            len(errors),
+            key,
+            _native.errno_text(err) if err else "unknown error",
+        )
 
 
 def settle(
