@@ -126,6 +126,13 @@ def test_model_versions_never_share_blocks() -> None:
         assert a.query("t", tokens, 0) == 2
 
 
+def _instance(store: kvpipe.MemoryStore, role: str, pd: bool) -> KVPipeAttentionStore:
+    """An attention store of ``role`` over ``store``, with or without PD via storage."""
+    return KVPipeAttentionStore(
+        layer_num=LAYERS, block_token_size=BS, store=store, splitwise_role=role, pd_via_storage=pd
+    )
+
+
 def _fastdeploy_read(store: KVPipeAttentionStore, k: list, v: list, tokens: list, ids: list) -> int:
     """cache_transfer_manager.read_storage_task's order for ``attention_store``: a query,
     then a read of only what it matched (none at all on 0); the blocks loaded."""
@@ -147,19 +154,10 @@ def test_a_fresh_decode_instance_reads_in_fastdeploys_order(pd: bool) -> None:
     tokens = list(range(3 * BS + (1 if pd else 0)))  # PD: the partial last block too
     n = 4 if pd else 3
 
-    def instance(role: str) -> KVPipeAttentionStore:
-        return KVPipeAttentionStore(
-            layer_num=LAYERS,
-            block_token_size=BS,
-            store=shared,
-            splitwise_role=role,
-            pd_via_storage=pd,
-        )
-
-    with instance("prefill") as prefill:
+    with _instance(shared, "prefill", pd) as prefill:
         assert prefill.write("w", k, v, tokens, list(range(n)), 0, 10.0) == n
     dk, dv = _gqa(False)
-    with instance("decode") as decode:
+    with _instance(shared, "decode", pd) as decode:
         dst = [20, 21, 22, 23][:n]
         assert _fastdeploy_read(decode, dk, dv, tokens, dst) == n
         assert _rows(dk + dv, dst) == _rows(k + v, list(range(n)))
@@ -266,19 +264,10 @@ def test_a_read_after_its_query_loads_every_block_matched(start: int, pd: bool) 
     n = 7 if pd else 6
     shared = kvpipe.MemoryStore()
 
-    def instance(role: str) -> KVPipeAttentionStore:
-        return KVPipeAttentionStore(
-            layer_num=LAYERS,
-            block_token_size=BS,
-            store=shared,
-            splitwise_role=role,
-            pd_via_storage=pd,
-        )
-
-    with instance("prefill" if pd else "mixed") as writer:
+    with _instance(shared, "prefill" if pd else "mixed", pd) as writer:
         assert writer.write("w", k, v, tokens, list(range(10, 10 + n)), 0) == n
     dk, dv = _gqa(False)
-    with instance("decode" if pd else "mixed") as reader:
+    with _instance(shared, "decode" if pd else "mixed", pd) as reader:
         if not pd:  # a mixed instance looks up nothing before its caches are bound
             assert reader.read("bind", dk, dv, tokens[:BS], [31], 0) == 1
         matched = reader.query("t", tokens, start)
