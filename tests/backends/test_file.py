@@ -31,6 +31,7 @@ from tests.backends.test_file_hostile import (
     make_values,
     put_chain,
 )
+from tests.backends.test_file_native import no_free_fds
 from tests.helpers import ends_with_host_threads_busy
 
 pytestmark = pytest.mark.usefixtures("file_io")
@@ -391,3 +392,22 @@ async def test_a_failing_catalog_or_disk_is_a_backend_error_not_a_vendor_one(
         assert isinstance(info.value.__cause__, OSError | sqlite3.Error)
         assert str(info.value.__cause__) in str(info.value)
         assert len(await store.exists(b.key_batch(keys))) == 2  # the store still answers
+
+
+async def test_exists_that_cannot_look_at_a_block_file_is_a_backend_error_not_a_miss(
+    tmp_path: Path,
+) -> None:
+    """``exists`` with every descriptor of the process in use (``EMFILE``, as in a busy
+    server; ``EACCES`` and ``EIO`` alike): the native probe read a block file it could not
+    open as missing and answered ``False`` for blocks on disk, a silent miss (a read
+    recomputed them, a write rewrote them), where the ``os`` path raised. Both raise a
+    ``BackendError`` now, naming the error."""
+    async with batches() as b, kvpipe.FileStore(tmp_path / "store") as store:
+        keys, _ = b.keys(3, seed=3)
+        assert await put_chain(b, store, keys, make_values(3, 3)) == [BlockStatus.OK] * 3
+        with no_free_fds(), pytest.raises(kvpipe.BackendError) as info:
+            await store.exists(b.key_batch(keys))
+        assert info.value.operation == "exists"
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == errno.EMFILE, str(info.value)
+        assert list(await store.exists(b.key_batch(keys))) == [True] * 3

@@ -211,10 +211,20 @@ def read_mapped(
 
 def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
     """Whether each key's block file is there (a regular file), in one native call, stopping
-    at the first that is not."""
+    at the first that is not.
+
+    Raises:
+        OSError: A block file could not be looked at (``EMFILE``, ``EACCES``, ``EIO``...):
+            it may be there, so it is not answered missing.
+    """
     fileio = _native.fileio
     assert fileio is not None
-    return [n >= 0 for n in fileio.file_sizes(root.fd, _native.block_paths(keys), True)]
+    sizes = fileio.file_sizes(root.fd, _native.block_paths(keys), True)
+    for key, n in zip(keys, sizes, strict=True):
+        if n < -1:
+            err = -1 - n
+            raise OSError(err, f"cannot look at block file {key}: {_native.errno_text(err)}")
+    return [n >= 0 for n in sizes]
 
 
 def _judge(

@@ -612,6 +612,10 @@ class FileStore(StorageBackend):
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
         """Whether each block file exists, stopping at the first missing one.
 
+        Raises:
+            BackendError: A block file could not be looked at (``EMFILE``, ``EACCES``,
+                ``EIO``...): never answered missing, as it may be there.
+
         Cancellation: stops waiting at once; the probe's thread runs on (changes nothing)."""
         root, _ = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
