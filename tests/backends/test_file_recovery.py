@@ -26,6 +26,7 @@ import kvpipe
 from kvpipe._keys import Scope, as_tokens, block_keys
 from kvpipe.backends import BlockStatus
 from kvpipe.backends.file import FileStore, StoreReport, _inspect, inspect_store
+from kvpipe.backends.file import store as store_module
 from kvpipe.backends.file._catalog import Catalog
 from kvpipe.backends.file._format import HEADER_NBYTES, block_location, temp_name
 from kvpipe.backends.file._fs import HOST, Root
@@ -152,6 +153,34 @@ async def test_temp_files_of_live_writers_are_kept(
         await store.open()
         assert store.statistics().get("temp_files_removed", 0) == 0
         assert [t.read_bytes() for t in temps] == contents
+        assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
+
+
+async def test_a_full_disk_removes_the_temp_files_of_writers_that_died_since_the_open(
+    tmp_path: Path, b: Batches, dead_pid: int, live_pid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process sharing the root that is killed leaves its temporary files (a put's
+    unpublished files, and up to ``spare_bytes`` of deleted files it held for reuse). Only an
+    open removed them: stores that share a root and are never reopened (ranks of a long-lived
+    server) kept a dead peer's files for good, and a put that found the disk full let only
+    its own spares go, refusing blocks the dead peer's bytes would have held. A put that
+    finds the disk full now removes them too, as an open would (a live writer's stay)."""
+    root = tmp_path / "store"
+    keys = await _populated(root, b)
+    fresh, _ = b.keys(2, seed=2)
+    async with FileStore(root, stale_temp_after=STALE) as store:
+        await store.open()
+        dead = [
+            _temp_file(root, keys[1], HOST, dead_pid),
+            _temp_file(root, fresh[0], HOST, dead_pid),
+        ]
+        live = _temp_file(root, keys[2], HOST, live_pid)
+        monkeypatch.setattr(store_module, "room", lambda root: 0)
+        assert await put_chain(b, store, fresh, make_values(2, 2)) == [BlockStatus.NO_SPACE] * 2
+        monkeypatch.undo()
+        assert [t.exists() for t in dead] == [False, False]
+        assert live.exists()
+        assert store.statistics()["temp_files_removed"] == 2
         assert await get_raw(b, store, keys) == ([OK] * 3, make_values(3, 1))
 
 

@@ -28,7 +28,14 @@ from ._format import (
 from ._fs import Root, owner_is_dead, still_block
 from ._space import sizes
 
-__all__ = ("RecoveryReport", "StoreReport", "inspect_store", "is_store", "recover")
+__all__ = (
+    "RecoveryReport",
+    "StoreReport",
+    "inspect_store",
+    "is_store",
+    "recover",
+    "remove_stale_temps",
+)
 
 log = logging.getLogger("kvpipe.file_store")
 
@@ -89,12 +96,8 @@ def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
     blocks, and a later open with room finishes them.
     """
     counts: Counter[str] = Counter()
-    for tmp in root.temp_files(stale_after):
-        try:
-            if tmp.removable and root.remove_temp(tmp.parts, tmp.name):
-                counts["temp_removed"] += 1
-        except OSError as exc:
-            log.warning("file store %s: cannot remove %s: %s", root.path, tmp.name, str(exc))
+    if removed := remove_stale_temps(root, stale_after):
+        counts["temp_removed"] = removed
     try:
         _repair_catalog(root, catalog, stale_after, counts)
     except CatalogFull as exc:
@@ -102,6 +105,24 @@ def recover(root: Root, catalog: Catalog, stale_after: float) -> RecoveryReport:
             "file store %s: catalog repairs at open left for later: %s", root.path, str(exc)
         )
     return RecoveryReport(**counts)
+
+
+def remove_stale_temps(root: Root, stale_after: float) -> int:
+    """Remove the temporary files under ``root`` of writers that are gone: dead processes
+    of this host and PID namespace, or any writer's once older than ``stale_after`` seconds
+    (:meth:`Root.temp_files`). Returns how many; a file that cannot be removed is logged.
+
+    Raises:
+        OSError: The tree cannot be walked.
+    """
+    removed = 0
+    for tmp in root.temp_files(stale_after):
+        try:
+            if tmp.removable and root.remove_temp(tmp.parts, tmp.name):
+                removed += 1
+        except OSError as exc:
+            log.warning("file store %s: cannot remove %s: %s", root.path, tmp.name, str(exc))
+    return removed
 
 
 def _repair_catalog(root: Root, catalog: Catalog, stale_after: float, counts: Counter[str]) -> None:

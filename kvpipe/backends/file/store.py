@@ -16,6 +16,7 @@ import math
 import os
 import sqlite3
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,7 @@ from ._catalog import Catalog, CatalogFull, open_or_replace
 from ._direct import Scratch, is_aligned, probe_direct
 from ._format import PAGE, block_location, file_nbytes, key_namespace
 from ._fs import Durability, Root, owner_token, store_root
-from ._inspect import RecoveryReport, recover
+from ._inspect import RecoveryReport, recover, remove_stale_temps
 from ._reads import (
     ReadHooks,
     read_batch,
@@ -69,6 +70,9 @@ _VENDOR_ERRORS: Final = (OSError, sqlite3.Error)
 #: about even at 4 MiB and behind at 2 MiB and below, where the bounce buffer stays in the
 #: processor's cache (docs/performance.md).
 MAPPED_FROM_NBYTES = 4 << 20
+#: Seconds at least between two removals of dead writers' temporary files by puts that find
+#: the disk full (each walks the whole tree).
+SWEEP_EVERY: Final = 60.0
 
 
 @final
@@ -86,7 +90,8 @@ class FileStore(StorageBackend):
         stale_temp_after: Seconds after which any temporary file, and any put's
             reservation of capacity, is considered abandoned (those of dead writers on this
             host, in this PID namespace, at once): a put is assumed to end within it.
-            Temporary files are removed at open; reservations are settled at open and by a
+            Temporary files are removed at open and by a put that finds the disk full
+            (:data:`SWEEP_EVERY`); reservations are settled at open and by a
             put that must evict (:meth:`._catalog.Catalog.reserve`).
         scan_on_open: Walk the tree at open: remove stale temporary files, adopt block
             files the catalog does not know, forget records whose file is gone.
@@ -164,7 +169,8 @@ class FileStore(StorageBackend):
         self._open_lock = anyio.Lock()
         self._gate = ThreadGate(self.name, threads)
         self._counters: Counter[str] = Counter()
-        self._lock = threading.Lock()  # guards _counters against worker threads
+        self._lock = threading.Lock()  # guards _counters and _swept_at against worker threads
+        self._swept_at = -math.inf  # when a full disk last removed dead writers' temp files
         self._inflight = InFlight(lambda: OSError(errno.ESHUTDOWN, "the file store is closing"))
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -426,9 +432,34 @@ class FileStore(StorageBackend):
                 self._count(no_space=1)
         if BlockStatus.NO_SPACE in statuses:
             self._spares.drain(root)
+            self._sweep_temps(root)
         self._count(blocks_written=len(written), bytes_written=len(written) * value_nbytes)
         _warn(root, errors, len(keys), "failed to write", label)
         return statuses
+
+    def _sweep_temps(self, root: Root) -> None:
+        """The disk is full: remove the temporary files of writers that are gone (a peer
+        process killed mid-put leaves its unpublished files and the spares it held), as an
+        open does, at most once per :data:`SWEEP_EVERY` seconds. Stores that share a root
+        and are never reopened would keep them for good. Never raises (logged)."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._swept_at + SWEEP_EVERY:
+                return
+            self._swept_at = now
+        try:
+            removed = remove_stale_temps(root, self.stale_temp_after)
+        except OSError as exc:
+            log.warning("file store %s: cannot look for stale temporary files: %s", root.path, exc)
+            return
+        if removed:
+            self._count(temp_files_removed=removed)
+            log.warning(
+                "file store %s: disk full: removed %d temporary file(s) of writers that died "
+                "or are stale",
+                root.path,
+                removed,
+            )
 
     def _write(
         self,
