@@ -237,7 +237,12 @@ class ValueClient:
         first miss may be ``False`` for stored keys (its ``exists`` may stop there), so the
         keys after it answered ``False`` are probed again, one key a call, up to
         :data:`PROBE_WIDTH` at once: every key is probed at most twice, not once per miss
-        before it. Cancellation: as the store's."""
+        before it. Cancellation: as the store's.
+
+        Raises:
+            BackendError: The store could not answer (from its first failing probe, as
+                itself, not in an exception group).
+        """
         keys = list(keys)
         if not keys:
             return []
@@ -246,14 +251,21 @@ class ValueClient:
         unsure = [j for j in range(lead + 1, len(keys)) if not out[j]]
         if unsure:
             limiter = anyio.CapacityLimiter(PROBE_WIDTH)
+            failed: list[Exception] = []
 
-            async def probe(j: int) -> None:
-                async with limiter:
-                    out[j] = bool((await self.store.exists(self._batch([keys[j]])))[0])
+            async def probe(j: int, scope: anyio.CancelScope) -> None:
+                try:
+                    async with limiter:
+                        out[j] = bool((await self.store.exists(self._batch([keys[j]])))[0])
+                except Exception as exc:  # the first probe's error, raised as itself below
+                    failed.append(exc)
+                    scope.cancel()
 
             async with anyio.create_task_group() as tg:
                 for j in unsure:
-                    tg.start_soon(probe, j)
+                    tg.start_soon(probe, j, tg.cancel_scope)
+            if failed:
+                raise failed[0]
         return out
 
     async def stored_run(self, keys: Sequence[str]) -> int:

@@ -162,3 +162,27 @@ async def test_an_empty_value_is_refused_before_any_value_is_stored() -> None:
         with pytest.raises(ValueError, match="empty value"):
             await client.put(["full", "empty"], [b"x" * 64, b""])
         assert await client.exists(["full", "empty"]) == [False, False]
+
+
+class FailingProbeStore(kvpipe.MemoryStore):
+    """Answers the first ``exists`` (every key missing, so the keys after the first miss are
+    probed again one by one), then fails every probe as a store that cannot look would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def exists(self, batch: Any) -> list[bool]:
+        self.calls += 1
+        if self.calls == 1:
+            return [False] * len(batch.keys)
+        raise kvpipe.BackendError("probe", "exists", "cannot look at the block")
+
+
+async def test_a_failing_probe_raises_its_backend_error_not_an_exception_group() -> None:
+    """ValueClient.exists probes the keys after the first miss again in a task group: a
+    store's BackendError from one probe came out wrapped in an ExceptionGroup, which callers
+    catching BackendError (the store's documented error) let through."""
+    async with FailingProbeStore() as store, ValueClient(store) as client:
+        with pytest.raises(kvpipe.BackendError, match="cannot look"):
+            await client.exists(["k0", "k1", "k2", "k3"])
