@@ -129,8 +129,9 @@ class LoopThread:
         held = _Held(cm)
         task = self._start(held.run)
         try:
+            waited: tuple[concurrent.futures.Future[Any], ...] = (held.entered, task)
             done, _ = concurrent.futures.wait(
-                (held.entered, task),
+                waited,
                 timeout=None if wait is None else max(0.0, wait),
                 return_when=concurrent.futures.FIRST_COMPLETED,
             )
@@ -139,7 +140,7 @@ class LoopThread:
             if not held.entered.done():  # the task ended unentered: the loop stopped
                 raise self._closed_error()
             try:
-                value = held.entered.result()
+                value = _outcome(held.entered.result())
             except BaseException:
                 if self._closed:  # cancelled by the loop stopping, not the caller's error
                     raise self._closed_error() from None
@@ -214,9 +215,11 @@ class LoopThread:
         self.check_caller()
         ended = threading.Event()
 
-        async def tracked() -> T:
+        async def tracked() -> list[Any]:
             try:
-                return await fn(*args)
+                return [True, await fn(*args)]
+            except Exception as exc:  # boxed, not raised through the portal: see _outcome
+                return [False, exc]
             finally:
                 ended.set()
 
@@ -236,9 +239,10 @@ class LoopThread:
                 )
             raise TimeoutError(f"{self.name}: no result within {wait:.3f} s")
         try:
-            return fut.result()
+            box = fut.result()
         except concurrent.futures.CancelledError:  # only the loop stopping cancels it
             raise self._closed_error() from None
+        return _outcome(box)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Close what was entered (bounded by ``close_timeout``), stop the loop, join it."""
@@ -277,21 +281,46 @@ class _Held:
 
     def __init__(self, cm: Any) -> None:
         self.cm = cm
-        self.entered: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        #: ``[True, value]`` once entered, ``[False, error]`` when entering raised: a box
+        #: that :func:`_outcome` empties (see there); never set when entering was cancelled.
+        self.entered: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
         self.leave: anyio.Event | None = None
 
     async def run(self) -> None:
         self.leave = anyio.Event()
         try:
             value = await self.cm.__aenter__()
-        except BaseException as exc:
-            self.entered.set_exception(exc)
-            raise
-        self.entered.set_result(value)
+        except Exception as exc:  # boxed, not raised through the portal: see _outcome
+            self.entered.set_result([False, exc])
+            return
+        # A cancellation (the caller stopped waiting, the loop stopping) is not handed
+        # over: kept by the future, it would hold this frame, and the context manager.
+        self.entered.set_result([True, value])
         try:
             await self.leave.wait()
         finally:
             await self.cm.__aexit__(None, None, None)
+
+
+def _outcome(box: list[Any]) -> Any:
+    """The value in ``box`` (``[True, value]``), or its error (``[False, error]``) raised;
+    the box is emptied first.
+
+    An error raised in the loop is handed to the calling thread in a box, not through the
+    portal's future: anyio's portal task keeps the error it sets there in a local of its
+    frame, which is on the error's traceback, and the future kept it too, held by frames
+    on its traceback here (this thread's wait). Those reference cycles kept every frame
+    the error passed, and what they refer to (an adapter, its pipeline and store, the
+    caller's caches), until the cyclic garbage collector ran.
+    """
+    ok, value = box
+    box.clear()
+    if ok:
+        return value
+    try:
+        raise value
+    finally:
+        value = None
 
 
 def default_store_dir() -> Path:

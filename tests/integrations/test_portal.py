@@ -4,6 +4,7 @@ hopped onto the loop thread."""
 from __future__ import annotations
 
 import logging
+import weakref
 
 import anyio
 import pytest
@@ -44,3 +45,64 @@ def test_storage_deadline_still_named_in_its_warning(caplog: pytest.LogCaptureFi
     (record,) = [r for r in caplog.records if "KVPipeStorage exists" in r.getMessage()]
     assert "TimeoutError" in record.getMessage()
     assert "within 0.000 s" in record.getMessage()
+
+
+class _Held:
+    """Something a call's coroutine refers to (a pipeline, the caller's caches)."""
+
+
+async def _fails(held: _Held) -> int:
+    raise kvpipe.BackendError("memory", "exists", "injected")
+
+
+def test_a_call_that_raised_leaves_no_cycle(no_cyclic_gc: None) -> None:
+    """A coroutine that raises (a store's failure, as the adapters' calls do): anyio's portal
+    task keeps the error it hands back in a frame on the error's own traceback, a reference
+    cycle that held every frame the error passed, and what they refer to (the adapter, its
+    pipeline and the caller's caches), until the cyclic collector ran."""
+    loop = LoopThread("test-call-cycle")
+    try:
+        held = _Held()
+        ref = weakref.ref(held)
+        with pytest.raises(kvpipe.BackendError, match="injected"):
+            loop.call(_fails, held, wait=30.0)
+        del held
+        assert ref() is None, "the call's error is held in a reference cycle"
+    finally:
+        loop.close()
+    lt = weakref.ref(loop)
+    del loop
+    assert lt() is None, "the loop thread is held in a reference cycle"
+
+
+class _FailsToEnter:
+    """An async context manager whose entering raises (a pipeline whose open failed), or
+    never ends (one whose store does not answer)."""
+
+    def __init__(self, hang: bool) -> None:
+        self.hang = hang
+
+    async def __aenter__(self) -> None:
+        if self.hang:
+            await anyio.sleep_forever()
+        raise kvpipe.ConfigError("store", "injected")
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["raised", "timed-out"])
+def test_an_enter_that_failed_leaves_no_cycle(hang: bool, no_cyclic_gc: None) -> None:
+    """Entering raised, or was cancelled past its ``wait``: the error was kept by the future
+    that hands it over, which a frame on its traceback (the entering task's) holds, a cycle
+    that kept the context manager (a pipeline opening: the store, the caller's caches)."""
+    loop = LoopThread("test-enter-cycle")
+    try:
+        cm = _FailsToEnter(hang)
+        ref = weakref.ref(cm)
+        with pytest.raises(TimeoutError if hang else kvpipe.ConfigError):
+            loop.enter(cm, wait=0.0 if hang else 30.0)
+        del cm
+    finally:
+        loop.close()  # the cancelled entering has unwound once the loop stopped
+    assert ref() is None, "the context manager is held in a reference cycle"
