@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 
 import anyio
@@ -305,30 +306,48 @@ async def test_close_is_bounded_when_the_store_never_unregisters(
     assert len(_registration.KEPT) == kept + 1
 
 
+class _UnregisteredStuckStore(StuckInThreadStore):
+    """A :class:`StuckInThreadStore` that registers no staging (the default
+    ``register_staging`` and ``unregister_staging``, as the memory and file stores)."""
+
+    unregister_staging = kvpipe.StorageBackend.unregister_staging
+
+
+@pytest.mark.parametrize("registers", [True, False], ids=["registered", "not-registered"])
 async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
-    caplog: pytest.LogCaptureFixture,
+    registers: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A store's thread call that outlived its request and the close deadline may still
     write into staging: the staging is neither unregistered from the store under it nor
-    freed, and that is logged."""
+    freed, and that is logged. Staging registered with the store is then kept allocated for
+    good; staging a store never registered (one that keeps the default ``register_staging``:
+    the memory and file stores) was kept for good too, a leak of the whole staging per such
+    close, and is now freed once the thread has returned."""
     from kvpipe.backends import _registration
 
-    store = StuckInThreadStore("get")
+    store = StuckInThreadStore("get") if registers else _UnregisteredStuckStore("get")
     config = kvpipe.PipelineConfig(close_timeout=0.2, slice_timeout=0.1, staging_bytes=1 << 20)
     kept = len(_registration.KEPT)
     try:
         with caplog.at_level("ERROR", logger="kvpipe"), anyio.fail_after(10):
             async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+                staging = weakref.ref(pipe._runtime._pool.buffer.base)  # type: ignore[union-attr]
                 tokens = np.arange(2 * BLOCK)
                 assert (await pipe.write(tokens, [0, 1])).written == 2
                 assert (await pipe.read(tokens, [2, 3])).loaded == 0
                 assert store.running.is_set()
         assert store.running.is_set()  # still running after close
+        assert staging() is not None
         assert True not in store.unregistered
-        assert len(_registration.KEPT) == kept + 1
+        assert len(_registration.KEPT) == kept + registers
         assert any("still" in r.getMessage() for r in caplog.records)
     finally:
         store.go_on.set()
+    with anyio.fail_after(10):
+        while pipe.statistics().threads_running:  # noqa: ASYNC110 (a thread, no event)
+            await anyio.sleep(0.01)
+    del pipe
+    assert (staging() is not None) == registers
 
 
 async def test_statistics_after_close_still_count_a_thread_the_close_abandoned() -> None:

@@ -4,7 +4,9 @@ A store (Mooncake's transfer engine) may read and write registered memory until 
 unregistered. So a registration whose call was cancelled counts as made (the vendor call may
 still complete), and staging whose unregistration failed, did not end by the deadline, or
 that a call abandoned at close may still use, is kept alive in :data:`KEPT` for the rest of
-the process: a leak, logged, rather than memory freed under the store.
+the process: a leak, logged, rather than memory freed under the store. A store that keeps the
+default ``register_staging`` and ``unregister_staging`` registers nothing: its staging is
+never kept (an abandoned call's thread holds what it uses until it returns).
 """
 
 from __future__ import annotations
@@ -29,17 +31,26 @@ class Registrations:
     """The staging buffers one owner (a pipeline, a :class:`ValueClient`) registered with
     ``store``."""
 
-    __slots__ = ("_buffers", "kept", "store")
+    __slots__ = ("_buffers", "_registers", "kept", "store")
 
     def __init__(self, store: StorageBackend) -> None:
         self.store = store
+        #: Whether the store registers memory at all (it overrides ``register_staging`` or
+        #: ``unregister_staging``): staging a store never registered is freed by reference
+        #: counting once nothing uses it, an abandoned call's thread included; never kept.
+        kind = type(store)
+        self._registers = (
+            kind.register_staging is not StorageBackend.register_staging
+            or kind.unregister_staging is not StorageBackend.unregister_staging
+        )
         self._buffers: list[memoryview] = []
         #: Whether any buffer was kept alive instead of unregistered (its memory must not be
         #: freed by its owner either).
         self.kept = False
 
     async def add(self, buffer: memoryview) -> None:
-        """Register ``buffer`` with the store.
+        """Register ``buffer`` with the store (nothing to do for a store that keeps the default
+        ``register_staging`` and ``unregister_staging``: it registers nothing).
 
         Raises:
             Exception: Whatever the store raised: nothing was registered.
@@ -47,6 +58,8 @@ class Registrations:
         Cancellation: the buffer counts as registered (the store's call may still complete),
         so it is unregistered, or kept, at :meth:`aclose`.
         """
+        if not self._registers:
+            return  # nothing to unregister, nothing to keep
         self._buffers.append(buffer)
         try:
             await self.store.register_staging(buffer)
