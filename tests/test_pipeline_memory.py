@@ -20,7 +20,11 @@ from kvpipe.actors import writer as writer_module
 from tests.fakes import Act, CrashHooks, ScriptedStore
 from tests.helpers import until
 
-pytestmark = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+pytestmark = pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
+    ids=["asyncio", "uvloop", "trio"],
+)
 
 STAGING = 64 << 20
 LAYOUT = kvpipe.CacheLayout.gqa(
