@@ -9,22 +9,68 @@ from hypothesis import strategies as st
 
 from kvpipe._plan import plan_slices
 from kvpipe._read_machine import ReadMachine
+from kvpipe._results import ReadStopReason
+
+_STOPS: tuple[ReadStopReason, ...] = ("failed_block", "slice_timeout", "total_timeout")
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(st.integers(0, 30), st.integers(1, 6), st.data())
 def test_random_interleavings_keep_every_invariant(
     blocks: int, per: int, data: st.DataObject
 ) -> None:
-    m = ReadMachine("r", 0, blocks, started=0.0)
-    slices = plan_slices(0, blocks, per, 16, blocks * 16)
+    """A model of the read alongside the machine: when it must be settled (no scatter
+    running, and every slice resolved or the read aborted: never before, never later), with
+    which leading run and which stop reason. Planned as the scheduler plans it: a probe that
+    found a miss records the stop first and plans the slices before it; a failed probe
+    records a stop at the first block and plans none."""
+    start = data.draw(st.integers(0, 3))
+    m = ReadMachine("r", start, start + blocks, started=0.0)
+    probe = data.draw(st.sampled_from(["all", "miss", "error"])) if blocks else "all"
+    available = blocks
+    stop: tuple[int, ReadStopReason] | None = None  # the earliest stop recorded (the model's)
+    if probe == "miss":
+        available = data.draw(st.integers(0, blocks - 1))
+        m.stop_at(start + available, "not_stored", [start + available])
+        stop = (start + available, "not_stored")
+    elif probe == "error":
+        available = 0
+        m.stop_at(start, "backend_error", [], "exists failed")
+        stop = (start, "backend_error")
+    slices = plan_slices(start, start + available, per, 16, (start + blocks) * 16)
     m.plan(slices, now=0.0)
+    by_index = {s.index: s for s in slices}
     loaded: dict[int, int] = {}
     running = 0
     settled_result = m.result
     settled_error = m.error
-    first_ending: str | None = None  # "end" or "fail": the first one wins
+    ending: str | None = None  # the first ending: "fail", or the cause of "end"
+    expected_reason: ReadStopReason | None = None
+    settled_loaded = 0
     now = 0.0
+
+    def leading_run() -> int:
+        run = 0
+        for s in slices:
+            got = loaded.get(s.index, 0)
+            run += got
+            if got < s.count:
+                break
+        return run
+
+    def expect_settled_now() -> None:
+        nonlocal expected_reason, settled_loaded
+        settled_loaded = leading_run()
+        first_missing = start + settled_loaded
+        if settled_loaded == blocks:
+            expected_reason = None
+        elif ending not in (None, "fail") and (stop is None or first_missing < stop[0]):
+            expected_reason = ending  # type: ignore[assignment]
+        else:
+            expected_reason = stop[1] if stop is not None else "failed_block"
+
+    if m.ended:
+        expect_settled_now()
     for _ in range(data.draw(st.integers(0, 4 * len(slices) + 4))):
         now += 1
         was_aborted, was_ended = m.aborted, m.ended
@@ -33,11 +79,15 @@ def test_random_interleavings_keep_every_invariant(
         )
         if event == "resolve" and m.pending:
             index = data.draw(st.sampled_from(sorted(m.pending)))
-            got = data.draw(st.integers(0, slices[index].count))
-            if m.stopped_before(slices[index].first_block):
-                got = 0  # the actors resolve a slice past the stop with nothing loaded
+            spec = by_index[index]
+            # the actors never load past where loading stopped (the swapper scatters only
+            # what is loadable; a slice past the stop is resolved with nothing)
+            got = data.draw(st.integers(0, m.loadable(spec.first_block, spec.count)))
+            if m.stopped_before(spec.first_block):
+                got = 0
             m.resolve(index, got, now)
-            loaded.setdefault(index, got)
+            if not was_ended:
+                loaded.setdefault(index, got)
         elif event == "begin":
             ok = m.scatter_begin()
             assert ok == (not was_aborted and not was_ended)  # nothing after an abort
@@ -46,25 +96,32 @@ def test_random_interleavings_keep_every_invariant(
             m.scatter_end(now)
             running -= 1
         elif event == "stop" and blocks:
-            m.stop_at(data.draw(st.integers(0, blocks - 1)), "failed_block", [], "bad")
-        if event in ("end", "fail") and not was_aborted and not was_ended:
-            first_ending = first_ending or event
-        if event == "end":
-            m.end(
-                data.draw(st.sampled_from(["total_timeout", "cancelled", "actor_crashed"])),
-                "x",
-                now,
-            )
+            block = start + data.draw(st.integers(0, blocks - 1))
+            reason = data.draw(st.sampled_from(_STOPS))
+            m.stop_at(block, reason, [block], "bad")
+            if not was_ended and (stop is None or block < stop[0]):
+                stop = (block, reason)
+        elif event == "end":
+            cause = data.draw(st.sampled_from(["total_timeout", "cancelled", "actor_crashed"]))
+            m.end(cause, "x", now)  # type: ignore[arg-type]
+            if not was_aborted and not was_ended:
+                ending = cause
         elif event == "fail":
             m.fail(RuntimeError("closing"), now)
+            if not was_aborted and not was_ended:
+                ending = "fail"
         assert m.scatters == running
-        if m.ended and first_ending == "end":
+        # settled exactly when nothing is left to wait for: no scatter running, and every
+        # slice resolved or the read aborted (never while a scatter may still write into the
+        # caller's cache; never later, or the caller waits for its deadline guard)
+        must_be_settled = running == 0 and (m.aborted or not m.pending)
+        assert m.ended == (was_ended or must_be_settled), (event, running, m.pending)
+        if m.ended and not was_ended:
+            expect_settled_now()
+        if m.ended and ending not in (None, "fail"):
             assert m.result is not None, "a failure after the read ended replaced its result"
-        if m.ended and first_ending == "fail":
-            assert m.error is not None
-        # settled only when no scatter runs after an abort; and only once
-        if m.ended and m.aborted:
-            assert running == 0 or was_ended
+        if m.ended and ending == "fail":
+            assert m.error is not None and m.result is None
         if settled_result is not None:
             assert m.result is settled_result and m.error is None
         if settled_error is not None:
@@ -72,17 +129,13 @@ def test_random_interleavings_keep_every_invariant(
         settled_result, settled_error = m.result, m.error
     if m.result is not None:
         r = m.result
-        expect = 0
-        for s in slices:
-            got = loaded.get(s.index, 0)
-            expect += got
-            if got < s.count:
-                break
-        assert r.loaded == expect <= blocks
+        assert r.loaded == settled_loaded <= blocks
         assert r.complete == (r.loaded == blocks)
-        assert (r.stop_reason is None) == r.complete
+        assert r.stop_reason == expected_reason
         if not r.complete:
-            assert r.failed_blocks and min(b for b in r.failed_blocks if b >= r.loaded) >= r.loaded
+            first_missing = start + r.loaded
+            assert r.failed_blocks and all(start <= b < start + blocks for b in r.failed_blocks)
+            assert any(b >= first_missing for b in r.failed_blocks)
 
 
 def test_an_aborted_read_waits_for_the_scatter_in_flight() -> None:

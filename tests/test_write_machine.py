@@ -38,10 +38,25 @@ def test_random_event_orders_keep_every_invariant(
     m = WriteMachine("w", start, start + blocks, started=0.0)
     skipped = data.draw(st.integers(0, blocks))
     slices = plan_slices(start + skipped, start + blocks, per, 16, (start + blocks) * 16)
+    # The caller's side may end a write still queued for the scheduler: planned then
+    # changes nothing.
+    ended_first = data.draw(st.sampled_from([None, None, None, "total_timeout", "fail"]))
+    if ended_first == "fail":
+        m.fail(RuntimeError("closing"))
+    elif ended_first is not None:
+        m.end(ended_first, "deadline passed while queued", 0.2)
     m.planned(skipped, slices, now=0.5)
+    if ended_first is not None:
+        assert m.skipped == 0 and m.slices == () and m.written == 0
+        assert (m.result is None) == (ended_first == "fail")
+        if m.result is not None:
+            assert m.result.stop_reason == (ended_first if blocks else None)
+        return
     settled = m.result
     expected_written = 0
     stopped = False
+    #: Why the model says the write ended (``""``: complete), once it has.
+    ended: str | None = "" if not slices else None
     in_flight: int | None = None  # the slice sent whose outcome is still to come
     cut_off: int | None = None  # the slice the total deadline cut off in its store call
     now = 1.0
@@ -66,6 +81,10 @@ def test_random_event_orders_keep_every_invariant(
                 expected_written += out.written
                 stopped = out.outcome != "complete"
                 in_flight = None
+                if stopped:
+                    ended = "incomplete_slice" if out.outcome == "incomplete" else out.outcome
+                elif spec.index == len(slices) - 1:
+                    ended = ""  # the last slice stored whole: complete
         elif event == "wrong" and len(slices) > 1:
             wrong = (m.turn + 1) % len(slices)
             spec = slices[wrong]
@@ -80,8 +99,16 @@ def test_random_event_orders_keep_every_invariant(
             m.end(cause, "x", now)
             if not was_ended and cause == "total_timeout" and in_flight is not None:
                 cut_off = in_flight
+            if ended is None:
+                ended = cause
         elif event == "fail":
             m.fail(RuntimeError("closing"))
+            if ended is None:
+                ended = "fail"
+        # ended exactly when the model says so: not before, and never later (a write that
+        # has nothing left to do but stays open holds its caller until the deadline guard)
+        assert m.ended == (ended is not None), (event, ended)
+        assert (m.error is not None) == (ended == "fail")
         # exactly once: whatever came first stays
         if settled is not None or (was_ended and m.error is not None):
             assert m.result is settled
@@ -98,6 +125,8 @@ def test_random_event_orders_keep_every_invariant(
         assert all(o.outcome == "complete" for o in r.slices[:-1])
         assert [o.index for o in r.slices] == list(range(len(r.slices)))
         assert (r.stop_reason is None) == r.complete
+        if not r.complete:
+            assert r.stop_reason == ended
         if not r.complete and r.slices and r.slices[-1].outcome == "incomplete":
             assert r.stop_reason == "incomplete_slice"
         # a slice sent when the total deadline ended the write has its one outcome
