@@ -896,3 +896,35 @@ async def test_a_call_with_no_block_to_move_queued_past_its_deadline_is_complete
         assert result.stop_reason is None and result.error is None
         if call == "read":
             assert result.failed_blocks == ()
+
+
+class _DeafStore(kvpipe.MemoryStore):
+    """A store whose gets (``uses_sink`` False: nothing of theirs writes into the cache)
+    ignore cancellation for ``deaf`` seconds, then fail: a vendor call awaited in a thread
+    that is not abandoned on cancellation (``anyio.to_thread.run_sync``'s default)."""
+
+    def __init__(self, deaf: float) -> None:
+        super().__init__()
+        self.deaf = deaf
+
+    async def get_blocks(self, batch: GetBatch) -> Sequence[BlockStatus]:
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(self.deaf)
+        return [BlockStatus.FAILED] * len(batch.keys)
+
+
+async def test_a_host_read_whose_fetch_ignores_cancellation_returns_by_the_deadline_guard() -> None:
+    """The deadline guard ends a read whose store call ignores its cancellation at
+    ``deadline + deadline_slack``, as it ends a write: a fetch into staging writes nothing
+    into the caller's cache, so the read holds no claim on it while the fetch runs. It held
+    one (taken before the fetch, for a store's row sink, also for a store that uses none),
+    so the caller waited the whole 100 s of the deaf call, shielded, past the guard."""
+    store = _DeafStore(100.0)
+    cfg = _config(total_timeout=5.0, deadline_slack=0.25)
+    async with kvpipe.open_pipeline(_cache(), store, config=cfg) as pipe:
+        assert (await pipe.write(TOKENS, IDS)).complete
+        start = anyio.current_time()
+        r = await pipe.read(TOKENS, np.arange(20, 36))
+        assert anyio.current_time() - start == pytest.approx(5.25)
+        assert (r.loaded, r.complete, r.stop_reason) == (0, False, "total_timeout")
+        assert pipe.statistics().counters["deadline_guard_expired"] == 1

@@ -149,10 +149,13 @@ class Reader(Actor[ReadState | SliceJob]):
             return []
         deadline = min(anyio.current_time() + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, GetBatch)
-        # Host caches: the claim on the cache is held from before the fetch (a store that
-        # takes the batch's sink places values while it runs) until all is in place.
-        claimed = ctx.engine.name == "host" and state.scatter_begin()
-        if ctx.engine.name == "host" and not claimed:  # the read has ended
+        # Host caches: a store that takes the batch's sink places values while it runs, so
+        # the claim on the cache is held from before its fetch until all is in place. A
+        # fetch into staging writes nothing into the cache: the claim then comes after it
+        # (:meth:`_get_and_place`), and an aborted read does not wait for the fetch.
+        early = ctx.engine.name == "host" and ctx.backend.uses_sink
+        claimed = early and state.scatter_begin()
+        if early and not claimed:  # the read has ended
             state.resolve(spec.index, 0)
             return []
         try:
@@ -255,8 +258,10 @@ class Reader(Actor[ReadState | SliceJob]):
     async def _get_and_place(
         self, job: SliceJob, batch: GetBatch, deadline: float, claimed: bool
     ) -> tuple[list[BlockStatus], list[str | None], int, float, bool] | None:
-        """Fetch a slice and check its leading fetched blocks; with ``claimed`` (the caller
-        holds the claim on a host cache) also put the leading sound ones in the cache.
+        """Fetch a slice and check its leading fetched blocks; for a host cache also put the
+        leading sound ones in the cache, under the read's claim on it: held by the caller
+        from before the fetch (``claimed``: for the store's sink), else taken here once the
+        fetch has returned.
         Returns ``(statuses, checks of the leading fetched blocks, blocks now in the cache,
         seconds, whether staging lacks some fetched values)``, or ``None`` when the slice is
         settled already (the read stopped before it, or the fetch failed)."""
@@ -304,6 +309,9 @@ class Reader(Actor[ReadState | SliceJob]):
             state.resolve(spec.index, 0)
             return None
         fetched = leading_ok(statuses)
+        # Granted: the read has not stopped (above, and nothing awaited since).
+        late = bool(fetched) and not claimed and ctx.engine.name == "host"
+        claimed = claimed or (late and state.scatter_begin())
         scattered = 0
         try:
             if fetched and claimed:
@@ -324,6 +332,9 @@ class Reader(Actor[ReadState | SliceJob]):
             ctx.observe("read_slice", elapsed, "total_timeout")  # and its one report
             self._stop_late(state, job, placed, elapsed)
             return None
+        finally:
+            if late and claimed:
+                state.scatter_end()
         return statuses, checks, scattered, elapsed, sink is not None and sink.elsewhere
 
     @staticmethod
