@@ -260,10 +260,13 @@ def _compare_piece(
             len(keys),
         )
     finally:
-        rc = int(client.unregister_buffer(base))
-        if rc != 0:  # still registered: never freed under the transfer engine
+        try:
+            answer: object = int(client.unregister_buffer(base))
+        except Exception as exc:  # it may still be registered, as with an error code
+            answer = repr(exc)
+        if answer != 0:  # still registered: never freed under the transfer engine
             _KEPT.append(scratch)
-            log.error("mooncake: unregister_buffer of put scratch returned %d; kept", rc)
+            log.error("mooncake: unregister_buffer of put scratch returned %s; kept", answer)
     out = []
     for key, i, row, code in zip(keys, at, scratch, got, strict=True):
         if code == size:

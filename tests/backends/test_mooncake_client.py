@@ -539,3 +539,37 @@ async def test_aclose_unregisters_every_buffer_and_closes_whatever_one_unregiste
     (client,) = clients
     assert len(client.unregistered) == 2 and client.closed == 1
     assert "no such region" in caplog.text and "returned -1" in caplog.text
+
+
+class RaisingScratchUnregisterClient(StoredValuesClient):
+    """Stores values; its ``unregister_buffer`` raises (the region may still be registered)."""
+
+    def __init__(self, values: dict[str, bytes]) -> None:
+        super().__init__(values)
+        self.addresses: list[int] = []
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self.addresses.append(ptr)
+        return super().register_buffer(ptr, size)
+
+    def unregister_buffer(self, ptr: int) -> int:
+        raise RuntimeError("transfer engine: region busy")
+
+
+def test_put_scratch_whose_unregister_raised_is_never_freed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scratch a put reads stored values into is kept alive where the vendor's
+    ``unregister_buffer`` raised, as where it returned an error code: the region may still be
+    registered with the transfer engine. It was freed as the exception unwound (and the put
+    failed with that exception, though every stored value had been read and compared)."""
+    kept: list[np.ndarray] = []
+    monkeypatch.setattr(mc, "_KEPT", kept)
+    size = 4096
+    client = RaisingScratchUnregisterClient({"k0": b"\x00" * size, "k1": b"\x01" * size})
+    views = [memoryview(b"\x00" * size), memoryview(b"\x07" * size)]
+    with caplog.at_level("ERROR", logger="kvpipe.mooncake"):
+        got = mc._read_and_compare(client, ["k0", "k1"], [0, 1], size, views)
+    assert got == [(0, 0), (1, mc._DIFFERENT)]
+    assert [int(a.ctypes.data) for a in kept] == client.addresses
+    assert "region busy" in caplog.text
