@@ -445,8 +445,9 @@ class MooncakeStore(StorageBackend):
         have them all busy).
 
         Raises:
-            BackendError: The vendor client's ``close`` raised. Staging is unregistered
-                before it, each buffer whatever the others did (a failure is logged).
+            BackendError: The vendor client's ``close`` raised or answered an error code.
+                Staging is unregistered before it, each buffer whatever the others did (a
+                failure is logged).
 
         Cancellation: shielded.
         """
@@ -460,11 +461,7 @@ class MooncakeStore(StorageBackend):
                     setup, self._setup = self._setup, None
                     if setup is not None and setup.orphan():  # set up, never taken
                         with anyio.move_on_after(self.setup_timeout):
-                            await anyio.to_thread.run_sync(
-                                setup.client.close,
-                                abandon_on_cancel=True,
-                                limiter=anyio.CapacityLimiter(1),
-                            )
+                            await self._close_client(setup.client, anyio.CapacityLimiter(1))
                     return
                 own = anyio.CapacityLimiter(1)
                 idle = await anyio.to_thread.run_sync(
@@ -498,18 +495,29 @@ class MooncakeStore(StorageBackend):
                                 rc,
                             )
                     if self._own_client:
-                        try:
-                            await anyio.to_thread.run_sync(
-                                client.close, abandon_on_cancel=True, limiter=own
-                            )
-                        except Exception as exc:
-                            raise BackendError(self.name, "close", repr(exc)) from exc
+                        await self._close_client(client, own)
                 if bound.cancelled_caught:
                     log.error(
                         "mooncake: unregistering staging and closing the client took more "
                         "than %.0f s; left to finish in a worker thread",
                         self.setup_timeout,
                     )
+
+    async def _close_client(self, client: Any, limiter: anyio.CapacityLimiter) -> None:
+        """The vendor ``close`` of ``client`` in a worker thread of ``limiter`` (abandoned on
+        cancellation).
+
+        Raises:
+            BackendError: It raised, or answered an error code.
+        """
+        try:
+            rc = await anyio.to_thread.run_sync(
+                client.close, abandon_on_cancel=True, limiter=limiter
+            )
+        except Exception as exc:
+            raise BackendError(self.name, "close", repr(exc)) from exc
+        if rc != 0:
+            raise BackendError(self.name, "close", f"returned {rc}")
 
     async def _ready(self) -> Any:
         if self._client is None:

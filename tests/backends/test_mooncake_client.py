@@ -573,3 +573,63 @@ def test_put_scratch_whose_unregister_raised_is_never_freed(
     assert got == [(0, 0), (1, mc._DIFFERENT)]
     assert [int(a.ctypes.data) for a in kept] == client.addresses
     assert "region busy" in caplog.text
+
+
+class FailingCloseClient(FakeClient):
+    """``close`` answers an error code."""
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return 0
+
+    def close(self) -> int:
+        super().close()
+        return -1
+
+
+async def test_a_close_that_returns_an_error_code_is_a_backend_error(
+    master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vendor ``close`` answers an int; an error code (the segment may still be mounted
+    with the master) passed as success, while one that raised was a ``BackendError``."""
+    clients: list[FailingCloseClient] = []
+
+    def load() -> FailingCloseClient:
+        clients.append(FailingCloseClient())
+        return clients[-1]
+
+    monkeypatch.setattr(mc, "_load_client", load)
+    store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
+    await store.open()
+    with pytest.raises(kvpipe.BackendError, match=r"close: returned -1"):
+        await store.aclose()
+    assert [c.closed for c in clients] == [1] and store.closed
+
+
+class RaisingCloseAfterHungSetup(HungSetupClient):
+    def close(self) -> int:
+        super().close()
+        raise RuntimeError("master gone")
+
+
+async def test_closing_a_client_set_up_but_never_taken_raises_backend_errors(
+    master: str, monkeypatch: pytest.MonkeyPatch, hung_setups: list[HungSetupClient]
+) -> None:
+    """``aclose`` closes a client whose setup succeeded after its caller gave up (never taken
+    by an ``open``); the vendor ``close`` raising there escaped as the vendor's own
+    exception, not a ``BackendError``."""
+    clients: list[HungSetupClient] = []
+
+    def load() -> HungSetupClient:
+        clients.append(RaisingCloseAfterHungSetup())
+        return clients[-1]
+
+    monkeypatch.setattr(mc, "_load_client", load)
+    store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
+    await _give_up_on_a_call(store, lambda: bool(clients) and clients[0].started.is_set())
+    HungSetupClient.go.set()
+    setup = store._setup
+    assert setup is not None
+    await until(lambda: setup.result == 0)
+    with pytest.raises(kvpipe.BackendError, match="master gone"):
+        await store.aclose()
+    assert clients[0].closed == 1
