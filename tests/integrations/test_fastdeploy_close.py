@@ -6,6 +6,7 @@ entered is exited."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -288,3 +289,68 @@ def test_a_pipeline_opened_while_close_runs_is_not_kept_after_it(
     assert not store._pipes
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "closed" in warnings[0], warnings
+
+
+class _HungReadClient:
+    """A Mooncake vendor-client stand-in whose ``batch_get_into`` hangs until :attr:`release`
+    (a segment owner that stopped answering)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.closed = threading.Event()
+
+    def setup(self, *args: object) -> int:
+        return 0
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return 0
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        self.entered.set()
+        self.release.wait(60)
+        return [-800] * len(keys)
+
+    def close(self) -> int:
+        self.closed.set()
+        return 0
+
+
+def test_close_returns_by_its_timeout_while_the_mooncake_store_drains_a_hung_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``KVPipeStorage.close`` over a Mooncake store with a vendor read still hanging (its
+    caller gave up at its timeout): the store's shielded ``aclose`` waits up to its
+    ``setup_timeout`` (30 s by default) for that call before closing the client, and
+    ``close`` joined the loop thread without a bound, holding FastDeploy's thread that long
+    past ``close_timeout``. It returns by ``close_timeout`` plus the slack; the store finishes
+    closing in the loop thread once the call returns."""
+    import socket
+
+    from kvpipe.backends import mooncake as mc
+    from kvpipe.integrations.fastdeploy import HOP_SLACK
+
+    fake = _HungReadClient()
+    monkeypatch.setattr(mc, "_load_client", lambda: fake)
+    with socket.socket() as listener:  # the master's port: the store probes it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        master = f"127.0.0.1:{listener.getsockname()[1]}"
+        store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata", setup_timeout=60.0)
+        storage = KVPipeStorage(store=store, timeout=0.2, close_timeout=0.2)
+        try:
+            out = bytearray(64)
+            ptr = ctypes.addressof((ctypes.c_char * 64).from_buffer(out))
+            assert storage.batch_get(["k"], [ptr], [64]) == [-1]  # the read hangs
+            assert fake.entered.is_set()
+            closer = threading.Thread(target=storage.close)
+            closer.start()
+            closer.join(0.2 + 2 * HOP_SLACK + 5.0)  # 5 s for a busy machine
+            assert not closer.is_alive(), "close still waits for the store's drain"
+        finally:
+            fake.release.set()
+        assert fake.closed.wait(30)  # the store closed its client once the read returned
+        closer.join(30)
