@@ -347,6 +347,10 @@ class StorageBackend(abc.ABC):
     keeps_values: bool = False
     #: The backend uses :attr:`GetBatch.sink`: kvpipe offers one with each get.
     uses_sink: bool = False
+    #: The backend's :meth:`exists` answers every key on its own, never ``False`` for a
+    #: stored key only because one before it is missing: a :class:`ValueClient` then takes
+    #: its answers past a miss as they are, without probing those keys again one by one.
+    exists_answers_every_key: bool = False
 
     @abc.abstractmethod
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:

@@ -237,7 +237,8 @@ class ValueClient:
         first miss may be ``False`` for stored keys (its ``exists`` may stop there), so the
         keys after it answered ``False`` are probed again, one key a call, up to
         :data:`PROBE_WIDTH` at once: every key is probed at most twice, not once per miss
-        before it. Cancellation: as the store's.
+        before it (not at all for a store that declares
+        :attr:`~kvpipe.StorageBackend.exists_answers_every_key`). Cancellation: as the store's.
 
         Raises:
             BackendError: The store could not answer (from its first failing probe, as
@@ -249,7 +250,7 @@ class ValueClient:
         out = [bool(ok) for ok in await self.store.exists(self._batch(keys))]
         lead = leading_run(out)
         unsure = [j for j in range(lead + 1, len(keys)) if not out[j]]
-        if unsure:
+        if unsure and not self.store.exists_answers_every_key:
             limiter = anyio.CapacityLimiter(PROBE_WIDTH)
             failed: list[Exception] = []
 

@@ -70,6 +70,7 @@ class MemoryStore(StorageBackend):
 
     name = "memory"
     keeps_values = True
+    exists_answers_every_key = True
 
     def __init__(self, capacity_bytes: int | None = None, *, recycle_bytes: int = 1 << 30) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:

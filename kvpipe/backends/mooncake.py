@@ -310,6 +310,7 @@ class MooncakeStore(StorageBackend):
     """
 
     name = "mooncake"
+    exists_answers_every_key = True  # batch_is_exist answers each key
 
     def __init__(
         self,

@@ -1033,6 +1033,8 @@ class StopsAtFirstMiss(kvpipe.MemoryStore):
     """Answers ``exists`` as a file store may (``False`` for every key after the first
     missing one) and counts the keys it was asked about."""
 
+    exists_answers_every_key = False
+
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0

@@ -72,3 +72,26 @@ async def test_an_exists_that_never_yields_does_not_stall_the_watch() -> None:
     suite = BackendConformance()
     await suite.test_a_block_not_reported_ok_is_never_visible(Eager())
     await suite.test_a_published_block_stays_until_deleted(Eager())
+
+
+class ClaimsEveryKey(kvpipe.MemoryStore):
+    """Declares exists_answers_every_key (inherited from MemoryStore) while its exists stops
+    at the first missing key, as a file store's may."""
+
+    async def exists(self, batch: KeyBatch) -> Sequence[bool]:
+        flags = list(await super().exists(batch))
+        lead = next((j for j, ok in enumerate(flags) if not ok), len(flags))
+        return flags[: lead + 1] + [False] * (len(flags) - lead - 1)
+
+
+async def test_a_store_that_claims_to_answer_every_key_and_stops_at_a_miss_fails() -> None:
+    """A ValueClient trusts such a store's answers past a miss (it does not probe those keys
+    again), so a store that declares it and stops at the first miss would make stored
+    blocks look missing: the suite's delete check catches it, and passes it undeclared."""
+    suite = BackendConformance()
+    async with ClaimsEveryKey() as store:
+        with pytest.raises(AssertionError):
+            await suite.test_delete_removes_and_ignores_missing(store)
+    async with ClaimsEveryKey() as store:
+        store.exists_answers_every_key = False
+        await suite.test_delete_removes_and_ignores_missing(store)
