@@ -87,6 +87,52 @@ async def _watching(
             done.set()
 
 
+@asynccontextmanager
+async def _reading(
+    backend: StorageBackend, b: Batches, keys: Sequence[str], allowed: Sequence[set[bytes]]
+) -> AsyncIterator[list[str]]:
+    """While the body runs, get each of ``keys`` over and over, one key per call: a get that
+    reports a key ``OK`` with bytes other than one of its ``allowed`` values, or ``CORRUPT``,
+    adds a line to the list yielded (a reader saw a value torn, or another key's).
+
+    As in :func:`_watching`, every key has a task of its own, so it is read at every
+    schedule point of the body; a ``get_blocks`` that does not yield gets a checkpoint after
+    each call.
+    """
+    done = anyio.Event()
+    seen: list[str] = []
+
+    async def read(index: int, key: str) -> None:
+        answer: list[tuple[BlockStatus, bytes]] = []
+
+        async def ask() -> None:
+            (status,), (value,) = await b.get(backend, [key])
+            answer.append((status, value))
+
+        pace: bool | None = None
+        while not done.is_set():
+            answer.clear()
+            if pace is None:
+                pace = not await _yields(ask)
+            else:
+                await ask()
+            status, value = answer[0]
+            if status is BlockStatus.CORRUPT:
+                seen.append(f"key {index}: CORRUPT while it was being stored")
+            elif status is BlockStatus.OK and value not in allowed[index]:
+                seen.append(f"key {index}: OK with bytes that are no value put under it")
+            if pace:
+                await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        for index, key in enumerate(keys):
+            tg.start_soon(read, index, key)
+        try:
+            yield seen
+        finally:
+            done.set()
+
+
 async def _cancelled_put(
     backend: StorageBackend, b: Batches, keys: Sequence[str], values: Sequence[bytes], steps: int
 ) -> None:
@@ -330,6 +376,24 @@ class BackendConformance:
             statuses, got = await b.get(backend, sorted(published, key=keys.index))
             assert set(statuses) <= {BlockStatus.OK}
             assert got == [values[keys.index(k)] for k in sorted(published, key=keys.index)]
+
+    async def test_a_value_is_never_seen_torn(self, backend: StorageBackend) -> None:
+        """A value becomes visible to readers all at once, never torn (StorageBackend): while
+        puts store new keys, then replace each value with another, a get of a key reports
+        ``MISSING`` (or ``FAILED``) or ``OK`` with exactly one of the values put under it —
+        at every schedule point of the puts, never ``OK`` with bytes half written, nor
+        ``CORRUPT``. (Only a reader during the put sees this: a store that publishes a key
+        before its bytes are all in place reads back whole once the put has returned.)"""
+        async with self._batches(backend) as b:
+            keys, _ = b.keys(8, seed=42)
+            first = random_values(8, b.pool.slot_nbytes, seed=42)
+            second = random_values(8, b.pool.slot_nbytes, seed=43)
+            allowed = [{a, z} for a, z in zip(first, second, strict=True)]
+            async with _reading(backend, b, keys, allowed) as torn:
+                for values in (first, second):
+                    for lo in range(0, 8, 4):
+                        await b.put(backend, keys[lo : lo + 4], values[lo : lo + 4])
+            assert not torn, f"readers saw values not whole: {sorted(set(torn))}"
 
     async def test_concurrent_calls(self, backend: StorageBackend) -> None:
         async with self._batches(backend) as b:
