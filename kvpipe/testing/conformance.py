@@ -316,11 +316,18 @@ class BackendConformance:
                 [ResidencyEntry(k, "node-a", Residency.GPU, now) for k in keys[:2]]
                 + [ResidencyEntry(keys[0], "node-b", Residency.CPU, now)]
             )
-            await backend.put_residency([ResidencyEntry(keys[1], "node-a", Residency.EVICTED, now)])
+            # node-a's new records replace its own; node-b's record of keys[0] stays.
+            await backend.put_residency(
+                [
+                    ResidencyEntry(keys[1], "node-a", Residency.EVICTED, now),
+                    ResidencyEntry(keys[0], "node-a", Residency.CPU, now),
+                ]
+            )
             records = list(await backend.get_residency(keys))
             assert len(records) == 3
             first = {(e.node_id, e.residency) for e in records[0]}
-            assert first == {("node-a", Residency.GPU), ("node-b", Residency.CPU)}
+            assert first == {("node-a", Residency.CPU), ("node-b", Residency.CPU)}
+            assert len(records[0]) == 2, "one record per node"
             assert [(e.node_id, e.residency) for e in records[1]] == [("node-a", Residency.EVICTED)]
             assert list(records[2]) == []
             assert all(e.key == keys[0] for e in records[0])
