@@ -374,3 +374,39 @@ async def test_a_value_client_refuses_bad_arguments_with_kvpipe_errors() -> None
             await client.exists(["a b"])
         with pytest.raises(kvpipe.RequestError, match="invalid block key"):
             await client.delete(["a b"])
+
+
+_KEY = "m@0123456789abcdef@0-1@" + "ab" * 16
+_BAD_ENTRIES: list[tuple[str, Any, str]] = [
+    ("residency as text", kvpipe.ResidencyEntry(_KEY, "n", "gpu", 1.0), "residency"),  # type: ignore[arg-type]
+    ("node id with '@'", kvpipe.ResidencyEntry(_KEY, "a@b", kvpipe.Residency.GPU, 1.0), "node id"),
+    ("empty node id", kvpipe.ResidencyEntry(_KEY, "", kvpipe.Residency.GPU, 1.0), "node id"),
+    (
+        "time NaN",
+        kvpipe.ResidencyEntry(_KEY, "n", kvpipe.Residency.GPU, float("nan")),
+        "updated_at",
+    ),
+    ("time as text", kvpipe.ResidencyEntry(_KEY, "n", kvpipe.Residency.GPU, "1"), "updated_at"),  # type: ignore[arg-type]
+    ("a tuple", (_KEY, "n", kvpipe.Residency.GPU, 1.0), "ResidencyEntry"),
+]
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+@pytest.mark.parametrize(("name", "bad", "match"), _BAD_ENTRIES, ids=[c[0] for c in _BAD_ENTRIES])
+async def test_a_residency_record_no_store_could_name_or_read_back_is_refused(
+    kind: str, name: str, bad: Any, match: str, tmp_path: Path
+) -> None:
+    """``put_residency`` (public) checks each entry as it checks each key: a
+    ``RequestError`` before anything is recorded. The memory store recorded a residency
+    given as text (every later ``locate`` over that block then failed, for every node), an
+    empty node id or one with ``@``, a NaN or textual time; the file store raised a bare
+    ``AttributeError`` for the text residency, a ``BackendError`` (a store failure) for the
+    NaN, and recorded the rest."""
+    store: kvpipe.StorageBackend = (
+        kvpipe.MemoryStore() if kind == "memory" else kvpipe.FileStore(tmp_path / "s")
+    )
+    good = kvpipe.ResidencyEntry(_KEY, "good", kvpipe.Residency.CPU, 1.0)
+    async with store:
+        with pytest.raises(kvpipe.RequestError, match=match):
+            await store.put_residency([good, bad])
+        assert [tuple(r) for r in await store.get_residency([_KEY])] == [()]

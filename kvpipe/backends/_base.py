@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 from .._errors import RequestError
 from .._keys import Scope, Tokens
-from .._results import ResidencyEntry
+from .._results import Residency, ResidencyEntry
 from .._staging import StagingLease, private_lease
 from .._workers import Lane, ThreadRunner
 
@@ -27,6 +28,7 @@ __all__ = (
     "KeyBatch",
     "PutBatch",
     "StorageBackend",
+    "validate_entry",
     "validate_key",
 )
 
@@ -45,6 +47,34 @@ def validate_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise RequestError(f"invalid block key {key!r}")
     return key
+
+
+def validate_entry(entry: ResidencyEntry) -> ResidencyEntry:
+    """Check a residency record a store is handed: a :class:`ResidencyEntry` of a valid key
+    (:func:`validate_key`), a node id that can name a record (non-empty, printable, without
+    spaces or ``@``, as ``PipelineConfig.node_id``), a :class:`Residency` and a finite
+    number of seconds. The built-in stores check every entry before recording any.
+
+    Raises:
+        RequestError: Any of that is not so (a ``ValueError``).
+    """
+    if type(entry) is not ResidencyEntry:
+        raise RequestError(f"expected a kvpipe.ResidencyEntry, got {type(entry).__name__}")
+    validate_key(entry.key)
+    node = entry.node_id
+    if (
+        not isinstance(node, str)
+        or not node
+        or not node.isprintable()
+        or any(c.isspace() or c == "@" for c in node)
+    ):
+        raise RequestError(f"node id {node!r}: printable, without spaces or '@'")
+    if not isinstance(entry.residency, Residency):
+        raise RequestError(f"residency must be a kvpipe.Residency, got {entry.residency!r}")
+    t = entry.updated_at
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+        raise RequestError(f"updated_at must be a finite number of seconds, got {t!r}")
+    return entry
 
 
 class BlockStatus(enum.Enum):

@@ -15,9 +15,9 @@ from typing import Any, Final, final
 
 import anyio
 
-from .._errors import BackendError, RequestError
+from .._errors import BackendError
 from .._results import Residency, ResidencyEntry
-from ._base import validate_key
+from ._base import validate_entry, validate_key
 
 __all__ = ("FIRST_PREFIX", "NODES_KEY", "RES_PREFIX", "ResidencyIndex")
 
@@ -53,18 +53,19 @@ class ResidencyIndex:
 
         Raises:
             BackendError: A vendor call failed, or a node would not stay in the registry.
-            RequestError: A node id that is empty, not printable, or holds a space or ``@``
-                (the registry is one id a line; a record is named ``key@node``), or a bad
-                key (a ``ValueError``).
+            RequestError: An entry :func:`~kvpipe.backends._base.validate_entry` refuses, before
+                anything is written: a node id that is empty, not printable, or holds a
+                space or ``@`` (the registry is one id a line; a record is named
+                ``key@node``), a bad key, a residency that is no ``Residency``, a time that
+                is no finite number (a ``ValueError``).
         """
-        for node in {e.node_id for e in entries}:
-            if not node or not node.isprintable() or any(c.isspace() or c == "@" for c in node):
-                raise RequestError(f"node id {node!r}: printable, without spaces or '@'")
+        for e in entries:
+            validate_entry(e)
         for node in {e.node_id for e in entries}:
             await self._register(client, node)
         # The last record of each (key, node): the vendor's upsert_batch of a name given more
         # than once keeps the first value.
-        last = {f"{validate_key(e.key)}@{e.node_id}": e for e in entries}
+        last = {f"{e.key}@{e.node_id}": e for e in entries}
         values = [
             json.dumps({"r": e.residency.value, "t": e.updated_at}).encode() for e in last.values()
         ]

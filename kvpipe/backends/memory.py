@@ -18,7 +18,15 @@ import numpy.typing as npt
 from .._errors import ConfigError
 from .._results import ResidencyEntry
 from .._staging import StagingLease, ValueMemory
-from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
+from ._base import (
+    BlockStatus,
+    GetBatch,
+    KeyBatch,
+    PutBatch,
+    StorageBackend,
+    validate_entry,
+    validate_key,
+)
 
 __all__ = ("MemoryStore",)
 
@@ -191,10 +199,11 @@ class MemoryStore(StorageBackend):
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
         """Record where each entry's node holds its block; a cancelled call records none, nor
-        does one with an invalid key (``RequestError``, a ``ValueError``)."""
+        does one with an invalid entry (``RequestError``, a ``ValueError``: see
+        :func:`~kvpipe.backends._base.validate_entry`)."""
         await anyio.lowlevel.checkpoint()
         for e in entries:
-            validate_key(e.key)
+            validate_entry(e)
         with self._lock:
             for e in entries:
                 self._residency.setdefault(e.key, {})[e.node_id] = e

@@ -772,9 +772,11 @@ class MooncakeStore(StorageBackend):
 
         Raises:
             BackendError: A vendor call failed.
-            RequestError: A key or node id that cannot name a record (see
-                :func:`validate_key`; node ids: printable, without spaces or ``@``; a
-                ``ValueError``).
+            RequestError: An entry that cannot name or hold a record (see
+                :func:`~kvpipe.backends._base.validate_entry`: a bad key, a node id not
+                printable or with a space or ``@``, a residency that is no ``Residency``,
+                a time that is no finite number; a ``ValueError``), before anything is
+                written.
         """
         await self._index.put(await self._ready(), entries)
 

@@ -189,6 +189,31 @@ async def test_a_node_id_that_cannot_name_a_record_is_refused_before_anything_is
     assert client.data == before
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ResidencyEntry("ns:k0", "c", "cpu", 1.0),  # type: ignore[arg-type]
+        ResidencyEntry("ns:k0", "c", Residency.CPU, float("inf")),
+        ResidencyEntry("ns:k0", "c", Residency.CPU, "1"),  # type: ignore[arg-type]
+        ("ns:k0", "c", Residency.CPU, 1.0),
+    ],
+    ids=["residency as text", "time inf", "time as text", "a tuple"],
+)
+async def test_a_record_that_cannot_be_written_is_refused_before_anything_is_written(
+    bad: Any,
+) -> None:
+    """As a bad node id: a residency given as text raised a bare ``AttributeError`` after
+    the node had joined the registry; an infinite time was written (``Infinity``) and read
+    back as a record no other store holds."""
+    client = FakeClient()
+    index = ResidencyIndex("mooncake", _call)
+    await index.put(client, [_entry("a")])
+    before = dict(client.data)
+    with pytest.raises(kvpipe.RequestError):
+        await index.put(client, [_entry("b"), bad])
+    assert client.data == before
+
+
 class FailingSecondWrite(FakeClient):
     """A client whose ``upsert_batch`` of names under ``RES_PREFIX`` fails (returns -1)."""
 

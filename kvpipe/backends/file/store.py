@@ -34,6 +34,7 @@ from .._base import (
     KeyBatch,
     PutBatch,
     StorageBackend,
+    validate_entry,
     validate_key,
 )
 from .._inflight import InFlight, ThreadGate
@@ -680,14 +681,16 @@ class FileStore(StorageBackend):
         await self._thread("delete", remove)
 
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
-        """Record residency in the catalog (visible to every process sharing the root).
+        """Record residency in the catalog (visible to every process sharing the root); an
+        invalid entry (``RequestError``: see :func:`~kvpipe.backends._base.validate_entry`) records
+        none.
 
         Cancellation: stops waiting at once; the write's thread runs on, and records nothing
         unless it had the catalog's write lock before the call was cancelled (so it never
         replaces what a later call recorded)."""
         _, catalog = await self._ready()
         for e in entries:
-            validate_key(e.key)
+            validate_entry(e)
         abandoned = Abandon()
         try:
             await self._thread(
