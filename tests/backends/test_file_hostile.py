@@ -795,3 +795,29 @@ async def test_files_are_0600_and_directories_0700(b: Batches, tmp_path: Path) -
     assert any(p.endswith(".kvb") for p in modes)
     wrong = {p: oct(m) for p, m in modes.items() if m != (0o700 if p in dirs else 0o600)}
     assert wrong == {}, f"not owner-only: {wrong}"
+
+
+# -- residency records another writer left in the catalog ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("column", "value"), [("residency", "disk"), ("updated_at", "soon")], ids=["residency", "time"]
+)
+async def test_a_residency_record_it_cannot_read_is_a_backend_error(
+    column: str, value: str, store: FileStore, tmp_path: Path
+) -> None:
+    """A record in the shared catalog that this version cannot read (a residency a newer
+    writer knows, a time stored as text) is a ``BackendError`` naming the store, as the
+    Mooncake index's is: ``get_residency`` raised a bare ``ValueError`` out of
+    ``Residency('disk')``, outside the one hierarchy, and handed a textual time on as
+    ``updated_at``."""
+    import sqlite3
+
+    key = "ns@0123456789abcdef@0-1@" + "ab" * 16
+    await store.put_residency([kvpipe.ResidencyEntry(key, "n", kvpipe.Residency.GPU, 1.0)])
+    db = sqlite3.connect(tmp_path / "store" / "catalog.sqlite3")
+    with db:
+        db.execute(f"UPDATE residency SET {column}=?", (value,))
+    db.close()
+    with pytest.raises(kvpipe.BackendError, match="get_residency"):
+        await store.get_residency([key])

@@ -655,7 +655,12 @@ class Catalog:
             )
 
     def get_residency(self, keys: Sequence[str]) -> list[tuple[ResidencyEntry, ...]]:
-        """Every node's record for each key."""
+        """Every node's record for each key.
+
+        Raises:
+            sqlite3.DataError: A record this version cannot read (a residency it does not
+                know, a time that is no number: another writer's, or damaged).
+        """
         out: list[tuple[ResidencyEntry, ...]] = []
         with self._conn() as db:
             for key in keys:
@@ -664,5 +669,22 @@ class Catalog:
                     "ORDER BY node_id",
                     (key,),
                 ).fetchall()
-                out.append(tuple(ResidencyEntry(key, n, Residency(r), t) for n, r, t in rows))
+                out.append(tuple(_entry(key, *row) for row in rows))
         return out
+
+
+def _entry(key: str, node: str, residency: object, updated_at: object) -> ResidencyEntry:
+    """The record of ``key`` on ``node`` from its catalog row.
+
+    Raises:
+        sqlite3.DataError: The row holds a residency or a time this version cannot read.
+    """
+    if isinstance(updated_at, int | float) and not isinstance(updated_at, bool):
+        try:
+            return ResidencyEntry(key, node, Residency(residency), float(updated_at))
+        except ValueError:
+            pass
+    raise sqlite3.DataError(
+        f"residency record of {key!r} on {node!r}: residency {residency!r}, "
+        f"updated_at {updated_at!r}"
+    )

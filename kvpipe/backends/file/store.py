@@ -703,6 +703,10 @@ class FileStore(StorageBackend):
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
         """Every node's record for each key.
 
+        Raises:
+            BackendError: The catalog failed, or holds a record of these keys that this
+                version cannot read (a residency it does not know, a time that is no number).
+
         Cancellation: stops waiting at once; the lookup's thread runs on."""
         _, catalog = await self._ready()
         keys = [validate_key(k) for k in keys]
