@@ -17,6 +17,7 @@ includes it and requires every block, reporting anything less as the honest load
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -60,12 +61,19 @@ _NS_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def _namespace(namespace: str, model_version: str) -> str:
-    """kvpipe's namespace for FastDeploy's (namespace, model version): both are in every key."""
+    """kvpipe's namespace for FastDeploy's (namespace, model version): both are in every key,
+    and two different pairs never make one namespace.
+
+    ``namespace.model_version`` where that is a kvpipe namespace and ``namespace`` has no
+    ``.`` (it then ends at the first one); otherwise a cleaned prefix and a hash of the pair
+    itself (``("a.b", "c")`` and ``("a", "b.c")`` joined alike would share every block).
+    """
     raw = f"{namespace}.{model_version}"
-    if _NS_OK.fullmatch(raw):
+    if "." not in namespace and _NS_OK.fullmatch(raw):
         return raw
     clean = re.sub(r"[^A-Za-z0-9._-]", "-", raw).lstrip("._-")[:100] or "ns"
-    return f"{clean}.{hashlib.blake2b(raw.encode(), digest_size=6).hexdigest()}"
+    pair = json.dumps([str(namespace), str(model_version)]).encode()
+    return f"{clean}.{hashlib.blake2b(pair, digest_size=6).hexdigest()}"
 
 
 def _env_int(name: str, raw: str) -> int:

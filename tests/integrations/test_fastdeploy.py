@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import kvpipe
-from kvpipe.integrations.fastdeploy import KVPipeAttentionStore, KVPipeStorage
+from kvpipe.integrations.fastdeploy import KVPipeAttentionStore, KVPipeStorage, _namespace
 
 paddle = pytest.importorskip("paddle")
 paddle.set_device("cpu")
@@ -124,6 +124,47 @@ def test_model_versions_never_share_blocks() -> None:
         b.write("t", k, v, tokens[:BS], [0], 0)  # binds b's caches
         assert b.query("t", tokens, 0) == 1
         assert a.query("t", tokens, 0) == 2
+
+
+def test_namespace_and_model_version_never_run_together() -> None:
+    # ("ernie", "4.5") and ("ernie.4", "5") joined with "." were one kvpipe namespace: a
+    # model version read another's blocks (same layout, so nothing caught it)
+    store = kvpipe.MemoryStore()
+    k, v = _gqa(True)
+    tokens = list(range(2 * BS))
+    with (
+        KVPipeAttentionStore(
+            layer_num=LAYERS,
+            block_token_size=BS,
+            store=store,
+            namespace="ernie",
+            model_version="4.5",
+        ) as a,
+        KVPipeAttentionStore(
+            layer_num=LAYERS,
+            block_token_size=BS,
+            store=store,
+            namespace="ernie.4",
+            model_version="5",
+        ) as b,
+    ):
+        assert a.write("t", k, v, tokens, [0, 1], 0) == 2
+        b.write("t", k, v, tokens[:BS], [0], 0)  # binds b's caches
+        assert b.query("t", tokens, 0) == 1  # b's block 0 only, none of a's
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (("a.b", "c"), ("a", "b.c")),  # both of namespace characters
+        (("a b", "c.d"), ("a b.c", "d")),  # both cleaned and hashed
+        (("a", "b"), ("a.b", "")),
+    ],
+)
+def test_distinct_namespace_and_version_pairs_give_distinct_namespaces(
+    one: tuple[str, str], other: tuple[str, str]
+) -> None:
+    assert _namespace(*one) != _namespace(*other)
 
 
 def _instance(store: kvpipe.MemoryStore, role: str, pd: bool) -> KVPipeAttentionStore:
@@ -654,7 +695,7 @@ def test_process_exit_without_close_is_prompt(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import ctypes, paddle, kvpipe
-        from kvpipe.integrations.fastdeploy import KVPipeAttentionStore, KVPipeStorage
+        from kvpipe.integrations.fastdeploy import KVPipeAttentionStore, KVPipeStorage, _namespace
         paddle.set_device("cpu")
         a = KVPipeAttentionStore(layer_num=1, block_token_size=4, store=kvpipe.MemoryStore())
         k = [paddle.ones([4, 1, 4, 8], dtype="bfloat16")]
