@@ -83,9 +83,23 @@ class CopyEngine(abc.ABC):
 
     @abc.abstractmethod
     async def gather(
-        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+        self,
+        plan: CopyPlan,
+        lease: StagingLease,
+        after: OrderMark | None = None,
+        *,
+        start_by: float | None = None,
     ) -> None:
-        """Cache blocks → the lease's staging slots, per ``plan``, after ``after``."""
+        """Cache blocks → the lease's staging slots, per ``plan``, after ``after``.
+
+        Args:
+            start_by: An event-loop time by which the copy must have started (see
+                :meth:`scatter`). For a write's gather, which is of no more use after the
+                write's deadline.
+
+        Raises:
+            NotStarted: ``start_by`` passed before the copy started (nothing was copied).
+        """
 
     @abc.abstractmethod
     async def scatter(
@@ -154,7 +168,12 @@ class HostEngine(CopyEngine):
         self.note = note
 
     async def gather(
-        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+        self,
+        plan: CopyPlan,
+        lease: StagingLease,
+        after: OrderMark | None = None,
+        *,
+        start_by: float | None = None,
     ) -> None:
         """See :meth:`CopyEngine.gather` (``after`` is always ``None`` for host caches)."""
         rows = self.cache.row_groups(plan.segments)
@@ -167,6 +186,7 @@ class HostEngine(CopyEngine):
             rows,
             lease.pool.buffer,
             hold=lease,
+            start_by=start_by,
         )
 
     async def scatter(

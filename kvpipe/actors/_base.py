@@ -28,7 +28,7 @@ from .._keys import Scope, key_digest
 from .._layout import CacheLayout
 from .._plan import CopySegment, SliceSpec, copy_plan
 from .._staging import StagingLease, StagingPool
-from .._workers import INLINE_COPY_BYTES, Lane, ThreadRunner
+from .._workers import INLINE_COPY_BYTES, Lane, NotStarted, ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
 from ._channels import Outboxes, SliceJob
 from ._observe import Metrics, ObservationKind, Observers
@@ -124,8 +124,12 @@ class ActorContext:
         """
         state, spec = job.state, job.spec
         with state.bound(state.deadline, ("gather", spec.index), spec.first_block):
-            await self._gather_and_seal(job)
-            return True
+            try:
+                await self._gather_and_seal(job)
+            except NotStarted:  # a device gather: the model's stream was busy till then
+                pass
+            else:
+                return True
         state.end("total_timeout", "deadline passed waiting to gather")  # no-op if ended
         return False
 
@@ -138,7 +142,9 @@ class ActorContext:
         if not self.host_copies:  # a device cache: the engine gathers, the host seals
             staging = job.staging
             plan = copy_plan(self.segments, blocks, staging.slots)
-            await self.engine.gather(plan, staging, state.after)
+            # Not queued behind the model's work past the deadline: a device copy, once
+            # queued, is shielded and would hold the write (and this worker) until it ends.
+            await self.engine.gather(plan, staging, state.after, start_by=state.deadline)
             job.checksums = await self.run_copy(
                 nbytes if checksum else 0,
                 seal_slots,

@@ -1,9 +1,10 @@
 """The CUDA copy engine: device cache ↔ pinned staging with the kernels of ``ext/``.
 
 A call (a slice's gather or scatter) runs on its direction's stream (the two overlap): wait
-for a scratch set (a scatter given ``start_by``, a read's, first polls the producer's mark
-until it completes: it never sits queued behind the model's work; these waits are the only
-points where a cancelled call takes nothing); wait on the producer's mark; upload the
+for a scratch set (a call given ``start_by``, a write's or a read's, first polls the
+producer's mark until it completes: it never sits queued behind the model's work; these
+waits are the only points where a cancelled call takes nothing); wait on the producer's
+mark; upload the
 (cache block, slot) pairs; run the copy path (:func:`._kernels.choose_path`); record the
 scratch set's event and poll it. Everything after the scratch wait is shielded: once work
 is queued the call returns only when it finished.
@@ -157,19 +158,31 @@ class CudaEngine(CopyEngine):
         return ProducerMark(event, self._events.put)
 
     async def gather(
-        self, plan: CopyPlan, lease: StagingLease, after: OrderMark | None = None
+        self,
+        plan: CopyPlan,
+        lease: StagingLease,
+        after: OrderMark | None = None,
+        *,
+        start_by: float | None = None,
     ) -> None:
         """Device cache blocks → staging slots, after ``after``; returns once the bytes are
         in staging.
 
-        Cancellation: before any work is queued (while waiting for scratch) the call stops
-        at once and takes nothing; after, it is shielded and returns when the device is done.
+        Args:
+            start_by: As for :meth:`scatter`: by then the copy must have started (the
+                producer's work before the mark completed, polled, and a scratch set
+                taken), else it queues nothing and raises
+                :class:`~kvpipe._workers.NotStarted`.
+
+        Cancellation: before any work is queued (while waiting for scratch, or for the
+        producer given ``start_by``) the call stops at once and takes nothing; after, it is
+        shielded and returns when the device is done.
 
         Raises:
             DeviceError: The driver failed; if the device may still be writing, the
                 lease's slots and the scratch are retired, never reused.
         """
-        await self._copy("gather", plan, lease, after)
+        await self._copy("gather", plan, lease, after, start_by)
 
     async def scatter(
         self,

@@ -529,7 +529,7 @@ class TestVirtualTime:
     async def test_a_scatter_not_started_by_the_read_s_deadline_never_starts(
         self, fake: FakeDriver, producer: int
     ) -> None:
-        """The swapper's one worker is held by a gather waiting on the model's stream; a
+        """The swapper's one worker is held by a gather waiting for the model's stream; a
         read's verified slice waits in its inbox past the read's deadline. The read ends at
         its deadline (queued, no actor's scope would end it: it used to wait for the
         ``deadline_slack`` guard) as ``total_timeout`` with nothing loaded; when the worker
@@ -560,8 +560,9 @@ class TestVirtualTime:
                 read_done.set()
 
             async with anyio.create_task_group() as tg:
+                polls = fake.calls.count("event_query")
                 tg.start_soon(write)
-                while engine.accounting().scratch_in_use == 0:  # the gather holds the worker
+                while fake.calls.count("event_query") < polls + 3:  # the gather holds the worker
                     await anyio.lowlevel.checkpoint()
                 start = anyio.current_time()
                 tg.start_soon(read)
@@ -618,6 +619,47 @@ class TestVirtualTime:
         after = device_rows(fake, cache)
         for old, new in zip(before, after, strict=True):
             assert np.array_equal(old[3:5], new[3:5])  # nothing scattered after the deadline
+        free_device_cache(fake, cache)
+
+    async def test_a_write_whose_producer_is_busy_past_its_deadline_ends_by_it(
+        self, fake: FakeDriver, producer: int
+    ) -> None:
+        """The model's stream (the write is ordered after it) stays busy past the write's
+        deadline: the write ends at its deadline as ``total_timeout`` with nothing stored,
+        and no gather runs when the model's work ends. (The gather used to queue behind the
+        model's work at once, shielded: the write waited for it past its deadline, until
+        the model's work ended or the ``deadline_slack`` guard cut it off, and the swapper's
+        worker stayed held all that time.)"""
+        layout = LAYOUTS["gqa"]()
+        cache = fake_device_cache(fake, layout, 6)
+        fill_device(fake, cache, seed=9)
+        tokens = np.arange(2 * layout.block_size)
+        store = kvpipe.MemoryStore()
+        cfg = _config(slice=2, deadline_slack=60)
+        async with kvpipe.open_pipeline(cache, store, config=cfg, device_driver=fake) as pipe:
+            gate = Gate()
+            fake.host_op(producer, lambda: None, gate=gate, label="the model, still running")
+            results: dict[str, object] = {}
+            start = anyio.current_time()
+
+            async def write() -> None:
+                results["write"] = await pipe.write(tokens, [0, 1], stream=producer, timeout=10)
+                results["after"] = anyio.current_time() - start
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write)
+                try:
+                    await anyio.sleep_until(start + 30)  # past the deadline, in the slack
+                finally:
+                    gate.open()  # the model's work ends
+            got = results["write"]
+            assert isinstance(got, kvpipe.WriteResult)
+            assert (got.written, got.stop_reason) == (0, "total_timeout")
+            assert results["after"] == pytest.approx(10, abs=0.1)
+            assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+            fake.run_until_idle()
+            assert fake.launches == []  # no gather queued, then or later
+            assert await pipe.lookup(tokens) == 0
         free_device_cache(fake, cache)
 
     async def test_a_fetch_that_hangs_ends_the_read_at_its_slice_deadline(
