@@ -411,3 +411,24 @@ async def test_exists_that_cannot_look_at_a_block_file_is_a_backend_error_not_a_
         assert isinstance(info.value.__cause__, OSError)
         assert info.value.__cause__.errno == errno.EMFILE, str(info.value)
         assert list(await store.exists(b.key_batch(keys))) == [True] * 3
+
+
+@pytest.mark.parametrize("asked", [32, 96, 4096 * 3])
+async def test_a_value_read_at_another_size_is_refused_and_kept(
+    tmp_path: Path, asked: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ValueClient read with a size other than the stored value's (a caller's mistake, or
+    another deployment's value of one key: FastDeploy's KVPipeStorage with MTP on one side)
+    got CORRUPT and the store moved the sound value into quarantine, so the right-size read
+    after it found nothing. It is refused (CORRUPT, as MemoryStore does) and kept."""
+    from kvpipe.backends._values import ValueClient
+
+    value = bytes(range(64))
+    async with kvpipe.FileStore(tmp_path) as store, ValueClient(store) as client:
+        assert await client.put(["k"], [value]) == [BlockStatus.OK]
+        ((status, _),) = await client.get(["k"], [asked])
+        assert status is BlockStatus.CORRUPT
+        assert store.statistics().get("quarantined", 0) == 0
+        ((status, got),) = await client.get(["k"], [64])
+        assert status is BlockStatus.OK and bytes(got) == value
+    assert any("a value of" in r.getMessage() for r in caplog.records)

@@ -18,6 +18,7 @@ from typing import final
 import xxhash
 
 from .._base import BlockStatus
+from .._values import VALUES_FINGERPRINT
 from . import _native
 from ._direct import Pages, Scratch, finish_read, is_aligned, read_views
 from ._format import HEADER_NBYTES, HeaderError, block_location, unpack_header
@@ -204,9 +205,9 @@ def read_mapped(
         mem.close()
     if declined:
         return None
-    return (
-        BlockStatus.OK if why is None else _quarantine(hooks, root, key, why, nbytes, fingerprint)
-    )
+    if why is None:
+        return BlockStatus.OK
+    return _refuse(hooks, root, key, why, raw, nbytes, fingerprint)
 
 
 def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
@@ -240,10 +241,35 @@ def _judge(
 ) -> BlockStatus:
     """The verdict on a block file read into ``buf`` (``got`` bytes in all)."""
     finish_read(buf, pages, direct)
-    why = check_file(key, bytes(pages.header), got, buf, fingerprint, payload_ok)
+    raw = bytes(pages.header)
+    why = check_file(key, raw, got, buf, fingerprint, payload_ok)
     if why is None:
         return BlockStatus.OK
-    return _quarantine(hooks, root, key, why, len(buf), fingerprint)
+    return _refuse(hooks, root, key, why, raw, len(buf), fingerprint)
+
+
+def _refuse(
+    hooks: ReadHooks, root: Root, key: str, why: str, raw: bytes, nbytes: int, fingerprint: str
+) -> BlockStatus:
+    """``CORRUPT`` for a block file that failed ``why``: quarantined (:func:`_quarantine`),
+    unless it is a :class:`~.._values.ValueClient`'s value (whose size no layout fixes)
+    and its sound header (``raw``) says it holds this key at another size than the
+    ``nbytes`` asked for: a caller's mistake, or another deployment's value under the same
+    key, which stays for the readers of its own size. (A pipeline's block of another size
+    than its layout's is damaged: quarantined.)"""
+    try:
+        header = unpack_header(raw)
+    except HeaderError:
+        header = None
+    if (
+        header is not None
+        and header.key == key
+        and header.fingerprint == fingerprint == VALUES_FINGERPRINT
+        and header.payload_nbytes != nbytes
+    ):
+        hooks.errors.append(f"{key}: a value of {header.payload_nbytes} B, not {nbytes}: kept")
+        return BlockStatus.CORRUPT
+    return _quarantine(hooks, root, key, why, nbytes, fingerprint)
 
 
 def _quarantine(

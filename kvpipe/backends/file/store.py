@@ -533,7 +533,9 @@ class FileStore(StorageBackend):
 
         A file that fails any check (header, key, layout, size, checksum), or anything but a
         regular file at a block's name, is ``CORRUPT`` and moved to ``quarantine/`` (or
-        removed). With ``batch.sink``, a file the page cache holds may be handed to the sink
+        removed); but a :class:`~kvpipe.ValueClient`'s sound value of this key at another
+        size than the one asked for (a caller's mistake) is only refused, ``CORRUPT``, and
+        stays. With ``batch.sink``, a file the page cache holds may be handed to the sink
         instead (which checks and places it), leaving its buffer as it was.
 
         Cancellation: the worker threads run on and the batch's staging stays leased until
