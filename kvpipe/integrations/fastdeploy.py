@@ -686,6 +686,11 @@ class KVPipeAttentionStore:
         (of what its prefill side wrote): answering 0 there, it would never read, so never
         bind its caches. The read then loads what is stored and returns that count, which
         FastDeploy takes as the truth (``gpu_block_ids[:n]``).
+
+        Never raises for its arguments (a start index past the tokens, no tokens): 0, logged
+        at ERROR. FastDeploy's read and write tasks call it outside the handlers that send
+        their done signal, so a raise would leave the engine waiting for that signal for
+        good. (A call from inside a running event loop still raises ``WrongEventLoop``.)
         """
 
         self._asked.last = (task_id, token_ids)
@@ -705,7 +710,11 @@ class KVPipeAttentionStore:
             if self.all_or_nothing_read and len(token_ids) % size:
                 blocks += 1  # the partial last block, which the decode side reads too
             unbound = max(0, blocks - int(start_match_block_idx))
-        return self._on_last_pipe("query", task_id, timeout, run, unbound)
+        try:
+            return self._on_last_pipe("query", task_id, timeout, run, unbound)
+        except (RequestError, TypeError) as exc:
+            log.error("kvpipe query %s: bad arguments, answering 0: %s", task_id, exc)
+            return 0
 
     def flush_token_index(
         self, task_id: str, token_ids: list[int], start_block_idx: int, reside_in_gpu: bool

@@ -1216,3 +1216,20 @@ def test_a_store_down_at_the_first_call_returns_0_with_a_warning(
         assert [r.levelname for r in warned] == ["WARNING"]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "start"), [([], 0), (list(range(16)), 9), (list(range(16)), -1)]
+)
+def test_query_answers_0_for_bad_arguments_never_raising(
+    tokens: list[int], start: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FastDeploy's read_storage_task and write_back_storage_task call query outside the
+    handlers that send their done signal (cache_transfer_manager.py): a query that raised
+    (RequestError for no tokens or a start index past them, once the caches were bound) left
+    the engine waiting for that signal for good. It answers 0, logged at ERROR."""
+    k, v = _gqa(True)
+    with _store() as store:
+        assert store.write("t", k, v, list(range(16)), [0, 1, 2, 3], 0) == 4
+        assert store.query("t", tokens, start) == 0
+    assert any(r.levelname == "ERROR" and "bad arguments" in r.getMessage() for r in caplog.records)
