@@ -186,8 +186,11 @@ class _StagedBatch(KeyBatch):
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn(*args)`` (I/O on this batch's buffers) in a worker thread.
 
-        Cancellation: the caller stops waiting at once; the thread runs on with the staging
-        leased until ``fn`` returns. Exceptions from ``fn`` propagate.
+        Cancellation and timeouts: no deadline of its own (the caller's cancel scope, in a
+            pipeline ``min(slice_timeout, time left)``, bounds the wait); cancelled, the
+            caller stops waiting at once and the thread runs on with the staging leased
+            until ``fn`` returns; one still waiting in its lane for a thread (at most
+            ``io_threads`` run per pipeline) never starts. Exceptions from ``fn`` propagate.
         """
         return await self._runner.run(fn, *args, hold=self._lease, lane=self._limiter)
 
@@ -391,8 +394,9 @@ class StorageBackend(abc.ABC):
             own durability) and readable, otherwise ``FAILED`` or ``NO_SPACE``. A value
             must become visible to readers all at once, never torn.
 
-        Cancellation: a block whose put was cancelled may or may not end up stored; kvpipe
-            counts it as not stored.
+        Cancellation and timeouts: kvpipe runs it in a cancel scope of ``min(slice_timeout,
+            time left of the request)``; a block whose put was cancelled may or may not end
+            up stored (whole, never torn); kvpipe counts it as not stored.
         """
 
     @abc.abstractmethod
@@ -403,29 +407,44 @@ class StorageBackend(abc.ABC):
             One status per key: ``OK`` (buffer filled), ``MISSING``, ``CORRUPT`` or
             ``FAILED``.
 
-        Cancellation: buffers may be partly written; kvpipe discards the whole batch.
+        Cancellation and timeouts: kvpipe runs it in a cancel scope of ``min(slice_timeout,
+            time left of the request)``; cancelled, buffers may be partly written, and
+            kvpipe discards the whole batch.
         """
 
     @abc.abstractmethod
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
         """Whether each key is stored (one bool per key). kvpipe counts only the leading run
         of ``True``: a backend may answer ``False`` for every key after the first missing one.
-        A cancelled call counts as not done."""
+
+        Cancellation and timeouts: each call gets at most ``slice_timeout`` (and the
+        request's deadline, or ``lookup_timeout``); a cancelled call counts as not done.
+        """
 
     @abc.abstractmethod
     async def delete(self, keys: Sequence[str]) -> None:
-        """Remove these keys (missing keys are ignored); a cancelled call may remove some."""
+        """Remove these keys (missing keys are ignored).
+
+        Cancellation and timeouts: kvpipe bounds it by ``slice_timeout``; a cancelled call
+        may remove some.
+        """
 
     @abc.abstractmethod
     async def put_residency(self, entries: Sequence[ResidencyEntry]) -> None:
         """Record, per entry, where ``entry.node_id`` holds ``entry.key`` (replacing that
-        node's previous record for the key). Other nodes sharing the store must see it. A
-        cancelled call may record some."""
+        node's previous record for the key). Other nodes sharing the store must see it.
+
+        Cancellation and timeouts: bounded by the ``flush_index`` call's deadline
+        (``lookup_timeout`` or its ``timeout``); a cancelled call may record some.
+        """
 
     @abc.abstractmethod
     async def get_residency(self, keys: Sequence[str]) -> Sequence[Sequence[ResidencyEntry]]:
-        """Every node's record for each key (empty when none); a cancelled call counts as not
-        done."""
+        """Every node's record for each key (empty when none).
+
+        Cancellation and timeouts: bounded by the ``locate`` call's deadline
+        (``lookup_timeout`` or its ``timeout``); a cancelled call counts as not done.
+        """
 
     def value_memory(self, slot_nbytes: int, count: int) -> StagingLease:
         """Memory for ``count`` values of up to ``slot_nbytes`` bytes that a put is gathered

@@ -92,6 +92,8 @@ class ValueClient:
         self._registrations = Registrations(store)
 
     async def __aenter__(self) -> ValueClient:
+        """Start the client's worker threads' runner. Cancellation and timeouts: none
+        (nothing is awaited for long)."""
         await self._runner.__aenter__()
         return self
 
@@ -99,7 +101,11 @@ class ValueClient:
         """Wait up to ``close_timeout`` for worker threads still running, then unregister
         the staging (by the same deadline). Staging a thread abandoned at the deadline may
         still use, or that the store would not unregister, stays allocated and registered
-        for good (logged) rather than freed under the store."""
+        for good (logged) rather than freed under the store.
+
+        Cancellation and timeouts: shielded from the leaving task's cancellation; every
+        wait ends by the one deadline, ``close_timeout`` from the call.
+        """
         deadline = anyio.current_time() + self.close_timeout
         try:
             await self._runner.__aexit__(*exc_info)
@@ -169,7 +175,10 @@ class ValueClient:
                 lengths (before anything is stored; a ``ValueError``).
             Exception: Whatever the store raised for the whole batch.
 
-        Cancellation: as the store's ``put_blocks`` (values not yet published are not).
+        Cancellation and timeouts: no deadline of the client's own (bound the call
+            yourself); waiting for staging other calls hold lasts until they give it back.
+            Cancelled, as the store's ``put_blocks`` (values not yet published are not); a
+            copy already running in a worker thread finishes there, its staging leased.
         """
         if len(keys) != len(values):
             raise RequestError("one value per key")
@@ -208,7 +217,10 @@ class ValueClient:
                 ``ValueError``).
             Exception: Whatever the store raised for the whole batch.
 
-        Cancellation: as the store's ``get_blocks``.
+        Cancellation and timeouts: no deadline of the client's own (bound the call
+            yourself); waiting for staging other calls hold lasts until they give it back.
+            Cancelled, as the store's ``get_blocks``; a copy already running in a worker
+            thread finishes there, its staging leased.
         """
         if len(keys) != len(nbytes) or any(int(n) < 1 for n in nbytes):
             raise RequestError("one positive size per key")
@@ -238,7 +250,10 @@ class ValueClient:
         keys after it answered ``False`` are probed again, one key a call, up to
         :data:`PROBE_WIDTH` at once: every key is probed at most twice, not once per miss
         before it (not at all for a store that declares
-        :attr:`~kvpipe.StorageBackend.exists_answers_every_key`). Cancellation: as the store's.
+        :attr:`~kvpipe.StorageBackend.exists_answers_every_key`).
+
+        Cancellation and timeouts: no deadline of the client's own; cancelled, the store
+        calls in flight are cancelled, as the store's.
 
         Raises:
             BackendError: The store could not answer (from its first failing probe, as
@@ -270,10 +285,15 @@ class ValueClient:
         return out
 
     async def stored_run(self, keys: Sequence[str]) -> int:
-        """How many leading keys are stored, in one store call. Cancellation: as the
-        store's."""
+        """How many leading keys are stored, in one store call.
+
+        Cancellation and timeouts: no deadline of the client's own; as the store's.
+        """
         return leading_run(await self.store.exists(self._batch(keys))) if keys else 0
 
     async def delete(self, keys: Sequence[str]) -> None:
-        """Remove the keys (missing ones are ignored). Cancellation: as the store's."""
+        """Remove the keys (missing ones are ignored).
+
+        Cancellation and timeouts: no deadline of the client's own; as the store's.
+        """
         await self.store.delete([validate_key(k) for k in keys])
