@@ -64,6 +64,10 @@ class ValueClient:
         slots: Staging slots per value size; a bigger call is sent in chunks.
         close_timeout: Seconds leaving waits for worker threads still running.
 
+    Raises:
+        ConfigError: ``store`` is no ``StorageBackend``, ``slots`` no int >= 1, or
+            ``close_timeout`` no finite number >= 0.
+
     Use as an async context manager. Calls must come from the loop that entered it. Values
     are copied into and out of staging on the event loop when a batch's copy is small (up to
     ``INLINE_COPY_BYTES``), else in a worker thread: the loop keeps answering while a batch
@@ -79,9 +83,20 @@ class ValueClient:
         close_timeout: float = 10.0,
     ) -> None:
         if not isinstance(store, StorageBackend):
-            raise TypeError(f"store must be a kvpipe.StorageBackend, got {type(store).__name__}")
-        if slots < 1:
-            raise ConfigError("slots", f"must be >= 1, got {slots!r}")
+            raise ConfigError(
+                "store", f"expected a kvpipe.StorageBackend, got {type(store).__name__}"
+            )
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ConfigError("slots", f"must be an int >= 1, got {slots!r}")
+        if (
+            isinstance(close_timeout, bool)
+            or not isinstance(close_timeout, int | float)
+            or not close_timeout >= 0
+            or close_timeout == float("inf")
+        ):
+            raise ConfigError(
+                "close_timeout", f"must be a finite number of seconds >= 0, got {close_timeout!r}"
+            )
         self.store = store
         self.scope = Scope(namespace, VALUES_FINGERPRINT)
         self.slots = slots

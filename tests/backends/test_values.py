@@ -215,3 +215,26 @@ async def test_keys_after_a_miss_are_probed_again_only_where_exists_may_stop(
         store.exists_calls = 0
         assert await client.exists(["k0", "k1", "k2", "k3"]) == [False, True, False, True]
         assert store.exists_calls == (1 if every_key else 2)  # k2 probed again
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"store": object()}, "store"),
+        ({"slots": 0}, "slots"),
+        ({"slots": 2.5}, "slots"),
+        ({"close_timeout": -1}, "close_timeout"),
+        ({"close_timeout": float("nan")}, "close_timeout"),
+        ({"close_timeout": "10"}, "close_timeout"),
+    ],
+)
+def test_bad_arguments_are_a_config_error_naming_the_field(
+    kwargs: dict[str, Any], field: str
+) -> None:
+    """A ValueClient over something that is no store raised a bare TypeError (a Pipeline
+    raises ConfigError("store")), and close_timeout was not checked at all: a negative or
+    NaN one surfaced only at exit, a string as a TypeError there."""
+    args: dict[str, Any] = {"store": kvpipe.MemoryStore(), **kwargs}
+    with pytest.raises(kvpipe.ConfigError) as caught:
+        ValueClient(args.pop("store"), **args)
+    assert caught.value.field == field
