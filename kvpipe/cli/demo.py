@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -54,6 +55,8 @@ _SEGMENT_HELP: Final = (
     "mooncake: MiB its client contributes (default: the workload's distinct blocks twice over, "
     "as the master evicts above 90%% full, plus 64)"
 )
+#: Where the file store's default directories are made, in the working directory.
+_DEFAULT_PARENT: Final = "kvpipe-data"
 
 
 @asynccontextmanager
@@ -68,12 +71,17 @@ async def open_store(args: argparse.Namespace) -> AsyncIterator[kvpipe.StorageBa
         async with mooncake_store((args.segment_mib or 1024) << 20) as mooncake:
             yield mooncake
         return
-    root = args.store_dir or os.path.join("kvpipe-data", f"demo-{os.getpid()}")
-    existed = await anyio.Path(root).exists()
-    # The default root's ./kvpipe-data goes too when the demo made it; never a directory the
-    # user had (a --store-dir's parent, an empty ./kvpipe-data of their own).
-    parent = None if args.store_dir else os.path.dirname(root)
-    parent_made = parent is not None and not await anyio.Path(parent).exists()
+    if args.store_dir:
+        root, parent, parent_made = args.store_dir, None, False
+        existed = await anyio.Path(root).exists()
+    else:
+        # A directory of this run's own, never one a run killed before left behind (PIDs
+        # repeat): its blocks would be found stored and verified in place of this run's.
+        # ./kvpipe-data goes too when the demo made it; never a directory the user had (a
+        # --store-dir's parent, an empty ./kvpipe-data of their own).
+        parent = _DEFAULT_PARENT
+        parent_made = not await anyio.Path(parent).exists()
+        root, existed = await run_sync(_fresh_root, parent), False
     try:
         async with kvpipe.FileStore(root, durability=args.durability) as store:
             yield store
@@ -84,6 +92,27 @@ async def open_store(args: argparse.Namespace) -> AsyncIterator[kvpipe.StorageBa
             if parent is not None and parent_made:
                 with contextlib.suppress(OSError):
                     os.rmdir(parent)
+
+
+def _fresh_root(parent: str) -> str:
+    """A new, empty directory ``parent/demo-PID-XXXXXXXX`` (``parent`` made if missing), as
+    an absolute path.
+
+    Raises:
+        ui.UsageError: It cannot be made (no permission in the working directory, say).
+    """
+    made = not os.path.lexists(parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return os.path.abspath(tempfile.mkdtemp(prefix=f"demo-{os.getpid()}-", dir=parent))
+    except OSError as exc:
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)
+        raise ui.UsageError(
+            f"cannot make the demo's store under ./{parent}: {exc.strerror or exc}; "
+            "run it where you can write, or give --store-dir"
+        ) from exc
 
 
 def _zero_blocks(cache: kvpipe.KVCache, ids: IdArray) -> None:
@@ -158,7 +187,7 @@ async def _timed(
     return phase.summary(pipe.statistics())  # before the pipeline closes
 
 
-def _render(s: Mapping[str, Any], console: Console) -> None:
+def _render(s: Mapping[str, Any], console: Console, *, kept: bool) -> None:
     w, r, n = s["writes"], s["reads"], s["blocks_requested"]
     rows = [
         ("requests", s["requests"], s["requests"]),
@@ -171,6 +200,8 @@ def _render(s: Mapping[str, Any], console: Console) -> None:
     title = f"kvpipe demo: {s['layout']}, {s['store']} store"
     console.print(ui.summary_table(title, ("", "write", "read"), rows))
     console.print(f"store: {ui.format_counts(s['store_statistics'])}", soft_wrap=True)
+    if s["store_dir"] is not None and kept:
+        console.print(f"store kept at {s['store_dir']}", highlight=False, soft_wrap=True)
     if s["ok"]:
         console.print(f"[green]OK[/]: all {n} blocks verified, {s['seconds']:.2f} s in all")
     else:
@@ -274,6 +305,7 @@ async def _run_phases(
         "layout_description": layout.describe(),
         "block_bytes": nbytes,
         "store": args.store,
+        "store_dir": store.path if isinstance(store, kvpipe.FileStore) else None,
         "requests": len(work.requests),
         "partial_requests": sum(q.partial for q in work.requests),
         "shared_prefix_blocks": work.shared_prefix_blocks,
@@ -292,7 +324,7 @@ async def _run_phases(
     if args.json:
         print(json.dumps(summary, indent=2), file=io.out.file)
     else:
-        _render(summary, io.out)
+        _render(summary, io.out, kept=args.keep_store)
     return ui.EXIT_OK if summary["ok"] else ui.EXIT_FAILED
 
 
@@ -304,7 +336,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--store-dir",
         metavar="PATH",
-        help="file store directory (default: ./kvpipe-data/demo-PID, removed afterwards)",
+        help="file store directory (default: a new ./kvpipe-data/demo-PID-XXXXXXXX, removed "
+        "afterwards)",
     )
     add("--keep-store", action="store_true", help="keep the file store's directory")
     add(

@@ -344,3 +344,24 @@ def test_a_store_dir_that_cannot_be_one_is_a_usage_error(
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"kvpipe demo: error: --store-dir {path}: not a directory")
     assert (tmp_path / "f").read_text() == "x"
+
+
+def test_the_default_store_is_fresh_even_where_a_killed_run_left_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default store was ./kvpipe-data/demo-PID. A run killed with SIGKILL (the OOM
+    killer, ``kill -9``) leaves its directory; PIDs repeat (a container starts the same
+    processes in the same order), and a later run of the same PID reused it: every write
+    found its block stored (0 written), the reads verified the dead run's blocks, "OK",
+    and the directory, found existing, was kept. Each run now makes a store of its own."""
+    monkeypatch.chdir(tmp_path)
+    stale = tmp_path / "kvpipe-data" / f"demo-{os.getpid()}"
+    code, _ = run_json(capsys, *SMALL, "--store-dir", str(stale), "--keep-store")
+    assert code == 0
+    left = sorted(p.relative_to(stale) for p in stale.rglob("*"))
+    code, s = run_json(capsys, *SMALL)
+    assert code == 0
+    assert s["written"] == s["distinct_blocks"] and s["store_statistics"]["blocks_written"] > 0
+    assert Path(s["store_dir"]).parent == stale.parent and Path(s["store_dir"]) != stale
+    assert list((tmp_path / "kvpipe-data").iterdir()) == [stale]  # its own store is gone
+    assert sorted(p.relative_to(stale) for p in stale.rglob("*")) == left  # the stale one kept
