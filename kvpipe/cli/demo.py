@@ -71,27 +71,44 @@ async def open_store(args: argparse.Namespace) -> AsyncIterator[kvpipe.StorageBa
         async with mooncake_store((args.segment_mib or 1024) << 20) as mooncake:
             yield mooncake
         return
+    # The directories above the store that the run makes (./kvpipe-data, a --store-dir's
+    # missing parents) go with it; never one the user had.
     if args.store_dir:
-        root, parent, parent_made = args.store_dir, None, False
+        root = args.store_dir
+        made = await run_sync(_missing_parents, root)
         existed = await anyio.Path(root).exists()
     else:
         # A directory of this run's own, never one a run killed before left behind (PIDs
         # repeat): its blocks would be found stored and verified in place of this run's.
-        # ./kvpipe-data goes too when the demo made it; never a directory the user had (a
-        # --store-dir's parent, an empty ./kvpipe-data of their own).
-        parent = _DEFAULT_PARENT
-        parent_made = not await anyio.Path(parent).exists()
-        root, existed = await run_sync(_fresh_root, parent), False
+        made = await run_sync(_missing_parents, os.path.join(_DEFAULT_PARENT, "demo"))
+        root, existed = await run_sync(_fresh_root, _DEFAULT_PARENT), False
     try:
         async with kvpipe.FileStore(root, durability=args.durability) as store:
             yield store
     finally:
         if not (existed or args.keep_store):
             with anyio.CancelScope(shield=True):  # a cancelled run (SIGTERM) cleans up too
-                await run_sync(shutil.rmtree, root, True)
-            if parent is not None and parent_made:
-                with contextlib.suppress(OSError):
-                    os.rmdir(parent)
+                await run_sync(_remove, root, made)
+
+
+def _missing_parents(path: str) -> list[str]:
+    """The directories above ``path`` that do not exist, deepest first."""
+    missing = []
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    return missing
+
+
+def _remove(root: str, parents: Sequence[str]) -> None:
+    """Remove the store ``root``, then those of ``parents`` (deepest first) left empty."""
+    shutil.rmtree(root, ignore_errors=True)
+    for parent in parents:
+        try:
+            os.rmdir(parent)
+        except OSError:  # something else is in it now: it stays, and so do those above
+            return
 
 
 def _fresh_root(parent: str) -> str:

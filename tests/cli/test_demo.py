@@ -365,3 +365,17 @@ def test_the_default_store_is_fresh_even_where_a_killed_run_left_one(
     assert Path(s["store_dir"]).parent == stale.parent and Path(s["store_dir"]) != stale
     assert list((tmp_path / "kvpipe-data").iterdir()) == [stale]  # its own store is gone
     assert sorted(p.relative_to(stale) for p in stale.rglob("*")) == left  # the stale one kept
+
+
+def test_a_store_dir_made_with_its_parents_goes_with_them(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A --store-dir whose parents were missing too: the file store made them all, the demo
+    removed the last one only (deep/a stayed behind). The parents it made go too; none that
+    was there before."""
+    code, _ = run_json(capsys, *SMALL, "--store-dir", str(tmp_path / "deep" / "a" / "store"))
+    assert code == 0 and list(tmp_path.iterdir()) == []
+    (tmp_path / "deep").mkdir()
+    code, _ = run_json(capsys, *SMALL, "--store-dir", str(tmp_path / "deep" / "a" / "store"))
+    assert code == 0 and list(tmp_path.iterdir()) == [tmp_path / "deep"]
+    assert list((tmp_path / "deep").iterdir()) == []
