@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 from dataclasses import asdict
 from typing import Final
 
@@ -12,6 +13,7 @@ import anyio
 from anyio.to_thread import run_sync
 from rich.table import Table
 
+from .._errors import BackendError
 from ..backends.file import StoreReport, inspect_store, is_store
 from . import _console as ui
 
@@ -65,15 +67,25 @@ def _render(report: StoreReport, io: ui.CommandIO) -> None:
 
 
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
-    """Inspect the store; exit 1 when corrupt files were found or the catalog cannot be
-    read, 2 when ``path`` is not a store's directory."""
+    """Inspect the store; exit 1 when corrupt files were found, the catalog cannot be read
+    or the tree cannot be walked, 2 when ``path`` is not a store's directory or this user
+    may not list it."""
     if not await anyio.Path(args.path).is_dir():
         raise ui.UsageError(f"{args.path}: not a directory")
+    # Before is_store, which cannot look inside a directory it may not list (a store's root
+    # is made 0700): another user's store is not "not a store".
+    if not await run_sync(os.access, args.path, os.R_OK | os.X_OK):
+        raise ui.UsageError(f"{args.path}: permission denied (this user cannot list it)")
     if not await run_sync(is_store, args.path):
         raise ui.UsageError(
             f"{args.path}: not a kvpipe store (no catalog.sqlite3, no blocks/ directory)"
         )
-    report = await run_sync(inspect_store, args.path, args.verify)
+    try:
+        report = await run_sync(inspect_store, args.path, args.verify)
+    except PermissionError as exc:  # a directory inside it this user may not list
+        raise ui.UsageError(f"{args.path}: permission denied: {exc.filename or exc}") from exc
+    except OSError as exc:
+        raise BackendError("file", "inspect", f"{args.path}: {exc}") from exc
     if args.json:
         data = asdict(report)
         data["namespaces"] = dict(report.namespaces)

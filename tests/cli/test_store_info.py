@@ -7,6 +7,7 @@ import os
 import shutil
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -226,3 +227,47 @@ def test_a_catalog_in_rollback_journal_mode_is_read_unchanged(
     assert report["blocks"] == report["catalog_blocks"] > 0 and report["catalog_error"] is None
     assert catalog.read_bytes() == held and catalog.stat().st_mtime_ns == mtime
     assert sorted(os.walk(root)) == files
+
+
+def _store_info_bound_by_modes(path: Path) -> subprocess.CompletedProcess[str]:
+    """``kvpipe store-info PATH`` as a process that file modes bind: this one's user when it
+    is not root; root without its capabilities (``setpriv``), who may then open only what
+    the owner bits allow, else the test is skipped."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        prefix = [setpriv or "setpriv", "--inh-caps=-all", "--bounding-set=-all"]
+        probe = subprocess.run([*prefix, "true"], capture_output=True, check=False)
+        if setpriv is None or probe.returncode:
+            pytest.skip("root, and cannot drop its capabilities here (setpriv)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPIPE_")}
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "kvpipe", "store-info", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("closed", [".", "blocks"])
+def test_a_store_it_may_not_read_is_a_one_line_permission_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], closed: str
+) -> None:
+    """Another user's store (its root is made 0700): store-info said "not a kvpipe store
+    (no catalog.sqlite3, no blocks/ directory)" of the root it could not list, and died
+    with a PermissionError traceback on a blocks/ directory it could not list."""
+    root = tmp_path / "store"
+    _demo_store(root)
+    capsys.readouterr()
+    (root / closed).chmod(0)
+    try:
+        proc = _store_info_bound_by_modes(root)
+    finally:
+        (root / closed).chmod(0o700)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvpipe store-info: error: {root}")
+    assert "permission denied" in lines[0].lower() and "not a kvpipe store" not in lines[0]
