@@ -231,18 +231,23 @@ def _render(s: Mapping[str, Any], console: Console, *, kept: bool) -> None:
 
 
 def _check_store_dir(path: str) -> None:
-    """Refuse a ``--store-dir`` that cannot be a directory, before the run starts.
+    """Refuse a ``--store-dir`` that cannot be a directory, or one this user could not make
+    or write a store in, before the run starts.
 
     Raises:
         ui.UsageError: ``path``, or the nearest of its parents that exists, is not a
-            directory.
+            directory, or this user may not write in it.
     """
     nearest = os.path.abspath(path)
     while not os.path.lexists(nearest):
         nearest = os.path.dirname(nearest)
+    itself = nearest == os.path.abspath(path)
     if not os.path.isdir(nearest):
-        where = "" if nearest == os.path.abspath(path) else f" ({nearest} is not one)"
+        where = "" if itself else f" ({nearest} is not one)"
         raise ui.UsageError(f"--store-dir {path}: not a directory{where}")
+    if not os.access(nearest, os.W_OK | os.X_OK | (os.R_OK if itself else 0)):
+        what = "read and write in it" if itself else f"write in {nearest}"
+        raise ui.UsageError(f"--store-dir {path}: this user may not {what}")
 
 
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:

@@ -20,6 +20,7 @@ from kvpipe.cli import _console as ui
 from kvpipe.cli import _reportable, build_parser, main
 from kvpipe.cli import demo as demo_cmd
 from kvpipe.cli._console import UsageError
+from tests.cli.modes import kvpipe_bound_by_modes
 
 #: A small workload on the tiny layout: 8 requests of 5-9 blocks sharing 3 blocks.
 SMALL = [
@@ -379,3 +380,25 @@ def test_a_store_dir_made_with_its_parents_goes_with_them(
     code, _ = run_json(capsys, *SMALL, "--store-dir", str(tmp_path / "deep" / "a" / "store"))
     assert code == 0 and list(tmp_path.iterdir()) == [tmp_path / "deep"]
     assert list((tmp_path / "deep").iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["in it", "under it"])
+def test_a_store_dir_it_may_not_write_is_a_usage_error(tmp_path: Path, where: str) -> None:
+    """A --store-dir in (or under) a directory this user may not write: exit 1, "failed"
+    as a verification that found bad blocks, after the header and the cache fill, with the
+    name of the file store's probe file (``.direct-probe.PID.XXXX``: Permission denied)."""
+    sealed = tmp_path / "sealed"
+    sealed.mkdir()
+    path = sealed if where == "in it" else sealed / "store"
+    sealed.chmod(0o555)
+    try:
+        proc = kvpipe_bound_by_modes("demo", *SMALL, "--store-dir", str(path))
+    finally:
+        sealed.chmod(0o755)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"kvpipe demo: error: --store-dir {path}: ")
+    assert "may not" in lines[0] and ".direct-probe" not in lines[0]
+    assert list(sealed.iterdir()) == []

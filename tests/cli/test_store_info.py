@@ -7,13 +7,13 @@ import os
 import shutil
 import sqlite3
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpipe.cli import main
+from tests.cli.modes import kvpipe_bound_by_modes
 
 
 def _demo_store(root: Path) -> dict[str, object]:
@@ -229,28 +229,6 @@ def test_a_catalog_in_rollback_journal_mode_is_read_unchanged(
     assert sorted(os.walk(root)) == files
 
 
-def _store_info_bound_by_modes(path: Path) -> subprocess.CompletedProcess[str]:
-    """``kvpipe store-info PATH`` as a process that file modes bind: this one's user when it
-    is not root; root without its capabilities (``setpriv``), who may then open only what
-    the owner bits allow, else the test is skipped."""
-    prefix: list[str] = []
-    if os.geteuid() == 0:
-        setpriv = shutil.which("setpriv")
-        prefix = [setpriv or "setpriv", "--inh-caps=-all", "--bounding-set=-all"]
-        probe = subprocess.run([*prefix, "true"], capture_output=True, check=False)
-        if setpriv is None or probe.returncode:
-            pytest.skip("root, and cannot drop its capabilities here (setpriv)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPIPE_")}
-    return subprocess.run(
-        [*prefix, sys.executable, "-m", "kvpipe", "store-info", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize("closed", [".", "blocks"])
 def test_a_store_it_may_not_read_is_a_one_line_permission_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], closed: str
@@ -263,7 +241,7 @@ def test_a_store_it_may_not_read_is_a_one_line_permission_error(
     capsys.readouterr()
     (root / closed).chmod(0)
     try:
-        proc = _store_info_bound_by_modes(root)
+        proc = kvpipe_bound_by_modes("store-info", str(root))
     finally:
         (root / closed).chmod(0o700)
     assert proc.returncode == 2, proc.stderr
