@@ -83,7 +83,7 @@ async def open_store(args: argparse.Namespace) -> AsyncIterator[kvpipe.StorageBa
         made = await run_sync(_missing_parents, os.path.join(_DEFAULT_PARENT, "demo"))
         root, existed = await run_sync(_fresh_root, _DEFAULT_PARENT), False
     try:
-        async with kvpipe.FileStore(root, durability=args.durability) as store:
+        async with kvpipe.FileStore(root, durability=args.durability or "data") as store:
             yield store
     finally:
         if not (existed or args.keep_store):
@@ -230,6 +230,28 @@ def _render(s: Mapping[str, Any], console: Console, *, kept: bool) -> None:
         )
 
 
+#: The options that only one ``--store`` uses, and that store.
+_STORE_OPTIONS: Final = {
+    "store_dir": "file",
+    "keep_store": "file",
+    "durability": "file",
+    "segment_mib": "mooncake",
+}
+
+
+def _check_store_options(args: argparse.Namespace) -> None:
+    """Refuse an option that the chosen ``--store`` would ignore (``--store memory
+    --store-dir /mnt/nvme/x`` would run on memory and say OK, the disk never touched).
+
+    Raises:
+        ui.UsageError: One was given for another store.
+    """
+    for name, store in _STORE_OPTIONS.items():
+        if args.store != store and getattr(args, name) not in (None, False):
+            option = "--" + name.replace("_", "-")
+            raise ui.UsageError(f"{option} is for --store {store}, not --store {args.store}")
+
+
 def _check_store_dir(path: str) -> None:
     """Refuse a ``--store-dir`` that cannot be a directory, or one this user could not make
     or write a store in, before the run starts.
@@ -253,6 +275,7 @@ def _check_store_dir(path: str) -> None:
 async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
     """Run the demo (see the module docstring); 0 when every block verified, else 1."""
     started = time.perf_counter()
+    _check_store_options(args)
     if args.segment_mib is not None and args.segment_mib < 1:
         raise ui.UsageError(f"--segment-mib must be >= 1, got {args.segment_mib}")
     if args.store == "file" and args.store_dir is not None:
@@ -365,8 +388,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--durability",
         choices=("none", "data", "full"),
-        default="data",
-        help="file store: fsync policy (data: each file before it is published)",
+        help="file store: fsync policy (default: data, each file before it is published)",
     )
     add("--segment-mib", type=int, metavar="MIB", help=_SEGMENT_HELP)
     add("--requests", type=int, default=24, metavar="N", help="requests to write and read")

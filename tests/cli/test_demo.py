@@ -402,3 +402,27 @@ def test_a_store_dir_it_may_not_write_is_a_usage_error(tmp_path: Path, where: st
     assert lines[0].startswith(f"kvpipe demo: error: --store-dir {path}: ")
     assert "may not" in lines[0] and ".direct-probe" not in lines[0]
     assert list(sealed.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--store", "memory", "--store-dir", "{tmp}/store"], "--store-dir"),
+        (["--store", "memory", "--keep-store"], "--keep-store"),
+        (["--store", "memory", "--durability", "full"], "--durability"),
+        (["--store", "file", "--segment-mib", "64"], "--segment-mib"),
+    ],
+)
+def test_an_option_of_another_store_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], option: str
+) -> None:
+    """``--store memory --store-dir /mnt/nvme/x`` ran on memory and said OK, the directory
+    never touched: the user believed the disk tested. An option the chosen store does not
+    use is refused, as --metrics-linger without --metrics-port is."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert main(["demo", *SMALL, *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvpipe demo: error: {option} ")
+    assert list(tmp_path.iterdir()) == []
