@@ -27,6 +27,7 @@ from ._errors import BackendError, ConfigError, KVPipeError, PipelineClosed, Wro
 from ._keys import Scope
 from ._plan import layout_segments
 from ._results import PipelineStatistics
+from ._shield import DeferredCancel, shielded
 from ._staging import StagingPool, stride_for
 from ._workers import Lane, ThreadRunner
 from .actors import (
@@ -504,14 +505,17 @@ class Runtime:
                     state.request_id,
                 )
                 state.end("total_timeout", "deadline passed")
-                with anyio.CancelScope(shield=True):
-                    await state.wait()
+                deferred = DeferredCancel()
+                await shielded(state.wait, deferred=deferred)
+                deferred.raise_if_received()
         except anyio.get_cancelled_exc_class():
             cancelled = True
             state.end("cancelled", "caller cancelled")
             if isinstance(state, ReadState):
-                with anyio.CancelScope(shield=True):
-                    await state.wait()
+                # Not even asyncio's own cancellation, which anyio's shield lets through,
+                # again (a timeout after a disconnect): a copy into the caller's cache
+                # blocks still running would write into them after the read returned.
+                await shielded(state.wait)
             raise
         finally:
             self._in_flight.discard(state)

@@ -1,0 +1,83 @@
+"""asyncio's own cancellation (``Task.cancel``: a client disconnect, ``asyncio.timeout``,
+``asyncio.wait_for``) is not stopped by anyio's shielded cancel scopes: a native cancel is
+thrown into the task wherever it waits, shielded or not. What kvpipe must finish before a
+call returns (a read's copy into the caller's cache) or before a close returns (failing the
+calls in flight) must hold against it too."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+import kvpipe
+from kvpipe.actors import reader as reader_module
+from tests.helpers import fill_random
+
+#: asyncio's own event loop and uvloop's (asyncio's tasks on both).
+pytestmark = pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
+
+#: A block of 512 KiB: a read's copy into the cache runs in a worker thread.
+BIG = kvpipe.CacheLayout.gqa(
+    num_layers=2, num_kv_heads=8, head_dim=128, block_size=64, dtype="float16"
+)
+
+
+async def _until(predicate: Any, what: str) -> None:
+    """Short sleeps until ``predicate()`` (a worker thread cannot wake the loop)."""
+    for _ in range(5000):
+        if predicate():
+            return
+        await anyio.sleep(0.001)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_a_read_cancelled_twice_returns_only_after_its_copy_into_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read cancelled while its copy into the cache runs waits for that copy (shielded);
+    a second ``Task.cancel`` (an outer timeout, a shutdown after a client disconnect) went
+    through the shield: the read returned with the copy still running, which then wrote
+    into blocks the caller had already freed (and may have given to another request)."""
+    gate, started, finished = threading.Event(), threading.Event(), threading.Event()
+    real = reader_module.check_and_scatter
+
+    def slow_scatter(*args: Any) -> Any:
+        started.set()
+        gate.wait(30)
+        try:
+            return real(*args)
+        finally:
+            finished.set()
+
+    cache = kvpipe.create_kv_cache(BIG, 8)
+    fill_random(cache, seed=1)
+    tokens = np.arange(64 * 2)
+    async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore()) as pipe:
+        assert (await pipe.write(tokens, np.arange(2))).complete
+        monkeypatch.setattr(reader_module, "check_and_scatter", slow_scatter)
+        task = asyncio.create_task(pipe.read(tokens, np.arange(4, 6)))
+        try:
+            await _until(started.is_set, "the copy into the cache started")
+            task.cancel("client disconnected")
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()
+            task.cancel("server shutting down")
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()
+            returned_during_copy = task.done()
+        finally:
+            gate.set()
+        assert not returned_during_copy, "the read returned while its copy into the cache ran"
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished.is_set()
+        # the pipeline serves on
+        assert (await pipe.read(tokens, np.arange(6, 8))).loaded == 2
