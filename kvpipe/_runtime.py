@@ -346,59 +346,60 @@ class Runtime:
         until ``UNWIND_GRACE`` past it to unwind and let go of their staging), then drain
         their inboxes. What still runs at the deadline is abandoned and logged, its memory
         kept (staging is unregistered and freed by :meth:`release`, once the worker threads
-        are done). Shielded.
+        are done). Shielded, from asyncio's own cancellation too (``Task.cancel``): one
+        received meanwhile is raised once closed.
 
         Raises:
             WrongEventLoop: Called from another thread or event loop than the pipeline's
                 (its inboxes and cancel scopes are its loop's alone); nothing is closed.
         """
-        with anyio.CancelScope(shield=True):
-            if self._ctx is None:
-                return
-            self.check_loop()
-            deadline = self._deadline()
-            self._open = False
-            self._closed_reason = self._closed_reason or "closed"
-            if self.engine is not None:
-                self.engine.close_by(deadline)
-            with anyio.move_on_at(deadline):
-                await self._idle.wait()
-            self._stop_all(
-                "pipeline closed",
-                f": close_timeout ({self.config.close_timeout:g} s) passed",
-            )
-            supervisor = self._supervisor
-            if supervisor is not None:
-                # The requests' work was cancelled with them: the actors unwind it and leave
-                # their loops (normally: no task ending cancelled, no cycle) within a few
-                # turns of the loop, or half the grace past the deadline at most.
-                with anyio.move_on_at(deadline + UNWIND_GRACE / 2):
-                    await supervisor.wait_stopped()
+        if self._ctx is None:
+            return
+        self.check_loop()
+        deadline = self._deadline()
+        self._open = False
+        # Every wait shielded, asyncio's own cancellation included (which anyio's shield lets
+        # through: an interrupted close failed no call in flight, and those waited on for their
+        # own deadlines); one received meanwhile is raised once closed.
+        deferred = DeferredCancel()
+        self._closed_reason = self._closed_reason or "closed"
+        if self.engine is not None:
+            self.engine.close_by(deadline)
+        await shielded(self._idle.wait, deadline, deferred)
+        self._stop_all(
+            "pipeline closed",
+            f": close_timeout ({self.config.close_timeout:g} s) passed",
+        )
+        supervisor = self._supervisor
+        if supervisor is not None:
+            # The requests' work was cancelled with them: the actors unwind it and leave
+            # their loops (normally: no task ending cancelled, no cycle) within a few
+            # turns of the loop, or half the grace past the deadline at most.
+            await shielded(supervisor.wait_stopped, deadline + UNWIND_GRACE / 2, deferred)
+            if not supervisor.stopped:
+                working = supervisor.holding()  # in a wait their cancellation missed
+                self.cancel_actors()
+                # They release their staging as they unwind, which takes a few turns of
+                # the loop (nothing waits past a cancellation unbounded): return after.
+                await shielded(supervisor.wait_stopped, deadline + UNWIND_GRACE, deferred)
                 if not supervisor.stopped:
-                    working = supervisor.holding()  # in a wait their cancellation missed
-                    self.cancel_actors()
-                    # They release their staging as they unwind, which takes a few turns of
-                    # the loop (nothing waits past a cancellation unbounded): return after.
-                    with anyio.move_on_at(deadline + UNWIND_GRACE):
-                        await supervisor.wait_stopped()
-                    if not supervisor.stopped:
-                        log.error(
-                            "actors did not stop %.1f s past the close deadline, cancelled; "
-                            "abandoned: %s",
-                            UNWIND_GRACE,
-                            supervisor.holding() or working or "none holds a request",
-                        )
-                    elif working:
-                        log.warning(
-                            "actors still working %.1f s past the close deadline were "
-                            "cancelled: %s",
-                            UNWIND_GRACE / 2,
-                            working,
-                        )
-            for recv in self._inboxes.by_name().values() if self._inboxes else ():
-                self._drain(recv)
-                recv.close()
-            self._ctx = None
+                    log.error(
+                        "actors did not stop %.1f s past the close deadline, cancelled; "
+                        "abandoned: %s",
+                        UNWIND_GRACE,
+                        supervisor.holding() or working or "none holds a request",
+                    )
+                elif working:
+                    log.warning(
+                        "actors still working %.1f s past the close deadline were cancelled: %s",
+                        UNWIND_GRACE / 2,
+                        working,
+                    )
+        for recv in self._inboxes.by_name().values() if self._inboxes else ():
+            self._drain(recv)
+            recv.close()
+        self._ctx = None
+        deferred.raise_if_received()
 
     def cancel_actors(self) -> None:
         """Cancel the actors if they still run (a no-op once they stopped): at the close

@@ -17,6 +17,7 @@ import pytest
 
 import kvpipe
 from kvpipe.actors import reader as reader_module
+from tests.fakes import Act, ScriptedStore
 from tests.helpers import fill_random
 
 #: asyncio's own event loop and uvloop's (asyncio's tasks on both).
@@ -27,6 +28,10 @@ pytestmark = pytest.mark.parametrize(
 #: A block of 512 KiB: a read's copy into the cache runs in a worker thread.
 BIG = kvpipe.CacheLayout.gqa(
     num_layers=2, num_kv_heads=8, head_dim=128, block_size=64, dtype="float16"
+)
+
+SMALL = kvpipe.CacheLayout.gqa(
+    num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="float16"
 )
 
 
@@ -81,3 +86,41 @@ async def test_a_read_cancelled_twice_returns_only_after_its_copy_into_the_cache
         assert finished.is_set()
         # the pipeline serves on
         assert (await pipe.read(tokens, np.arange(6, 8))).loaded == 2
+
+
+async def test_a_close_cancelled_by_asyncio_still_fails_the_calls_in_flight() -> None:
+    """Closing is shielded: it completes, and the calls still waiting at its deadline raise
+    ``PipelineClosed``. A ``Task.cancel`` of the closing task (a lifespan under a timeout,
+    the shutdown's cancellation) went through anyio's shield: the close returned at once,
+    having failed nothing, and the calls waited on for their own deadlines (30 s by default)
+    on a pipeline whose actors were gone."""
+    cache = kvpipe.create_kv_cache(SMALL, 24)
+    store = ScriptedStore(puts={i: Act(hang=True) for i in range(3)})
+    config = kvpipe.PipelineConfig(slice_block_num=2, close_timeout=0.2)
+    opened: list[kvpipe.Pipeline] = []
+    calls: list[asyncio.Task[kvpipe.WriteResult]] = []
+
+    async def serve() -> None:
+        async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+            opened.append(pipe)
+            for i in range(3):
+                tokens = np.arange(i * 100, i * 100 + 32)
+                calls.append(asyncio.create_task(pipe.write(tokens, np.arange(8), timeout=10)))
+            await store.wait_calls("put", 3)
+
+    server = asyncio.create_task(serve())
+    try:
+        await _until(lambda: opened and opened[0].closed, "the close began")
+        server.cancel("shutting down")  # the close waits for the calls in flight now
+        with pytest.raises(asyncio.CancelledError):
+            await server
+        for _ in range(20):
+            await anyio.lowlevel.checkpoint()
+        assert all(c.done() for c in calls), "calls still waiting after the close returned"
+        for c in calls:
+            assert isinstance(c.exception(), kvpipe.PipelineClosed)
+        stats = opened[0].statistics()
+        assert not stats.in_flight and stats.staging_in_use_bytes == 0, stats
+    finally:
+        for c in calls:
+            c.cancel()
