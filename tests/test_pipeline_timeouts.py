@@ -642,10 +642,12 @@ async def test_a_device_slice_queued_for_a_busy_swapper_ends_its_write_at_the_de
     monkeypatch.setattr(engine_module.HostEngine, "name", "device-like")  # the device path
     gather = engine_module.HostEngine.gather
 
-    async def slow_first(self: Any, plan: Any, staging: Any, after: Any) -> Any:
+    async def slow_first(
+        self: Any, plan: Any, staging: Any, after: Any, *, start_by: float | None = None
+    ) -> Any:
         if len(plan.runs) and anyio.current_time() < 1:  # the first write's gather
             await anyio.sleep(10)
-        return await gather(self, plan, staging, after)
+        return await gather(self, plan, staging, after, start_by=start_by)
 
     monkeypatch.setattr(engine_module.HostEngine, "gather", slow_first)
     cfg = kvpipe.PipelineConfig(slice_block_num=4, copy_threads=1, total_timeout=15.0)
