@@ -82,23 +82,30 @@ class Registrations:
         """Unregister every buffer by ``deadline``; one the store failed to unregister, or
         all that remain at the deadline, are kept (:meth:`keep`).
 
-        Cancellation: shielded; the deadline bounds it.
+        Cancellation: shielded; the deadline bounds it. A cancellation that gets through the
+        shield (asyncio's own, ``Task.cancel``) keeps the buffers not unregistered yet, as the
+        deadline does, and is raised.
         """
         buffers, self._buffers = self._buffers, []
-        with anyio.CancelScope(shield=True), anyio.move_on_at(deadline) as bound:
-            while buffers:
-                try:
-                    await self.store.unregister_staging(buffers[0])
-                except Exception as exc:
-                    KEPT.append(buffers[0])
-                    self.kept = True
-                    log.warning(
-                        "unregistering staging from %s failed (the staging memory is kept, "
-                        "not freed): %s",
-                        self.store.name,
-                        repr(exc),
-                    )
-                del buffers[0]
+        try:
+            with anyio.CancelScope(shield=True), anyio.move_on_at(deadline) as bound:
+                while buffers:
+                    try:
+                        await self.store.unregister_staging(buffers[0])
+                    except Exception as exc:
+                        KEPT.append(buffers[0])
+                        self.kept = True
+                        log.warning(
+                            "unregistering staging from %s failed (the staging memory is "
+                            "kept, not freed): %s",
+                            self.store.name,
+                            repr(exc),
+                        )
+                    del buffers[0]
+        except BaseException:  # cut short: what may still be registered is never freed
+            self._buffers = buffers
+            self.keep("unregistering staging was cancelled")
+            raise
         if bound.cancelled_caught:
             self._buffers = buffers
             self.keep("unregistering staging did not end by the close deadline")
