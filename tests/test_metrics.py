@@ -359,3 +359,36 @@ async def test_blocks_read_counts_what_the_reads_results_count() -> None:
         counters = pipe.statistics().counters
     assert counters["blocks_read"] == 4
     assert counters["bytes_read"] == 4 * LAYOUT.block_nbytes
+
+
+async def test_a_block_that_fails_verification_once_is_counted_failed() -> None:
+    """A block damaged in transit fails verification, is fetched again and then passes: the
+    read loads it. ``blocks_failed_verify`` ("fetched blocks that failed verification", the
+    counter the docs say to alert on) stayed 0: it counted only blocks still failing when
+    loading stopped, so corruption on the way from the store never showed in it."""
+    store = ScriptedStore(gets={0: Act(corrupt=[1])})
+    seq = tokens(6, 4)
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG, namespace="test") as pipe:
+        metrics = kvpipe.PipelineMetrics(pipe)
+        assert (await pipe.write(seq, np.arange(4))).written == 4
+        assert (await pipe.read(seq, np.arange(40, 44))).loaded == 4
+        assert len(store.calls_of("get")) == 2  # fetched again from the damaged block on
+        counters = pipe.statistics().counters
+    assert counters["blocks_failed_verify"] == 1
+    assert counters.get("corrupt_blocks_deleted", 0) == 0  # a good stored block: kept
+    s = parse(metrics.exposition()[0])
+    assert value(s, "kvpipe_blocks_failed_verify_total") == 1
+
+
+async def test_a_block_that_fails_verification_then_is_gone_is_counted_failed() -> None:
+    """A block fails verification and, fetched again, the store fails it: loading stops
+    there. Its failed check was not counted (the count looked only at the second fetch,
+    which had nothing to check)."""
+    store = ScriptedStore(gets={0: Act(corrupt=[1]), 1: Act(fail=[0])})
+    seq = tokens(7, 4)
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        assert (await pipe.write(seq, np.arange(4))).written == 4
+        r = await pipe.read(seq, np.arange(40, 44))
+        assert (r.loaded, r.stop_reason) == (1, "failed_block")
+        counters = pipe.statistics().counters
+    assert counters["blocks_failed_verify"] == 1

@@ -168,6 +168,9 @@ class Reader(Actor[ReadState | SliceJob]):
         statuses, checks, scattered, elapsed, elsewhere = got
         fetched = len(checks)
         confirmed: set[int] = set()
+        # Every block that failed a check, also one that passes when fetched again (damaged
+        # on its way from the store): what blocks_failed_verify counts, once per block.
+        failed_checks = {i for i, c in enumerate(checks) if c is not None}
         bad = leading_run(c is None for c in checks)
         if bad < fetched:
             # A block fetched fine failed verification: fetch it (and the rest) once more.
@@ -179,6 +182,7 @@ class Reader(Actor[ReadState | SliceJob]):
                     for i, c in enumerate(checks2)
                     if c is not None and checks[bad + i] is not None
                 }
+                failed_checks.update(bad + i for i, c in enumerate(checks2) if c is not None)
                 statuses[bad:fetched] = again
                 checks = checks[:bad] + checks2
                 fetched = bad + len(checks2)
@@ -201,7 +205,8 @@ class Reader(Actor[ReadState | SliceJob]):
                 why,
             )
             state.stop_at(first + valid, "failed_block", sorted(set(failed)), detail)
-            ctx.metrics.counters["blocks_failed_verify"] += sum(c is not None for c in checks)
+        if failed_checks:
+            ctx.metrics.counters["blocks_failed_verify"] += len(failed_checks)
         outcome = "complete" if valid == spec.count else "incomplete"
         ctx.metrics.slices[f"read_{outcome}"] += 1
         ctx.observe("read_slice", elapsed, outcome)
