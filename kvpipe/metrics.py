@@ -40,7 +40,10 @@ _COUNTERS: Final = {
     "bytes_read": "Payload bytes loaded into the cache.",
     "bytes_gathered": "Bytes gathered from the cache into staging for writes.",
     "blocks_flushed": "Blocks recorded in the residency index by flush_index.",
-    "blocks_refetched": "Blocks fetched a second time after failing verification.",
+    "blocks_refetched": (
+        "Blocks fetched a second time: a slice's first block that failed verification and "
+        "those after it."
+    ),
     "blocks_failed_verify": "Fetched blocks that failed verification.",
     "corrupt_blocks_deleted": "Blocks deleted from the store after failing verification twice.",
     "blocks_stored_past_a_failure": "Blocks the store reported stored after a failed one.",
