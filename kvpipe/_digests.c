@@ -589,6 +589,10 @@ static PyObject *gather_seal(PyObject *self, PyObject *args) {
     if (end != payload) fused = 0;
     views = get_buffers(seq, &n, payload + tlen, 1);
     if (views == NULL) goto done;
+    if (n != count) { /* taking the rows ran Python code (an iterable's) that changed values */
+        PyErr_SetString(PyExc_ValueError, "values changed while the rows were taken");
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
     XXH3_state_t state;
     for (Py_ssize_t v = 0; v < n; v++) {
@@ -604,9 +608,9 @@ static PyObject *gather_seal(PyObject *self, PyObject *args) {
                                 (const unsigned char *)trailers.buf + v * tlen, tlen, digest_at);
     }
     Py_END_ALLOW_THREADS
-    release_buffers(views, n);
     result = to_list(digests, n);
 done:
+    if (views != NULL) release_buffers(views, n);
     release_rows(&rows);
     PyMem_Free(src);
     PyMem_Free(stride);

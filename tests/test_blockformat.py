@@ -488,6 +488,37 @@ def test_native_calls_refuse_sizes_that_overflow(hashing: str) -> None:
     assert child.stdout.split() == ["ValueError"] * 5
 
 
+# ``rows`` may be any iterable: taking it runs Python code, which here adds values to the list
+# the call was given after it counted them (the call once sealed every value then present,
+# reading a block id and writing a digest past the ends of its arrays for each added one).
+_VALUES_GROW = """
+import numpy as np
+from kvpipe import _blockformat
+rows, values = np.zeros((4, 16), np.uint8), [np.zeros(64, np.uint8)]
+def grow_values():
+    values.extend(np.zeros(64, np.uint8) for _ in range(1000))
+    yield rows
+table = np.array([[0, 0, 16]], np.int64)
+try:
+    _blockformat.native.gather_seal(
+        grow_values(), np.zeros(1, np.int64), table, values, 16, bytes(48), 32
+    )
+    print("accepted")
+except ValueError:
+    print("ValueError")
+"""
+
+
+def test_gather_seal_refuses_values_that_grew_while_it_took_the_rows(hashing: str) -> None:
+    if hashing == "python":
+        return
+    child = subprocess.run(  # a crash must fail this test, not end the run
+        [sys.executable, "-c", _VALUES_GROW], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr)
+    assert child.stdout.split() == ["ValueError"]
+
+
 @pytest.mark.parametrize("shift", [0, 1, 8, 15])
 @pytest.mark.parametrize("width", [4096, 4097, 40_003])
 def test_place_if_sound_copies_large_pieces_to_any_alignment(
