@@ -7,6 +7,8 @@ import contextlib
 import errno
 import os
 import resource
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,3 +186,45 @@ def test_write_files_failures_leave_no_temporary_file(root: tuple[Path, int]) ->
     assert got[2] in (-errno.ELOOP, -errno.ENOTDIR)  # a linked directory is never entered
     assert os.listdir(path / "d") == [".busy.tmp"]  # untouched, nothing published
     assert os.listdir(path / "elsewhere") == []
+
+
+# A file's views or chunks may be any iterable: taking them runs Python code, which here
+# empties the list of paths (or names) the call was given, the only reference to them. The
+# calls read those lists as they went (and kept pointers into their bytes), so they went on
+# past the emptied list and read freed paths: a segfault. They hold what they were given.
+_LISTS_EMPTIED = """
+import os, sys
+from kvpipe.backends.file._native import fileio
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+paths = [b"d/" + name for name in (b"in-a", b"in-b")]  # made here: the list's own
+bufs = [bytearray(8), bytearray(8)]
+def empty_paths():
+    paths.clear()
+    yield memoryview(bufs[0])
+print(fileio.read_files(fd, paths, [empty_paths(), [memoryview(bufs[1])]], False), bufs)
+names = [b"out-" + name for name in (b"a", b"b")]
+def empty_names():
+    names.clear()
+    yield b"chunk-a"
+chunks = [empty_names(), [b"chunk-b"]]
+print(fileio.write_files(fd, [b"d", b"d"], [b".t-a", b".t-b"], names, chunks, 0, False, b"\\0"))
+"""
+
+
+def test_calls_hold_the_lists_they_were_given(root: tuple[Path, int]) -> None:
+    path, _ = root
+    (path / "d" / "in-a").write_bytes(b"first")
+    (path / "d" / "in-b").write_bytes(b"second")
+    child = subprocess.run(  # a crash must fail this test, not end the run
+        [sys.executable, "-c", _LISTS_EMPTIED, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr)
+    assert child.stdout.splitlines() == [
+        "[5, 6] [bytearray(b'first\\x00\\x00\\x00'), bytearray(b'second\\x00\\x00')]",
+        "[0, 0]",
+    ]
+    assert (path / "d" / "out-a").read_bytes() == b"chunk-a"
+    assert (path / "d" / "out-b").read_bytes() == b"chunk-b"

@@ -350,14 +350,26 @@ PyDoc_STRVAR(read_cached_files_doc,
 "device to read file data: NOT_CACHED where it does not (its views may then hold part of\n"
 "it). The GIL is released throughout.");
 
+/* A tuple of what `obj` holds now (NULL with an exception set). The calls below keep
+ * pointers into their paths' bytes while the GIL is released, and taking a file's buffers
+ * may run Python code (an iterable's): a list they were given, changed meanwhile (by that
+ * code, or by another thread once the GIL is released), would drop the paths they use. */
+static PyObject *snapshot(PyObject *obj, const char *what) {
+    PyObject *t = PySequence_Tuple(obj);
+    if (t == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a sequence", what);
+    }
+    return t;
+}
+
 /* read_files and read_cached_files (cached_only), their arguments parsed. */
 static PyObject *read_many(int dir_fd, PyObject *paths_obj, PyObject *views_obj, int direct,
                            int cached_only) {
-    PyObject *paths = PySequence_Fast(paths_obj, "paths must be a sequence");
+    PyObject *paths = snapshot(paths_obj, "paths");
     if (paths == NULL) {
         return NULL;
     }
-    PyObject *views = PySequence_Fast(views_obj, "views must be a sequence");
+    PyObject *views = snapshot(views_obj, "views");
     if (views == NULL) {
         Py_DECREF(paths);
         return NULL;
@@ -429,7 +441,7 @@ static PyObject *file_sizes(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iOp", &dir_fd, &paths_obj, &stop)) {
         return NULL;
     }
-    PyObject *paths = PySequence_Fast(paths_obj, "paths must be a sequence");
+    PyObject *paths = snapshot(paths_obj, "paths");
     if (paths == NULL) {
         return NULL;
     }
@@ -655,7 +667,7 @@ static PyObject *write_files(PyObject *self, PyObject *args) {
         objs[3] = dirs_obj;
     }
     for (int k = 0; k < 5; k++) {
-        seqs[k] = PySequence_Fast(objs[k], "expected a sequence");
+        seqs[k] = snapshot(objs[k], "dirs, temps, names, spares and chunks");
         if (seqs[k] == NULL) {
             goto done;
         }
