@@ -228,3 +228,35 @@ def test_calls_hold_the_lists_they_were_given(root: tuple[Path, int]) -> None:
     ]
     assert (path / "d" / "out-a").read_bytes() == b"chunk-a"
     assert (path / "d" / "out-b").read_bytes() == b"chunk-b"
+
+
+def test_write_files_takes_temps_and_names_only_as_names_in_their_directory(
+    tmp_path: Path,
+) -> None:
+    """A temporary file or a final name is one path component, as the Python path checks
+    (``Root.write_atomic``): anything else (a ``/``, ``..``) is refused, file by file, never
+    written out of the store or through a link. (The directory was confined, but a name was
+    taken as is: ``../../escaped`` was published beside the root, ``sub/z`` through a link.)"""
+    (tmp_path / "store" / "d").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "store" / "d" / "sub")
+    temps = [b".t1", b"../../.t2", b"sub/.t3", b".t4", b".t5", b".t6", b""]
+    names = [b"../../escaped", b"x", b"y", b"sub/z", b"..", b".", b"w"]
+    fd = os.open(tmp_path / "store", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        got = fileio.write_files(
+            fd,
+            [b"d"] * len(names),
+            temps,
+            names,
+            [[b"data"]] * len(names),
+            0,
+            False,
+            bytearray(1),
+        )
+    finally:
+        os.close(fd)
+    assert got == [-errno.EINVAL] * len(names)
+    assert os.listdir(tmp_path / "store" / "d") == ["sub"]
+    assert os.listdir(tmp_path / "elsewhere") == []
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "store"]

@@ -560,10 +560,18 @@ static void drop_spare(int dir_fd, const char *spare) {
     }
 }
 
+/* Whether `s` is one path component, as the Python path checks its names (_fs._check):
+ * the directory is opened confined, but a temporary or final name is used as it is, beside
+ * it (a '/' or "..": out of the store, or through a link). */
+static int is_name(const char *s) {
+    return s[0] != 0 && strchr(s, '/') == NULL && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+}
+
 static long write_one(int dir_fd, const char *dir, const char *tmp, const char *name,
                       const char *spare, struct iovec *iov, int cnt, int durability, int direct,
                       volatile const char *abandoned) {
-    int dfd = open_confined(dir_fd, dir, O_RDONLY | O_DIRECTORY);
+    int dfd = is_name(tmp) && is_name(name) ? open_confined(dir_fd, dir, O_RDONLY | O_DIRECTORY)
+                                            : (errno = EINVAL, -1);
     if (dfd < 0) {
         long err = -errno;
         if (spare) {
@@ -630,7 +638,8 @@ PyDoc_STRVAR(write_files_doc,
 "-> list[int]\n\n"
 "Publish each file atomically: write chunks[i] into dirs[i]/temps[i] (created 0600, never\n"
 "through a link; dirs[i] beneath dir_fd), fdatasync it (durability >= 1), rename it over\n"
-"dirs[i]/names[i], and with durability 2 fsync the directory. When abandoned[0] is set the\n"
+"dirs[i]/names[i], and with durability 2 fsync the directory (-EINVAL: temps[i] or names[i]\n"
+"is not a name in it, one path component). When abandoned[0] is set the\n"
 "file is removed instead of published. spares[i], None or a path beneath dir_fd: a deleted\n"
 "block file to reuse as the temporary file (overwritten in place, cut to length; skipped\n"
 "while a reader holds it); it is used or removed either way. Per file: 0, ABANDONED,\n"
