@@ -260,3 +260,33 @@ def test_write_files_takes_temps_and_names_only_as_names_in_their_directory(
     assert os.listdir(tmp_path / "store" / "d") == ["sub"]
     assert os.listdir(tmp_path / "elsewhere") == []
     assert sorted(os.listdir(tmp_path)) == ["elsewhere", "store"]
+
+
+_SPARE_FIFO = """
+import os, sys
+from kvpipe.backends.file._native import fileio
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+spares = [b"d/.spare"]
+print(fileio.write_files(fd, [b"d"], [b".t"], [b"a"], [[b"data"]], 0, False, bytearray(1), spares))
+"""
+
+
+def test_write_files_does_not_wait_on_a_fifo_at_a_spare(root: tuple[Path, int]) -> None:
+    """Something else than a regular file at a spare's name (a FIFO put there) is not
+    reused: the write goes to a new file. (Opening the FIFO for writing waited for a reader,
+    for ever, with the store's thread in it.)"""
+    path, _ = root
+    os.mkfifo(path / "d" / ".spare")
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", _SPARE_FIFO, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("write_files waited on the FIFO")
+    assert child.returncode == 0, (child.returncode, child.stderr)
+    assert child.stdout.split() == ["[0]"]
+    assert (path / "d" / "a").read_bytes() == b"data"
+    assert os.listdir(path / "d") == ["a"]  # the spare's name was removed, as any unused

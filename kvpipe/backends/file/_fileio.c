@@ -534,7 +534,15 @@ static int claim_spare(int dir_fd, const char *spare, int dfd, const char *tmp, 
     if (sdfd < 0) {
         return -1;
     }
-    int fd = openat(sdfd, name, O_WRONLY | O_NOFOLLOW | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    /* O_NONBLOCK: something else put at its name, a FIFO, must not keep the open waiting */
+    int fd = openat(sdfd, name,
+                    O_WRONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | (direct ? O_DIRECT : 0));
+    struct stat st;
+    if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+                    fcntl(fd, F_SETFL, direct ? O_DIRECT : 0) != 0)) { /* a block file, blocking */
+        close(fd);
+        fd = -1;
+    }
     if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) { /* read, or no locks here: not reused */
         close(fd);
         fd = -1;
