@@ -500,12 +500,16 @@ class Runtime:
             with anyio.move_on_at(state.deadline + self.config.deadline_slack):
                 await state.wait()
             if not state.done:
-                self.metrics.counters["deadline_guard_expired"] += 1
-                log.warning(
-                    "request %s: no outcome by its deadline; ending it as timed out",
-                    state.request_id,
-                )
-                state.end("total_timeout", "deadline passed")
+                # One whose ending is decided already (a read failed by a close, an
+                # escalation or a crash, waiting for its running scatters) has an outcome:
+                # not the guard's to count, log or end; it is only waited for.
+                if not state.ending:
+                    self.metrics.counters["deadline_guard_expired"] += 1
+                    log.warning(
+                        "request %s: no outcome by its deadline; ending it as timed out",
+                        state.request_id,
+                    )
+                    state.end("total_timeout", "deadline passed")
                 deferred = DeferredCancel()
                 await shielded(state.wait, deferred=deferred)
                 deferred.raise_if_received()

@@ -930,3 +930,42 @@ async def test_a_host_read_whose_fetch_ignores_cancellation_returns_by_the_deadl
         assert anyio.current_time() - start == pytest.approx(5.25)
         assert (r.loaded, r.complete, r.stop_reason) == (0, False, "total_timeout")
         assert pipe.statistics().counters["deadline_guard_expired"] == 1
+
+
+class _DeafSinkStore(_DeafStore):
+    """:class:`_DeafStore` whose gets take the batch's sink: the read's claim on the cache
+    is held from before the fetch until the deaf call is over."""
+
+    uses_sink = True
+
+
+async def test_a_read_failed_by_close_waiting_for_its_claim_is_not_counted_by_the_guard(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The close fails a read (``PipelineClosed``) whose fetch, under its claim on the cache,
+    ignores cancellation: its ending is decided, it only waits for the claim to go. Past
+    ``deadline + deadline_slack`` the guard took it for a request with no outcome: it
+    counted ``deadline_guard_expired`` and logged 'ending it as timed out' (the ending it
+    then tried changed nothing: the read still ends as closed)."""
+    store = _DeafSinkStore(10.0)
+    cfg = _config(total_timeout=5.0, deadline_slack=0.25, close_timeout=1.0)
+    failed: list[BaseException] = []
+    async with kvpipe.open_pipeline(_cache(), store, config=cfg) as pipe:
+        assert (await pipe.write(TOKENS, IDS)).complete
+        start = anyio.current_time()
+
+        async def read() -> None:
+            try:
+                await pipe.read(TOKENS, np.arange(20, 36), request_id="closed-1")
+            except kvpipe.PipelineClosed as exc:
+                failed.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await until(lambda: sum(pipe.statistics().in_flight.values()) == 1)
+            await pipe.aclose()
+    assert len(failed) == 1
+    # Its claim held it until the deaf call was over: nothing writes into the cache after.
+    assert anyio.current_time() - start == pytest.approx(10.0)
+    assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
+    assert not [r for r in caplog.records if "no outcome by its deadline" in r.getMessage()]
