@@ -969,3 +969,40 @@ async def test_a_read_failed_by_close_waiting_for_its_claim_is_not_counted_by_th
     assert anyio.current_time() - start == pytest.approx(10.0)
     assert pipe.statistics().counters.get("deadline_guard_expired", 0) == 0
     assert not [r for r in caplog.records if "no outcome by its deadline" in r.getMessage()]
+
+
+class _DeafPut(ScriptedStore):
+    """Its puts ignore cancellation for ``deaf`` seconds (a vendor call awaited in a thread
+    that is not abandoned), then take up a cancellation received meanwhile at their next
+    checkpoint, as a store's further awaits do."""
+
+    def __init__(self, deaf: float) -> None:
+        super().__init__()
+        self.deaf = deaf
+
+    async def put_blocks(self, batch: Any) -> Any:
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(self.deaf)
+        return await super().put_blocks(batch)
+
+
+async def test_a_slice_cut_off_at_the_deadline_is_counted_when_the_writer_is_cancelled() -> None:
+    """A put ignores cancellation past its write's deadline: the deadline guard ends the
+    write, recording the slice as ``total_timeout`` in its result. The close then cancels
+    the writer, still in the put, at its deadline. The slice was counted (in
+    ``statistics().slices`` and by the observers) only as the put returned normally, so the
+    cancellation left it in the result but in neither count."""
+    seen: list[tuple[str, str]] = []
+    store = _DeafPut(30.0)
+    cfg = _config(total_timeout=2.0, slice_timeout=10.0, deadline_slack=0.25, close_timeout=1.0)
+    async with kvpipe.open_pipeline(
+        _cache(), store, config=cfg, observer=lambda k, s, o: seen.append((k, o))
+    ) as pipe:
+        w = await pipe.write(TOKENS[: 4 * BLOCK], IDS[:4])
+        assert (w.written, w.stop_reason) == (0, "total_timeout")
+        assert [s.outcome for s in w.slices] == ["total_timeout"]
+        await pipe.aclose()  # cancels the writer at the close deadline, in its put
+    await anyio.sleep(60)  # the deaf put is over; the writer has unwound
+    assert store.counts["put"] == 1
+    assert pipe.statistics().slices == {"total_timeout": 1}
+    assert [o for k, o in seen if k == "write_slice"] == ["total_timeout"]

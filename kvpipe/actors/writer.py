@@ -168,12 +168,15 @@ class Writer(Actor[WriteState | SliceJob]):
             error = describe_error(as_backend_error(ctx.backend, "put_blocks", exc))
         finally:
             state.unwatch(job)
+            if state.done:
+                # Another task ended the write first. At the total deadline that recorded
+                # this slice's outcome (``total_timeout``, nothing counted); it is counted
+                # here, once, also when the writer is cancelled in the put (a close's
+                # deadline, a crash in another of its tasks): else it is in the result only.
+                cut_off = state.machine.cut_off
+                if cut_off is not None and cut_off.index == spec.index:
+                    self._count(state, spec, cut_off, "the write's deadline passed during the put")
         if state.done:
-            # Another task ended the write first. At the total deadline that recorded this
-            # slice's outcome (``total_timeout``, nothing counted); it is counted here, once.
-            cut_off = state.machine.cut_off
-            if cut_off is not None and cut_off.index == spec.index:
-                self._count(state, spec, cut_off, "the write's deadline passed during the put")
             return
         now = anyio.current_time()
         elapsed = now - started
