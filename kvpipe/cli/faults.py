@@ -77,6 +77,7 @@ def _row(r: ScenarioResult) -> dict[str, Any]:
         "invariants_checked": len(checked),
         "broken": broken,
         "details": {v.name: v.details for v in r.verdicts if not v.held},
+        "failures": {v.name: v.failures for v in r.verdicts if not v.held},
         "overrun_max_s": round(r.overrun_max, 4),
         "overrun_p99_s": round(r.overrun_p99, 4),
         "seconds": round(r.seconds, 2),
@@ -167,6 +168,10 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
         for name, details in r["details"].items():
             for d in details:
                 io.out.print(f"[red]{r['scenario']} {name}[/]: {d}", highlight=False)
+            if (more := r["failures"][name] - len(details)) > 0:
+                io.out.print(
+                    f"[red]{r['scenario']} {name}[/]: ... and {more} more", highlight=False
+                )
     io.out.print(
         "overrun: seconds past each call's deadline (negative: early); allowed: the deadline "
         "guard's slack plus 0.15 s of scheduling tolerance"

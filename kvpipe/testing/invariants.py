@@ -52,10 +52,13 @@ class Verdict:
     held: bool = True
     checked: int = 0
     details: list[str] = field(default_factory=list)
+    #: Violations recorded (``details`` keeps the first 10, and then says how many more).
+    failures: int = 0
 
     def fail(self, detail: str) -> None:
         """Record a violation."""
         self.held = False
+        self.failures += 1
         if len(self.details) < 10:
             self.details.append(detail)
 

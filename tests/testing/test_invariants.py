@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import kvpipe
 from kvpipe._keys import Scope, as_tokens, block_keys
 from kvpipe.backends import BlockStatus
 from kvpipe.testing.faults import FaultPlan, FaultyStore, StoreCall
-from kvpipe.testing.invariants import Checker, Outcome
+from kvpipe.testing.invariants import Checker, Outcome, Verdict
 
 LAYOUT = kvpipe.CacheLayout.mla(num_layers=1, kv_lora_rank=8, rope_dim=8, block_size=4)
 SCOPE = Scope("inv", LAYOUT.fingerprint)
@@ -394,3 +395,25 @@ def test_crash_judges_each_call_by_the_pipeline_that_ran_it() -> None:
         checker.outcomes.append(read(error))
         checker.check_crashes(True, [crash])  # pooled: both excused, as before
         assert checker.verdicts["crash"].held
+
+
+def test_a_verdict_counts_every_failure_beyond_the_details_it_keeps() -> None:
+    """Verdict.fail keeps the first 10 details; the failures past them were not counted
+    anywhere, so a report of 10 and one of 10,000 broken blocks read alike."""
+    v = Verdict("stored")
+    for i in range(25):
+        v.fail(f"block {i}")
+    assert not v.held and v.failures == 25 and len(v.details) == 10
+
+
+@pytest.mark.slow  # real time: writer processes killed mid-write
+async def test_every_kill_of_the_writer_leaves_a_stored_request_to_judge(tmp_path: Path) -> None:
+    """The kill scenario killed its writer a random 0.05-0.4 s after the first write began:
+    a kill during that write left nothing stored, nothing was judged, and the scenario
+    passed on an empty store. It now kills only once one request is stored whole."""
+    from kvpipe.testing.killwrite import run_kill_scenario
+
+    result = await run_kill_scenario(str(tmp_path), seed=3, kills=2)
+    verdicts = {v.name: v for v in result.verdicts}
+    assert verdicts["stored"].held and verdicts["loaded"].held
+    assert verdicts["stored"].checked >= 2 and verdicts["loaded"].checked >= 2 * 16
