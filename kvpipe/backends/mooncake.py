@@ -241,6 +241,13 @@ def _read_and_compare(
     return out
 
 
+def _code_name(what: str, code: int) -> str:
+    """The statistic counting a vendor answer ``code`` to a read: ``{what}_code_{code}`` for
+    an error code (a short, fixed set), ``{what}_other_size`` for a value's byte count (of
+    another size than asked: as many names as sizes would be unbounded labels)."""
+    return f"{what}_other_size" if code > 0 else f"{what}_code_{code}"
+
+
 def _compare_piece(
     client: Any, keys: list[str], at: list[int], size: int, views: list[memoryview]
 ) -> list[tuple[int, int]]:
@@ -638,7 +645,7 @@ class MooncakeStore(StorageBackend):
                 self._counters["put_not_visible"] += 1
             elif how == "unreadable":
                 out.append(BlockStatus.FAILED)
-                self._counters[f"put_read_code_{code}"] += 1
+                self._counters[_code_name("put_read", code)] += 1
                 self._distrust_key(key)
             else:
                 out.append(BlockStatus.NO_SPACE if code == NO_SPACE else BlockStatus.FAILED)
@@ -706,7 +713,7 @@ class MooncakeStore(StorageBackend):
                 out.append(BlockStatus.MISSING)
             else:
                 out.append(BlockStatus.CORRUPT if code > 0 else BlockStatus.FAILED)
-                self._counters[f"get_code_{code}"] += 1
+                self._counters[_code_name("get", code)] += 1
                 self._distrust_key(key)
         self._counters["blocks_got"] += out.count(BlockStatus.OK)
         return out
@@ -730,7 +737,7 @@ class MooncakeStore(StorageBackend):
                 if read is not None and self._distrust.get(key) is read:
                     del self._distrust[key]
             else:
-                self._counters[f"get_code_{code}"] += 1
+                self._counters[_code_name("get", code)] += 1
                 if read is None or self._distrust.get(key) is read:
                     self._distrust_key(key)
 

@@ -633,3 +633,14 @@ async def test_closing_a_client_set_up_but_never_taken_raises_backend_errors(
     with pytest.raises(kvpipe.BackendError, match="master gone"):
         await store.aclose()
     assert clients[0].closed == 1
+
+
+def test_a_read_answer_of_a_value_s_size_is_counted_under_one_name() -> None:
+    """A read answered with a value's byte count (a value of another size than asked) was
+    counted as get_code_<bytes>: one statistic, and so one Prometheus label value, per size
+    met. Error codes keep their own names (a short, fixed set)."""
+    from kvpipe.backends.mooncake import _code_name
+
+    assert _code_name("get", 4096) == _code_name("get", 123) == "get_other_size"
+    assert _code_name("get", -704) == "get_code_-704"
+    assert _code_name("put_read", 64) == "put_read_other_size"
