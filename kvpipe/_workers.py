@@ -30,6 +30,8 @@ try:  # anyio's own worker threads do this; not public API, so guarded
 except ImportError:  # pragma: no cover - another anyio: from_thread then needs a token
     claim_worker_thread = None  # type: ignore[assignment]
 
+from ._shield import DeferredCancel, shielded
+
 if TYPE_CHECKING:
     from ._staging import StagingLease
 
@@ -304,18 +306,24 @@ class ThreadRunner:
         self._deadline = deadline
 
     async def __aexit__(self, *exc_info: Any) -> None:
+        """Wait (until the close deadline) for running threads, then :meth:`shutdown`.
+
+        Cancellation: shielded, from asyncio's own (``Task.cancel``) too: one received
+        meanwhile is raised once the threads are shut down.
+        """
         deadline = self._deadline
         if deadline is None:
             deadline = anyio.current_time() + self._close_timeout
-        with anyio.move_on_at(deadline, shield=True) as scope:
-            await self._idle.wait()
+        deferred = DeferredCancel()
+        idle = await shielded(self._idle.wait, deadline, deferred)
         self.shutdown()
-        if scope.cancelled_caught and self._running:
+        if not idle and self._running:
             log.error(
                 "%d worker thread(s) still running at the close deadline; abandoning them "
                 "(their staging slots stay leased)",
                 self._running,
             )
+        deferred.raise_if_received()
 
     async def run(
         self,

@@ -4,6 +4,7 @@ cancellation, the staging it holds until a thread returns, the close deadline)."
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -330,6 +331,41 @@ async def test_leaving_runner_waits_for_running_threads() -> None:
         gate.set()
     assert events == ["thread-done", "runner-exited"]
     assert pool.in_use == 0
+
+
+async def test_leaving_a_runner_cancelled_by_asyncio_waits_on_and_shuts_the_threads_down() -> None:
+    """asyncio's own cancellation (``Task.cancel``: a timeout around a close, a shutdown)
+    gets through anyio's shield: leaving the runner then returned at once, with the thread
+    still running and the pool never shut down (its starter thread waiting for good, the
+    runner still taking calls). It waits on, shuts the threads down, then is cancelled."""
+    pool = StagingPool(16, 1)
+    lease = await pool.acquire(1)
+    gate, started = threading.Event(), threading.Event()
+
+    def work() -> None:
+        started.set()
+        gate.wait(30)
+
+    runner = ThreadRunner()
+    await runner.__aenter__()
+    await start_then_abandon(runner, work, lease, started)
+    lease.release()
+    task = asyncio.ensure_future(runner.__aexit__(None, None, None))
+    try:
+        await checkpoints()
+        task.cancel("shutting down")
+        await checkpoints()
+        assert not task.done()  # still waiting for the thread
+    finally:
+        gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()  # the cancellation is not swallowed
+    assert runner.running == 0 and pool.in_use == 0
+    with pytest.raises(RuntimeError):
+        await runner.run(time.sleep, 0)  # shut down: no more calls
+    with pytest.raises(RuntimeError):
+        runner._threads.submit(lambda: None)
 
 
 async def test_lane_bounds_threads_and_hands_its_next_call_to_the_same_thread() -> None:
