@@ -44,6 +44,7 @@ __all__ = (
     "ThreadRunner",
     "WorkerThreads",
     "in_thread",
+    "in_thread_to_its_end",
     "lower_priority",
 )
 
@@ -506,6 +507,42 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
             box[:] = [False, exc]
 
     await anyio.to_thread.run_sync(call)
+    ok, value = box
+    box.clear()
+    if ok:
+        return value  # type: ignore[no-any-return]
+    try:
+        raise value
+    finally:
+        value = None
+
+
+async def in_thread_to_its_end(fn: Callable[..., T], *args: Any, deferred: DeferredCancel) -> T:
+    """``fn(*args)`` in a thread of its own (none of the event loop library's shared ones,
+    which a server may have all busy), waited for to its end whatever cancels the task:
+    closing work that must be over before its caller goes on. A cancellation that gets
+    through anyio's shield (asyncio's own, ``Task.cancel``) is recorded in ``deferred``, for
+    the caller to raise once closed; its error is raised without a cycle (:func:`in_thread`).
+
+    Raises:
+        RuntimeError: The thread could not be started (``fn`` never runs).
+    """
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    box: list[Any] = []
+
+    def call() -> None:
+        try:
+            box[:] = [True, fn(*args)]
+        except BaseException as exc:
+            box[:] = [False, exc]
+        try:
+            _call_soon(token, done.set)
+        except Exception as exc:  # the event loop is gone: nobody waits any more
+            log.debug("closing thread ended after its event loop: %s", repr(exc))
+
+    threading.Thread(target=call, name="kvpipe-close", daemon=True).start()
+    await shielded(done.wait, deferred=deferred)
     ok, value = box
     box.clear()
     if ok:

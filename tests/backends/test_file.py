@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import sqlite3
@@ -199,6 +200,43 @@ async def test_close_does_not_wait_past_its_timeout_for_an_open_under_way(
             go_on.set()
     assert any("still opening" in r.getMessage() for r in caplog.records)
     await store.aclose()
+
+
+@pytest.mark.parametrize("cut", ["draining", "closing"])
+async def test_a_close_cancelled_by_asyncio_still_closes_the_store_then_is_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """anyio's shield does not keep out asyncio's own cancellation (``Task.cancel``: a
+    timeout around the close, a shutdown): a close waiting for a worker call given up on
+    (or for its closing thread) returned at once, the store refusing calls but its catalog,
+    root descriptor and threads left open for good. It waits on, closes, then is cancelled."""
+    store = kvpipe.FileStore(tmp_path / "store")
+    await store.open()
+    gate, started = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        started.set()
+        gate.wait(30)
+
+    if cut == "draining":  # a call whose caller gave up, still running in its thread
+        threading.Thread(target=store._inflight.track(busy), daemon=True).start()
+    else:
+        real = store._spares.drain
+        monkeypatch.setattr(store._spares, "drain", lambda root: (busy(), real(root)))
+    task = asyncio.ensure_future(store.aclose())
+    try:
+        await anyio.to_thread.run_sync(started.wait, 10)
+        await anyio.sleep(0.01)  # closing is waiting for it
+        task.cancel("shutting down")
+        await anyio.sleep(0.01)
+        assert not task.done()  # still waiting for it
+    finally:
+        gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()  # the cancellation is not swallowed
+    assert store.closed
+    assert store._root is None and store._catalog is None and store._executor is None
 
 
 async def test_a_call_after_close_is_refused_without_opening_the_store_again(

@@ -26,7 +26,8 @@ import anyio
 
 from ..._errors import BackendError, ConfigError
 from ..._results import ResidencyEntry
-from ..._workers import in_thread
+from ..._shield import DeferredCancel, shielded
+from ..._workers import in_thread, in_thread_to_its_end
 from .._base import (
     BlockStatus,
     FetchSink,
@@ -248,37 +249,38 @@ class FileStore(StorageBackend):
         closing the catalog: not bounded) runs in a worker thread, none of the event loop
         library's shared ones (a server may have them all busy).
 
-        Cancellation: shielded.
+        Cancellation: shielded, from asyncio's own (``Task.cancel``) too: one received
+        meanwhile is raised once closed (or left open, past ``timeout``).
         """
+        deferred = DeferredCancel()
         with anyio.CancelScope(shield=True):
-            deadline = anyio.current_time() + timeout
-            with anyio.move_on_at(deadline) as waited:
-                await self._open_lock.acquire()
-            if waited.cancelled_caught:
+            await self._close(anyio.current_time() + timeout, timeout, deferred)
+        deferred.raise_if_received()
+
+    async def _close(self, deadline: float, timeout: float, deferred: DeferredCancel) -> None:
+        """:meth:`aclose`'s work, each wait through ``deferred`` (asyncio's own cancel)."""
+        if not await shielded(self._open_lock.acquire, deadline, deferred):
+            log.error("file store %s: still opening after %.0f s; not closed", self.path, timeout)
+            return
+        try:
+            if self._root is None or self._catalog is None:
+                self._inflight.drain(0.0)  # never opened: refuse later calls all the same
+                return
+            left = max(0.0, deadline - anyio.current_time())
+            idle = await in_thread_to_its_end(self._inflight.drain, left, deferred=deferred)
+            if not idle:
                 log.error(
-                    "file store %s: still opening after %.0f s; not closed", self.path, timeout
+                    "file store %s: %d worker call(s) still running after %.0f s; "
+                    "not closing under them",
+                    self.path,
+                    self._inflight.running,
+                    timeout,
                 )
                 return
-            try:
-                if self._root is None or self._catalog is None:
-                    self._inflight.drain(0.0)  # never opened: refuse later calls all the same
-                    return
-                own = anyio.CapacityLimiter(1)
-                left = max(0.0, deadline - anyio.current_time())
-                idle = await anyio.to_thread.run_sync(self._inflight.drain, left, limiter=own)
-                if not idle:
-                    log.error(
-                        "file store %s: %d worker call(s) still running after %.0f s; "
-                        "not closing under them",
-                        self.path,
-                        self._inflight.running,
-                        timeout,
-                    )
-                    return
-                await anyio.to_thread.run_sync(self._close_sync, limiter=own)
-            finally:
-                self._gate.close()
-                self._open_lock.release()
+            await in_thread_to_its_end(self._close_sync, deferred=deferred)
+        finally:
+            self._gate.close()
+            self._open_lock.release()
 
     def _close_sync(self) -> None:
         """Shut the idle threads down, remove the spare files, close the catalog and root."""
