@@ -33,6 +33,7 @@ from .._device_tensors import current_stream
 from .._engine import CopyEngine, OrderMark
 from .._errors import DeviceError, RequestError
 from .._plan import CopyPlan, layout_segments
+from .._shield import DeferredCancel, shielded
 from .._staging import StagingLease, stride_for
 from .._workers import NotStarted
 from ._driver import DeviceInfo, Driver
@@ -222,8 +223,9 @@ class CudaEngine(CopyEngine):
             deadline: When closing must be over (event-loop clock; default ``drain_timeout``
                 from now): copies still waiting then are abandoned (see :meth:`close_by`).
 
-        Cancellation: shielded, and bounded by ``deadline``. Memory the device may still use
-        then is leaked rather than freed, and logged.
+        Cancellation: shielded, from asyncio's own (``Task.cancel``) too, which is raised
+        once closed; bounded by ``deadline``. Memory the device may still use then is leaked
+        rather than freed, and logged.
         """
         if self._closed:
             return
@@ -231,15 +233,27 @@ class CudaEngine(CopyEngine):
         if deadline is None:
             deadline = anyio.current_time() + self.options.drain_timeout
         self.close_by(deadline)
+        deferred = DeferredCancel()
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_at(deadline):
-                await self._idle.wait()
-            # Whether any still runs, not whether the wait was cut: a close whose deadline
-            # has passed (the pipeline's requests took it all) finds an idle engine too.
-            if self._calls:
-                log.error("CUDA copies still running at the close deadline; leaking the memory")
-                return
-            drained = await self._drain()
+            await self._close(staging_in_use, deadline, deferred)
+        deferred.raise_if_received()
+
+    async def _close(self, staging_in_use: bool, deadline: float, deferred: DeferredCancel) -> None:
+        """:meth:`aclose`'s work, each wait through ``deferred`` (asyncio's own cancel)."""
+        await shielded(self._idle.wait, deadline, deferred)
+        # Whether any still runs, not whether the wait was cut: a close whose deadline
+        # has passed (the pipeline's requests took it all) finds an idle engine too.
+        if self._calls:
+            log.error("CUDA copies still running at the close deadline; leaking the memory")
+            return
+        drained = False
+
+        async def drain() -> None:  # begun again (a new event recorded) after a cancel
+            nonlocal drained
+            drained = await self._drain(drain_by)
+
+        drain_by = anyio.current_time() + self.options.drain_timeout
+        await shielded(drain, deferred=deferred)
         if not drained:
             log.error("CUDA streams did not drain at close; leaking the engine's memory")
             return
@@ -479,10 +493,10 @@ class CudaEngine(CopyEngine):
             return
         self._scratch.release(scratch)
 
-    async def _drain(self) -> bool:
-        """Whether both streams completed their work within ``drain_timeout``."""
+    async def _drain(self, deadline: float) -> bool:
+        """Whether both streams completed their work by ``deadline``."""
         try:
-            with anyio.fail_after(self.options.drain_timeout):
+            with anyio.fail_at(deadline):
                 for stream in self._streams.values():
                     with self._driver.current():
                         event = self._events.get()

@@ -4,6 +4,7 @@ opening fails, recovery when a copy fails, and close — over the driver's test 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from typing import Any
 
@@ -354,6 +355,43 @@ async def test_close_does_not_free_memory_a_stuck_stream_may_use(fake: FakeDrive
     assert fake.live()["device_allocations"] >= 1
     gate.open()
     fake.run_until_idle()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_close_cancelled_by_asyncio_still_frees_everything_then_is_cancelled(
+    fake: FakeDriver,
+) -> None:
+    """anyio's shield does not keep out asyncio's own cancellation (``Task.cancel``: a
+    timeout around the close, a shutdown): a close waiting for a stream to drain returned at
+    once, marked closed, so no later close freed anything (streams, scratch, the pointer
+    table, pinned staging, the context: all held for good). It waits on through it, frees
+    everything once the stream is done, then is cancelled."""
+    cache = fake_device_cache(fake, _layout(), 2)
+    eng, _pool = await open_engine(fake, cache)
+    gate = Gate()
+    fake.host_op(eng._streams["gather"], lambda: None, gate=gate, label="copy still running")
+
+    async def polls(n: int) -> None:
+        start = fake.calls.count("event_query")
+        for _ in range(2000):
+            if fake.calls.count("event_query") >= start + n or task.done():
+                return
+            await anyio.sleep(0.001)
+
+    task = asyncio.ensure_future(eng.aclose())
+    try:
+        await polls(3)
+        task.cancel("shutting down")
+        await polls(3)
+        assert not task.done()  # still draining
+        assert fake.live()["pinned_allocations"] == 1
+    finally:
+        gate.open()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()  # the cancellation is not swallowed
+    free_device_cache(fake, cache)
+    fake.assert_clean()
 
 
 @pytest.mark.parametrize(
