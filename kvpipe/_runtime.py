@@ -203,17 +203,28 @@ class Runtime:
         and let go of everything big, so the staging
         is freed now whatever still refers to this runtime. ``staging_in_use``: a worker
         thread abandoned at the close deadline may still read or write it (a store's vendor
-        call): it then stays registered with the store and allocated."""
+        call): it then stays registered with the store and allocated.
+
+        Cancellation: shielded, from asyncio's own (``Task.cancel``) too: one that cuts the
+        unregistering short keeps the staging (registered still), and is raised once the
+        rest is released."""
         registrations = self._registrations
         if staging_in_use:
             registrations.keep("a call abandoned at close may still use it")
+        deferred = DeferredCancel()
         # Nothing uses the staging now: a close whose requests took its whole deadline still
         # unregisters it (a vendor call), within the grace, rather than keep it for good.
-        await registrations.aclose(self._deadline() + UNWIND_GRACE)
+        try:
+            await registrations.aclose(self._deadline() + UNWIND_GRACE)
+        except anyio.get_cancelled_exc_class() as exc:  # asyncio's own: the buffers are kept
+            deferred.args = exc.args
         in_use = staging_in_use or registrations.kept
         engine, self.engine = self.engine, None
         if engine is not None:
-            await engine.aclose(staging_in_use=in_use, deadline=self._deadline())
+            try:
+                await engine.aclose(staging_in_use=in_use, deadline=self._deadline())
+            except anyio.get_cancelled_exc_class() as exc:  # raised by it once closed
+                deferred.args = deferred.args if deferred.args is not None else exc.args
         pool, self._pool = self._pool, None
         if pool is not None:
             # Statistics after close still count what an abandoned thread leases, for as long
@@ -231,6 +242,7 @@ class Runtime:
         # No event reaches them any more; an observer that refers to its pipeline (a
         # caller's closure, say) would otherwise keep it in a cycle through this runtime.
         self.observers.active = ()
+        deferred.raise_if_received()
 
     async def start(self, tg: anyio.abc.TaskGroup, runner: ThreadRunner) -> None:
         """Create the actors' channels and context, and start their supervisor in ``tg``."""

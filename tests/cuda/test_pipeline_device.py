@@ -4,6 +4,7 @@ stream, concurrency, registration of pinned staging, failures and leaks."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -239,6 +240,45 @@ async def test_pinned_staging_is_registered_with_the_store(fake: FakeDriver) -> 
     assert store.unregistered == [staging.host_ptr]
     free_device_cache(fake, cache)
     fake.assert_clean()  # the engine freed everything at close
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_close_cancelled_by_asyncio_while_unregistering_still_closes_the_engine(
+    fake: FakeDriver,
+) -> None:
+    """asyncio's own cancellation (``Task.cancel``: a timeout around the pipeline's exit, a
+    shutdown) gets through anyio's shield: cut short while unregistering staging, the
+    release raised before it closed the engine, whose streams, scratch, pointer table,
+    module and context were then never freed. The staging (registered still) is kept; the
+    rest is freed, and the cancellation is raised."""
+
+    class SlowUnregister(RegisteringStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unregistering = anyio.Event()
+
+        async def unregister_staging(self, buffer: memoryview) -> None:
+            self.unregistering.set()
+            await anyio.sleep_forever()
+
+    cache = fake_device_cache(fake, LAYOUTS["gqa"](), 2)
+    store = SlowUnregister()
+    cfg = kvpipe.PipelineConfig(staging_bytes=1 << 20)
+
+    async def use() -> None:
+        async with kvpipe.open_pipeline(cache, store, config=cfg, device_driver=fake):
+            pass
+
+    task = asyncio.ensure_future(use())
+    await store.unregistering.wait()
+    task.cancel("shutting down")
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()  # the cancellation is not swallowed
+    free_device_cache(fake, cache)
+    live = fake.live()
+    assert live["pinned_allocations"] == 1  # still registered with the store: kept
+    assert (live["device_allocations"], live["modules"], live["streams"]) == (0, 0, 0)
 
 
 async def test_a_close_that_reached_its_deadline_still_frees_the_idle_engine(
