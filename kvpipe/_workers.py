@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import threading
@@ -517,15 +518,19 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
         value = None
 
 
-async def in_thread_to_its_end(fn: Callable[..., T], *args: Any, deferred: DeferredCancel) -> T:
+async def in_thread_to_its_end(
+    fn: Callable[..., T], *args: Any, deferred: DeferredCancel, deadline: float = math.inf
+) -> T:
     """``fn(*args)`` in a thread of its own (none of the event loop library's shared ones,
-    which a server may have all busy), waited for to its end whatever cancels the task:
-    closing work that must be over before its caller goes on. A cancellation that gets
-    through anyio's shield (asyncio's own, ``Task.cancel``) is recorded in ``deferred``, for
-    the caller to raise once closed; its error is raised without a cycle (:func:`in_thread`).
+    which a server may have all busy), waited for to its end (or ``deadline``) whatever
+    cancels the task: closing work that must be over before its caller goes on. A
+    cancellation that gets through anyio's shield (asyncio's own, ``Task.cancel``) is
+    recorded in ``deferred``, for the caller to raise once closed; its error is raised
+    without a cycle (:func:`in_thread`).
 
     Raises:
         RuntimeError: The thread could not be started (``fn`` never runs).
+        TimeoutError: ``deadline`` passed first; the thread runs on to its end.
     """
     token = anyio.lowlevel.current_token()
     done = anyio.Event()
@@ -542,7 +547,8 @@ async def in_thread_to_its_end(fn: Callable[..., T], *args: Any, deferred: Defer
             log.debug("closing thread ended after its event loop: %s", repr(exc))
 
     threading.Thread(target=call, name="kvpipe-close", daemon=True).start()
-    await shielded(done.wait, deferred=deferred)
+    if not await shielded(done.wait, deadline, deferred):
+        raise TimeoutError(f"{getattr(fn, '__name__', fn)!s} still running at its deadline")
     ok, value = box
     box.clear()
     if ok:

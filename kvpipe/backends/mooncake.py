@@ -23,7 +23,8 @@ import numpy as np
 
 from .._errors import BackendError, ConfigError, Unsupported
 from .._results import ResidencyEntry
-from .._workers import WorkerThreads
+from .._shield import DeferredCancel, shielded
+from .._workers import WorkerThreads, in_thread_to_its_end
 from ._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend, validate_key
 from ._inflight import InFlight, ThreadGate
 from ._mooncake_index import ResidencyIndex
@@ -457,71 +458,87 @@ class MooncakeStore(StorageBackend):
                 Staging is unregistered before it, each buffer whatever the others did (a
                 failure is logged).
 
-        Cancellation: shielded.
+        Cancellation: shielded, from asyncio's own (``Task.cancel``) too: one received
+        meanwhile is raised once closed (in place of the vendor ``close``'s error).
         """
-        with anyio.CancelScope(shield=True):
-            async with self._open_lock:
-                client = self._client
-                self._setup_threads.shutdown()  # a setup running runs on to its end
-                if client is None:  # never opened (or closed): refuse every later call
-                    self._inflight.drain(0)  # nothing runs without a client
-                    self._gate.close()
-                    setup, self._setup = self._setup, None
-                    if setup is not None and setup.orphan():  # set up, never taken
-                        with anyio.move_on_after(self.setup_timeout):
-                            await self._close_client(setup.client, anyio.CapacityLimiter(1))
-                    return
-                own = anyio.CapacityLimiter(1)
-                idle = await anyio.to_thread.run_sync(
-                    self._inflight.drain, self.setup_timeout, limiter=own
-                )
-                self._gate.close()  # its calls are refused, or still run (given up on)
-                if not idle:
-                    log.error(
-                        "mooncake: %d vendor call(s) still running after %.0f s; the "
-                        "client is left open",
-                        self._inflight.running,
-                        self.setup_timeout,
-                    )
-                    return
-                self._client = None
-                registered, self._registered = list(self._registered), Counter()
-                with anyio.move_on_after(self.setup_timeout) as bound:
-                    for ptr, size in registered:  # one failing leaves the others to undo
-                        try:
-                            rc = await anyio.to_thread.run_sync(
-                                client.unregister_buffer, ptr, abandon_on_cancel=True, limiter=own
-                            )
-                        except Exception as exc:
-                            rc = repr(exc)
-                        if rc != 0:
-                            log.error(
-                                "mooncake: unregistering staging at %#x (%d bytes) at close "
-                                "returned %s",
-                                ptr,
-                                size,
-                                rc,
-                            )
-                    if self._own_client:
-                        await self._close_client(client, own)
-                if bound.cancelled_caught:
-                    log.error(
-                        "mooncake: unregistering staging and closing the client took more "
-                        "than %.0f s; left to finish in a worker thread",
-                        self.setup_timeout,
-                    )
+        deferred = DeferredCancel()
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._close(deferred)
+        finally:
+            deferred.raise_if_received()
 
-    async def _close_client(self, client: Any, limiter: anyio.CapacityLimiter) -> None:
-        """The vendor ``close`` of ``client`` in a worker thread of ``limiter`` (abandoned on
-        cancellation).
+    async def _close(self, deferred: DeferredCancel) -> None:
+        """:meth:`aclose`'s work, each wait through ``deferred`` (asyncio's own cancel)."""
+        await shielded(self._open_lock.acquire, deferred=deferred)
+        try:
+            client = self._client
+            self._setup_threads.shutdown()  # a setup running runs on to its end
+            if client is None:  # never opened (or closed): refuse every later call
+                self._inflight.drain(0)  # nothing runs without a client
+                self._gate.close()
+                setup, self._setup = self._setup, None
+                if setup is not None and setup.orphan():  # set up, never taken
+                    await self._release(setup.client, [], True, deferred)
+                return
+            idle = await in_thread_to_its_end(
+                self._inflight.drain, self.setup_timeout, deferred=deferred
+            )
+            self._gate.close()  # its calls are refused, or still run (given up on)
+            if not idle:
+                log.error(
+                    "mooncake: %d vendor call(s) still running after %.0f s; the "
+                    "client is left open",
+                    self._inflight.running,
+                    self.setup_timeout,
+                )
+                return
+            self._client = None
+            registered, self._registered = list(self._registered), Counter()
+            await self._release(client, registered, self._own_client, deferred)
+        finally:
+            self._open_lock.release()
+
+    async def _release(
+        self, client: Any, registered: list[tuple[int, int]], close: bool, deferred: DeferredCancel
+    ) -> None:
+        """Unregister ``registered`` from ``client`` and ``close`` it, in a thread of its own,
+        waited for up to ``setup_timeout`` (then left to finish there, logged).
 
         Raises:
-            BackendError: It raised, or answered an error code.
+            BackendError: The vendor ``close`` raised, or answered an error code.
         """
+        deadline = anyio.current_time() + self.setup_timeout
         try:
-            rc = await anyio.to_thread.run_sync(
-                client.close, abandon_on_cancel=True, limiter=limiter
+            await in_thread_to_its_end(
+                self._release_sync, client, registered, close, deferred=deferred, deadline=deadline
             )
+        except TimeoutError:
+            log.error(
+                "mooncake: unregistering staging and closing the client took more "
+                "than %.0f s; left to finish in a worker thread",
+                self.setup_timeout,
+            )
+
+    def _release_sync(self, client: Any, registered: list[tuple[int, int]], close: bool) -> None:
+        """:meth:`_release` in its thread: each buffer unregistered whatever the others did
+        (a failure is logged), then the vendor ``close``."""
+        for ptr, size in registered:
+            try:
+                rc = client.unregister_buffer(ptr)
+            except Exception as exc:
+                rc = repr(exc)
+            if rc != 0:
+                log.error(
+                    "mooncake: unregistering staging at %#x (%d bytes) at close returned %s",
+                    ptr,
+                    size,
+                    rc,
+                )
+        if not close:
+            return
+        try:
+            rc = client.close()
         except Exception as exc:
             raise BackendError(self.name, "close", repr(exc)) from exc
         if rc != 0:

@@ -491,6 +491,57 @@ async def test_close_is_bounded_when_the_vendor_close_hangs(
         await listener.aclose()
 
 
+async def test_a_close_cancelled_by_asyncio_still_closes_the_client_then_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """anyio's shield does not keep out asyncio's own cancellation (``Task.cancel``: a
+    timeout around the close, a shutdown): a close waiting for a vendor call given up on
+    returned at once, the store refusing calls but its staging never unregistered and its
+    client never closed (not by a later close either). It waits on, unregisters and closes,
+    then is cancelled."""
+    import asyncio
+
+    import numpy as np
+
+    from kvpipe.backends import mooncake as mc
+
+    fake = StuckCloseClient()
+    fake.release.set()
+    monkeypatch.setattr(mc, "_load_client", lambda: fake)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    gate, started = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        started.set()
+        gate.wait(30)
+
+    try:
+        store = kvpipe.MooncakeStore(f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata")
+        await store.open()
+        staging = np.zeros(4096, np.uint8)
+        await store.register_staging(staging.data)
+        # a vendor call whose caller gave up, still running in its thread
+        threading.Thread(target=store._inflight.track(busy), daemon=True).start()
+        await anyio.to_thread.run_sync(started.wait, 10)
+        task = asyncio.ensure_future(store.aclose())
+        try:
+            await anyio.sleep(0.01)  # closing is waiting for it
+            task.cancel("shutting down")
+            await anyio.sleep(0.01)
+            assert not task.done()  # still waiting for the vendor call
+        finally:
+            gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert task.cancelled()  # the cancellation is not swallowed
+        assert store.closed
+        assert fake.unregistered == [staging.ctypes.data] and fake.closing.is_set()
+    finally:
+        gate.set()
+        await listener.aclose()
+
+
 async def test_close_takes_none_of_the_event_loop_librarys_shared_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
