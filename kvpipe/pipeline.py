@@ -476,10 +476,11 @@ async def open_pipeline(
             finally:
                 try:
                     await pipe.aclose()
-                finally:  # should aclose fail, the shielded actors must still end
+                finally:  # should aclose fail (or raise asyncio's own cancel once closed),
+                    # the shielded actors must still end, and the threads by its deadline
                     runtime.cancel_actors()
-                if runtime.close_deadline is not None:
-                    runner.close_by(runtime.close_deadline)
+                    if runtime.close_deadline is not None:
+                        runner.close_by(runtime.close_deadline)
     except BaseExceptionGroup as group:
         # Unwrap the task group's group: a group only when several things failed at once.
         if len(group.exceptions) != 1:

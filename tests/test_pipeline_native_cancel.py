@@ -124,3 +124,40 @@ async def test_a_close_cancelled_by_asyncio_still_fails_the_calls_in_flight() ->
     finally:
         for c in calls:
             c.cancel()
+
+
+async def test_a_close_cancelled_by_asyncio_still_bounds_the_threads_by_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """open_pipeline's exit gives the worker threads the close's deadline
+    (ThreadRunner.close_by) after aclose. When aclose raised the asyncio cancel it had held
+    back, that step was skipped: the threads' wait then ran a whole close_timeout from that
+    point, past the close deadline."""
+    from kvpipe import _workers
+
+    bounded: list[float] = []
+    close_by = _workers.ThreadRunner.close_by
+
+    def record(self: Any, deadline: float) -> None:
+        bounded.append(deadline)
+        close_by(self, deadline)
+
+    monkeypatch.setattr(_workers.ThreadRunner, "close_by", record)
+    cache = kvpipe.create_kv_cache(SMALL, 24)
+    store = ScriptedStore(puts={0: Act(hang=True)})
+    config = kvpipe.PipelineConfig(slice_block_num=2, close_timeout=0.2)
+    opened: list[kvpipe.Pipeline] = []
+
+    async def serve() -> None:
+        async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+            opened.append(pipe)
+            call = asyncio.create_task(pipe.write(np.arange(32), np.arange(8), timeout=10))
+            await store.wait_calls("put", 1)
+            call.cancel()
+
+    server = asyncio.create_task(serve())
+    await _until(lambda: opened and opened[0].closed, "the close began")
+    server.cancel("shutting down")
+    with pytest.raises(asyncio.CancelledError):
+        await server
+    assert bounded, "the threads were not given the close's deadline"
