@@ -31,6 +31,7 @@ from kvpipe.backends.file._format import is_temp_name
 from kvpipe.backends.file._fs import Root, still_block
 from kvpipe.testing.batches import Batches
 
+from .fault_shim import run_with_faults
 from .test_file_direct import LARGE, values
 from .test_file_hostile import block_file
 
@@ -452,3 +453,87 @@ def test_a_child_forked_while_a_spare_is_rewritten_does_not_hide_the_block(
         pytest.skip("no fork landed while the writer held the spare")
     finally:
         os.close(root)
+
+
+def _renamed_over(path: Path, fresh: bytes, times: int) -> tuple[object, list[int]]:
+    """A ``flock`` that, at each of a reader's first ``times`` shared locks (between its
+    open and its check), publishes ``fresh`` over ``path`` as a put does (rename over the
+    name), past the file system's time tick; and the calls seen."""
+    real = fcntl.flock
+    calls: list[int] = []
+
+    def flock(fd: int, how: int) -> None:
+        calls.append(how)
+        if how & fcntl.LOCK_SH and len(calls) <= times:
+            time.sleep(0.02)  # where ctime is coarse: the rename must change it
+            new = path.with_name(f".new{len(calls)}.tmp")
+            new.write_bytes(fresh)
+            os.replace(new, path)
+        real(fd, how)
+
+    return flock, calls
+
+
+def test_a_block_renamed_over_while_opened_is_read_not_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put publishing the key again (rename over the name) between a reader's open and its
+    check changes the opened file's ctime (it was unlinked): a valid block sat at the name
+    all along, so the reader opens it again rather than read a miss."""
+    (tmp_path / "d").mkdir()
+    path = tmp_path / "d" / "f"
+    path.write_bytes(b"old block")
+    flock, calls = _renamed_over(path, b"new block", times=1)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    root = Root(tmp_path)
+    try:
+        buf = bytearray(16)
+        assert root.read_into(("d",), "f", [memoryview(buf)]) == 9
+        assert bytes(buf[:9]) == b"new block"
+    finally:
+        root.close()
+    assert len(calls) == 2  # opened again once
+
+
+def test_a_block_renamed_over_at_every_open_is_opened_again_only_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "d").mkdir()
+    path = tmp_path / "d" / "f"
+    path.write_bytes(b"old block")
+    flock, calls = _renamed_over(path, b"new block", times=99)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    root = Root(tmp_path)
+    try:
+        assert root.read_into(("d",), "f", [memoryview(bytearray(16))]) is None
+    finally:
+        root.close()
+    assert len(calls) == 2
+
+
+_READ_RENAMED = """
+import json, os
+from kvpipe.backends.file import _fileio
+root = os.open({root!r}, os.O_RDONLY | os.O_DIRECTORY)
+buf = bytearray(16)
+got = _fileio.{call}(root, [b"d/f"], [[memoryview(buf)]]{extra})
+print(json.dumps([got, bytes(buf).decode()]))
+"""
+
+
+@native
+@pytest.mark.parametrize(("call", "extra"), [("read_files", ", False"), ("read_cached_files", "")])
+def test_the_native_reader_reads_a_block_renamed_over_while_opened(
+    tmp_path: Path, call: str, extra: str
+) -> None:
+    """As :func:`test_a_block_renamed_over_while_opened_is_read_not_missed`, through the C
+    extension (the rename is made by the preloaded fault injector, at the reader's lock)."""
+    (tmp_path / "d").mkdir()
+    path = tmp_path / "d" / "f"
+    path.write_bytes(b"old block")
+    (tmp_path / "d" / ".new.tmp").write_bytes(b"new block")
+    code = _READ_RENAMED.format(root=str(tmp_path), call=call, extra=extra)
+    rename = f"{tmp_path / 'd' / '.new.tmp'}\t{path}"
+    got, buf = run_with_faults(tmp_path, code, KVPIPE_FAULT_RENAME=rename)
+    assert got == [9]
+    assert buf.startswith("new block")

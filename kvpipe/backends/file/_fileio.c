@@ -39,6 +39,9 @@
 #define NOT_REGULAR (-1000000)
 /* Result of a cached-only read for a file the page cache does not hold whole. */
 #define NOT_CACHED (-1000001)
+/* still_block: the file changed since it was opened (renamed, over or away): whatever is at
+ * its name now is opened once more, then it reads as missing. */
+#define CHANGED (-1000002)
 #define MAX_VIEWS 16
 
 static int open_confined(int dir_fd, const char *path, int flags) {
@@ -52,8 +55,9 @@ static int open_confined(int dir_fd, const char *path, int flags) {
 /* Whether a block file opened at fd (`st`: its fstat right after the open) may be read: a
  * shared lock keeps a writer reusing the file (a deleted block's, see write_one) out while it
  * is read, and its change time, the same after the lock, says it was not deleted and reused
- * between the open and the lock (a rename changes it). 0, or -ENOENT: the file is no longer
- * the block it was opened as (read as missing). Where the file system has no locks, 0 — or,
+ * between the open and the lock (a rename changes it). 0; -ENOENT: a writer holds it (read as
+ * missing); CHANGED: it changed since the open (a put renamed a new block over its name, or
+ * a delete moved it aside), open the name again. Where the file system has no locks, 0 — or,
  * with `must_lock` (a mapping, whose value is checked before it is copied: only the lock
  * keeps it from changing in between), NOT_CACHED: read it instead, and check the copy. */
 static long still_block(int fd, const struct stat *st, int must_lock) {
@@ -68,7 +72,7 @@ static long still_block(int fd, const struct stat *st, int must_lock) {
         return -errno;
     }
     if (now.st_ctim.tv_sec != st->st_ctim.tv_sec || now.st_ctim.tv_nsec != st->st_ctim.tv_nsec) {
-        return -ENOENT;
+        return CHANGED;
     }
     return 0;
 }
@@ -205,7 +209,7 @@ static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, i
     } else if (!S_ISREG(st.st_mode)) {
         got = NOT_REGULAR;
     } else if ((got = still_block(fd, &st, 0)) != 0) {
-        /* -ENOENT or -errno */
+        /* -ENOENT, CHANGED or -errno */
     } else if (!direct) {
         got = transfer(fd, iov, cnt, 0, 0);
     } else {
@@ -226,18 +230,28 @@ static long read_one(int dir_fd, const char *path, struct iovec *iov, int cnt, i
             }
         }
     }
-    if (got < 0 && got != NOT_REGULAR) {
+    if (got < 0 && got != NOT_REGULAR && got != CHANGED) {
         got = not_regular_or(fd, got);
     }
     close(fd);
     return got;
 }
 
+/* read_one, the name opened once more where the file changed under the first open. */
+static long read_one_again(int dir_fd, const char *path, struct iovec *iov, int cnt,
+                           int direct) {
+    long got = read_one(dir_fd, path, iov, cnt, direct);
+    if (got == CHANGED) {
+        got = read_one(dir_fd, path, iov, cnt, direct);
+    }
+    return got == CHANGED ? -ENOENT : got;
+}
+
 /* Open block file `path` if it is a regular file that the page cache holds whole, with a
  * shared lock on it (still_block): the descriptor, its size in *size; or NOT_CACHED,
  * NOT_REGULAR or -errno, nothing left open. `strict`: where cachestat is missing, NOT_CACHED
  * (else the caller finds out by reading). */
-static long open_cached_fd(int dir_fd, const char *path, long *size, int strict) {
+static long open_cached_once(int dir_fd, const char *path, long *size, int strict) {
     int fd = open_confined(dir_fd, path, O_RDONLY | O_NONBLOCK);
     if (fd < 0) {
         return -errno;
@@ -249,7 +263,7 @@ static long open_cached_fd(int dir_fd, const char *path, long *size, int strict)
     } else if (!S_ISREG(st.st_mode)) {
         got = NOT_REGULAR;
     } else if ((got = still_block(fd, &st, strict)) != 0) {
-        got = not_regular_or(fd, got);
+        got = got == CHANGED ? got : not_regular_or(fd, got);
     } else if (!all_cached(fd, (long)st.st_size, strict)) {
         got = NOT_CACHED;
     }
@@ -259,6 +273,16 @@ static long open_cached_fd(int dir_fd, const char *path, long *size, int strict)
     }
     *size = (long)st.st_size;
     return fd;
+}
+
+/* open_cached_once, the name opened once more where the file changed under the first open
+ * (then -ENOENT). */
+static long open_cached_fd(int dir_fd, const char *path, long *size, int strict) {
+    long got = open_cached_once(dir_fd, path, size, strict);
+    if (got == CHANGED) {
+        got = open_cached_once(dir_fd, path, size, strict);
+    }
+    return got == CHANGED ? -ENOENT : got;
 }
 
 /* One file, only if the page cache holds all of it (read_cached_files): bytes read
@@ -408,7 +432,8 @@ static PyObject *read_many(int dir_fd, PyObject *paths_obj, PyObject *views_obj,
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         got[i] = cached_only ? read_one_cached(dir_fd, cpaths[i], iov + i * MAX_VIEWS, counts[i])
-                             : read_one(dir_fd, cpaths[i], iov + i * MAX_VIEWS, counts[i], direct);
+                             : read_one_again(dir_fd, cpaths[i], iov + i * MAX_VIEWS, counts[i],
+                                              direct);
     }
     Py_END_ALLOW_THREADS
     result = int_list(got, n);

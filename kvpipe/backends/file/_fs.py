@@ -331,7 +331,8 @@ class Root:
 
         Returns:
             The bytes read, or ``None`` when the file does not exist (or no longer is this
-            block: :func:`still_block`). The caller checks the header and the count (a valid
+            block: :func:`still_block`; a file that changed under the open, renamed over by
+            a put, is opened once more). The caller checks the header and the count (a valid
             file fills less than ``views`` can hold) before trusting what was read.
 
         Raises:
@@ -343,32 +344,43 @@ class Root:
         """
         # O_NONBLOCK: opening a FIFO planted at a block's name must not wait for a writer.
         flags = os.O_RDONLY | os.O_NONBLOCK
-        fd = self._open_file(parts, name, flags)
-        if fd is None:
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotARegularFile(errno.EINVAL, f"{name!r} is not a regular file")
-            if not still_block(fd, st):
+        for again in (False, True):
+            fd = self._open_file(parts, name, flags)
+            if fd is None:
                 return None
-            if not direct:
-                return read_fully(fd, list(views))
-            got, complete = (
-                read_cached(fd, list(views), st.st_size)
-                if all_cached(fd, st.st_size)
-                else (0, False)
-            )
-            if complete:
-                return got
-            start = got // PAGE * PAGE  # direct reads start on a page
             try:
-                fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-                return read_fully(fd, skip(views, start), start)
-            except OSError as exc:
-                raise refused(exc, direct) from exc
-        finally:
-            os.close(fd)
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise NotARegularFile(errno.EINVAL, f"{name!r} is not a regular file")
+                if still_block(fd, st):
+                    return self._read_open(fd, flags, st, views, direct)
+                # Changed since the open (a put renamed a new block over the name, a delete
+                # moved it aside): whatever is at the name now is opened once more.
+                if again or os.fstat(fd).st_ctime_ns == st.st_ctime_ns:
+                    return None  # not changed: a writer holds it
+            finally:
+                os.close(fd)
+        return None
+
+    @staticmethod
+    def _read_open(
+        fd: int, flags: int, st: os.stat_result, views: Sequence[memoryview], direct: bool
+    ) -> int:
+        """:meth:`read_into` of the block file open at ``fd`` (``st``: its ``fstat``; opened
+        with ``flags``), checked by :func:`still_block`."""
+        if not direct:
+            return read_fully(fd, list(views))
+        got, complete = (
+            read_cached(fd, list(views), st.st_size) if all_cached(fd, st.st_size) else (0, False)
+        )
+        if complete:
+            return got
+        start = got // PAGE * PAGE  # direct reads start on a page
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+            return read_fully(fd, skip(views, start), start)
+        except OSError as exc:
+            raise refused(exc, direct) from exc
 
     def exists(self, parts: Sequence[str], name: str) -> bool:
         """Whether ``parts/name`` is a regular file (symbolic links are not)."""
