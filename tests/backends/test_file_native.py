@@ -16,6 +16,8 @@ import pytest
 
 from kvpipe.backends.file import _native
 
+from .fault_shim import run_with_faults
+
 fileio = _native.fileio
 pytestmark = pytest.mark.skipif(fileio is None, reason="the C extension was not built")
 
@@ -290,3 +292,26 @@ def test_write_files_does_not_wait_on_a_fifo_at_a_spare(root: tuple[Path, int]) 
     assert child.stdout.split() == ["[0]"]
     assert (path / "d" / "a").read_bytes() == b"data"
     assert os.listdir(path / "d") == ["a"]  # the spare's name was removed, as any unused
+
+
+_WRITE_OVER_SPARE = """
+import json, os
+from kvpipe.backends.file import _fileio
+fd = os.open({root!r}, os.O_RDONLY | os.O_DIRECTORY)
+print(json.dumps(_fileio.write_files(
+    fd, [b"d"], [b".t"], [b"a"], [[b"new"]], 0, False, bytearray(1), [b"d/.spare"]
+)))
+"""
+
+
+def test_write_files_cuts_a_longer_spare_even_where_fstat_fails(root: tuple[Path, int]) -> None:
+    """A reused spare longer than the new block is cut to its length; where looking at its
+    size (fstat) failed, the cut was skipped and the block published with the old file's
+    bytes past it (read later as corrupt)."""
+    path, _ = root
+    (path / "d" / ".spare").write_bytes(b"an old and longer block")
+    code = _WRITE_OVER_SPARE.format(root=str(path))
+    got = run_with_faults(path, code, KVPIPE_FAULT_FSTAT_AFTER_WRITE="1")
+    assert got == [0]
+    assert (path / "d" / "a").read_bytes() == b"new"
+    assert os.listdir(path / "d") == ["a"]

@@ -635,8 +635,9 @@ static long write_one(int dir_fd, const char *dir, const char *tmp, const char *
     struct stat st;
     if (moved < 0) {
         out = moved;
-    } else if (reused && fstat(fd, &st) == 0 && st.st_size > moved && ftruncate(fd, moved) != 0) {
-        out = -errno; /* a reused file longer than this block */
+    } else if (reused && (fstat(fd, &st) != 0 || st.st_size > moved) &&
+               ftruncate(fd, moved) != 0) {
+        out = -errno; /* a reused file longer than this block (or of a size unknown) */
     }
     if (out == 0 && durability >= 1 && fdatasync(fd) != 0) {
         out = -errno;
