@@ -4,6 +4,7 @@ files they make, reading both versions, refusals and fallbacks, and tampered pad
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import struct
@@ -26,6 +27,7 @@ from kvpipe.backends.file._fs import DirectIORefused, Root
 from kvpipe.backends.file._inspect import inspect_store
 from kvpipe.testing.batches import Batches
 
+from .fault_shim import run_with_faults
 from .test_file_hostile import block_file
 
 pytestmark = pytest.mark.usefixtures("file_io")
@@ -352,3 +354,81 @@ async def test_the_store_reads_and_probes_natively_where_it_can(
         block_file(tmp_path, keys[2]).unlink()
         # the probe stops at the first missing file: the last one is there but not counted
         assert list(await store.exists(b.key_batch(keys))) == [True, True, False, False]
+
+
+def _cut_short_once(real: Any) -> Any:
+    """An ``os.writev`` whose first direct write stops after a page and 100 bytes (through
+    the page cache), as a write cut short by a full disk can; after which a direct write at
+    an offset off a 512-byte boundary fails with ``EINVAL``, as on a device that needs its
+    blocks aligned."""
+    cut: list[int] = []
+
+    def writev(fd: int, views: Any) -> int:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if not flags & os.O_DIRECT:
+            return int(real(fd, views))
+        if not cut:
+            cut.append(fd)
+            part = memoryview(b"".join(bytes(v) for v in views)[: PAGE + 100])
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            try:
+                return int(real(fd, [part]))
+            finally:
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        if os.lseek(fd, 0, os.SEEK_CUR) % 512:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return int(real(fd, views))
+
+    return writev
+
+
+async def test_a_direct_write_cut_short_does_not_turn_direct_io_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, file_io: str
+) -> None:
+    """A direct write that stops short at an offset off the device's blocks: the next write
+    from there fails with ``EINVAL``, which was taken for the file system refusing direct
+    I/O, and turned it off for good. The rest of the file is written through the page cache
+    instead, and direct I/O stays on."""
+    if file_io == "native":
+        pytest.skip("the native writer: test_write_files_finishes_a_direct_write_cut_short")
+    monkeypatch.setattr(os, "writev", _cut_short_once(os.writev))
+    caplog.set_level(logging.WARNING, "kvpipe.file_store")
+    async with kvpipe.FileStore(tmp_path, durability="data") as store, batches() as b:
+        if not store._direct:
+            pytest.skip("this file system takes no direct writes")
+        await round_trip(store, b, seed=5)
+        await round_trip(store, b, seed=6)
+        assert store.statistics()["direct_writes"] == 8
+        assert "io_errors" not in store.statistics()
+    assert not any("direct I/O refused" in r.getMessage() for r in caplog.records)
+
+
+_WRITE_CUT_SHORT = """
+import json, mmap, os
+from kvpipe.backends.file import _fileio
+fd = os.open({root!r}, os.O_RDONLY | os.O_DIRECTORY)
+buf = mmap.mmap(-1, 3 * 4096)
+buf[:] = bytes(range(256)) * 48
+print(json.dumps(_fileio.write_files(
+    fd, [b"d"], [b".t"], [b"a"], [[memoryview(buf)]], 1, True, bytearray(1)
+)))
+"""
+
+
+def test_write_files_finishes_a_direct_write_cut_short(tmp_path: Path, file_io: str) -> None:
+    """The native writer's direct write cut short off the device's blocks (the fault
+    injector's): the rest goes through the page cache, not ``-EINVAL`` (which the store
+    reads as direct I/O refused)."""
+    if file_io == "os":
+        pytest.skip("the native writer only")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if not _direct.probe_direct(fd, _direct.Scratch()):
+            pytest.skip("this file system takes no direct writes")
+    finally:
+        os.close(fd)
+    (tmp_path / "d").mkdir()
+    code = _WRITE_CUT_SHORT.format(root=str(tmp_path))
+    assert run_with_faults(tmp_path, code, KVPIPE_FAULT_SHORT_DIRECT="1") == [0]
+    assert (tmp_path / "d" / "a").read_bytes() == bytes(range(256)) * 48
+    assert os.listdir(tmp_path / "d") == ["a"]

@@ -103,8 +103,17 @@ static void advance(struct iovec *iov, int cnt, int *at, size_t n) {
     }
 }
 
+/* Turn O_DIRECT off on fd: 1, or 0 when it was not on (or could not be). */
+static int drop_direct(int fd) {
+    int flags = fcntl(fd, F_GETFL);
+    return flags >= 0 && (flags & O_DIRECT) && fcntl(fd, F_SETFL, flags & ~O_DIRECT) == 0;
+}
+
 /* preadv (or pwritev) from file offset `start` through iov (which starts there) until it is
- * all done or, reading, the file ends: the offset reached, or -errno. */
+ * all done or, reading, the file ends: the offset reached, or -errno. A direct write cut
+ * short (a full disk) may stop off the device's blocks, and the next one from there fails
+ * with EINVAL: not a refusal of direct I/O (the first write passed), so the rest goes through
+ * the page cache, where the real error, if any (ENOSPC), shows. */
 static long transfer(int fd, struct iovec *iov, int cnt, long start, int writing) {
     long moved = start;
     int at = 0;
@@ -113,10 +122,14 @@ static long transfer(int fd, struct iovec *iov, int cnt, long start, int writing
         ssize_t r = writing ? pwritev(fd, iov + at, cnt - at, moved)
                             : preadv(fd, iov + at, cnt - at, moved);
         if (r < 0) {
-            if (errno == EINTR) {
+            int err = errno;
+            if (err == EINTR) {
                 continue;
             }
-            return -errno;
+            if (writing && err == EINVAL && moved > start && drop_direct(fd)) {
+                continue;
+            }
+            return -err;
         }
         if (r == 0) {
             if (writing) {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import mmap
 import os
@@ -249,7 +250,31 @@ def _advance(views: list[memoryview], at: int, n: int) -> int:
 
 
 def write_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:
+    """``writev`` all of ``chunks`` from the file's offset.
+
+    A direct (``O_DIRECT``) write cut short (a full disk) may stop off the device's blocks,
+    and the next one from there fails with ``EINVAL``: not a refusal of direct I/O (the
+    first write passed), so the rest goes through the page cache, where the real error, if
+    any (``ENOSPC``), shows.
+    """
     views = [memoryview(c).cast("B") for c in chunks if len(c)]
     at = 0
+    wrote = False
     while at < len(views):
-        at = _advance(views, at, os.writev(fd, views[at : at + _IOV_MAX]))
+        try:
+            n = os.writev(fd, views[at : at + _IOV_MAX])
+        except OSError as exc:
+            if wrote and exc.errno == errno.EINVAL and _drop_direct(fd):
+                continue
+            raise
+        wrote = True
+        at = _advance(views, at, n)
+
+
+def _drop_direct(fd: int) -> bool:
+    """Turn ``O_DIRECT`` off on ``fd``; ``False`` when it was not on."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not flags & os.O_DIRECT:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+    return True
