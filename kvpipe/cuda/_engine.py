@@ -476,12 +476,18 @@ class CudaEngine(CopyEngine):
 
     async def _recover(self, stream: int, scratch: Scratch, lease: StagingLease) -> None:
         """Wait for the stream after a failure before reusing anything; if even that fails,
-        retire the scratch and the lease's slots."""
+        retire the scratch and the lease's slots.
+
+        The wait goes on through asyncio's own cancellation (``Task.cancel``), which is
+        raised once the scratch is given back or retired: the device may still write both.
+        """
+        deferred = DeferredCancel()
         try:
             with self._driver.current():
                 self._driver.event_record(scratch.done, stream)
-            with anyio.fail_after(self.options.drain_timeout):
-                await self._wait(scratch.done)
+            drain_by = anyio.current_time() + self.options.drain_timeout
+            if not await shielded(lambda: self._wait(scratch.done), drain_by, deferred):
+                raise TimeoutError(f"not drained in {self.options.drain_timeout} s")
         except (DeviceError, TimeoutError) as exc:
             log.error(
                 "CUDA stream did not drain after a failed copy (%s); retiring staging slots %s",
@@ -490,8 +496,10 @@ class CudaEngine(CopyEngine):
             )
             lease.retain()  # never released: the slots are never handed out again
             self._scratch.quarantine(scratch)
+            deferred.raise_if_received()
             return
         self._scratch.release(scratch)
+        deferred.raise_if_received()
 
     async def _drain(self, deadline: float) -> bool:
         """Whether both streams completed their work by ``deadline``."""

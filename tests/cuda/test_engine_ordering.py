@@ -291,3 +291,56 @@ async def test_trio_backend(fake: FakeDriver) -> None:
 
     await anyio.to_thread.run_sync(lambda: anyio.run(main, backend="trio"))
     free_device_cache(fake, cache)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("first", ["asyncio cancel", "failed launch"])
+async def test_a_copy_recovering_on_a_busy_stream_waits_through_asyncio_cancels(
+    fake: FakeDriver, first: str
+) -> None:
+    """A copy whose queued work is still pending on its (busy) stream is cut short, first by
+    asyncio's own cancellation or a failed launch, and recovers: it waits for the stream
+    before giving anything back. A (second) ``Task.cancel`` during that wait got through
+    anyio's shield: the copy returned at once, its scratch set neither given back nor retired
+    and its staging lease not kept, so its caller released slots the device was still to
+    write. It waits on, gives the set back once the stream is done, then is cancelled."""
+    import asyncio
+
+    cache = fake_device_cache(fake, _layout(), 4)
+    fill_device(fake, cache, seed=4)
+    segs = layout_segments(cache.layout)
+    async with engine(fake, cache) as (eng, pool):
+        busy = Gate()  # earlier work on the gather stream, still running
+        fake.host_op(eng._streams["gather"], lambda: None, gate=busy, label="busy stream")
+        lease = await pool.acquire(2)
+        if first == "failed launch":
+            fake.fail_next("launch", "CUDA_ERROR_LAUNCH_FAILED")  # the pair upload is queued
+        task = asyncio.ensure_future(eng.gather(copy_plan(segs, [1, 2], lease.slots), lease))
+
+        async def polled() -> None:  # polled twice more (still pending), or returned
+            start = fake.calls.count("event_query")
+            await _until(lambda: fake.calls.count("event_query") >= start + 2 or task.done())
+
+        try:
+            await _until(lambda: eng.accounting().scratch_in_use == 1 or task.done())
+            await polled()
+            if first == "asyncio cancel":
+                task.cancel("first")
+                await polled()  # recovering: waiting for the stream
+            task.cancel("again")
+            await polled()
+            assert not task.done()  # the device may still write the slots and the scratch
+            assert eng.accounting().scratch_in_use == 1
+        finally:
+            busy.open()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert task.cancelled()  # the cancellation is not swallowed
+        assert eng.accounting().scratch_in_use == 0  # given back, the stream having drained
+        lease.release()
+        assert lease.released
+        other = await pool.acquire(1)
+        await eng.gather(copy_plan(segs, [3], other.slots), other)
+        assert eng.accounting().scratch_buffers == 1  # the set was reused, not retired
+        other.release()
+    free_device_cache(fake, cache)
