@@ -83,11 +83,19 @@ async def _probe_chunk(ctx: ActorContext, batch: KeyBatch) -> int:
             f"exists on {len(batch.keys)} keys took longer than slice_timeout "
             f"({ctx.config.slice_timeout} s)"
         )
-    if len(flags) != len(batch.keys):
+    try:
+        answers = list(flags)
+    except TypeError:  # a store's slip (``None``, a count): not a crash of the scheduler
         raise BackendError(
-            ctx.backend.name, "exists", f"{len(flags)} answers for {len(batch.keys)} keys"
+            ctx.backend.name,
+            "exists",
+            f"answered {type(flags).__name__}, not one flag per key ({len(batch.keys)} keys)",
+        ) from None
+    if len(answers) != len(batch.keys):
+        raise BackendError(
+            ctx.backend.name, "exists", f"{len(answers)} answers for {len(batch.keys)} keys"
         )
-    return leading_run(flags)
+    return leading_run(answers)
 
 
 class Scheduler(Actor[RequestState]):

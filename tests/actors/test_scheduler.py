@@ -263,6 +263,37 @@ async def test_a_locate_answered_with_malformed_records_is_a_backend_error(bad: 
         assert "get_residency" in str(state.error)
 
 
+@pytest.mark.parametrize("answer", ["none", "number"])
+@pytest.mark.parametrize("op", ["lookup", "write"])
+async def test_an_exists_answer_that_is_not_a_sequence_is_a_backend_error(
+    op: str, answer: str
+) -> None:
+    """A store whose ``exists`` answers something that is not one flag per key (``None``,
+    a count: a third-party store's slip) is a ``BackendError`` of that call, as a wrong
+    number of answers is: ``lookup`` raises it, a write goes on without skipping
+    (``probe_errors``). It used to crash the scheduler (``TypeError`` from ``len``): the
+    request ended ``actor_crashed`` and the actor restarted."""
+
+    class Malformed(kvpipe.MemoryStore):
+        async def exists(self, batch):  # type: ignore[no-untyped-def]
+            return None if answer == "none" else len(batch.keys)
+
+    async with harness(Malformed()) as h:
+        sched = Scheduler(h.ctx, h.inboxes["scheduler"])
+        if op == "write":
+            write = h.write_state(TOKENS, np.arange(10))
+            write.keys = None
+            await sched.handle(write)
+            assert write.machine.skipped == 0 and len(write.slices) == 3
+            assert h.ctx.metrics.counters["probe_errors"] == 1
+            return
+        now = anyio.current_time()
+        state = CallState("c", now + 5, now, "lookup", as_tokens(TOKENS), False, start_block=0)
+        await sched.handle(state)
+        assert isinstance(state.error, kvpipe.BackendError), state.value
+        assert "exists" in str(state.error)
+
+
 class TestVirtualTime:
     @pytest.fixture
     def anyio_backend(self) -> tuple[str, dict[str, object]]:
