@@ -152,10 +152,12 @@ class Scheduler(Actor[RequestState]):
             skipped = await probe_leading(
                 ctx, state.request_id, keys, state.start_block, state.tokens, failed
             )
-            ctx.metrics.counters["blocks_skipped"] += skipped
             state.planned(
                 skipped, self._slices(state, state.start_block + skipped, state.end_block)
             )
+            # What the result reports skipped: nothing when the write ended during the probe
+            # (an exists call that ran on past it answered after).
+            ctx.metrics.counters["blocks_skipped"] += state.machine.skipped
             if state.done:
                 return
             await self.send(ctx.outboxes.writer if ctx.host_copies else ctx.outboxes.slicer, state)

@@ -294,6 +294,34 @@ async def test_an_exists_answer_that_is_not_a_sequence_is_a_backend_error(
         assert "exists" in str(state.error)
 
 
+async def test_blocks_skipped_counts_only_what_the_result_reports_skipped() -> None:
+    """A write that ends (its caller cancelled) while a store's ``exists`` runs on, not
+    cancellable (a thread it waits for), settles with nothing skipped; the probe's answer
+    arrives after. ``blocks_skipped`` used to count that answer all the same, so the
+    metric no longer matched the sum of the results' ``skipped``."""
+    answered = anyio.Event()
+
+    class Uncancellable(kvpipe.MemoryStore):
+        async def exists(self, batch):  # type: ignore[no-untyped-def]
+            with anyio.CancelScope(shield=True):
+                await answered.wait()
+            return [k in self._data for k in batch.keys]
+
+    store = Uncancellable()
+    async with harness(store) as h:
+        state = h.write_state(TOKENS, np.arange(10))
+        assert state.keys is not None
+        await _store_first(store, state.keys, 3)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(Scheduler(h.ctx, h.inboxes["scheduler"]).handle, state)
+            await anyio.wait_all_tasks_blocked()
+            state.end("cancelled", "the caller was cancelled")
+            answered.set()
+        assert state.result is not None and state.result.stop_reason == "cancelled"
+        assert h.ctx.metrics.counters["blocks_skipped"] == state.result.skipped == 0
+        assert h.sent("writer") == h.sent("slicer") == []
+
+
 class TestVirtualTime:
     @pytest.fixture
     def anyio_backend(self) -> tuple[str, dict[str, object]]:
