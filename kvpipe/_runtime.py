@@ -12,6 +12,7 @@ import logging
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 import anyio
@@ -300,7 +301,13 @@ class Runtime:
             on_escalate=self._escalate,
         )
         self._actors_scope = anyio.CancelScope(shield=True)
-        tg.start_soon(_run_shielded, self._supervisor, self._actors_scope, name="kvpipe-supervisor")
+        tg.start_soon(
+            _run_shielded,
+            self._supervisor,
+            self._actors_scope,
+            self._actors_ended,
+            name="kvpipe-supervisor",
+        )
         self._open = True
         log.info(
             "pipeline open: %s; namespace=%s rank=%d/%d; store=%s; staging %d slots x %d B; "
@@ -326,6 +333,16 @@ class Runtime:
         recv = self._inboxes.by_name().get(actor) if self._inboxes is not None else None
         if recv is not None:
             self._drain(recv)
+
+    def _actors_ended(self, exc: BaseException) -> None:
+        """The actors stopped with ``exc``, which no crash is (a ``KeyboardInterrupt`` or
+        ``SystemExit`` from a hook or an observer; trio's Ctrl-C): nothing serves requests
+        any more. Fail those in flight now, as an escalation does, rather than leave them,
+        and the close, waiting for their deadlines."""
+        self._open = False
+        reason = f"actors stopped by {_leaf(exc)!r}"
+        self._closed_reason = self._closed_reason or reason
+        self._stop_all(f"pipeline closed: {reason}")
 
     def _stop_all(self, message: str, why: str = "") -> None:
         """Fail every request in flight with :class:`PipelineClosed` (``message``, after the
@@ -616,12 +633,28 @@ class Runtime:
         )
 
 
-async def _run_shielded(supervisor: Supervisor, scope: anyio.CancelScope) -> None:
+def _leaf(exc: BaseException) -> BaseException:
+    """``exc`` out of the groups of one member each that task groups wrapped it in."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _run_shielded(
+    supervisor: Supervisor,
+    scope: anyio.CancelScope,
+    on_error: Callable[[BaseException], None],
+) -> None:
     """Run the actors in ``scope`` (shielded from the cancellation of the task that opened
     the pipeline): they stop when :meth:`Runtime.aclose` (which always follows) closes their
     inboxes, or cancels them at the close deadline, or :meth:`Runtime.cancel_actors`.
     Cancelled with that task, they would drop the requests in flight (their callers then
     wait for the close deadline) and, ending cancelled, hold their frames in reference
-    cycles."""
-    with scope:
-        await supervisor.run()
+    cycles. What else ends them (a ``KeyboardInterrupt``, a ``SystemExit``) goes to
+    ``on_error`` first, then on."""
+    try:
+        with scope:
+            await supervisor.run()
+    except BaseException as exc:
+        on_error(exc)
+        raise

@@ -7,6 +7,7 @@ import re
 import anyio
 import numpy as np
 import pytest
+import trio.testing
 
 import kvpipe
 from kvpipe.actors import writer as writer_module
@@ -183,3 +184,73 @@ async def test_read_crash_before_a_missing_tail_is_reported_as_the_crash() -> No
         assert (r.loaded, r.stop_reason) == (0, "actor_crashed")
         assert r.error is not None and "reader" in r.error
         assert r.failed_blocks[0] == 0
+
+
+class _Raise(kvpipe.PipelineHooks):
+    """Raise ``exc`` (a BaseException that is no Exception) in ``actor`` for ``victim``."""
+
+    def __init__(self, actor: str, exc: BaseException) -> None:
+        self.actor, self.exc = actor, exc
+
+    def on_message(self, actor: str, request_id: str) -> None:
+        if actor == self.actor and request_id == "victim":
+            raise self.exc
+
+
+async def _interrupted_by(actor: str, exc: BaseException) -> dict[str, object]:
+    """Serve from tasks outside the pipeline's block (a server's handlers): one request hangs
+    in the scheduler's dedup probe, then ``victim`` makes ``actor`` raise ``exc``. What each
+    caller and the block got, and when (virtual time)."""
+    store = ScriptedStore(exists={0: Act(hang=True)})
+    config = kvpipe.PipelineConfig(total_timeout=50, close_timeout=20)
+    out: dict[str, object] = {}
+    opened = anyio.Event()
+    pipes: list[kvpipe.Pipeline] = []
+    start = anyio.current_time()
+
+    async def serve() -> None:
+        try:
+            async with kvpipe.open_pipeline(
+                _cache(), store, config=config, hooks=_Raise(actor, exc)
+            ) as pipe:
+                pipes.append(pipe)
+                opened.set()
+                await anyio.sleep_forever()
+        except BaseException as raised:  # what leaves the block is the subject
+            out["block"] = (raised, anyio.current_time() - start)
+
+    async def call(rid: str, tokens: np.ndarray, ids: np.ndarray) -> None:
+        try:
+            await pipes[0].write(tokens, ids, request_id=rid)
+        except kvpipe.KVPipeError as error:
+            out[rid] = (error, anyio.current_time() - start)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve)
+        await opened.wait()
+        tg.start_soon(call, "other", np.arange(1000, 1064), np.arange(20, 24))
+        await store.wait_calls("exists")
+        tg.start_soon(call, "victim", TOKENS, IDS)
+    return out
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})]
+)
+@pytest.mark.parametrize("actor", ["scheduler", "writer"])
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit], ids=["interrupt", "exit"])
+async def test_a_base_exception_in_an_actor_fails_the_calls_at_once_and_closes_at_once(
+    actor: str, exc: type[BaseException]
+) -> None:
+    """A KeyboardInterrupt or SystemExit raised in an actor (a hook, an observer; trio's
+    Ctrl-C) is no crash: it is not restarted, it stops the actors. Nothing serves requests
+    any more, yet the calls in flight were left waiting, and the close waited for them, for
+    the whole close_timeout: the interrupt took 20 s to leave, and the close's log blamed
+    the timeout. Now they fail at once with PipelineClosed, naming the interrupt."""
+    out = await _interrupted_by(actor, exc())
+    for rid in ("other", "victim"):
+        error, when = out[rid]  # type: ignore[misc]
+        assert isinstance(error, kvpipe.PipelineClosed) and exc.__name__ in str(error)
+        assert when == 0
+    _raised, when = out["block"]  # type: ignore[misc]
+    assert when == 0
