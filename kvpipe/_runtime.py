@@ -651,10 +651,19 @@ async def _run_shielded(
     Cancelled with that task, they would drop the requests in flight (their callers then
     wait for the close deadline) and, ending cancelled, hold their frames in reference
     cycles. What else ends them (a ``KeyboardInterrupt``, a ``SystemExit``) goes to
-    ``on_error`` first, then on."""
+    ``on_error`` first, then on as itself, out of the task groups' groups (``except
+    SystemExit`` around the pipeline's block catches it, its exit status holds)."""
+    error: BaseException | None = None
     try:
         with scope:
             await supervisor.run()
     except BaseException as exc:
         on_error(exc)
-        raise
+        error = _leaf(exc)
+    del on_error
+    if error is not None:
+        # Raised here, out of the handler: not in a chain with the group that holds it.
+        try:
+            raise error
+        finally:
+            error = None

@@ -254,3 +254,17 @@ async def test_a_base_exception_in_an_actor_fails_the_calls_at_once_and_closes_a
         assert when == 0
     _raised, when = out["block"]  # type: ignore[misc]
     assert when == 0
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})]
+)
+@pytest.mark.parametrize("actor", ["scheduler", "writer"])
+async def test_a_base_exception_in_an_actor_leaves_the_block_as_itself(actor: str) -> None:
+    """A SystemExit(3) raised in an actor left ``open_pipeline`` wrapped in two exception
+    groups (the actor's task group's and the supervisor's): ``except SystemExit`` or
+    ``except KeyboardInterrupt`` around the block missed it, and the process exited with
+    status 1 and a group's traceback instead of the status asked for."""
+    out = await _interrupted_by(actor, SystemExit(3))
+    raised, _when = out["block"]  # type: ignore[misc]
+    assert isinstance(raised, SystemExit) and raised.code == 3
