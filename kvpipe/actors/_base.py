@@ -275,8 +275,18 @@ _STATUS_TYPE = frozenset({BlockStatus})
 def check_statuses(
     backend: StorageBackend, op: str, statuses: Sequence[Any], n: int
 ) -> list[BlockStatus]:
-    """Validate a per-block result: ``n`` items, each a :class:`BlockStatus`."""
-    out = list(statuses)
+    """Validate a per-block result: ``n`` items, each a :class:`BlockStatus`.
+
+    Raises:
+        BackendError: Anything else (not even a sequence: ``None``, a count), the call's
+            failure, never a crash of the actor.
+    """
+    try:
+        out = list(statuses)
+    except TypeError:
+        raise BackendError(
+            backend.name, op, f"returned {type(statuses).__name__}, not statuses, one per block"
+        ) from None
     if len(out) != n or not set(map(type, out)) <= _STATUS_TYPE:
         raise BackendError(backend.name, op, f"returned {len(out)} statuses for {n} blocks")
     return out

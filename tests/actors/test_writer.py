@@ -82,10 +82,16 @@ async def test_first_incomplete_slice_stops_the_request() -> None:
         assert h.ctx.metrics.slices == {"complete": 1, "incomplete": 1}
 
 
-async def test_a_wrong_number_of_statuses_is_a_backend_error() -> None:
+@pytest.mark.parametrize("answer", ["short", "none", "count"])
+async def test_a_wrong_number_of_statuses_is_a_backend_error(answer: str) -> None:
+    """Too few statuses, or no sequence at all (``None``, a count: a third-party store's
+    slip), fail the slice as the store's error. ``None`` or a count crashed the writer
+    (``TypeError`` from ``list``): the write ended ``actor_crashed``, the actor restarted."""
+
     class Short(ScriptedStore):
         async def put_blocks(self, batch):  # type: ignore[no-untyped-def]
-            return list(await super().put_blocks(batch))[:-1]
+            got = list(await super().put_blocks(batch))
+            return {"short": got[:-1], "none": None, "count": len(got)}[answer]
 
     store = Short()
     async with harness(store, slice_blocks=4) as h:
