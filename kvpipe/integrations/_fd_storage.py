@@ -24,7 +24,6 @@ from .. import (
     BlockStatus,
     ConfigError,
     FileStore,
-    RequestError,
     StorageBackend,
     ValueClient,
     WrongEventLoop,
@@ -76,6 +75,23 @@ def _lengths_match(op: str, n: int, locations: list[int] | None, sizes: list[int
         log.warning("KVPipeStorage %s: keys, locations and sizes differ in length", op)
         return False
     return True
+
+
+def _buffers(op: str, ptrs: list[int], sizes: list[int]) -> list[int]:
+    """The positions whose pointer and size can name a buffer (both > 0); one WARNING when
+    some cannot (those keys answer -1, as FastDeploy's own ``FileStore`` answers them)."""
+    bad = [i for i, (p, s) in enumerate(zip(ptrs, sizes, strict=True)) if p <= 0 or s <= 0]
+    if bad:
+        log.warning(
+            "KVPipeStorage %s: %d of %d target locations/sizes name no buffer (first: %d/%d); "
+            "-1 for those keys",
+            op,
+            len(bad),
+            len(ptrs),
+            ptrs[bad[0]],
+            sizes[bad[0]],
+        )
+    return [i for i, (p, s) in enumerate(zip(ptrs, sizes, strict=True)) if p > 0 and s > 0]
 
 
 def _verify(value: bytearray, key: str, size: int) -> memoryview | None:
@@ -147,7 +163,10 @@ class KVPipeStorage:
 
     Return codes are FastDeploy's: ``set`` 0 / -1, ``get`` bytes copied / -1, ``exists`` a
     dict. Storage failures and missed deadlines return those codes with one WARNING per call;
-    wrong argument types raise ``TypeError``. Any number of threads may call at once.
+    so does a key whose target location or size is not positive (-1 for that key, the
+    others served). Wrong argument types (a location or size that is no int, ``None``
+    included; a key that is no non-empty str) raise ``TypeError``, alike in ``set``,
+    ``get``, ``batch_set`` and ``batch_get``. Any number of threads may call at once.
     """
 
     def __init__(
@@ -292,34 +311,40 @@ class KVPipeStorage:
         """Store ``target_sizes[i]`` bytes at address ``target_locations[i]`` under ``keys[i]``.
 
         Returns:
-            Per key 0 (stored now or already) or -1; -1 for every key when the lists' lengths
+            Per key 0 (stored now or already) or -1 (store failed, deadline passed, a
+            location or size that is not positive); -1 for every key when the lists' lengths
             differ. A key already stored is not rewritten (counted in :attr:`deduplicated`).
+
+        Raises:
+            TypeError: A key, location or size of the wrong type (nothing is stored).
         """
         n = len(keys)
         if not _lengths_match("batch_set", n, target_locations, target_sizes) or n == 0:
             return [-1] * n
         ours = [_key(self._scope, k) for k in keys]
         assert target_locations is not None and target_sizes is not None
-        spans: list[tuple[int, int]] = []
-        for loc, size in zip(target_locations, target_sizes, strict=True):
-            ptr, nbytes = _int(loc, "target_location"), _int(size, "target_size")
-            if ptr <= 0 or nbytes <= 0:
-                raise RequestError(f"bad target location/size {loc!r}/{size!r}")
-            spans.append((ptr, nbytes))
+        ptrs = [_int(p, "target_location") for p in target_locations]
+        sizes = [_int(s, "target_size") for s in target_sizes]
+        valid = _buffers("batch_set", ptrs, sizes)
         # In chunks: only a chunk's copies are alive at once, not a copy of the whole batch
         # (a long request's batch is as big as the manager's write buffer).
         deadline = time.monotonic() + self.timeout
         out = [-1] * n
-        for lo in range(0, n, BATCH_SET_CHUNK):
-            hi = min(n, lo + BATCH_SET_CHUNK)
-            values = [_copied(*spans[i], keys[i]) for i in range(lo, hi)]
+        for lo in range(0, len(valid), BATCH_SET_CHUNK):
+            chunk = valid[lo : lo + BATCH_SET_CHUNK]
+            values = [_copied(ptrs[i], sizes[i], keys[i]) for i in chunk]
             result = self._run(
-                "batch_set", self._put, ours[lo:hi], values, timeout=deadline - time.monotonic()
+                "batch_set",
+                self._put,
+                [ours[i] for i in chunk],
+                values,
+                timeout=deadline - time.monotonic(),
             )
             del values
             if result is None:
                 break
-            out[lo:hi] = result
+            for i, r in zip(chunk, result, strict=True):
+                out[i] = r
         self._remember([k for k, r in zip(ours, out, strict=True) if r == 0])
         return out
 
@@ -338,10 +363,8 @@ class KVPipeStorage:
     def set(
         self, key: str, target_location: int | None = None, target_size: int | None = None
     ) -> int:
-        """One key of :meth:`batch_set`: 0 or -1."""
-        if not isinstance(target_location, int) or target_size is None:
-            raise RequestError("target_location must be a pointer int with target_size")
-        return self.batch_set([key], [target_location], [target_size])[0]
+        """One key of :meth:`batch_set`: 0 or -1 (``TypeError`` as there)."""
+        return self.batch_set([key], [target_location], [target_size])[0]  # type: ignore[list-item]
 
     def batch_get(
         self,
@@ -352,21 +375,25 @@ class KVPipeStorage:
         """Copy each stored value into ``target_locations[i]`` (``target_sizes[i]`` bytes).
 
         Returns:
-            Per key the bytes copied, or -1 (missing, corrupt, of another size, store down);
-            -1 for every key when the lists' lengths differ. A value is copied only after its
+            Per key the bytes copied, or -1 (missing, corrupt, of another size, store down,
+            a location or size that is not positive); -1 for every key when the lists'
+            lengths differ. A value is copied only after its
             checks passed: the caller's buffer never receives a corrupt or short value.
             Fetched :data:`BATCH_GET_CHUNK` keys at a time under one deadline: a store failure
             or the deadline ends the call at its chunk (-1 from there on).
+
+        Raises:
+            TypeError: A key, location or size of the wrong type (nothing is copied).
         """
         n = len(keys)
         if not _lengths_match("batch_get", n, target_locations, target_sizes) or n == 0:
             return [-1] * n
         ours = [_key(self._scope, k) for k in keys]
         assert target_locations is not None and target_sizes is not None
-        sizes = [_int(s, "target_size") for s in target_sizes]
         ptrs = [_int(p, "target_location") for p in target_locations]
+        sizes = [_int(s, "target_size") for s in target_sizes]
         out = [-1] * n
-        valid = [i for i in range(n) if sizes[i] > 0 and ptrs[i] > 0]
+        valid = _buffers("batch_get", ptrs, sizes)
         # In chunks under one deadline: only a chunk's values are alive at once, not a copy
         # of the whole batch (a long request's read is as big as the manager's read buffer).
         deadline = time.monotonic() + self.timeout
@@ -389,10 +416,8 @@ class KVPipeStorage:
     def get(
         self, key: str, target_location: int | None = None, target_size: int | None = None
     ) -> int:
-        """One key of :meth:`batch_get`: bytes copied or -1."""
-        if not isinstance(target_location, int) or target_size is None:
-            return -1
-        return self.batch_get([key], [target_location], [target_size])[0]
+        """One key of :meth:`batch_get`: bytes copied or -1 (``TypeError`` as there)."""
+        return self.batch_get([key], [target_location], [target_size])[0]  # type: ignore[list-item]
 
     def exists(self, keys: list[str]) -> dict[str, bool]:
         """``{key: stored}`` for every key (all ``False`` when the store cannot answer)."""

@@ -938,12 +938,12 @@ def test_fd_a_file_path_that_cannot_be_made_is_a_backend_error(tmp_path: Path) -
     assert isinstance(info.value.__cause__, OSError)
 
 
-def test_fd_bad_target_pointers_are_request_errors(tmp_path: Path) -> None:
-    """A zero or negative pointer or size: a RequestError (a ValueError), not a bare one."""
+def test_fd_bad_target_pointers(tmp_path: Path) -> None:
+    """A zero or negative pointer or size: -1 for that key (as batch_get and FastDeploy's
+    FileStore answer it); no pointer at all: a TypeError (test_fd_storage.py has the rest)."""
     with KVPipeStorage(file_path=str(tmp_path)) as fs:
-        with pytest.raises(kvpipe.RequestError, match="bad target"):
-            fs.batch_set(["k"], [0], [8])
-        with pytest.raises(kvpipe.RequestError, match="target_location"):
+        assert fs.batch_set(["k"], [0], [8]) == [-1]
+        with pytest.raises(TypeError, match="target_location"):
             fs.set("k", None, 8)
 
 

@@ -1,0 +1,56 @@
+"""``KVPipeStorage`` (FastDeploy's ``file`` / ``mooncake`` backend) at the edges of its
+contract: argument checks, calls after ``close``, and batches whose values differ in size."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import pytest
+
+import kvpipe
+from kvpipe.integrations.fastdeploy import KVPipeStorage
+
+
+def _buf(data: bytes) -> tuple[ctypes.Array[ctypes.c_char], int]:
+    b = ctypes.create_string_buffer(data, len(data))
+    return b, ctypes.addressof(b)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("bad", [None, "0x10", 1.5])
+def test_set_and_get_refuse_a_location_of_the_wrong_type_alike(bad: object) -> None:
+    """``set`` raised ``RequestError`` (a ``ValueError``) for a location that is no int
+    while ``get`` returned -1 for the same argument; the class says a wrong argument type
+    raises ``TypeError``, as ``batch_set`` and ``batch_get`` do. Both now raise it."""
+    _keep, ptr = _buf(b"x" * 8)
+    with KVPipeStorage(store=kvpipe.MemoryStore()) as fs:
+        assert fs.set("k", ptr, 8) == 0
+        for call in (fs.set, fs.get, lambda *a: fs.batch_set([a[0]], [a[1]], [a[2]])):
+            with pytest.raises(TypeError, match="target_location"):
+                call("k", bad, 8)
+        with pytest.raises(TypeError, match="target_location"):
+            fs.batch_get(["k"], [bad], [8])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(("where", "size"), [(0, 8), (-8, 8), (None, 0), (None, -1)])
+def test_set_and_get_answer_a_location_that_is_no_buffer_alike(
+    where: int | None, size: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A zero or negative pointer or size: ``batch_get`` answered -1 for that key (as
+    FastDeploy's own ``FileStore``, whose ``test_get_invalid_target_size`` expects it) while
+    ``batch_set`` raised ``RequestError`` for the whole batch and stored none of its other
+    keys. Both now answer -1 for that key, with one WARNING, and serve the others."""
+    _keep, ptr = _buf(b"y" * 8)
+    loc = ptr if where is None else where
+    with KVPipeStorage(store=kvpipe.MemoryStore()) as fs:
+        with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+            assert fs.batch_set(["bad", "good"], [loc, ptr], [size, 8]) == [-1, 0]
+        assert len(_warnings(caplog)) == 1, _warnings(caplog)
+        assert fs.exists(["bad", "good"]) == {"bad": False, "good": True}
+        assert fs.set("bad", loc, size) == -1
+        assert fs.get("good", loc, size) == -1
+        assert fs.batch_get(["good", "good"], [loc, ptr], [size, 8]) == [-1, 8]
