@@ -54,3 +54,21 @@ def test_set_and_get_answer_a_location_that_is_no_buffer_alike(
         assert fs.set("bad", loc, size) == -1
         assert fs.get("good", loc, size) == -1
         assert fs.batch_get(["good", "good"], [loc, ptr], [size, 8]) == [-1, 8]
+
+
+def test_clear_after_close_fails_like_a_store_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The docs: a call after ``close()`` answers as a failed store does, with one WARNING
+    naming ``PipelineClosed``. ``clear()`` answered ``True`` (success) in silence, whether or
+    not this instance had stored anything, though it removed nothing."""
+    _keep, ptr = _buf(b"c" * 16)
+    store = kvpipe.MemoryStore()
+    fs = KVPipeStorage(store=store)
+    assert fs.batch_set(["a"], [ptr], [16]) == [0]
+    fs.close()
+    with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+        assert fs.clear() is False
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "PipelineClosed" in warnings[0], warnings
+    assert len(store.keys()) == 1  # nothing was removed
