@@ -94,6 +94,15 @@ def _buffers(op: str, ptrs: list[int], sizes: list[int]) -> list[int]:
     return [i for i, (p, s) in enumerate(zip(ptrs, sizes, strict=True)) if p > 0 and s > 0]
 
 
+def _by_size(sizes: Sequence[int]) -> list[list[int]]:
+    """The positions of ``sizes``, grouped by size (the groups in order of first
+    appearance)."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(sizes):
+        groups.setdefault(n, []).append(i)
+    return list(groups.values())
+
+
 def _verify(value: bytearray, key: str, size: int) -> memoryview | None:
     """The payload when ``value`` is ``size`` bytes plus a sound trailer for ``key``."""
     if len(value) != size + _TRAILER.size:
@@ -314,6 +323,10 @@ class KVPipeStorage:
             Per key 0 (stored now or already) or -1 (store failed, deadline passed, a
             location or size that is not positive); -1 for every key when the lists' lengths
             differ. A key already stored is not rewritten (counted in :attr:`deduplicated`).
+            Stored :data:`BATCH_SET_CHUNK` keys at a time under one deadline, each chunk a
+            value size at a time: a store failure or the deadline ends the call in its
+            chunk, the keys stored before it answering 0, those from it on -1 (a value whose
+            put was under way may be stored all the same).
 
         Raises:
             TypeError: A key, location or size of the wrong type (nothing is stored).
@@ -333,32 +346,42 @@ class KVPipeStorage:
         for lo in range(0, len(valid), BATCH_SET_CHUNK):
             chunk = valid[lo : lo + BATCH_SET_CHUNK]
             values = [_copied(ptrs[i], sizes[i], keys[i]) for i in chunk]
-            result = self._run(
+            done = [-1] * len(chunk)  # filled in the loop as each value size is stored
+            ok = self._run(
                 "batch_set",
                 self._put,
                 [ours[i] for i in chunk],
                 values,
+                done,
                 timeout=deadline - time.monotonic(),
             )
             del values
-            if result is None:
-                break
-            for i, r in zip(chunk, result, strict=True):
+            # What was stored before a failure or the deadline counts, and is remembered.
+            for i, r in zip(chunk, list(done), strict=True):
                 out[i] = r
+            if ok is None:
+                break
         self._remember([k for k, r in zip(ours, out, strict=True) if r == 0])
         return out
 
-    async def _put(self, ours: list[str], values: list[bytearray]) -> list[int]:
-        """Store the values not stored yet: per key 0 or -1."""
-        n = len(ours)
+    async def _put(self, ours: list[str], values: list[bytearray], out: list[int]) -> bool:
+        """Store the values not stored yet, setting ``out[i]`` to 0 as key ``i`` is found
+        stored or stored: one value size at a time (the store's batches are of one size), so
+        that a size whose put fails, or is cut off by the deadline, leaves the earlier
+        sizes' answers in ``out`` (else -1 for keys in fact stored, and :meth:`clear`
+        would never remove them)."""
         present = await self._client.exists(ours)
         todo = [i for i, p in enumerate(present) if not p]
-        self._dedup += n - len(todo)
-        got = await self._client.put([ours[i] for i in todo], [values[i] for i in todo])
-        out = [0] * n
-        for i, status in zip(todo, got, strict=True):
-            out[i] = 0 if status is BlockStatus.OK else -1
-        return out
+        self._dedup += len(ours) - len(todo)
+        for i, p in enumerate(present):
+            if p:
+                out[i] = 0
+        for group in _by_size([len(values[i]) for i in todo]):
+            picked = [todo[j] for j in group]
+            got = await self._client.put([ours[i] for i in picked], [values[i] for i in picked])
+            for i, status in zip(picked, got, strict=True):
+                out[i] = 0 if status is BlockStatus.OK else -1
+        return True
 
     def set(
         self, key: str, target_location: int | None = None, target_size: int | None = None
@@ -377,10 +400,11 @@ class KVPipeStorage:
         Returns:
             Per key the bytes copied, or -1 (missing, corrupt, of another size, store down,
             a location or size that is not positive); -1 for every key when the lists'
-            lengths differ. A value is copied only after its
-            checks passed: the caller's buffer never receives a corrupt or short value.
-            Fetched :data:`BATCH_GET_CHUNK` keys at a time under one deadline: a store failure
-            or the deadline ends the call at its chunk (-1 from there on).
+            lengths differ. A value is copied only after its checks passed: the caller's
+            buffer never receives a corrupt or short value. Fetched :data:`BATCH_GET_CHUNK`
+            keys at a time under one deadline, each chunk a value size at a time: a store
+            failure or the deadline ends the call in its chunk, the values fetched before it
+            placed, -1 from there on.
 
         Raises:
             TypeError: A key, location or size of the wrong type (nothing is copied).
@@ -400,18 +424,35 @@ class KVPipeStorage:
         bad = 0
         for lo in range(0, len(valid), BATCH_GET_CHUNK):
             chunk = valid[lo : lo + BATCH_GET_CHUNK]
-            args = [ours[i] for i in chunk], [sizes[i] + _TRAILER.size for i in chunk]
-            got = self._run(
-                "batch_get", self._client.get, *args, timeout=deadline - time.monotonic()
-            )
-            if got is None:
+            got: list[tuple[BlockStatus, bytearray] | None] = [None] * len(chunk)
+            args = [ours[i] for i in chunk], [sizes[i] + _TRAILER.size for i in chunk], got
+            ok = self._run("batch_get", self._fetch, *args, timeout=deadline - time.monotonic())
+            # The sizes fetched before a failure or the deadline are placed all the same.
+            fetched = [(i, g) for i, g in zip(chunk, list(got), strict=True) if g is not None]
+            del got
+            bad += _place([i for i, _ in fetched], [g for _, g in fetched], keys, ptrs, sizes, out)
+            del fetched  # before the next chunk is fetched
+            if ok is None:
                 break
-            bad += _place(chunk, got, keys, ptrs, sizes, out)
-            del got  # before the next chunk is fetched
         if bad:
             log.warning("KVPipeStorage batch_get: %d of %d values failed their checks", bad, n)
         self._remember([ours[i] for i in range(n) if out[i] > 0])
         return out
+
+    async def _fetch(
+        self,
+        ours: list[str],
+        nbytes: list[int],
+        out: list[tuple[BlockStatus, bytearray] | None],
+    ) -> bool:
+        """Fetch the values into ``out`` one value size at a time, as :meth:`_put` stores
+        them: a size whose fetch fails, or is cut off by the deadline, leaves the earlier
+        sizes' values in ``out`` (its own stay ``None``)."""
+        for group in _by_size(nbytes):
+            got = await self._client.get([ours[i] for i in group], [nbytes[i] for i in group])
+            for i, pair in zip(group, got, strict=True):
+                out[i] = pair
+        return True
 
     def get(
         self, key: str, target_location: int | None = None, target_size: int | None = None

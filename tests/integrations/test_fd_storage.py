@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
 
+import anyio
 import pytest
 
 import kvpipe
+from kvpipe.integrations._fd_storage import _TRAILER
 from kvpipe.integrations.fastdeploy import KVPipeStorage
 
 
@@ -72,3 +75,69 @@ def test_clear_after_close_fails_like_a_store_with_one_warning(
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "PipelineClosed" in warnings[0], warnings
     assert len(store.keys()) == 1  # nothing was removed
+
+
+#: A scale key's bytes beside a cache key's (FastDeploy's block-wise fp8: one batch holds
+#: the blocks' keys and values, then their key and value scales, of another size).
+BIG, SMALL = 64, 16
+
+
+class _FailsOneSize(kvpipe.MemoryStore):  # type: ignore[misc]
+    """Fails (raises, or hangs until cancelled) every put / get of ``SMALL``-byte values."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.armed = False
+
+    async def _fail(self, nbytes: int) -> None:
+        if self.armed and nbytes == SMALL + _TRAILER.size:
+            if self.how == "hangs":
+                await anyio.sleep_forever()
+            raise kvpipe.BackendError("memory", "put", "the scale values' device is gone")
+
+    async def put_blocks(self, batch: kvpipe.PutBatch) -> Sequence[kvpipe.BlockStatus]:
+        await self._fail(batch.value_nbytes)
+        return await super().put_blocks(batch)
+
+    async def get_blocks(self, batch: kvpipe.GetBatch) -> Sequence[kvpipe.BlockStatus]:
+        await self._fail(batch.value_nbytes)
+        return await super().get_blocks(batch)
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs"])
+def test_a_failing_size_group_keeps_what_the_other_sizes_stored(
+    how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kvpipe stores one batch_set's values a value size at a time. When a later size's
+    put failed (the store raised, or the deadline passed in it), the earlier size's values
+    stayed stored, yet every key answered -1 and none was remembered: FastDeploy was told
+    nothing was stored, and clear() could never remove those entries."""
+    _keep, ptr = _buf(b"b" * BIG)
+    store = _FailsOneSize(how)
+    store.armed = True
+    with KVPipeStorage(store=store, timeout=0.5) as fs:
+        with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+            assert fs.batch_set(["k", "v", "ks"], [ptr] * 3, [BIG, BIG, SMALL]) == [0, 0, -1]
+        assert len(_warnings(caplog)) == 1, _warnings(caplog)
+        assert fs.clear() is True
+        assert store.keys() == []  # clear() removed what batch_set stored
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs"])
+def test_a_failing_size_group_keeps_what_the_other_sizes_fetched(
+    how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """batch_get likewise: the values of one size, fetched and sound, were dropped (-1, the
+    caller's buffer untouched) because another size's fetch failed after them."""
+    src, ptr = _buf(bytes(range(BIG)))
+    store = _FailsOneSize(how)
+    with KVPipeStorage(store=store, timeout=0.5) as fs:
+        assert fs.batch_set(["k", "v", "ks"], [ptr] * 3, [BIG, BIG, SMALL]) == [0, 0, 0]
+        store.armed = True
+        dst, dp = _buf(bytes(3 * BIG))
+        with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+            got = fs.batch_get(["k", "v", "ks"], [dp, dp + BIG, dp + 2 * BIG], [BIG, BIG, SMALL])
+        assert got == [BIG, BIG, -1]
+        assert dst.raw == src.raw * 2 + bytes(BIG)
+        assert len(_warnings(caplog)) == 1, _warnings(caplog)
