@@ -295,7 +295,12 @@ class KVPipeStorage:
             return None
 
     def _remember(self, keys: Sequence[str]) -> None:
+        """Keep ``keys`` for :meth:`clear`, unless :meth:`close` has begun: it empties the
+        set (under the same lock, after marking the loop closed), and a call it cut off
+        must not fill it again."""
         with self._own_lock:
+            if self._loop.closed:
+                return
             for key in keys:
                 self._own[key] = None
                 self._own.move_to_end(key)

@@ -141,3 +141,50 @@ def test_a_failing_size_group_keeps_what_the_other_sizes_fetched(
         assert got == [BIG, BIG, -1]
         assert dst.raw == src.raw * 2 + bytes(BIG)
         assert len(_warnings(caplog)) == 1, _warnings(caplog)
+
+
+def test_a_batch_set_cut_off_by_close_keeps_no_keys_after_it() -> None:
+    """``close()`` lets go of the keys kept for ``clear`` (which cannot run after it). A
+    ``batch_set`` that close cut off in its second chunk remembered its first chunk's keys
+    once close had emptied the set: the object kept them for as long as it lived."""
+    import threading
+
+    from kvpipe.integrations._fd_storage import BATCH_SET_CHUNK
+
+    in_second = threading.Event()
+
+    class HangsInSecondPut(kvpipe.MemoryStore):  # type: ignore[misc]
+        puts = 0
+
+        async def put_blocks(self, batch: kvpipe.PutBatch) -> Sequence[kvpipe.BlockStatus]:
+            self.puts += 1
+            if self.puts == 2:
+                in_second.set()
+                await anyio.sleep_forever()
+            return await super().put_blocks(batch)
+
+    n = BATCH_SET_CHUNK + 1
+    _keep, ptr = _buf(b"z" * 16)
+    fs = KVPipeStorage(store=HangsInSecondPut())
+    closed = threading.Event()
+    run = fs._run
+
+    def descheduled(*args: object, **kw: object) -> object:
+        """The caller thread, cut off, resumes only once close() has returned."""
+        got = run(*args, **kw)  # type: ignore[arg-type]
+        if got is None:
+            assert closed.wait(10)
+        return got
+
+    fs._run = descheduled  # type: ignore[method-assign]
+    result: list[list[int]] = []
+    caller = threading.Thread(
+        target=lambda: result.append(fs.batch_set([f"k{i}" for i in range(n)], [ptr] * n, [16] * n))
+    )
+    caller.start()
+    assert in_second.wait(10)
+    fs.close()
+    closed.set()
+    caller.join(10)
+    assert result == [[0] * BATCH_SET_CHUNK + [-1]]
+    assert len(fs._own) == 0
