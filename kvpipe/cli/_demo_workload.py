@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final, final
 
@@ -24,6 +24,7 @@ __all__ = (
     "count_equal",
     "fill_random",
     "plan_workload",
+    "random_fills",
 )
 
 IdArray = npt.NDArray[np.int64]
@@ -147,11 +148,34 @@ def plan_workload(
     return Workload(tuple(out), shared, sum(sizes), src_blocks, concurrency * hi)
 
 
-def fill_random(cache: kvpipe.KVCache, seed: int) -> None:
-    """Fill every block of every tensor with seeded random bytes."""
+#: Bytes one step of :func:`random_fills` draws at most (a tensor's row is never split).
+FILL_CHUNK_BYTES: Final = 64 << 20
+
+
+def random_fills(
+    cache: kvpipe.KVCache, seed: int, chunk_bytes: int = FILL_CHUNK_BYTES
+) -> Iterator[Callable[[], None]]:
+    """The steps that fill every block of every tensor with seeded random bytes, in order,
+    each of at most ``chunk_bytes`` (one block row at least): a caller that runs each in a
+    worker thread can stop between two (Ctrl-C) instead of after the whole cache."""
     rng = np.random.default_rng([seed, 1])
+
+    def fill(rows: npt.NDArray[np.uint8]) -> Callable[[], None]:
+        def step() -> None:
+            rows[:] = np.frombuffer(rng.bytes(rows.size), np.uint8).reshape(rows.shape)
+
+        return step
+
     for rows in cache.byte_rows:
-        rows[:] = np.frombuffer(rng.bytes(rows.size), np.uint8).reshape(rows.shape)
+        per_step = max(1, chunk_bytes // max(1, rows.shape[1]))
+        for start in range(0, rows.shape[0], per_step):
+            yield fill(rows[start : start + per_step])
+
+
+def fill_random(cache: kvpipe.KVCache, seed: int) -> None:
+    """Fill every block of every tensor with seeded random bytes (:func:`random_fills`)."""
+    for step in random_fills(cache, seed):
+        step()
 
 
 def count_equal(a: kvpipe.KVCache, a_ids: IdArray, b: kvpipe.KVCache, b_ids: IdArray) -> int:

@@ -40,8 +40,8 @@ from ._demo_workload import (
     IdArray,
     Workload,
     count_equal,
-    fill_random,
     plan_workload,
+    random_fills,
 )
 from .mooncake_up import mooncake_store
 
@@ -308,7 +308,8 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
         mib = 2 * work.src_blocks * value_nbytes(nbytes) // (1 << 20) + 64
         args = argparse.Namespace(**{**vars(args), "segment_mib": mib})
     src = kvpipe.create_kv_cache(layout, work.src_blocks)
-    await run_sync(fill_random, src, args.seed)
+    for step in random_fills(src, args.seed):  # not one thread: Ctrl-C stops it between steps
+        await run_sync(step)
     dst = kvpipe.create_kv_cache(layout, work.dst_blocks)
     namespace, n = f"kvpipe-demo-{args.layout}", args.concurrency
     async with _metrics_port.metrics_page(args, io) as metrics, open_store(args) as store:

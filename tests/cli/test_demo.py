@@ -426,3 +426,62 @@ def test_an_option_of_another_store_is_a_usage_error(
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"kvpipe demo: error: {option} ")
     assert list(tmp_path.iterdir()) == []
+
+
+#: ``python -c`` body: ``kvpipe ARGV[1:]``, Ctrl-C'd (SIGINT to the main thread) as the
+#: demo's source cache starts filling, in the fill's first draw of random bytes; at exit,
+#: after every thread is joined, it prints how many draws ran of how many tensors to fill.
+INTERRUPTED_IN_FILL = """
+import atexit, signal, sys, threading
+import numpy as np
+import kvpipe
+from kvpipe.cli import main
+
+draws, tensors = [], []
+real_rng, real_cache = np.random.default_rng, kvpipe.create_kv_cache
+
+class Rng:
+    def __init__(self, rng):
+        self._rng = rng
+    def __getattr__(self, name):
+        return getattr(self._rng, name)
+    def bytes(self, n):
+        if not draws:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        draws.append(n)
+        return self._rng.bytes(n)
+
+def cache(layout, num_blocks, *args, **kwargs):
+    made = real_cache(layout, num_blocks, *args, **kwargs)
+    tensors.append(len(made.byte_rows))
+    return made
+
+np.random.default_rng = lambda *a, **k: Rng(real_rng(*a, **k))
+kvpipe.create_kv_cache = cache
+atexit.register(lambda: print("draws", len(draws), "tensors", tensors[0], flush=True))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_the_source_cache_fills_stops_the_fill(tmp_path: Path) -> None:
+    """The source cache was filled in one worker thread that Ctrl-C could not stop: the
+    command said "interrupted" but the process stayed until every byte was drawn (seconds
+    for a large cache), and a second Ctrl-C killed it in the middle of its exit. The fill
+    now runs in chunks, cancellation checked between them: Ctrl-C ends the current one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPIPE_", "AS_WRITE_"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_IN_FILL, "demo", *SMALL],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip().splitlines() == ["kvpipe demo: interrupted"]
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("draws")]
+    _, draws, _, tensors = line.split()
+    assert int(tensors) == 4  # the tiny layout: 2 layers, keys and values
+    assert int(draws) == 1, line  # the chunk in flight, no more
+    assert list(tmp_path.iterdir()) == []
