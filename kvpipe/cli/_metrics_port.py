@@ -14,6 +14,7 @@ it is a usage error (exit 2), not silently ignored.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Final
@@ -74,8 +75,8 @@ async def metrics_page(
         return
     if not 0 <= port <= 65535:
         raise ui.UsageError(f"--metrics-port must be in [0, 65535], got {port}")
-    if not linger >= 0:
-        raise ui.UsageError(f"--metrics-linger must be >= 0, got {linger}")
+    if not (math.isfinite(linger) and linger >= 0):  # inf: it would serve forever
+        raise ui.UsageError(f"--metrics-linger must be a finite number >= 0, got {linger}")
     metrics = kvpipe.PipelineMetrics()  # Unsupported without prometheus_client
     from prometheus_client import start_http_server
 

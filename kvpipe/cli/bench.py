@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -244,8 +245,8 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
             require_uvicorn()
         except UvicornUnavailable as exc:
             raise ui.UsageError(str(exc)) from None
-    if args.server_rate <= 0:
-        raise ui.UsageError(f"--server-rate must be > 0, got {args.server_rate}")
+    if not (math.isfinite(args.server_rate) and args.server_rate > 0):  # nan passed `<= 0`
+        raise ui.UsageError(f"--server-rate must be a finite number > 0, got {args.server_rate}")
     if args.plot:
         try:
             require_matplotlib()

@@ -384,3 +384,27 @@ def test_mooncake_bench_checks_each_rounds_read(
     args += ["--slice-mib", "1", "--placement", "local", "--json", str(tmp_path / "r.json")]
     with pytest.raises(RuntimeError, match="pipeline read back different bytes"):
         main(args)
+
+
+@pytest.mark.parametrize("rate", ["nan", "inf", "-inf", "0", "-5"])
+def test_a_server_rate_that_is_not_a_positive_number_is_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, rate: str
+) -> None:
+    """``--server-rate nan`` passed its ``<= 0`` check (NaN compares false both ways) and
+    ``inf`` too, and either went to the client process as its rate; both are refused now,
+    in one line, before anything runs."""
+    from kvpipe.cli import bench
+
+    ran: list[str] = []
+
+    async def scenario(name: str, *_: object) -> list[object]:
+        ran.append(name)
+        return []
+
+    monkeypatch.setattr(bench, "_run_scenario", scenario)
+    rc = main(["bench", "--scenario", "memory", f"--server-rate={rate}"])
+    captured = capsys.readouterr()
+    assert (rc, ran, captured.out) == (2, [], ""), captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("kvpipe bench: error: --server-rate must be a finite number > 0")

@@ -101,3 +101,25 @@ def test_a_linger_without_a_port_is_a_usage_error(capsys: pytest.CaptureFixture[
     captured = capsys.readouterr()
     assert "--metrics-linger needs --metrics-port" in captured.err
     assert captured.out == ""  # refused before anything ran
+
+
+@pytest.mark.parametrize("linger", ["inf", "nan", "-1", "-inf"])
+def test_a_linger_that_is_not_a_finite_number_of_seconds_is_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, linger: str
+) -> None:
+    """``--metrics-linger inf`` passed the ``>= 0`` check and kept the page up forever
+    after the run; it is refused, in one line, before anything runs, as ``-1`` and ``nan``
+    are."""
+    from kvpipe.cli import demo
+
+    async def phases(*_: object) -> int:
+        raise AssertionError("the demo ran")
+
+    monkeypatch.setattr(demo, "_run_phases", phases)
+    argv = ["demo", *SMALL, "--json", "--metrics-port", "0", f"--metrics-linger={linger}"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("kvpipe demo: error: --metrics-linger must be a finite number")
