@@ -102,6 +102,8 @@ async def run(args: argparse.Namespace, io: ui.CommandIO) -> int:
         for name, about in [(s.name, s.about) for s in SCENARIOS] + [KILL]:
             print(f"{name:<16} {about}", file=io.out.file)
         return ui.EXIT_OK
+    if args.dir is not None and args.store != "file":  # as kvpipe demo's store options
+        raise ui.UsageError(f"--dir is for --store file, not --store {args.store}")
     _check_dir(args.dir)
     chosen = [s for s in SCENARIOS if args.all or not args.scenario or s.name in args.scenario]
     unknown = set(args.scenario or ()) - {s.name for s in SCENARIOS} - {KILL[0]}
@@ -187,7 +189,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--scenario", action="append", metavar="NAME", help="run these (repeatable; see --list)")
     add("--all", action="store_true", help="run every scenario (the default with no --scenario)")
     add("--seed", type=ui.seed, default=0, help="seed of the fault plans and workloads")
-    add("--dir", default=None, help="where file stores go (default: a temporary directory)")
+    add(
+        "--dir",
+        default=None,
+        help="--store file: where its stores go (default: a temporary directory)",
+    )
     add("--json", action="store_true", help="print the results as JSON")
 
 

@@ -129,3 +129,25 @@ def test_sigterm_removes_the_stores_it_made(tmp_path: Path) -> None:
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
     assert proc.stderr.strip().splitlines() == ["kvpipe faults: terminated"]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("store", ["memory", "mooncake"])
+def test_a_dir_for_another_store_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store: str
+) -> None:
+    """``--store memory --dir /mnt/nvme/x`` ran every scenario in memory and said all held,
+    the directory never used (only an empty temporary directory made in it and removed):
+    the user believed that disk tested. As ``kvpipe demo`` refuses an option of another
+    store, ``--dir`` without ``--store file`` is refused, in one line, before anything runs."""
+    from kvpipe.cli import faults
+
+    async def scenario(*_: object) -> object:
+        raise AssertionError("a scenario ran")
+
+    monkeypatch.setattr(faults, "run_scenario", scenario)
+    assert main(["faults", "--store", store, "--scenario", "late", "--dir", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert lines == [f"kvpipe faults: error: --dir is for --store file, not --store {store}"]
+    assert list(tmp_path.iterdir()) == []
