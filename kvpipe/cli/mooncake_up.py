@@ -22,7 +22,6 @@ import signal
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, Final
 
 import anyio
@@ -39,10 +38,27 @@ CLIENT_ENV: Final = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 _WATCH_EVERY: Final = 0.5
 
 
-def _log_tail(log_dir: str, name: str, lines: int = 5) -> str:
-    path = Path(log_dir, f"{name}.log")
+_LOGS: Final = ("mooncake_master", "mooncake_http_metadata_server")
+
+
+def _log_sizes(log_dir: str) -> dict[str, int]:
+    """How long each process's log in ``log_dir`` is now (0: none yet); the processes
+    append, so what a run writes starts there."""
+    sizes = {}
+    for name in _LOGS:
+        try:
+            sizes[name] = os.path.getsize(os.path.join(log_dir, f"{name}.log"))
+        except OSError:
+            sizes[name] = 0
+    return sizes
+
+
+def _log_tail(log_dir: str, name: str, start: int = 0, lines: int = 5) -> str:
+    """The last ``lines`` lines of a process's log written past byte ``start``, joined."""
     try:
-        text = path.read_text(errors="replace").strip().splitlines()
+        with open(os.path.join(log_dir, f"{name}.log"), "rb") as log:
+            log.seek(start)
+            text = log.read().decode(errors="replace").strip().splitlines()
     except OSError:
         return ""
     return " | ".join(text[-lines:])
@@ -75,12 +91,12 @@ async def running_mooncake(
             raise ui.UsageError(f"--log-dir {logs}: {exc.strerror or exc}") from exc
     server = LocalMooncake(master_args, log_dir=logs)
     try:
+        # A --log-dir may hold an earlier run's logs: quote only what this run appends.
+        sizes = await run_sync(_log_sizes, logs)
         try:
             await run_sync(server.start)  # stops what it started when it fails
         except (RuntimeError, TimeoutError) as exc:
-            tail = _log_tail(logs, "mooncake_master") or _log_tail(
-                logs, "mooncake_http_metadata_server"
-            )
+            tail = next(filter(None, (_log_tail(logs, n, sizes[n]) for n in _LOGS)), "")
             raise ui.UsageError(f"Mooncake did not start: {exc}; log: {tail or '-'}") from exc
         yield server
     finally:

@@ -184,3 +184,34 @@ def test_a_server_that_dies_stops_the_other_and_fails() -> None:
         assert proc.wait(timeout=30) == 1
         assert "mooncake_master exited with -9" in stderr_of(proc)
         assert not alive(info["pids"]["metadata"])
+
+
+@pytest.mark.parametrize("failing", ["mooncake_master", "mooncake_http_metadata_server"])
+def test_did_not_start_quotes_only_this_runs_log(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    failing: str,
+) -> None:
+    """The processes append to ``--log-dir``'s logs, and "did not start" quoted the last
+    lines of the file: those of an earlier run when this one wrote fewer (or, when the
+    metadata server failed, the master's log of an earlier run, this run's master never
+    started). It quotes only what this run wrote."""
+    from kvpipe.backends.mooncake_local import LocalMooncake
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("mooncake_master", "mooncake_http_metadata_server"):
+        (logs / f"{name}.log").write_text("".join(f"earlier run {i}\n" for i in range(5)))
+
+    def start(self: LocalMooncake) -> LocalMooncake:
+        with open(os.path.join(self.log_dir, f"{failing}.log"), "a") as log:
+            log.write("this run: unknown flag\n")
+        raise RuntimeError(f"['{failing}'] exited with 1 before listening")
+
+    monkeypatch.setattr(LocalMooncake, "start", start)
+    monkeypatch.setattr(LocalMooncake, "stop", lambda self: None)
+    assert main(["mooncake-up", "--once", "--log-dir", str(logs)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "did not start" in err and "log: this run: unknown flag" in err, err
+    assert "earlier run" not in err, err
