@@ -17,6 +17,7 @@ asked (prefill→decode transfer); its key ends in ``:partial:N``.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Any, Final, final
@@ -58,7 +59,7 @@ class Scope:
     Attributes:
         namespace: A model / deployment name (validated by :func:`validate_namespace`).
         fingerprint: The cache layout's fingerprint.
-        rank: Tensor-parallel rank of the writer.
+        rank: Tensor-parallel rank of the writer (a numpy integer is kept as its int).
         world_size: Tensor-parallel world size.
     """
 
@@ -72,8 +73,10 @@ class Scope:
         if not re.fullmatch(r"[0-9a-f]{16}", self.fingerprint):
             raise ConfigError("fingerprint", f"{self.fingerprint!r} is not 16 hex characters")
         for name, value, low in (("world_size", self.world_size, 1), ("rank", self.rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            # numpy integers too (not numpy's bool, no Integral), kept as the int they are
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise ConfigError(name, f"must be an int >= {low}, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.rank >= self.world_size:
             raise ConfigError("rank", f"rank {self.rank} is not below world_size {self.world_size}")
 

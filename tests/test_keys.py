@@ -215,6 +215,23 @@ def test_scope_rejects_bad_rank_and_world_size(rank: Any, world_size: Any, field
     assert info.value.field == field
 
 
+def test_scope_takes_numpy_integers_as_ranks_and_sizes() -> None:
+    """A rank or world size that is a numpy integer (ranks enumerated from an array, a size
+    from ``np.prod`` of a mesh) was refused as "must be an int", where ``start_block`` and
+    ``common_prefix`` take numpy integers; it is now the same scope, and key, as the int."""
+    scope = Scope("ns", FP, np.int64(1), np.uint32(2))  # type: ignore[arg-type]
+    assert scope == Scope("ns", FP, 1, 2)
+    assert type(scope.rank) is int and type(scope.world_size) is int
+    assert scope.prefix == f"ns@{FP}@1-2@"
+    for rank, world_size, field in ((np.int64(2), 2, "rank"), (np.int8(-1), 2, "rank")):
+        with pytest.raises(kvpipe.ConfigError) as info:
+            Scope("ns", FP, rank, world_size)  # type: ignore[arg-type]
+        assert info.value.field == field
+    with pytest.raises(kvpipe.ConfigError) as info:
+        Scope("ns", FP, np.bool_(True), 2)  # type: ignore[arg-type]
+    assert info.value.field == "rank"
+
+
 @pytest.mark.parametrize("fp", ["", "0123", "0123456789ABCDEF", "0123456789abcdeg", FP + "0"])
 def test_scope_rejects_bad_fingerprint(fp: str) -> None:
     with pytest.raises(kvpipe.ConfigError) as info:
