@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import numbers
 import operator
 import os
 import struct
@@ -202,8 +203,13 @@ class KVPipeStorage:
         if file_path is not _UNSET and (file_path is None or file_path == ""):
             raise ConfigError("file_path", "file_path must be specified for the FileStore backend")
         self.namespace = namespace or ""
-        self.tp_rank = tp_rank or 0
-        self.tp_size = tp_size or 1
+        for name, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0
+            ):
+                raise ConfigError(name, f"must be an int >= 0 (or None), got {value!r}")
+        self.tp_rank = int(tp_rank or 0)
+        self.tp_size = int(tp_size or 1)  # FastDeploy may pass None (or 0): one rank
         #: scopes every key: a value stored at one TP size is never asked for at another
         self._scope = f"{self.namespace}\0tp{self.tp_size}"
         self.timeout = timeout

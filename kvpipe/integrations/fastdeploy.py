@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import numbers
 import os
 import re
 import threading
@@ -251,6 +252,11 @@ class KVPipeAttentionStore:
         self.model_version = env.get("AS_MODEL_VERSION", model_version)
         self.layer_num = int(layer_num)
         self.block_token_size = int(block_token_size)
+        for name, value, low in (("shard_num", shard_num, 1), ("shard_id", shard_id, 0)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise ConfigError(name, f"must be an int >= {low}, got {value!r}")
+        if shard_id >= shard_num:
+            raise ConfigError("shard_id", f"shard {shard_id} is not below shard_num {shard_num}")
         self.shard_id, self.shard_num = int(shard_id), int(shard_num)
         self.splitwise_role = splitwise_role
         self.rope_dim = rope_dim

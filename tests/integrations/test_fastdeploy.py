@@ -1233,3 +1233,32 @@ def test_query_answers_0_for_bad_arguments_never_raising(
         assert store.write("t", k, v, list(range(16)), [0, 1, 2, 3], 0) == 4
         assert store.query("t", tokens, start) == 0
     assert any(r.levelname == "ERROR" and "bad arguments" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"shard_id": 1.5}, "shard_id"),
+        ({"shard_id": True}, "shard_id"),
+        ({"shard_id": -1}, "shard_id"),
+        ({"shard_num": 0}, "shard_num"),
+        ({"shard_id": 2, "shard_num": 2}, "shard_id"),
+    ],
+)
+def test_shards_that_name_no_rank_are_refused_at_construction(
+    kw: dict[str, object], field: str
+) -> None:
+    """int() took 1.5 or True as shard 1, and a shard_id >= shard_num surfaced only at the
+    first write or read; a bad shard is a ConfigError when the adapter is made, as
+    FastDeploy's own AttentionStore fails its construction."""
+    with pytest.raises(kvpipe.ConfigError) as caught:
+        KVPipeAttentionStore(
+            layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore(), **kw
+        )
+    assert caught.value.field == field
+
+
+def test_numpy_shards_are_taken_as_their_ints() -> None:
+    with _store(shard_id=np.int64(1), shard_num=np.uint32(2)) as store:
+        assert (store.shard_id, store.shard_num) == (1, 2)
+        assert type(store.shard_id) is int

@@ -188,3 +188,17 @@ def test_a_batch_set_cut_off_by_close_keeps_no_keys_after_it() -> None:
     caller.join(10)
     assert result == [[0] * BATCH_SET_CHUNK + [-1]]
     assert len(fs._own) == 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"tp_size": -2}, "tp_size"), ({"tp_size": 2.5}, "tp_size"), ({"tp_rank": True}, "tp_rank")],
+)
+def test_a_tp_size_or_rank_that_names_none_is_refused(kw: dict[str, object], field: str) -> None:
+    """tp_size scopes every key; -2 or 2.5 were taken as they were (keys scoped by "tp-2"),
+    a bool rank as 1. None (or 0), as FastDeploy may pass, is still one rank."""
+    with pytest.raises(kvpipe.ConfigError) as caught:
+        KVPipeStorage(store=kvpipe.MemoryStore(), **kw)
+    assert caught.value.field == field
+    with KVPipeStorage(store=kvpipe.MemoryStore(), tp_size=None, tp_rank=None) as s:
+        assert (s.tp_size, s.tp_rank) == (1, 0)
