@@ -12,6 +12,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import anyio
 
@@ -239,9 +240,10 @@ class Scheduler(Actor[RequestState]):
         out: list[BlockLocation] = []
         for lo in range(0, len(keys), ctx.slice_blocks):
             chunk = keys[lo : lo + ctx.slice_blocks]
-            records = await backend_call(
+            answer = await backend_call(
                 ctx.backend, "get_residency", ctx.backend.get_residency, chunk
             )
+            records = _records_per_key(ctx.backend.name, answer, lo)
             if len(records) != len(chunk):
                 raise BackendError(
                     ctx.backend.name,
@@ -273,3 +275,30 @@ class Scheduler(Actor[RequestState]):
                 )
                 out.append(BlockLocation(lo + i, key, holders))
         return out
+
+
+def _records_per_key(store: str, answer: Any, first: int) -> list[tuple[Any, ...]]:
+    """A ``get_residency`` answer for the keys of blocks ``first``... as one tuple of
+    records per key (an empty answer for a key, ``None`` too, as none).
+
+    Raises:
+        BackendError: It is not a sequence of sequences (``None``, a count, a bare record for
+            a key: a store's slip): a failure of the call, never a crash of the scheduler.
+    """
+    try:
+        answers = list(answer)
+    except TypeError:
+        raise BackendError(
+            store, "get_residency", f"answered {type(answer).__name__}, not records per key"
+        ) from None
+    out: list[tuple[Any, ...]] = []
+    for i, entries in enumerate(answers):
+        try:
+            out.append(tuple(entries) if entries else ())
+        except TypeError:
+            raise BackendError(
+                store,
+                "get_residency",
+                f"answered block {first + i} with {type(entries).__name__}, not records",
+            ) from None
+    return out

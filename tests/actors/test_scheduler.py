@@ -350,3 +350,46 @@ class TestVirtualTime:
             assert anyio.current_time() - start == pytest.approx(7.0)
             assert state.result is not None and state.result.stop_reason == "total_timeout"
             assert state not in h.sent(to)
+
+
+@pytest.mark.parametrize("answer", ["none", "count", "number_per_block", "entry_per_block"])
+async def test_a_locate_answer_that_is_not_records_per_block_is_a_backend_error(
+    answer: str,
+) -> None:
+    """A store whose ``get_residency`` answers something that is not a sequence of records
+    per key (``None``, a count, a number or a bare record for a block: a third-party
+    store's slip) is a ``BackendError`` of that ``locate``, as a wrong count of answers is.
+    It crashed the scheduler (``TypeError`` from ``len`` or iterating the block's answer):
+    the call ended ``ActorCrashed`` and the actor restarted (a few such calls closed the
+    pipeline)."""
+
+    class Malformed(kvpipe.MemoryStore):
+        async def get_residency(self, keys):  # type: ignore[no-untyped-def]
+            records = await super().get_residency(keys)
+            if answer == "none":
+                return None
+            if answer == "count":
+                return len(keys)
+            if answer == "number_per_block":
+                return [1 for _ in keys]
+            return [r[0] if r else r for r in records]  # a record, not a sequence of them
+
+    async with harness(Malformed()) as h:
+        sched = Scheduler(h.ctx, h.inboxes["scheduler"])
+        now = anyio.current_time()
+        flush = CallState(
+            "f",
+            now + 5,
+            now,
+            "flush",
+            as_tokens(TOKENS),
+            False,
+            start_block=0,
+            residency=kvpipe.Residency.GPU,
+        )
+        await sched.handle(flush)
+        assert flush.error is None
+        state = CallState("l", now + 5, now, "locate", as_tokens(TOKENS), False)
+        await sched.handle(state)
+        assert isinstance(state.error, kvpipe.BackendError), state.value
+        assert "get_residency" in str(state.error)
