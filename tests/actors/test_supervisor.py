@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import trio.testing
 
+from kvpipe._errors import ActorCrashed
 from kvpipe.actors import Actor, ChildSpec, Metrics, PipelineHooks, Supervisor
 from kvpipe.actors._state import CallState, RequestState
 
@@ -97,3 +98,116 @@ async def test_a_crash_exactly_the_window_ago_still_counts() -> None:
     0.1 s and 60.1 s, where ``60.1 - 60`` rounds above 0.1 and the first crash was dropped."""
     _, metrics, escalated = await _run(1, 60, [(0.1, "crash-a"), (60, "crash-b")])
     assert len(escalated) == 1 and metrics.restarts == {"boom": 1}
+
+
+class _Gated(Actor[RequestState]):
+    """Holds each message until ``ctx.go`` is set, then crashes on those whose id starts with
+    'crash' and holds the others for good."""
+
+    name = "gated"
+
+    @staticmethod
+    def state_of(msg: RequestState) -> RequestState:
+        return msg
+
+    async def handle(self, msg: RequestState) -> None:
+        await self.ctx.go.wait()  # type: ignore[attr-defined]
+        if msg.request_id.startswith("crash"):
+            raise RuntimeError(msg.request_id)
+        await anyio.sleep_forever()
+
+
+class _Counted(CallState):
+    """A lookup that records every ending it is given (the first one wins)."""
+
+    def __init__(self, rid: str, endings: dict[str, list[BaseException]]) -> None:
+        now = anyio.current_time()
+        super().__init__(rid, now + 100, now, "lookup", np.arange(4), False)
+        self._endings = endings
+
+    def fail(self, error: BaseException) -> None:
+        self._endings.setdefault(self.request_id, []).append(error)
+        super().fail(error)
+
+
+async def test_two_actors_crashing_in_the_same_step_each_fail_their_own_requests() -> None:
+    """Actors ``a`` and ``b`` crash in the same step of the loop, each holding two requests:
+    each request is failed once, naming its own actor, each actor is restarted once (its own
+    budget), and nothing escalates."""
+    go = anyio.Event()
+    ctx = SimpleNamespace(hooks=PipelineHooks(), go=go)
+    send_a, recv_a = anyio.create_memory_object_stream[Any](4)
+    send_b, recv_b = anyio.create_memory_object_stream[Any](4)
+    metrics, escalated = Metrics(), []
+    sup = Supervisor(
+        [
+            ChildSpec("a", lambda: _Gated(ctx, recv_a)),  # type: ignore[arg-type]
+            ChildSpec("b", lambda: _Gated(ctx, recv_b)),  # type: ignore[arg-type]
+        ],
+        max_restarts=1,
+        window=60,
+        metrics=metrics,
+        on_escalate=lambda name, exc: escalated.append(name),
+    )
+    endings: dict[str, list[BaseException]] = {}
+    states = [_Counted(rid, endings) for rid in ("held-a", "crash-a", "held-b", "crash-b")]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        for st in states:
+            await (send_a if st.request_id.endswith("a") else send_b).send(st)
+        await anyio.sleep(1)  # both actors hold both of their requests
+        go.set()  # both crash in the same step
+        await anyio.sleep(1)
+        assert metrics.restarts == {"a": 1, "b": 1} and escalated == []
+        send_a.close()
+        send_b.close()
+    recv_a.close()
+    recv_b.close()
+    for st in states:
+        (error,) = endings[st.request_id]
+        assert isinstance(error, ActorCrashed) and error.actor == st.request_id[-1]
+    assert sorted((c.actor, c.request_ids) for c in metrics.crashes) == [
+        ("a", ("held-a", "crash-a")),
+        ("b", ("held-b", "crash-b")),
+    ]
+
+
+async def test_the_restart_budget_is_each_actors_own_over_its_own_window() -> None:
+    """Crashes spread over two actors and over time: ``a`` crashing at 0 and 50 s and ``b``
+    at 10 s and 40 s (four crashes within 60 s in all) escalate nothing with two restarts
+    allowed each; ``a`` crashing a third time at 55 s (three within its window) escalates
+    ``a`` alone; ``b``, crashing at 71 s (its crash at 10 s forgotten), is restarted."""
+    ctx = SimpleNamespace(hooks=PipelineHooks())
+    send_a, recv_a = anyio.create_memory_object_stream[Any](4)
+    send_b, recv_b = anyio.create_memory_object_stream[Any](4)
+    metrics, escalated = Metrics(), []
+    sup = Supervisor(
+        [
+            ChildSpec("a", lambda: Boom(ctx, recv_a)),  # type: ignore[arg-type]
+            ChildSpec("b", lambda: Boom(ctx, recv_b)),  # type: ignore[arg-type]
+        ],
+        max_restarts=2,
+        window=60,
+        metrics=metrics,
+        on_escalate=lambda name, exc: escalated.append(name),
+    )
+    plan = [(0, "a"), (10, "b"), (40, "b"), (50, "a")]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        start = anyio.current_time()
+        for at, who in plan:
+            await anyio.sleep_until(start + at)
+            await (send_a if who == "a" else send_b).send(_state(f"crash-{who}{at}"))
+        await anyio.sleep_until(start + 52)
+        assert metrics.restarts == {"a": 2, "b": 2} and escalated == []
+        await send_a.send(_state("crash-a55"))
+        await anyio.sleep_until(start + 56)
+        assert escalated == ["a"] and metrics.restarts == {"a": 2, "b": 2}
+        await anyio.sleep_until(start + 71)
+        await send_b.send(_state("crash-b71"))  # b's crash at 10 s has left its window
+        await anyio.sleep(1)
+        assert escalated == ["a"] and metrics.restarts == {"a": 2, "b": 3}
+        send_a.close()
+        send_b.close()
+    recv_a.close()
+    recv_b.close()
