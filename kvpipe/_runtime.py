@@ -363,6 +363,8 @@ class Runtime:
                 shown,
                 f"; and {more} more" if more > 0 else "",
             )
+        if self._supervisor is not None:  # an actor crashing from now on is not restarted
+            self._supervisor.close()
         for state in pending:
             state.fail(PipelineClosed(f"{state.describe()}: {message}"))
         if self._outboxes is not None:

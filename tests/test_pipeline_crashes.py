@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import anyio
@@ -268,3 +269,57 @@ async def test_a_base_exception_in_an_actor_leaves_the_block_as_itself(actor: st
     out = await _interrupted_by(actor, SystemExit(3))
     raised, _when = out["block"]  # type: ignore[misc]
     assert isinstance(raised, SystemExit) and raised.code == 3
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})]
+)
+@pytest.mark.parametrize("crashed_before", [False, True], ids=["restart", "escalate"])
+async def test_a_crash_after_the_close_failed_the_requests_is_not_restarted(
+    caplog: pytest.LogCaptureFixture, crashed_before: bool
+) -> None:
+    """The close fails the requests still in flight at its deadline; the writer then takes
+    the message of one that waited in its inbox, and crashes. It was restarted all the same
+    (``restarts`` and ``crashes()`` counted a restart, logged "restarting ... failed 1
+    request(s)" for a request the close had failed), and with no restart left (one crash
+    before, ``max_restarts=1``) the crash "escalated": an ERROR "closing the pipeline"
+    during the close, and later calls told the pipeline closed for the crashes. Now an
+    actor that crashes once the requests are failed is not restarted (nothing needs it),
+    escalates nothing, and what waits in its inbox is let go of; each request failed once,
+    with ``PipelineClosed``, by the close deadline."""
+    hooks = CrashHooks("writer", ["early", "queued"] if crashed_before else ["queued"])
+    store = ScriptedStore(puts={0: Act(hang=True)})
+    config = kvpipe.PipelineConfig(queue_depth=1, close_timeout=5, total_timeout=50, max_restarts=1)
+    out: dict[str, object] = {}
+    start = anyio.current_time()
+
+    async def call(pipe: kvpipe.Pipeline, rid: str, tokens: np.ndarray, ids: np.ndarray) -> None:
+        try:
+            await pipe.write(tokens, ids, request_id=rid)
+        except kvpipe.PipelineClosed as error:
+            out[rid] = (error, anyio.current_time() - start)
+
+    async with anyio.create_task_group() as tg:
+        async with kvpipe.open_pipeline(_cache(), store, config=config, hooks=hooks) as pipe:
+            if crashed_before:
+                early = await pipe.write(np.arange(500, 516), IDS[:1], request_id="early")
+                assert early.stop_reason == "actor_crashed"
+            tg.start_soon(call, pipe, "hang", TOKENS, IDS)  # its put hangs in the writer
+            await store.wait_calls("put")
+            tg.start_soon(call, pipe, "queued", np.arange(1000, 1064), np.arange(20, 24))
+            await anyio.sleep(1)
+            assert pipe.statistics().queue_depths["writer"] == 1  # waits behind "hang"
+        closed_after = anyio.current_time() - start
+    assert closed_after == 6  # the close began at 1 s: its deadline
+    for rid in ("hang", "queued"):
+        error, when = out[rid]  # type: ignore[misc]
+        assert "pipeline closed" in str(error) and "crash" not in str(error) and when == 6
+    stats = pipe.statistics()
+    assert stats.restarts == ({"writer": 1} if crashed_before else {})
+    assert stats.staging_in_use_bytes == 0
+    assert [(c.request_ids, c.restarted) for c in pipe.crashes()][-1] == (("queued",), False)
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvpipe.supervisor"]
+    assert "restarting" not in logged[-1]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    with pytest.raises(kvpipe.PipelineClosed, match=r"\(closed\)"):
+        await pipe.lookup(TOKENS)

@@ -3,6 +3,9 @@
 When an actor crashes, the requests it was handling are failed and it is restarted on the same
 inbox. More than ``max_restarts`` crashes of one actor within ``window`` seconds (on the event
 loop's clock) escalate: that actor is not restarted, and ``on_escalate`` closes the pipeline.
+Once the pipeline has closed (:meth:`Supervisor.close`: its requests failed, its inboxes
+closed), an actor that crashes is not restarted and escalates nothing: what waits in its
+inbox is let go of instead of handled.
 
 Stopping is not cancelling: once the inboxes are closed, every actor leaves its loop when its
 inbox is empty and :meth:`Supervisor.run` returns normally (an actor task ending cancelled
@@ -24,7 +27,7 @@ from typing import Any, final
 import anyio
 
 from .._results import ActorCrash
-from ._base import Actor, task
+from ._base import Actor, SliceJob, task
 from ._observe import Metrics
 
 __all__ = ("ChildSpec", "Supervisor")
@@ -101,6 +104,7 @@ class Supervisor:
         self._metrics = metrics
         self._on_escalate = on_escalate
         self._stopped = anyio.Event()
+        self._closed = False
         self._live: dict[str, Actor[Any]] = {}  # the actor of each child, while it runs
 
     async def run(self) -> None:
@@ -117,6 +121,11 @@ class Supervisor:
             self._live.clear()
             self._on_escalate = _ignore_escalation
             self._stopped.set()
+
+    def close(self) -> None:
+        """The pipeline has closed (its requests failed, its inboxes closed): the actors only
+        drain their inboxes now, and one that crashes is not restarted."""
+        self._closed = True
 
     @property
     def stopped(self) -> bool:
@@ -156,6 +165,8 @@ class Supervisor:
                 cancelled = ended is not None or _cancelled_here()
                 stop = self._on_crash(child, actor, error, crashes, restart=not cancelled)
                 del error
+                if stop and self._closed:  # not restarted: nothing drains its inbox but this
+                    _let_go_of_inbox(actor)
                 if (stop or cancelled) and ended is None:
                     return
             finally:
@@ -176,8 +187,9 @@ class Supervisor:
         *,
         restart: bool = True,
     ) -> bool:
-        """Record, log and fail what the crashed actor held; ``True`` to stop (escalated).
-        ``restart=False``: the actor was cancelled as it crashed, and is not restarted."""
+        """Record, log and fail what the crashed actor held; ``True`` to stop (escalated, or
+        the pipeline has closed). ``restart=False``: the actor was cancelled as it crashed,
+        and is not restarted."""
         cause = _root_cause(exc)
         held = actor.held_requests()
         now = anyio.current_time()
@@ -189,8 +201,10 @@ class Supervisor:
         ids = "; ".join(s.describe() for s in held[:8]) or "none"
         if len(held) > 8:
             ids += f"; and {len(held) - 8} more"
-        escalate = len(crashes) > self._max_restarts
-        restart = restart and not escalate
+        cancelled = not restart
+        closed = self._closed  # nothing needs the actor: no restart, nothing to escalate
+        escalate = not closed and len(crashes) > self._max_restarts
+        restart = restart and not escalate and not closed
         self._metrics.crashes.append(
             ActorCrash(child.name, now, tuple(s.request_id for s in held), repr(cause), restart)
         )
@@ -226,10 +240,13 @@ class Supervisor:
                 )
             else:
                 log.warning(
-                    "actor %s crashed (%r) as it was cancelled at the close deadline; not "
-                    "restarted; failed %d request(s): %s\n%s",
+                    "actor %s crashed (%r) %s; not restarted; %s %d request(s): %s\n%s",
                     child.name,
                     cause,
+                    "as it was cancelled at the close deadline"
+                    if cancelled
+                    else "after the pipeline closed",
+                    "failed" if cancelled else "held (failed by the close)",
                     len(held),
                     ids,
                     trace,
@@ -237,4 +254,17 @@ class Supervisor:
             for state in held:
                 state.crashed(child.name, cause)
         _forget_frames(exc)
-        return escalate
+        return escalate or closed
+
+
+def _let_go_of_inbox(actor: Actor[Any]) -> None:
+    """Let go of what waits in the inbox of ``actor``, which is not restarted: each message
+    taken as its loop takes it (a withdrawn job is its sender's), then discarded."""
+    while True:
+        try:
+            msg = actor.inbox.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return
+        if isinstance(msg, SliceJob) and (not msg.take() or msg.lease.released):
+            continue
+        actor.discard(msg)

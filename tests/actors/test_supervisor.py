@@ -211,3 +211,39 @@ async def test_the_restart_budget_is_each_actors_own_over_its_own_window() -> No
         send_b.close()
     recv_a.close()
     recv_b.close()
+
+
+async def test_an_actor_crashing_once_closed_lets_go_of_its_inbox_and_is_not_restarted() -> None:
+    """Once the pipeline has closed (:meth:`Supervisor.close`), a crash restarts nothing and
+    escalates nothing (``max_restarts`` is 1 and the actor crashes twice); what waits in the
+    inbox is discarded (its staging let go of), not handled and not left there."""
+    discarded: list[str] = []
+
+    class Discarding(Boom):
+        def discard(self, msg: RequestState) -> None:
+            discarded.append(msg.request_id)
+
+    ctx = SimpleNamespace(hooks=PipelineHooks())
+    send, recv = anyio.create_memory_object_stream[Any](8)
+    metrics, escalated = Metrics(), []
+    sup = Supervisor(
+        [ChildSpec("boom", lambda: Discarding(ctx, recv))],  # type: ignore[arg-type]
+        max_restarts=1,
+        window=60,
+        metrics=metrics,
+        on_escalate=lambda name, exc: escalated.append(name),
+    )
+    states = [_state(rid) for rid in ("crash-a", "crash-b", "queued")]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        await send.send(states[0])
+        await anyio.sleep(1)
+        assert metrics.restarts == {"boom": 1}
+        sup.close()
+        for st in states[1:]:
+            send.send_nowait(st)
+        send.close()
+    recv.close()
+    assert metrics.restarts == {"boom": 1} and escalated == []
+    assert [c.restarted for c in metrics.crashes] == [True, False]
+    assert discarded == ["queued"] and not states[2].done
