@@ -382,6 +382,7 @@ def _cut_short_once(real: Any) -> Any:
     return writev
 
 
+@pytest.mark.parametrize("file_io", ["os"], indirect=True)  # native: the test below
 async def test_a_direct_write_cut_short_does_not_turn_direct_io_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, file_io: str
 ) -> None:
@@ -389,8 +390,6 @@ async def test_a_direct_write_cut_short_does_not_turn_direct_io_off(
     from there fails with ``EINVAL``, which was taken for the file system refusing direct
     I/O, and turned it off for good. The rest of the file is written through the page cache
     instead, and direct I/O stays on."""
-    if file_io == "native":
-        pytest.skip("the native writer: test_write_files_finishes_a_direct_write_cut_short")
     monkeypatch.setattr(os, "writev", _cut_short_once(os.writev))
     caplog.set_level(logging.WARNING, "kvpipe.file_store")
     async with kvpipe.FileStore(tmp_path, durability="data") as store, batches() as b:
@@ -415,12 +414,11 @@ print(json.dumps(_fileio.write_files(
 """
 
 
+@pytest.mark.parametrize("file_io", ["native"], indirect=True)
 def test_write_files_finishes_a_direct_write_cut_short(tmp_path: Path, file_io: str) -> None:
     """The native writer's direct write cut short off the device's blocks (the fault
     injector's): the rest goes through the page cache, not ``-EINVAL`` (which the store
     reads as direct I/O refused)."""
-    if file_io == "os":
-        pytest.skip("the native writer only")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         if not _direct.probe_direct(fd, _direct.Scratch()):
