@@ -23,6 +23,7 @@ snippets make go under the test's ``tmp_path``.
 from __future__ import annotations
 
 import ast
+import asyncio
 import contextlib
 import ctypes
 import importlib.util
@@ -169,6 +170,44 @@ def test_the_embedding_page_runs_in_one_session(user_session: dict[str, Any]) ->
             # session (a page of its own, or a fence other than ```python).
             assert _needs_hardware(s.code) is None, f"{s}: {_needs_hardware(s.code)}"
             _run(s, user_session)
+
+
+class _LookupsFailStore(kvpipe.MemoryStore):
+    """A memory store whose ``exists`` fails the whole call (a store that cannot answer a
+    probe): ``lookup`` raises ``BackendError``; writes still store (their probe is skipped)."""
+
+    async def exists(self, batch: Any) -> Any:
+        raise kvpipe.BackendError("memory", "exists", "the index is unreachable")
+
+
+def test_the_lifecycle_snippet_serves_a_request_whose_lookup_failed(
+    user_session: dict[str, Any],
+) -> None:
+    """docs/embedding.md's ``handle_request``, the code a server copies, when ``lookup``
+    raises one of its documented errors: the request is served without the stored prefix
+    (computed from block 0, then offloaded), as the page's section 6 says to, instead of the
+    error failing the request."""
+    for s in SNIPPETS:
+        if _kind(s) == "session":
+            _run(s, user_session)
+            if "async def handle_request" in s.code:
+                break
+    handle_request = user_session["handle_request"]
+    allocator = user_session["BlockAllocator"](user_session["NUM_BLOCKS"])
+    free = len(allocator.free)
+
+    async def serve() -> tuple[int, kvpipe.WriteResult]:
+        config = kvpipe.PipelineConfig(staging_bytes=64 << 20)
+        store = _LookupsFailStore()
+        async with store, kvpipe.open_pipeline(user_session["cache"], store, config=config) as pipe:
+            result: tuple[int, kvpipe.WriteResult] = await handle_request(
+                pipe, allocator, np.arange(16 * 3 + 5)
+            )
+            return result
+
+    loaded, w = asyncio.run(serve())
+    assert (loaded, w.written, w.complete) == (0, 3, True), w
+    assert len(allocator.free) == free
 
 
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if _kind(s) == "script"], ids=str)
