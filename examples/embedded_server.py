@@ -111,10 +111,14 @@ class Engine:
             evicted.append(tokens)
         ids = np.array(self.free[:n], dtype=np.int64)
         del self.free[:n]
-        for tokens in evicted:  # the blocks are gone from this node's cache: say so
-            blocks = await self.flush(tokens, kvpipe.Residency.EVICTED)
-            self.totals["evicted_requests"] += 1
-            self.totals["evicted_blocks"] += blocks
+        try:
+            for tokens in evicted:  # the blocks are gone from this node's cache: say so
+                blocks = await self.flush(tokens, kvpipe.Residency.EVICTED)
+                self.totals["evicted_requests"] += 1
+                self.totals["evicted_blocks"] += blocks
+        except BaseException:  # PipelineClosed, or cancelled: the caller never gets them
+            self.free.extend(int(b) for b in ids)
+            raise
         return ids
 
     async def flush(self, tokens: npt.NDArray[np.int64], residency: kvpipe.Residency) -> int:

@@ -6,6 +6,7 @@ bound only; the numbers are printed)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -19,6 +20,8 @@ import anyio.abc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+import kvpipe
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "embedded_server.py"
@@ -216,3 +219,39 @@ async def test_embedded_server_runs_without_prometheus_client(tmp_path: Path) ->
     assert status == 503 and b"pip install 'kvpipe[metrics]'" in page, page
     assert proc.returncode == 0
     assert "/metrics is off" in (tmp_path / "stderr.txt").read_text()
+
+
+def _example_module() -> Any:
+    """examples/embedded_server.py imported in this process (its classes, not its server)."""
+    spec = importlib.util.spec_from_file_location("embedded_server_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_a_request_refused_by_a_closed_pipeline_gives_its_blocks_back() -> None:
+    """Once the pipeline is closed (it escalated after repeated crashes, or is shutting
+    down), every request is refused with ``PipelineClosed`` (503), including one whose
+    allocation evicted finished requests and then failed to record the eviction in the
+    index: the blocks it took go back to the free list, so the cache's accounting holds
+    and later requests keep getting a 503 rather than failing the admission invariant."""
+    example = _example_module()
+    cache = kvpipe.create_kv_cache(example.LAYOUT, example.NUM_BLOCKS)
+    config = kvpipe.PipelineConfig(staging_bytes=8 << 20)
+    async with kvpipe.MemoryStore() as store:
+        async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+            engine = example.Engine(pipe)
+            r = 0
+            while len(engine.free) >= example.MAX_BLOCKS:  # fill the cache
+                await engine.generate(np.arange(r * 10**6, r * 10**6 + example.MAX_BLOCKS * BS))
+                r += 1
+
+        def held() -> int:
+            return len(engine.free) + sum(len(ids) for _, ids in engine.resident.values())
+
+        assert held() == example.NUM_BLOCKS
+        for r in range(example.NUM_BLOCKS // example.MAX_BLOCKS + 2):
+            with pytest.raises(kvpipe.PipelineClosed):
+                await engine.generate(np.arange(r, r + example.MAX_BLOCKS * BS))
+            assert held() == example.NUM_BLOCKS, r
