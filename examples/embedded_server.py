@@ -5,7 +5,8 @@ runs in the server's own event loop). For each ``POST /generate`` with a prompt:
 
 1. its blocks are allocated from the small "GPU" cache (a free list; when it runs short, the
    least recently finished requests are evicted, and their blocks recorded as evicted in the
-   residency index: ``flush_index(..., residency=Residency.EVICTED)``);
+   residency index: ``flush_index(..., residency=Residency.EVICTED)``, from the first block
+   no resident request still holds a copy of, such as a shared system prompt's);
 2. its stored prefix is looked up (``lookup``) and reloaded (``read``) into the new blocks,
    and every reloaded byte is checked against what prefill computes for those tokens;
 3. "prefill" computes the rest: blocks of bytes derived from the tokens (a hash chain over
@@ -86,6 +87,14 @@ def block_contents(tokens: npt.NDArray[np.int64], count: int) -> list[bytes]:
     return out
 
 
+def shared_blocks(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> int:
+    """How many leading full blocks two sequences share (their keys then match too)."""
+    bs = LAYOUT.block_size
+    full = min(len(a), len(b)) // bs
+    differ = np.flatnonzero(a[: full * bs] != b[: full * bs])
+    return full if differ.size == 0 else int(differ[0]) // bs
+
+
 class Engine:
     """The cache, its free list, the resident requests, and the request lifecycle."""
 
@@ -113,7 +122,11 @@ class Engine:
         del self.free[:n]
         try:
             for tokens in evicted:  # the blocks are gone from this node's cache: say so
-                blocks = await self.flush(tokens, kvpipe.Residency.EVICTED)
+                # ... all but the leading ones a resident request still holds a copy of
+                kept = max((shared_blocks(tokens, t) for t, _ in self.resident.values()), default=0)
+                blocks = 0
+                if kept < len(tokens) // LAYOUT.block_size:
+                    blocks = await self.flush(tokens, kvpipe.Residency.EVICTED, start_block=kept)
                 self.totals["evicted_requests"] += 1
                 self.totals["evicted_blocks"] += blocks
         except BaseException:  # PipelineClosed, or cancelled: the caller never gets them
@@ -121,11 +134,15 @@ class Engine:
             raise
         return ids
 
-    async def flush(self, tokens: npt.NDArray[np.int64], residency: kvpipe.Residency) -> int:
-        """Record where this node holds a sequence's blocks; a failure only costs accuracy
-        of the index, so it is counted, not raised."""
+    async def flush(
+        self, tokens: npt.NDArray[np.int64], residency: kvpipe.Residency, start_block: int = 0
+    ) -> int:
+        """Record where this node holds a sequence's blocks (from ``start_block``); a failure
+        only costs accuracy of the index, so it is counted, not raised."""
         try:
-            return await self.pipe.flush_index(tokens, residency=residency)
+            return await self.pipe.flush_index(
+                tokens, start_block=start_block, residency=residency
+            )
         except (kvpipe.OperationTimeout, kvpipe.BackendError, kvpipe.ActorCrashed):
             self.totals["flush_errors"] += 1
             return 0

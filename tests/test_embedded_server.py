@@ -255,3 +255,28 @@ async def test_a_request_refused_by_a_closed_pipeline_gives_its_blocks_back() ->
             with pytest.raises(kvpipe.PipelineClosed):
                 await engine.generate(np.arange(r, r + example.MAX_BLOCKS * BS))
             assert held() == example.NUM_BLOCKS, r
+
+
+async def test_evicting_a_request_keeps_the_prefix_another_resident_request_holds() -> None:
+    """Two finished requests share a 3-block system prompt, each holding its own copy in the
+    cache; evicting the older one records only its own blocks as evicted: the residency
+    index still says this node holds the shared prompt on the GPU (the newer request's
+    copy), and the evicted request's own blocks are recorded as evicted."""
+    example = _example_module()
+    cache = kvpipe.create_kv_cache(example.LAYOUT, example.NUM_BLOCKS)
+    config = kvpipe.PipelineConfig(staging_bytes=8 << 20, node_id="node-a")
+    system = np.arange(3 * BS)
+    older = np.concatenate([system, np.arange(10**6, 10**6 + 2 * BS)])
+    newer = np.concatenate([system, np.arange(2 * 10**6, 2 * 10**6 + 2 * BS)])
+    async with kvpipe.MemoryStore() as store:
+        async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+            engine = example.Engine(pipe)
+            await engine.generate(older)
+            await engine.generate(newer)
+            engine.free.extend(await engine.alloc(len(engine.free) + 1))  # evicts `older`
+            assert engine.totals["evicted_requests"] == 1
+            assert [len(ids) for _, ids in engine.resident.values()] == [5]  # `newer`
+            held = [loc.held_by("node-a") for loc in await pipe.locate(newer)]
+            gone = [loc.held_by("node-a") for loc in await pipe.locate(older)]
+    assert held == [kvpipe.Residency.GPU] * 5, held
+    assert gone == [kvpipe.Residency.GPU] * 3 + [kvpipe.Residency.EVICTED] * 2, gone
