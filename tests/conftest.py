@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 import kvpipe
+from kvpipe import _lograte
 from tests.helpers import LAYOUTS
 from tests.watchdog import keep_stderr, watch
 
@@ -46,3 +47,9 @@ def no_cyclic_gc() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_limits() -> None:
+    """Each test starts with no repeated log line held back (as a fresh process)."""
+    _lograte.reset_all()

@@ -18,6 +18,7 @@ import pytest
 import trio.testing
 
 import kvpipe
+from kvpipe import _lograte
 from kvpipe._runtime import Runtime
 from kvpipe.actors import reader as reader_module
 from kvpipe.backends.file._fs import Root
@@ -376,3 +377,61 @@ async def test_a_read_ended_before_close_is_not_logged_as_failed_by_it(
     messages = [r.getMessage() for r in _at_least(caplog, logging.INFO)]
     failed = [m for m in messages if "request(s) in flight" in m]
     assert not any("r-cancelled" in m for m in failed), failed
+
+
+class _DownStore(kvpipe.MemoryStore):
+    """A store that fails every call once ``down`` (as one that is unreachable)."""
+
+    down = False
+
+    def _check(self, op: str) -> None:
+        if self.down:
+            raise kvpipe.BackendError("memory", op, "connection refused")
+
+    async def put_blocks(self, batch: Any) -> Any:
+        self._check("put_blocks")
+        return await super().put_blocks(batch)
+
+    async def get_blocks(self, batch: Any) -> Any:
+        self._check("get_blocks")
+        return await super().get_blocks(batch)
+
+    async def exists(self, batch: Any) -> Any:
+        self._check("exists")
+        return await super().exists(batch)
+
+
+async def test_a_store_that_is_down_logs_a_bounded_number_of_warnings(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One WARNING per failed request (and one more per write for its dedup probe) is
+    # thousands a second under load: the first of each kind shows, the rest go to DEBUG
+    # until the interval has passed, then one line counts them.
+    now = [1000.0]
+    for limiter in list(_lograte._LIMITERS):
+        monkeypatch.setattr(limiter, "clock", lambda: now[0])
+    store = _DownStore()
+    n = 40
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        assert (await pipe.write(np.arange(16 * BS), np.arange(16))).complete
+        caplog.clear()
+        store.down = True
+        for i in range(n):
+            w = await pipe.write(np.arange(16 * BS) + 7 + i, np.arange(16), request_id=f"w{i}")
+            assert w.stop_reason == "backend_error"
+            r = await pipe.read(np.arange(16 * BS), np.arange(16, 32), request_id=f"r{i}")
+            assert r.stop_reason == "backend_error"
+        loud = _at_least(caplog, logging.WARNING)
+        assert len(loud) <= 3, [r.getMessage() for r in loud]  # probe, write, read: once each
+        text = "\n".join(r.getMessage() for r in loud)
+        assert "w0" in text and "r0" in text  # the first shows which request and why
+        assert "connection refused" in text
+        quiet = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+        assert any(f"write w{n - 1} incomplete" in m for m in quiet)  # kept, at DEBUG
+        caplog.clear()
+        now[0] += _lograte.INTERVAL
+        await pipe.write(np.arange(16 * BS) + 999, np.arange(16), request_id="later")
+    (shown,) = [r for r in _at_least(caplog, logging.WARNING) if r.name == "kvpipe.requests"]
+    message = shown.getMessage()
+    assert "later" in message and f"and {n - 1} more like it" in message, message

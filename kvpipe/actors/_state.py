@@ -24,6 +24,7 @@ import numpy.typing as npt
 from .._engine import OrderMark
 from .._errors import ActorCrashed, BackendError, KVPipeError, OperationTimeout, PipelineClosed
 from .._keys import Tokens
+from .._lograte import LogLimiter
 from .._plan import SliceSpec
 from .._read_machine import ReadMachine
 from .._results import ReadResult, ReadStopReason, SliceOutcome, WriteResult
@@ -41,6 +42,9 @@ __all__ = (
 )
 
 log = logging.getLogger("kvpipe.requests")
+#: A steady failure (a store down) ends every request alike: one line per kind of ending per
+#: interval at its level, the others at DEBUG (the metrics count every one).
+_stopped = LogLimiter(log)
 IntArray = npt.NDArray[np.int64]
 
 
@@ -346,8 +350,9 @@ class WriteState(SlicedState):
     def _log_stopped(self, result: WriteResult) -> None:
         level = logging.INFO if result.stop_reason == "cancelled" else logging.WARNING
         if log.isEnabledFor(level):
-            log.log(
+            _stopped.log(
                 level,
+                f"write:{result.stop_reason}",
                 "write %s incomplete: %d of %d blocks stored (%d skipped, %d written); stopped "
                 "at %s: %s (%s)",
                 self.request_id,
@@ -439,8 +444,9 @@ class ReadState(SlicedState):
         if result is not None and not result.complete:
             level = _READ_STOP_LEVELS.get(result.stop_reason or "", logging.WARNING)
             if log.isEnabledFor(level):
-                log.log(
+                _stopped.log(
                     level,
+                    f"read:{result.stop_reason}",
                     "read %s incomplete: %d of %d blocks loaded; stopped at %s: %s (%s)",
                     self.request_id,
                     result.loaded,

@@ -18,6 +18,7 @@ import anyio
 
 from .._errors import BackendError, OperationTimeout
 from .._keys import Tokens, block_keys
+from .._lograte import LogLimiter
 from .._plan import SliceSpec, leading_run, plan_slices
 from .._results import BlockLocation, Holder, ReadStopReason, Residency, ResidencyEntry
 from ..backends._base import KeyBatch
@@ -27,6 +28,8 @@ from ._state import CallState, ReadState, RequestState, WriteState, describe_err
 __all__ = ("Scheduler", "probe_leading")
 
 log = logging.getLogger("kvpipe.scheduler")
+#: A store that is down fails every write's probe: bounded (:mod:`kvpipe._lograte`).
+_probe_failed = LogLimiter(log)
 
 #: Sequences longer than this have their keys hashed in a worker thread.
 _THREAD_KEYS_TOKENS = 32768
@@ -143,7 +146,9 @@ class Scheduler(Actor[RequestState]):
         def failed(exc: BackendError | OperationTimeout) -> None:
             # Deduplication is an optimisation: without it the blocks are rewritten.
             ctx.metrics.counters["probe_errors"] += 1
-            log.warning(
+            _probe_failed.log(
+                logging.WARNING,
+                "dedup_probe",
                 "write %s: dedup probe failed, writing the blocks not found stored before: %s",
                 state.request_id,
                 str(exc),
