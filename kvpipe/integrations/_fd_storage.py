@@ -29,11 +29,15 @@ from .. import (
     ValueClient,
     WrongEventLoop,
 )
+from .._lograte import LogLimiter
 from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
 
 __all__ = ("KVPipeStorage",)
 
 log = logging.getLogger("kvpipe.integrations.fastdeploy")
+#: FastDeploy calls again for every request whatever failed the last one (a store down or
+#: closed): its lines are bounded (:mod:`kvpipe._lograte`).
+_repeats = LogLimiter(log)
 
 #: Appended to every value: magic, version, payload length, XXH3-64 of payload and of the
 #: caller's key; checked before a byte reaches the caller's buffer.
@@ -292,12 +296,20 @@ class KVPipeStorage:
             if exc.field != "staging_bytes":
                 raise
             # No memory for the staging of a new value size: the process's, not the caller's.
-            log.warning("KVPipeStorage %s failed: %s", what, repr(exc))
+            _repeats.log(
+                logging.WARNING, f"{what}:staging", "KVPipeStorage %s failed: %r", what, exc
+            )
             return None
         except (TypeError, ValueError, WrongEventLoop):  # the caller's mistake, not the store's
             raise
         except Exception as exc:
-            log.warning("KVPipeStorage %s failed: %s", what, repr(exc))
+            _repeats.log(
+                logging.WARNING,
+                f"{what}:{type(exc).__name__}",
+                "KVPipeStorage %s failed: %r",
+                what,
+                exc,
+            )
             return None
 
     def _remember(self, keys: Sequence[str]) -> None:

@@ -51,12 +51,16 @@ from .. import (
 )
 from .. import FileStore as _FileStore
 from .._device_tensors import device_tensor, parse_device
+from .._lograte import LogLimiter
 from ._fd_storage import KVPipeStorage
 from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
 
 __all__ = ("HOP_SLACK", "KVPipeAttentionStore", "KVPipeStorage")
 
 log = logging.getLogger("kvpipe.integrations.fastdeploy")
+#: FastDeploy calls again for every request whatever failed the last one (a store down or
+#: closed, a handoff that never arrives): those lines are bounded (:mod:`kvpipe._lograte`).
+_repeats = LogLimiter(log)
 
 _NS_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -446,16 +450,25 @@ class KVPipeAttentionStore:
                     raise  # a wrong setting: raised, as programming errors are
                 # ConfigError on "store": the store refused the staging (down, say), a store
                 # failure like any other
-                log.warning(
-                    "kvpipe %s %s: opening the pipeline failed: %s", what, task_id, repr(exc)
+                _repeats.log(
+                    logging.WARNING,
+                    f"{what}:open:{type(exc).__name__}",
+                    "kvpipe %s %s: opening the pipeline failed: %r",
+                    what,
+                    task_id,
+                    exc,
                 )
                 return 0
         try:
             if opened:  # the call gets what is left of its timeout
                 timeout -= time.monotonic() - begun
                 if timeout <= 0:
-                    log.warning(
-                        "kvpipe %s %s: opening the pipeline took its timeout", what, task_id
+                    _repeats.log(
+                        logging.WARNING,
+                        f"{what}:open:timeout",
+                        "kvpipe %s %s: opening the pipeline took its timeout",
+                        what,
+                        task_id,
                     )
                     return 0
             if isinstance(start, bool) or not isinstance(start, int) or start < 0:
@@ -482,8 +495,13 @@ class KVPipeAttentionStore:
         entry = self._take(None)
         if entry is None:
             if self._loop.closed:
-                log.warning(
-                    "kvpipe %s %s: %r", what, task_id, PipelineClosed("the store is closed")
+                _repeats.log(
+                    logging.WARNING,
+                    f"{what}:PipelineClosed",
+                    "kvpipe %s %s: %r",
+                    what,
+                    task_id,
+                    PipelineClosed("the store is closed"),
                 )
                 return 0
             log.debug("kvpipe %s %s: no caches bound yet: %d", what, task_id, unbound)
@@ -511,7 +529,14 @@ class KVPipeAttentionStore:
         except (RequestError, TypeError, WrongEventLoop):
             raise
         except (KVPipeError, OSError, TimeoutError) as exc:
-            log.warning("kvpipe %s %s: %s", what, task_id, repr(exc))
+            _repeats.log(
+                logging.WARNING,
+                f"{what}:{type(exc).__name__}",
+                "kvpipe %s %s: %r",
+                what,
+                task_id,
+                exc,
+            )
             return 0
 
     def write(
@@ -615,8 +640,9 @@ class KVPipeAttentionStore:
                 # The pipeline already warned of any shortfall but a block not stored (a
                 # normal miss to it, a failed handoff here): one WARNING per call either way.
                 level = logging.WARNING if partial.stop_reason == "not_stored" else logging.DEBUG
-                log.log(
+                _repeats.log(
                     level,
+                    f"read:all_or_nothing:{partial.stop_reason}",
                     "kvpipe read %s: all-or-nothing read loaded %d of %d blocks (%s)",
                     task_id,
                     partial.loaded,

@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 import kvpipe
+from kvpipe import _lograte
 from kvpipe.integrations._portal import LoopThread
 from kvpipe.integrations.fastdeploy import KVPipeAttentionStore, KVPipeStorage
 
@@ -65,10 +66,36 @@ def test_attention_store_calls_after_close_answer_nothing(
     ]
     for what, call, nothing in calls:
         caplog.clear()
+        _lograte.reset_all()  # each call's own line (repeats are bounded: the next test)
         with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
             assert call() == nothing, what
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "closed" in warnings[0].getMessage(), (what, warnings)
+
+
+def test_attention_store_calls_after_close_log_a_bounded_number_of_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """FastDeploy calls a closed store for every request: each call logged one WARNING
+    (thousands a second). The first of each operation shows, the rest at DEBUG."""
+    paddle = pytest.importorskip("paddle")
+    paddle.set_device("cpu")
+    k = [paddle.zeros([BLOCKS, 2, BS, 8], dtype="bfloat16") for _ in range(LAYERS)]
+    v = [paddle.zeros([BLOCKS, 2, BS, 8], dtype="bfloat16") for _ in range(LAYERS)]
+    tokens = list(range(2 * BS))
+    store = KVPipeAttentionStore(layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore())
+    assert store.write("t", k, v, tokens, [0, 1], 0) == 2
+    store.close()
+    n = 20
+    with caplog.at_level(logging.DEBUG, "kvpipe.integrations"):
+        for i in range(n):
+            assert store.write(f"w{i}", k, v, tokens, [0, 1], 0) == 0
+            assert store.read(f"r{i}", k, v, tokens, [2, 3], 0) == 0
+            assert store.query(f"q{i}", tokens, 0) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 3, warnings  # write, read, query: once each
+    assert all("closed" in w for w in warnings), warnings
+    assert {w.split()[1] for w in warnings} == {"write", "read", "query"}
 
 
 def test_a_call_cut_off_by_close_is_pipeline_closed() -> None:

@@ -202,3 +202,25 @@ def test_a_tp_size_or_rank_that_names_none_is_refused(kw: dict[str, object], fie
     assert caught.value.field == field
     with KVPipeStorage(store=kvpipe.MemoryStore(), tp_size=None, tp_rank=None) as s:
         assert (s.tp_size, s.tp_rank) == (1, 0)
+
+
+def test_calls_after_close_log_a_bounded_number_of_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """FastDeploy keeps calling a storage whose store closed (or is down) for every request:
+    each call logged one WARNING, thousands a second. The first of each kind shows; the
+    others go to DEBUG until the interval passes (:mod:`kvpipe._lograte`)."""
+    _keep, ptr = _buf(b"c" * 16)
+    fs = KVPipeStorage(store=kvpipe.MemoryStore())
+    assert fs.batch_set(["a"], [ptr], [16]) == [0]
+    fs.close()
+    n = 30
+    with caplog.at_level(logging.DEBUG, "kvpipe.integrations"):
+        for _ in range(n):
+            assert fs.batch_get(["a"], [ptr], [16]) == [-1]
+            assert fs.batch_set(["b"], [ptr], [16]) == [-1]
+    warnings = _warnings(caplog)
+    assert len(warnings) == 2, warnings  # one per operation
+    assert all("PipelineClosed" in w for w in warnings), warnings
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "KVPipeStorage" in r.msg]
+    assert len(debug) == 2 * (n - 1)
