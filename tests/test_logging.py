@@ -435,3 +435,29 @@ async def test_a_store_that_is_down_logs_a_bounded_number_of_warnings(
     (shown,) = [r for r in _at_least(caplog, logging.WARNING) if r.name == "kvpipe.requests"]
     message = shown.getMessage()
     assert "later" in message and f"and {n - 1} more like it" in message, message
+
+
+async def test_a_file_store_that_keeps_failing_logs_a_bounded_number_of_warnings(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A disk that fails every write (full, read-only, dying): the file store logged one
+    # WARNING per batch, i.e. per slice of every write, on top of the request's own line.
+    def broken(*args: Any, **kwargs: Any) -> bool:
+        raise OSError(errno.EIO, "injected I/O error")
+
+    monkeypatch.setattr(Root, "write_atomic", broken)
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    n = 30
+    async with (
+        kvpipe.FileStore(tmp_path / "store") as store,
+        kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe,
+    ):
+        caplog.clear()
+        for i in range(n):
+            w = await pipe.write(np.arange(8 * BS) + i, np.arange(8), request_id=f"eio{i}")
+            assert w.stop_reason == "incomplete_slice"
+    loud = [(r.name, r.getMessage()) for r in _at_least(caplog, logging.WARNING)]
+    assert [name for name, _ in loud] == ["kvpipe.file_store", "kvpipe.requests"], loud
+    assert "eio0" in loud[0][1] and str(tmp_path / "store") in loud[0][1]
+    quiet = [r for r in caplog.records if r.levelno == logging.DEBUG]
+    assert sum(r.name == "kvpipe.file_store" for r in quiet) == n - 1

@@ -25,6 +25,7 @@ from typing import Any, Final, TypeVar, final
 import anyio
 
 from ..._errors import BackendError, ConfigError
+from ..._lograte import LogLimiter
 from ..._results import ResidencyEntry
 from ..._shield import DeferredCancel, shielded
 from ..._workers import in_thread, in_thread_to_its_end
@@ -61,6 +62,7 @@ from ._writes import Abandon, WriteHooks, unwritten, write_batch, write_one
 __all__ = ("FileStore",)
 
 log = logging.getLogger("kvpipe.file_store")
+_failed_blocks = LogLimiter(log)
 T = TypeVar("T")
 U = TypeVar("U")
 _DURABILITIES = ("none", "data", "full")
@@ -736,11 +738,14 @@ def _warn(
     root: Root, errors: Sequence[str], total: int, what: str, label: str = "", shown: int = 3
 ) -> None:
     """Log a batch's errors in one line, not one per block: the batch's request and blocks
-    (``label``), the first ``shown`` errors, and how many more there were."""
+    (``label``), the first ``shown`` errors, and how many more there were. A disk that
+    keeps failing fails every batch: those lines are bounded (:mod:`kvpipe._lograte`)."""
     if errors:
         more = f"; and {len(errors) - shown} more" if len(errors) > shown else ""
         some = "; ".join(errors[:shown]) + more
-        log.warning(
+        _failed_blocks.log(
+            logging.WARNING,
+            f"{root.path} {what}",
             "file store %s: %s%d of %d blocks %s: %s",
             root.path,
             label,
