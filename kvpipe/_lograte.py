@@ -55,6 +55,9 @@ class LogLimiter:
         logger = self.logger
         if not logger.isEnabledFor(level):  # nor, then, at DEBUG
             return
+        # An exception is shown as its text: the record (kept by a handler, a queue) must not
+        # hold it, its traceback's frames and what they refer to (a pipeline, its caches).
+        args = tuple(_Shown(a) if isinstance(a, BaseException) else a for a in args)
         now = self.clock()
         with self._lock:
             last = self._kinds.get(kind)
@@ -78,6 +81,21 @@ class LogLimiter:
         """Forget every kind: the next line of each is shown."""
         with self._lock:
             self._kinds.clear()
+
+
+class _Shown:
+    """An exception's ``repr`` and ``str``, without the exception."""
+
+    __slots__ = ("_repr", "_str")
+
+    def __init__(self, exc: BaseException) -> None:
+        self._repr, self._str = repr(exc), str(exc)
+
+    def __repr__(self) -> str:
+        return self._repr
+
+    def __str__(self) -> str:
+        return self._str
 
 
 def reset_all() -> None:

@@ -86,3 +86,37 @@ def test_records_name_the_line_that_logged_not_the_limiter(
     assert [(r.filename, r.funcName) for r in caplog.records] == [
         ("test_lograte.py", "test_records_name_the_line_that_logged_not_the_limiter")
     ] * 2
+
+
+def test_a_logged_exception_is_kept_as_its_text_not_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A record a handler keeps (caplog, a queue, a memory handler) held the exception given
+    as an argument, its traceback's frames and what they refer to: the FastDeploy adapters
+    logged a failed call's error so, and kept the adapter, its pipeline and the caches in a
+    reference cycle. The record holds the exception's repr and str only."""
+    import gc
+    import weakref
+
+    limiter = LogLimiter(logging.getLogger("kvpipe.test_lograte"))
+    caplog.set_level(logging.WARNING, logger="kvpipe.test_lograte")
+
+    class Held:
+        pass
+
+    def fail(held: Held) -> None:
+        raise OSError("injected")
+
+    held = Held()
+    ref = weakref.ref(held)
+    try:
+        fail(held)
+    except OSError as exc:
+        limiter.log(logging.WARNING, "k", "failed: %r / %s", exc, exc)
+    del held
+    gc.disable()
+    try:
+        assert ref() is None, "the record kept the exception's frames"
+    finally:
+        gc.enable()
+    assert _lines(caplog) == [(logging.WARNING, "failed: OSError('injected') / injected")]
