@@ -5,14 +5,17 @@ bound only; the numbers are printed)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import json
 import os
 import sys
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO, Any
 
 import anyio
@@ -280,3 +283,55 @@ async def test_evicting_a_request_keeps_the_prefix_another_resident_request_hold
             gone = [loc.held_by("node-a") for loc in await pipe.locate(older)]
     assert held == [kvpipe.Residency.GPU] * 5, held
     assert gone == [kvpipe.Residency.GPU] * 3 + [kvpipe.Residency.EVICTED] * 2, gone
+
+
+async def test_health_computes_the_lag_percentiles_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``GET /health`` summarizes up to 600,000 lag samples (tens of ms of numpy work with a
+    full window): done on the event loop, each probe would add the very lag it reports. The
+    percentiles are computed in a worker thread, and the answer is the same summary."""
+    example = _example_module()
+    lag = example.LagMeter(None)
+    samples = np.random.default_rng(3).exponential(0.0004, 5_000)
+    for s in samples:
+        lag.samples.append(float(s))
+    computed_on: list[int] = []
+    percentile = np.percentile
+
+    def recording_percentile(*args: Any, **kwargs: Any) -> Any:
+        computed_on.append(threading.get_ident())
+        return percentile(*args, **kwargs)
+
+    monkeypatch.setattr(example.np, "percentile", recording_percentile)
+    engine = SimpleNamespace(pipe=SimpleNamespace(closed=False), totals={}, free=[])
+    app = example.Server(engine, None, lag)
+    reader = asyncio.StreamReader()
+    reader.feed_data(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    reader.feed_eof()
+    status, _, body = await app._respond(reader)
+    assert status == "200 OK"
+    assert computed_on and threading.get_ident() not in computed_on, computed_on
+    p50, p99 = percentile(samples, [50, 99])
+    assert json.loads(body)["lag"] == {
+        "samples": 5_000,
+        "p50_ms": round(float(p50) * 1e3, 3),
+        "p99_ms": round(float(p99) * 1e3, 3),
+        "max_ms": round(float(samples.max()) * 1e3, 3),
+    }
+
+
+async def test_the_lag_window_keeps_the_latest_samples_and_reset_empties_it() -> None:
+    """The ring of lag samples: once full, each new sample replaces the oldest; a reset
+    (``POST /lag/reset``) starts an empty window, summarized as zeros."""
+    example = _example_module()
+    lag = example.LagMeter(None, window=10)
+    for ms in range(25):
+        lag.samples.append(ms / 1e3)
+    held = sorted(lag.samples.snapshot() * 1e3)
+    assert len(lag.samples) == 10 and held == pytest.approx(list(range(15, 25))), held
+    assert (await lag.summary())["max_ms"] == 24.0
+    lag.samples.clear()
+    assert await lag.summary() == {"samples": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+    lag.samples.append(0.002)
+    assert await lag.summary() == {"samples": 1, "p50_ms": 2.0, "p99_ms": 2.0, "max_ms": 2.0}
