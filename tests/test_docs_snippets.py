@@ -210,6 +210,62 @@ def test_the_lifecycle_snippet_serves_a_request_whose_lookup_failed(
     assert len(allocator.free) == free
 
 
+def test_the_tensor_parallel_snippet_counts_a_rank_whose_lookup_failed_as_zero(
+    user_session: dict[str, Any],
+) -> None:
+    """docs/embedding.md's ``load_common`` (section 5), with both ranks holding a 6-block
+    prefix: it reads the agreed blocks into the block ids each rank allocated for the
+    request. When one rank's ``exists`` fails the whole call (its ``lookup`` raises
+    ``BackendError``), that rank counts as 0 in the agreement: the request gets 0 (computed
+    from block 0) instead of the error failing it, and no rank reads."""
+    for s in SNIPPETS:
+        if _kind(s) == "session":
+            _run(s, user_session)
+            if "async def load_common" in s.code:
+                break
+    load_common = user_session["load_common"]
+    layout = user_session["layout"]
+    tokens = np.arange(16 * 6 + 3)
+    allocated = [np.arange(100, 107), np.arange(200, 207)]  # what each rank's allocator gave
+
+    async def serve(rank1_lookups_fail: bool) -> tuple[int, list[kvpipe.KVCache]]:
+        config = kvpipe.PipelineConfig(staging_bytes=64 << 20)
+        caches = [kvpipe.create_kv_cache(layout, 256) for _ in range(2)]
+        for r, cache in enumerate(caches):
+            for rows in cache.byte_rows:
+                rows[:6] = np.arange(6, dtype=np.uint8)[:, None] + 10 * (r + 1)
+        stores = [
+            kvpipe.MemoryStore(),
+            _LookupsFailStore() if rank1_lookups_fail else kvpipe.MemoryStore(),
+        ]
+        async with contextlib.AsyncExitStack() as stack:
+            pipes = []
+            for r, (cache, store) in enumerate(zip(caches, stores, strict=True)):
+                await stack.enter_async_context(store)
+                pipes.append(
+                    await stack.enter_async_context(
+                        kvpipe.open_pipeline(cache, store, config=config, rank=r, world_size=2)
+                    )
+                )
+            for p in pipes:  # both ranks stored the prefix
+                assert (await p.write(tokens, np.arange(7))).complete
+            assert await pipes[0].lookup(tokens) == 6
+            loaded: int = await load_common(pipes, allocated, tokens)
+        return loaded, caches
+
+    loaded, caches = asyncio.run(serve(rank1_lookups_fail=False))
+    assert loaded == 6
+    for r, (cache, ids) in enumerate(zip(caches, allocated, strict=True)):
+        for rows in cache.byte_rows:  # into the blocks the rank allocated, nowhere else
+            assert (rows[ids[:6]] == rows[:6]).all(), r
+            assert not np.delete(rows, [*range(6), *ids[:6]], axis=0).any(), r
+    loaded, caches = asyncio.run(serve(rank1_lookups_fail=True))
+    assert loaded == 0
+    for cache in caches:  # no rank read
+        for rows in cache.byte_rows:
+            assert not rows[6:].any()
+
+
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if _kind(s) == "script"], ids=str)
 def test_a_script_runs_as_written(snippet: Snippet, user_session: dict[str, Any]) -> None:
     reason = _needs_hardware(snippet.code)
