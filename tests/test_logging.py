@@ -461,3 +461,57 @@ async def test_a_file_store_that_keeps_failing_logs_a_bounded_number_of_warnings
     assert "eio0" in loud[0][1] and str(tmp_path / "store") in loud[0][1]
     quiet = [r for r in caplog.records if r.levelno == logging.DEBUG]
     assert sum(r.name == "kvpipe.file_store" for r in quiet) == n - 1
+
+
+class _KeepsServingCorrupt(ScriptedStore):
+    """Serves block 0 of every fetch corrupt (its refetch too, or that refetch ``fails``);
+    its deletes ``refuse``, ``hang`` or remove nothing (a replica that serves it again)."""
+
+    def __init__(self, delete: str) -> None:
+        gets = {
+            i: Act(error=OSError("store went away"))
+            if delete == "refetch fails" and i % 2
+            else Act(corrupt=[0])
+            for i in range(1000)
+        }
+        super().__init__(gets=gets)
+        self.delete_does = delete
+
+    async def delete(self, keys: Any) -> None:
+        if self.delete_does == "refused":
+            raise kvpipe.BackendError("scripted", "delete", "read-only replica")
+        if self.delete_does == "hangs":
+            await anyio.sleep_forever()
+        self.deleted.extend(keys)  # and kept: served again
+
+
+@_virtual_time()
+@pytest.mark.parametrize("delete", ["done", "refused", "hangs", "refetch fails"])
+async def test_a_store_that_keeps_serving_corrupt_blocks_logs_a_bounded_number_of_warnings(
+    caplog: pytest.LogCaptureFixture, delete: str
+) -> None:
+    """A store that serves a block corrupt on every fetch (its delete refused, hung, or
+    removing nothing) got the reader's 'block 0 failed (...); loading stops there' and its
+    line about the deletion (or the failed refetch) at WARNING for every read: two per read
+    on top of the request's own, bounded, line. The first of each kind shows (request, block,
+    key), the rest at DEBUG; the metrics count every one."""
+    store = _KeepsServingCorrupt(delete)
+    tokens = np.arange(8 * BS)
+    n = 20
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        assert (await pipe.write(tokens, np.arange(8))).complete
+        caplog.clear()
+        for i in range(n):
+            r = await pipe.read(tokens, np.arange(8, 16), request_id=f"bad{i}")
+            assert (r.loaded, r.stop_reason) == (0, "failed_block")
+        counters = pipe.statistics().counters
+    loud = [r.getMessage() for r in _at_least(caplog, logging.WARNING) if r.name == "kvpipe.reader"]
+    assert len(loud) == 2, loud  # the failed block, the deletion (or refetch): once each
+    assert any(m.startswith("read bad0: block 0 failed (checksum mismatch)") for m in loud), loud
+    quiet = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(f"read bad{n - 1}: block 0 failed" in m for m in quiet), quiet
+    assert counters["blocks_failed_verify"] >= n
+    if delete == "done":
+        assert any("bad0: deleted 1" in m and store.deleted[0] in m for m in loud), loud
+        assert counters["corrupt_blocks_deleted"] == n

@@ -20,6 +20,7 @@ import anyio.lowlevel
 from .._blockformat import check_blocks
 from .._errors import BackendError
 from .._hostcopy import check_and_scatter, gather
+from .._lograte import LogLimiter
 from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
 from .._staging import StagingLease
@@ -40,6 +41,9 @@ from ._state import ReadState, RequestState, describe_error
 __all__ = ("Reader",)
 
 log = logging.getLogger("kvpipe.reader")
+#: A store that keeps serving corrupt blocks fails every read alike: its failed-block,
+#: refetch and deletion lines are bounded (:mod:`kvpipe._lograte`); the metrics count all.
+_repeats = LogLimiter(log)
 #: Blocks a deletion's log line names (the rest are counted).
 _NAMED_BLOCKS = 4
 
@@ -197,8 +201,9 @@ class Reader(Actor[ReadState | SliceJob]):
             # A block gone since the probe (evicted meanwhile) is no failure: as one the
             # probe found missing (``not_stored``), DEBUG.
             gone = valid >= fetched and statuses[valid] is BlockStatus.MISSING
-            log.log(
+            _repeats.log(
                 logging.DEBUG if gone else logging.WARNING,
+                f"failed_block:{'verify' if valid < fetched else statuses[valid].value}",
                 "read %s: block %d failed (%s); loading stops there",
                 state.request_id,
                 first + valid,
@@ -445,7 +450,9 @@ class Reader(Actor[ReadState | SliceJob]):
                 raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
                 statuses = check_statuses(ctx.backend, "get_blocks", raw, hi - lo)
             except BackendError as exc:  # the block's first failure is what the read reports
-                log.warning(
+                _repeats.log(
+                    logging.WARNING,
+                    "refetch:failed",
                     "read %s: fetching block %d again, after it failed verification, failed: %s",
                     state.request_id,
                     spec.first_block + lo,
@@ -472,7 +479,9 @@ class Reader(Actor[ReadState | SliceJob]):
             try:
                 await backend_call(ctx.backend, "delete", ctx.backend.delete, keys)
                 ctx.metrics.counters["corrupt_blocks_deleted"] += len(keys)
-                log.warning(
+                _repeats.log(
+                    logging.WARNING,
+                    "delete:done",
                     "read %s: deleted %d block(s) that failed verification twice from the %s "
                     "store: %s",
                     request_id,
@@ -481,7 +490,9 @@ class Reader(Actor[ReadState | SliceJob]):
                     named,
                 )
             except BackendError as exc:
-                log.warning(
+                _repeats.log(
+                    logging.WARNING,
+                    "delete:failed",
                     "read %s: could not delete %d corrupt block(s) (%s): %s",
                     request_id,
                     len(keys),
@@ -489,7 +500,9 @@ class Reader(Actor[ReadState | SliceJob]):
                     str(exc),
                 )
         if bound.cancelled_caught:
-            log.warning(
+            _repeats.log(
+                logging.WARNING,
+                "delete:timeout",
                 "read %s: could not delete %d corrupt block(s) (%s) within %g s (slice_timeout)",
                 request_id,
                 len(keys),
