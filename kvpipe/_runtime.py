@@ -26,6 +26,7 @@ from ._config import PipelineConfig
 from ._engine import CopyEngine, HostEngine, OrderMark
 from ._errors import BackendError, ConfigError, KVPipeError, PipelineClosed, WrongEventLoop
 from ._keys import Scope
+from ._lograte import LogLimiter
 from ._plan import layout_segments
 from ._results import PipelineStatistics
 from ._shield import DeferredCancel, shielded
@@ -58,6 +59,9 @@ if TYPE_CHECKING:
 __all__ = ("Runtime",)
 
 log = logging.getLogger("kvpipe.pipeline")
+#: A store whose calls ignore cancellation has every request ended by the deadline guard:
+#: its line is bounded (:mod:`kvpipe._lograte`); ``deadline_guard_expired`` counts each.
+_guard_fired = LogLimiter(log)
 _State = TypeVar("_State", bound=RequestState)
 _Marked = TypeVar("_Marked", WriteState, ReadState)
 _STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
@@ -536,7 +540,9 @@ class Runtime:
                 # not the guard's to count, log or end; it is only waited for.
                 if not state.ending:
                     self.metrics.counters["deadline_guard_expired"] += 1
-                    log.warning(
+                    _guard_fired.log(
+                        logging.WARNING,
+                        f"deadline_guard:{state.kind}",
                         "request %s: no outcome by its deadline; ending it as timed out",
                         state.request_id,
                     )

@@ -1006,3 +1006,27 @@ async def test_a_slice_cut_off_at_the_deadline_is_counted_when_the_writer_is_can
     assert store.counts["put"] == 1
     assert pipe.statistics().slices == {"total_timeout": 1}
     assert [o for k, o in seen if k == "write_slice"] == ["total_timeout"]
+
+
+async def test_a_store_whose_calls_ignore_cancellation_logs_a_bounded_number_of_guard_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store whose calls ignore their cancellation (a vendor call in a thread not abandoned)
+    ends every read by the deadline guard, and the guard logged 'no outcome by its deadline'
+    at WARNING for each: one per request. The first shows (with its request id), the rest at
+    DEBUG until the interval passes; ``deadline_guard_expired`` counts every one."""
+    store = _DeafStore(5.5)
+    cfg = _config(total_timeout=5.0, deadline_slack=0.25)
+    n = 10
+    caplog.set_level("DEBUG", logger="kvpipe")
+    async with kvpipe.open_pipeline(_cache(), store, config=cfg) as pipe:
+        assert (await pipe.write(TOKENS, IDS)).complete
+        caplog.clear()
+        for i in range(n):
+            r = await pipe.read(TOKENS, np.arange(20, 36), request_id=f"deaf{i}")
+            assert r.stop_reason == "total_timeout"
+        assert pipe.statistics().counters["deadline_guard_expired"] == n
+    guard = [r for r in caplog.records if "no outcome by its deadline" in r.getMessage()]
+    loud = [r.getMessage() for r in guard if r.levelno >= 30]
+    assert len(loud) == 1 and "deaf0" in loud[0], loud
+    assert len(guard) == n
