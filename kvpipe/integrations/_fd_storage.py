@@ -108,17 +108,32 @@ def _by_size(sizes: Sequence[int]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _verify(value: bytearray, key: str, size: int) -> memoryview | None:
-    """The payload when ``value`` is ``size`` bytes plus a sound trailer for ``key``."""
+def _verify(value: bytearray, key: str, size: int) -> memoryview | str:
+    """The payload when ``value`` is ``size`` bytes plus a sound trailer for ``key``, else
+    which check it failed."""
     if len(value) != size + _TRAILER.size:
-        return None
-    payload = memoryview(value)[:size]
+        return f"{len(value) - _TRAILER.size} bytes stored, {size} asked"
     try:
         magic, version, n, psum, ksum = _TRAILER.unpack_from(value, size)
     except struct.error:
-        return None
-    ok = (magic, version, n) == (_MAGIC, 1, size) and ksum == xxhash.xxh3_64_intdigest(key.encode())
-    return payload if ok and psum == xxhash.xxh3_64_intdigest(payload) else None
+        return "no trailer"
+    if (magic, version, n) != (_MAGIC, 1, size):
+        return "not a value KVPipeStorage stored (trailer)"
+    if ksum != xxhash.xxh3_64_intdigest(key.encode()):
+        return "stored for another key (key digest)"
+    payload = memoryview(value)[:size]
+    if psum != xxhash.xxh3_64_intdigest(payload):
+        payload.release()
+        return "corrupt (checksum mismatch)"
+    return payload
+
+
+#: Why a value the store did not hand over failed (a store answers ``CORRUPT`` for a value of
+#: another size than asked, as for one that failed its own checks).
+_STORE_SAYS: Final = {
+    BlockStatus.CORRUPT: "the store found it corrupt or of another size than asked",
+    BlockStatus.FAILED: "the store failed to fetch it",
+}
 
 
 def _place(
@@ -128,19 +143,24 @@ def _place(
     ptrs: list[int],
     sizes: list[int],
     out: list[int],
-) -> int:
+) -> tuple[int, tuple[int, str] | None]:
     """Copy each fetched value that passes its checks into its pointer (``out[i]``: its
-    size); the number of values that failed them (missing ones not counted)."""
-    bad = 0
+    size); the number of values that failed them (missing ones not counted), and the first
+    of those (its position, and why)."""
+    bad, first = 0, None
     for i, (status, value) in zip(chunk, got, strict=True):
-        payload = _verify(value, keys[i], sizes[i]) if status is BlockStatus.OK else None
-        if payload is None:
-            bad += status is not BlockStatus.MISSING
+        if status is BlockStatus.MISSING:
             continue
-        payload.release()  # the checked payload: value's first bytes
+        checked = _verify(value, keys[i], sizes[i]) if status is BlockStatus.OK else None
+        if not isinstance(checked, memoryview):
+            bad += 1
+            if first is None:
+                first = (i, checked or _STORE_SAYS.get(status, f"the store answered {status}"))
+            continue
+        checked.release()  # the checked payload: value's first bytes
         ctypes.memmove(ptrs[i], (ctypes.c_char * sizes[i]).from_buffer(value), sizes[i])
         out[i] = sizes[i]
-    return bad
+    return bad, first
 
 
 def _int(x: Any, what: str) -> int:
@@ -444,7 +464,7 @@ class KVPipeStorage:
         # In chunks under one deadline: only a chunk's values are alive at once, not a copy
         # of the whole batch (a long request's read is as big as the manager's read buffer).
         deadline = time.monotonic() + self.timeout
-        bad = 0
+        bad, first = 0, None
         for lo in range(0, len(valid), BATCH_GET_CHUNK):
             chunk = valid[lo : lo + BATCH_GET_CHUNK]
             got: list[tuple[BlockStatus, bytearray] | None] = [None] * len(chunk)
@@ -453,12 +473,24 @@ class KVPipeStorage:
             # The sizes fetched before a failure or the deadline are placed all the same.
             fetched = [(i, g) for i, g in zip(chunk, list(got), strict=True) if g is not None]
             del got
-            bad += _place([i for i, _ in fetched], [g for _, g in fetched], keys, ptrs, sizes, out)
+            failed, why = _place(
+                [i for i, _ in fetched], [g for _, g in fetched], keys, ptrs, sizes, out
+            )
+            bad, first = bad + failed, first or why
             del fetched  # before the next chunk is fetched
             if ok is None:
                 break
-        if bad:
-            log.warning("KVPipeStorage batch_get: %d of %d values failed their checks", bad, n)
+        if first is not None:  # a store that keeps serving them: every call (bounded)
+            _repeats.log(
+                logging.WARNING,
+                "batch_get:checks",
+                "KVPipeStorage batch_get: %d of %d values failed their checks (first: key %r: "
+                "%s); -1 for those keys",
+                bad,
+                n,
+                keys[first[0]],
+                first[1],
+            )
         self._remember([ours[i] for i in range(n) if out[i] > 0])
         return out
 

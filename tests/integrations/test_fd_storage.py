@@ -224,3 +224,46 @@ def test_calls_after_close_log_a_bounded_number_of_warnings(
     assert all("PipelineClosed" in w for w in warnings), warnings
     debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "KVPipeStorage" in r.msg]
     assert len(debug) == 2 * (n - 1)
+
+
+@pytest.mark.parametrize("how", ["short", "corrupt", "another key's"])
+def test_values_that_fail_their_checks_log_one_bounded_warning_naming_key_and_why(
+    how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A value that fails its checks on every call (stored short or of another size,
+    corrupt, another key's) logged 'batch_get: N of M values failed their checks' at
+    WARNING on every call (FastDeploy asks again for every request), naming neither the key
+    nor why. The first names FastDeploy's key (not the hashed one) and the check it failed;
+    the rest go to DEBUG until the interval passes. A missing key is no failed check."""
+    import numpy as np
+
+    store = kvpipe.MemoryStore()
+    _keep, ptr = _buf(bytes(range(64)))
+    out, op = _buf(b"\0" * 64)
+    with KVPipeStorage(store=store) as fs:
+        assert fs.batch_set(["victim"], [ptr], [64]) == [0]
+        (victim,) = store.keys()
+        assert fs.batch_set(["other"], [ptr], [64]) == [0]
+        (other,) = set(store.keys()) - {victim}
+        data = store._data
+        if how == "corrupt":
+            flipped = np.array(data[victim])
+            flipped[5] ^= 0xFF
+            data[victim] = flipped
+        elif how == "another key's":
+            data[victim] = data[other]
+        size = 32 if how == "short" else 64
+        n = 30
+        with caplog.at_level(logging.DEBUG, "kvpipe.integrations"):
+            for _ in range(n):
+                assert fs.batch_get(["missing", "victim"], [op, op], [64, size]) == [-1, -1]
+    assert out.raw == b"\0" * 64  # nothing reached the buffer
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1, warnings
+    (line,) = warnings
+    assert "1 of 2 values failed their checks" in line and "'victim'" in line, line
+    assert "missing" not in line and "fd@" not in line, line
+    why = {"short": "of another size", "corrupt": "checksum", "another key's": "another key"}
+    assert why[how] in line, line
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "their checks" in r.msg]
+    assert len(debug) == n - 1
