@@ -22,6 +22,7 @@ import anyio
 import numpy as np
 
 from .._errors import BackendError, ConfigError, Unsupported
+from .._lograte import LogLimiter
 from .._results import ResidencyEntry
 from .._shield import DeferredCancel, shielded
 from .._workers import WorkerThreads, in_thread_to_its_end
@@ -33,6 +34,9 @@ from ._mooncake_setup import Setup
 __all__ = ("MooncakeStore",)
 
 log = logging.getLogger("kvpipe.mooncake")
+#: A master that is down (or going down) fails every call alike: the per-call lines are
+#: bounded (:mod:`kvpipe._lograte`), kinds by call and exception type.
+_repeats = LogLimiter(log)
 T = TypeVar("T")
 
 NO_SPACE: Final = -200
@@ -193,7 +197,13 @@ def _put_from_staging(
         except Exception as exc:
             if not published:
                 raise
-            log.error("mooncake: %s raised after values were published: %s", name, repr(exc))
+            _repeats.log(
+                logging.ERROR,
+                f"published:{name}:{type(exc).__name__}",
+                "mooncake: %s raised after values were published: %s",
+                name,
+                repr(exc),
+            )
             codes = [_RAISED] * len(picked)
         for i, code in zip(picked, codes, strict=True):
             out[i] = (code, how)
@@ -216,7 +226,12 @@ def _check_visible(client: Any, keys: list[str], out: list[tuple[int, str]]) -> 
     try:
         found = _codes("batch_is_exist", client.batch_is_exist([keys[i] for i in put]), len(put))
     except Exception as exc:
-        log.error("mooncake: batch_is_exist after a put raised: %s", repr(exc))
+        _repeats.log(
+            logging.ERROR,
+            f"check_visible:{type(exc).__name__}",
+            "mooncake: batch_is_exist after a put raised: %s",
+            repr(exc),
+        )
         return
     for i, code in zip(put, found, strict=True):
         if code == 0:
@@ -274,7 +289,12 @@ def _compare_piece(
             answer = repr(exc)
         if answer != 0:  # still registered: never freed under the transfer engine
             _KEPT.append(scratch)
-            log.error("mooncake: unregister_buffer of put scratch returned %s; kept", answer)
+            _repeats.log(
+                logging.ERROR,
+                "scratch_unregister",
+                "mooncake: unregister_buffer of put scratch returned %s; kept",
+                answer,
+            )
     out = []
     for key, i, row, code in zip(keys, at, scratch, got, strict=True):
         if code == size:

@@ -644,3 +644,55 @@ def test_a_read_answer_of_a_value_s_size_is_counted_under_one_name() -> None:
     assert _code_name("get", 4096) == _code_name("get", 123) == "get_other_size"
     assert _code_name("get", -704) == "get_code_-704"
     assert _code_name("put_read", 64) == "put_read_other_size"
+
+
+class MasterGoingDownClient(StoredValuesClient):
+    """A master that goes down mid-put, every put: the lookup after the put raises
+    (``"visible"``), or the upsert after ``batch_put_from`` published values
+    (``"upsert"``)."""
+
+    def __init__(self, fails: str) -> None:
+        super().__init__({"stored": b"\x01" * 64})
+        self.fails = fails
+        self.lookups = 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.lookups += 1
+        if self.lookups % 2:  # a put's first lookup: nothing of this put published yet
+            self.published: set[str] = set()
+        elif self.fails == "visible":
+            raise RuntimeError("master unreachable")
+        return [1 if k in self.values or k in self.published else 0 for k in keys]
+
+    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        self.published.update(keys)
+        return [0] * len(keys)
+
+    def batch_upsert_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        if self.fails == "upsert":
+            raise RuntimeError("master unreachable")
+        return [0] * len(keys)
+
+
+@pytest.mark.parametrize("fails", ["visible", "upsert"])
+def test_a_master_going_down_on_every_put_logs_a_bounded_number_of_errors(
+    fails: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A master that fails every put after values were published ('batch_upsert_from
+    raised after values were published', 'batch_is_exist after a put raised') logged one
+    ERROR per put call, i.e. per slice of every write. The first of each kind shows, the
+    rest at DEBUG until the interval passes; each call still answers honestly."""
+    client = MasterGoingDownClient(fails)
+    value = np.zeros(64, np.uint8)
+    views = [memoryview(value), memoryview(value)]
+    addresses = [int(value.ctypes.data)] * 2
+    n = 20
+    with caplog.at_level("DEBUG", logger="kvpipe.mooncake"):
+        for _ in range(n):
+            got = mc._put_from_staging(
+                client, frozenset(), ["fresh", "stored"], addresses, 64, views
+            )
+            assert got[0] == (0, "put")
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert len(loud) == 1 and "master unreachable" in loud[0], loud
+    assert sum("master unreachable" in r.getMessage() for r in caplog.records) == n
