@@ -720,9 +720,10 @@ class KVPipeAttentionStore:
         FastDeploy takes as the truth (``gpu_block_ids[:n]``).
 
         Never raises for its arguments (a start index past the tokens, no tokens): 0, logged
-        at ERROR. FastDeploy's read and write tasks call it outside the handlers that send
-        their done signal, so a raise would leave the engine waiting for that signal for
-        good. (A call from inside a running event loop still raises ``WrongEventLoop``.)
+        at ERROR (repeats bounded). FastDeploy's read and write tasks call it outside the
+        handlers that send their done signal, so a raise would leave the engine waiting for
+        that signal for good. (A call from inside a running event loop still raises
+        ``WrongEventLoop``.)
         """
 
         self._asked.last = (task_id, token_ids)
@@ -745,7 +746,13 @@ class KVPipeAttentionStore:
         try:
             return self._on_last_pipe("query", task_id, timeout, run, unbound)
         except (RequestError, TypeError) as exc:
-            log.error("kvpipe query %s: bad arguments, answering 0: %s", task_id, exc)
+            _repeats.log(  # a manager that keeps asking so: every call (bounded)
+                logging.ERROR,
+                f"query:{type(exc).__name__}",
+                "kvpipe query %s: bad arguments, answering 0: %s",
+                task_id,
+                exc,
+            )
             return 0
 
     def flush_token_index(

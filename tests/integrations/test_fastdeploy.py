@@ -1235,6 +1235,25 @@ def test_query_answers_0_for_bad_arguments_never_raising(
     assert any(r.levelname == "ERROR" and "bad arguments" in r.getMessage() for r in caplog.records)
 
 
+def test_query_with_bad_arguments_on_every_call_logs_a_bounded_number_of_errors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A manager that keeps asking with the same bad arguments (a start index past its
+    tokens) got 'query ... bad arguments, answering 0' at ERROR on every call. The first
+    shows, with its task and why; the rest go to DEBUG until the interval passes."""
+    k, v = _gqa(True)
+    n = 20
+    with _store() as store:
+        assert store.write("t", k, v, list(range(16)), [0, 1, 2, 3], 0) == 4
+        with caplog.at_level(logging.DEBUG, "kvpipe.integrations"):
+            for i in range(n):
+                assert store.query(f"q{i}", list(range(16)), 9) == 0
+    bad = [r for r in caplog.records if "bad arguments" in r.getMessage()]
+    loud = [r.getMessage() for r in bad if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and "q0" in loud[0], loud
+    assert len(bad) == n
+
+
 @pytest.mark.parametrize(
     ("kw", "field"),
     [
