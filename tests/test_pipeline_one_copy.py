@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 import kvpipe
 from kvpipe.backends import BlockStatus, GetBatch, StorageBackend
@@ -140,16 +141,26 @@ async def test_small_puts_are_copied_from_staging_into_values_of_their_own() -> 
 
 
 class _NoMemoryToKeep(kvpipe.MemoryStore):
-    """A store that keeps values, but has no memory to offer for them just now."""
+    """A store that keeps values, but has no memory to offer for them just now (or fails
+    to: a store's own error)."""
+
+    def __init__(self, error: type[Exception]) -> None:
+        super().__init__()
+        self.error = error
 
     def value_memory(self, slot_nbytes: int, count: int) -> Any:
-        raise MemoryError("no memory for values")
+        raise self.error("no memory for values")
 
 
-async def test_no_memory_for_values_to_keep_gathers_into_staging_for_the_store_to_copy() -> None:
+@pytest.mark.parametrize("error", [MemoryError, RuntimeError])
+async def test_no_memory_for_values_to_keep_gathers_into_staging_for_the_store_to_copy(
+    error: type[Exception],
+) -> None:
     """Out of memory for values the store would keep, a write goes through staging (the
-    store copies it), not into a writer crash (three of which close the pipeline)."""
-    store = _NoMemoryToKeep()
+    store copies it), not into a writer crash (three of which close the pipeline). So does
+    a value_memory that fails otherwise: a store's error, never the writer's crash (a
+    RuntimeError crashed it, and the fourth write closed the pipeline)."""
+    store = _NoMemoryToKeep(error)
     src, dst = _cache(1), _cache(2)
     cfg = kvpipe.PipelineConfig(slice_block_num=4)
     async with kvpipe.open_pipeline(src, store, config=cfg) as pipe:

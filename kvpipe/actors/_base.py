@@ -26,6 +26,7 @@ from .._errors import BackendError
 from .._hostcopy import gather_sealed, seal_slots
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
+from .._lograte import LogLimiter
 from .._plan import CopySegment, SliceSpec, copy_plan
 from .._staging import StagingLease, StagingPool
 from .._workers import INLINE_COPY_BYTES, Lane, NotStarted, ThreadRunner
@@ -48,6 +49,7 @@ __all__ = (
 M = TypeVar("M")
 T = TypeVar("T")
 log = logging.getLogger("kvpipe.actors")
+_value_memory_failed = LogLimiter(log)
 
 
 class PipelineHooks:
@@ -159,12 +161,21 @@ class ActorContext:
             # Allocated in the worker thread: a large allocation on the event loop's thread
             # would wait behind the page faults of copies running in other threads.
             rows, slot_nbytes = self.cache.row_groups(self.segments), self.pool.slot_nbytes
-            new_values = self.backend.value_memory
+            new_values, store = self.backend.value_memory, self.backend.name
 
             def gather_into_new() -> StagingLease | None:
                 try:
                     data = new_values(slot_nbytes, spec.count)
                 except MemoryError:  # gathered into staging, then: the store copies it
+                    return None
+                except Exception as exc:  # a store's failure, not the actor's: as above
+                    _value_memory_failed.log(
+                        logging.WARNING,
+                        store,
+                        "%s.value_memory raised %r; gathering into staging instead",
+                        store,
+                        exc,
+                    )
                     return None
                 buffer, slots = data.pool.buffer, data.slots
                 gather_sealed(rows, buffer, slots, blocks, payload, digests, checksum)
