@@ -52,6 +52,7 @@ from .. import (
 from .. import FileStore as _FileStore
 from .._device_tensors import device_tensor, parse_device
 from .._lograte import LogLimiter
+from .._validate import check_start_block
 from ._fd_storage import KVPipeStorage
 from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
 
@@ -736,14 +737,14 @@ class KVPipeAttentionStore:
                 timeout=timeout,
             )
 
-        unbound = 0
-        if self.splitwise_role == "decode":
-            size = self.block_token_size
-            blocks = len(token_ids) // size
-            if self.all_or_nothing_read and len(token_ids) % size:
-                blocks += 1  # the partial last block, which the decode side reads too
-            unbound = max(0, blocks - int(start_match_block_idx))
         try:
+            unbound = 0
+            if self.splitwise_role == "decode":  # checked as lookup checks them
+                size = self.block_token_size
+                blocks = len(token_ids) // size
+                if self.all_or_nothing_read and len(token_ids) % size:
+                    blocks += 1  # the partial last block, which the decode side reads too
+                unbound = blocks - check_start_block(start_match_block_idx, blocks)
             return self._on_last_pipe("query", task_id, timeout, run, unbound)
         except (RequestError, TypeError) as exc:
             _repeats.log(  # a manager that keeps asking so: every call (bounded)

@@ -1235,6 +1235,30 @@ def test_query_answers_0_for_bad_arguments_never_raising(
     assert any(r.levelname == "ERROR" and "bad arguments" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "start"),
+    [
+        (None, 0),
+        (list(range(16)), "x"),
+        (list(range(16)), None),
+        (list(range(16)), -1),
+        (list(range(16)), 1.5),
+        (list(range(16)), 9),
+    ],
+)
+def test_query_on_a_decode_instance_before_its_first_read_answers_0_for_bad_arguments(
+    tokens: Any, start: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decode instance's query before the caches are bound answers every block asked
+    about, computed from the arguments outside the handler that answers 0 for bad ones: no
+    tokens (None) or a start index that is no int raised into FastDeploy's thread (TypeError,
+    ValueError from int()), and a negative or fractional one answered blocks (5, 3) where a
+    bound instance answers 0. Each is now a bad argument: 0, logged at ERROR."""
+    with _store(splitwise_role="decode") as store:
+        assert store.query("t", tokens, start) == 0
+    assert any(r.levelname == "ERROR" and "bad arguments" in r.getMessage() for r in caplog.records)
+
+
 def test_query_with_bad_arguments_on_every_call_logs_a_bounded_number_of_errors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
