@@ -470,3 +470,25 @@ async def test_a_value_read_at_another_size_is_refused_and_kept(
         ((status, got),) = await client.get(["k"], [64])
         assert status is BlockStatus.OK and bytes(got) == value
     assert any("a value of" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_empty_value_file_is_quarantined_not_judged_by_a_stale_header(
+    tmp_path: Path,
+) -> None:
+    """A value file shorter than a header (empty: a crash before its data reached the disk)
+    leaves the thread's header scratch page as the last read left it. When that read was of
+    the same key at another size, the refusal took that stale header for the file's own and
+    kept the damaged file as another deployment's value (never quarantined by a read at the
+    other size). A file too short to hold a header is judged on its own bytes only."""
+    from kvpipe.backends._values import ValueClient
+
+    value = bytes(range(64))
+    async with kvpipe.FileStore(tmp_path, threads=1) as store, ValueClient(store) as client:
+        assert await client.put(["k"], [value]) == [BlockStatus.OK]
+        ((status, _),) = await client.get(["k"], [64])
+        assert status is BlockStatus.OK  # the header page now holds k's header (64 B)
+        block_file(tmp_path, "k").write_bytes(b"")
+        ((status, _),) = await client.get(["k"], [128])
+        assert status is BlockStatus.CORRUPT
+        assert store.statistics().get("quarantined", 0) == 1
+        assert not block_file(tmp_path, "k").exists()

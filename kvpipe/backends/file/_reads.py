@@ -245,7 +245,10 @@ def _judge(
     why = check_file(key, raw, got, buf, fingerprint, payload_ok)
     if why is None:
         return BlockStatus.OK
-    return _refuse(hooks, root, key, why, raw, len(buf), fingerprint)
+    # A file shorter than a header left the rest of the scratch page as an earlier read
+    # left it: no header of its own to refuse it by.
+    own = raw if got >= len(raw) else b""
+    return _refuse(hooks, root, key, why, own, len(buf), fingerprint)
 
 
 def _refuse(
