@@ -382,6 +382,9 @@ class MooncakeStore(StorageBackend):
             except ImportError:
                 _load_client()
         self._registered: Counter[tuple[int, int]] = Counter()
+        #: Regions :meth:`aclose` took to unregister and has not (yet) unregistered: failed,
+        #: or still to do in its thread past the deadline. Their owners must keep them.
+        self._left: set[tuple[int, int]] = set()
         #: Keys not trusted by ``exists``; the value is the read given up on that put the key
         #: here (``None``: a read that failed).
         self._distrust: OrderedDict[str, object] = OrderedDict()
@@ -515,6 +518,7 @@ class MooncakeStore(StorageBackend):
                 return
             self._client = None
             registered, self._registered = list(self._registered), Counter()
+            self._left.update(registered)  # until each is unregistered (by its thread)
             await self._release(client, registered, self._own_client, deferred)
         finally:
             self._open_lock.release()
@@ -548,7 +552,9 @@ class MooncakeStore(StorageBackend):
                 rc = client.unregister_buffer(ptr)
             except Exception as exc:
                 rc = repr(exc)
-            if rc != 0:
+            if rc == 0:
+                self._left.discard((ptr, size))
+            else:
                 log.error(
                     "mooncake: unregistering staging at %#x (%d bytes) at close returned %s",
                     ptr,
@@ -625,8 +631,16 @@ class MooncakeStore(StorageBackend):
             del self._registered[region]
 
     async def unregister_staging(self, buffer: memoryview) -> None:
-        """Undo one :meth:`register_staging` of ``buffer``. Abandoned on cancellation."""
+        """Undo one :meth:`register_staging` of ``buffer``. Abandoned on cancellation.
+
+        Raises:
+            BackendError: The vendor call failed; or :meth:`aclose` took the buffer to
+                unregister and did not (it failed, or is still running past its deadline):
+                it may still be registered, so the caller must not free it.
+        """
         region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
+        if region in self._left:
+            raise BackendError(self.name, "unregister_buffer", "left registered at close")
         if self._registered[region] <= 0:
             return
         self._uncount(region)

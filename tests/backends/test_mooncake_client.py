@@ -696,3 +696,30 @@ def test_a_master_going_down_on_every_put_logs_a_bounded_number_of_errors(
     loud = [r.getMessage() for r in caplog.records if r.levelno >= 30]
     assert len(loud) == 1 and "master unreachable" in loud[0], loud
     assert sum("master unreachable" in r.getMessage() for r in caplog.records) == n
+
+
+@pytest.mark.parametrize("own", [True, False])
+async def test_staging_aclose_could_not_unregister_is_kept_by_its_owner(
+    master: str, monkeypatch: pytest.MonkeyPatch, own: bool
+) -> None:
+    """A store closed before the owner of its staging (a pipeline, a ``ValueClient``) whose
+    ``unregister_buffer`` at close failed left the buffer registered, yet answered the owner's
+    later ``unregister_staging`` with success (it had forgotten the buffer): the owner freed
+    memory the transfer engine may still write into (a client passed in is not closed)."""
+    from kvpipe.backends._registration import KEPT, Registrations
+
+    client = FakeClient()  # unregister_buffer answers -1: still registered
+    monkeypatch.setattr(mc, "_load_client", lambda: client)
+    store = kvpipe.MooncakeStore(
+        master, "http://127.0.0.1:1/metadata", client=None if own else client
+    )
+    owner = Registrations(store)
+    staging = np.zeros(4096, np.uint8)
+    await owner.add(staging.data)
+    await store.aclose()
+    kept = len(KEPT)
+    try:
+        await owner.aclose(anyio.current_time() + 10)
+        assert owner.kept and len(KEPT) == kept + 1, "freed while still registered"
+    finally:
+        del KEPT[kept:]
