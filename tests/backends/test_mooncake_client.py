@@ -723,3 +723,38 @@ async def test_staging_aclose_could_not_unregister_is_kept_by_its_owner(
         assert owner.kept and len(KEPT) == kept + 1, "freed while still registered"
     finally:
         del KEPT[kept:]
+
+
+class FailingCloseAfterHungSetup(HungSetupClient):
+    def close(self) -> int:
+        super().close()
+        return -1
+
+
+async def test_a_late_setup_s_close_that_answers_an_error_code_is_logged(
+    master: str,
+    monkeypatch: pytest.MonkeyPatch,
+    hung_setups: list[HungSetupClient],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client whose setup ends after ``aclose`` is closed in the setup's thread; a vendor
+    ``close`` that raised there was logged, one that answered an error code (its segment
+    may still be mounted with the master) passed without a word."""
+    clients: list[HungSetupClient] = []
+
+    def load() -> HungSetupClient:
+        clients.append(FailingCloseAfterHungSetup())
+        return clients[-1]
+
+    monkeypatch.setattr(mc, "_load_client", load)
+    store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
+    await _give_up_on_a_call(store, lambda: bool(clients) and clients[0].started.is_set())
+    setup = store._setup
+    assert setup is not None
+    await store.aclose()
+    with caplog.at_level("ERROR", logger="kvpipe.mooncake"):
+        HungSetupClient.go.set()
+        with anyio.fail_after(10):
+            await setup.done.wait()  # set once the thread has closed the client
+    assert clients[0].closed == 1
+    assert "returned -1" in caplog.text
