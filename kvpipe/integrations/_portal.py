@@ -307,11 +307,15 @@ class _Held:
         self.leave = anyio.Event()
         try:
             value = await self.cm.__aenter__()
-        except Exception as exc:  # boxed, not raised through the portal: see _outcome
+        except anyio.get_cancelled_exc_class():
+            # A cancellation (the caller stopped waiting, the loop stopping) is not handed
+            # over: kept by the future, it would hold this frame, and the context manager.
+            raise
+        except BaseException as exc:  # boxed, not raised through the portal: see _outcome
             self.entered.set_result([False, exc])
-            return
-        # A cancellation (the caller stopped waiting, the loop stopping) is not handed
-        # over: kept by the future, it would hold this frame, and the context manager.
+            if isinstance(exc, Exception):
+                return
+            raise  # KeyboardInterrupt, SystemExit: handed over, and not kept from the loop
         self.entered.set_result([True, value])
         try:
             await self.leave.wait()

@@ -106,3 +106,31 @@ def test_an_enter_that_failed_leaves_no_cycle(hang: bool, no_cyclic_gc: None) ->
     finally:
         loop.close()  # the cancelled entering has unwound once the loop stopped
     assert ref() is None, "the context manager is held in a reference cycle"
+
+
+class _Abort(BaseException):
+    """A ``BaseException`` that is no cancellation (as ``KeyboardInterrupt``, ``SystemExit``)."""
+
+
+class _AbortsEntering:
+    async def __aenter__(self) -> None:
+        raise _Abort("entering aborted")
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        pass
+
+
+def test_a_base_exception_raised_while_entering_comes_back_as_raised() -> None:
+    """Entering that raised a ``BaseException`` other than a cancellation (a
+    ``KeyboardInterrupt`` or ``SystemExit`` raised in a store's open) was no longer handed
+    over once errors went back in a box of ``Exception`` only: the entering task ended
+    unentered, and ``enter`` took that for the loop stopping, raising
+    ``PipelineClosed("... is closed")`` though close had not begun (the FastDeploy adapter
+    then logged "opening the pipeline failed: PipelineClosed" and answered 0)."""
+    loop = LoopThread("test-enter-base-exception")
+    try:
+        with pytest.raises(_Abort, match="entering aborted"):
+            loop.enter(_AbortsEntering(), wait=30.0)
+        assert not loop.closed
+    finally:
+        loop.close()
