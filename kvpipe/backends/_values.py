@@ -8,6 +8,7 @@ a pipeline uses it.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeAlias, TypeVar
 
@@ -86,7 +87,11 @@ class ValueClient:
             raise ConfigError(
                 "store", f"expected a kvpipe.StorageBackend, got {type(store).__name__}"
             )
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        try:  # an int, numpy's too (not a bool)
+            count = -1 if isinstance(slots, bool) else operator.index(slots)
+        except TypeError:
+            count = -1
+        if count < 1:
             raise ConfigError("slots", f"must be an int >= 1, got {slots!r}")
         if (
             isinstance(close_timeout, bool)
@@ -99,7 +104,7 @@ class ValueClient:
             )
         self.store = store
         self.scope = Scope(namespace, VALUES_FINGERPRINT)
-        self.slots = slots
+        self.slots = count
         self.close_timeout = close_timeout
         self._runner = ThreadRunner(close_timeout)
         self._pools: dict[int, StagingPool] = {}

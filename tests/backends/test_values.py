@@ -238,3 +238,11 @@ def test_bad_arguments_are_a_config_error_naming_the_field(
     with pytest.raises(kvpipe.ConfigError) as caught:
         ValueClient(args.pop("store"), **args)
     assert caught.value.field == field
+
+
+def test_a_numpy_integer_slots_is_taken_as_its_int() -> None:
+    """The argument check of 4676199 took only a Python int, refusing slots=np.int64(4),
+    which was accepted before."""
+    import numpy as np
+
+    assert ValueClient(kvpipe.MemoryStore(), slots=np.int64(4)).slots == 4
