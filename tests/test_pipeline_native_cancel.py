@@ -148,16 +148,21 @@ async def test_a_close_cancelled_by_asyncio_still_bounds_the_threads_by_its_dead
     config = kvpipe.PipelineConfig(slice_block_num=2, close_timeout=0.2)
     opened: list[kvpipe.Pipeline] = []
 
+    calls: list[asyncio.Task[kvpipe.WriteResult]] = []
+
     async def serve() -> None:
         async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
             opened.append(pipe)
-            call = asyncio.create_task(pipe.write(np.arange(32), np.arange(8), timeout=10))
-            await store.wait_calls("put", 1)
-            call.cancel()
+            calls.append(asyncio.create_task(pipe.write(np.arange(32), np.arange(8), timeout=10)))
+            await store.wait_calls("put", 1)  # the close waits for it (its put hangs)
 
     server = asyncio.create_task(serve())
-    await _until(lambda: opened and opened[0].closed, "the close began")
-    server.cancel("shutting down")
-    with pytest.raises(asyncio.CancelledError):
-        await server
-    assert bounded, "the threads were not given the close's deadline"
+    try:
+        await _until(lambda: opened and opened[0].closed, "the close began")
+        server.cancel("shutting down")
+        with pytest.raises(asyncio.CancelledError):
+            await server
+        assert bounded, "the threads were not given the close's deadline"
+    finally:
+        for c in calls:
+            c.cancel()
