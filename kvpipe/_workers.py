@@ -500,18 +500,26 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     Cancellation: as ``anyio.to_thread.run_sync`` (the call runs to its end).
     """
     box: list[Any] = []
+    await anyio.to_thread.run_sync(_boxed, box, fn, args)
+    return _unboxed(box)  # type: ignore[no-any-return]
 
-    def call() -> None:
-        try:
-            box[:] = [True, fn(*args)]
-        except BaseException as exc:
-            box[:] = [False, exc]
 
-    await anyio.to_thread.run_sync(call)
+def _boxed(box: list[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """``box[:] = [True, fn(*args)]``, or ``[False, error]`` when it raised (a thread's
+    outcome, handed back without the frames that raised it: :func:`_unboxed`)."""
+    try:
+        box[:] = [True, fn(*args)]
+    except BaseException as exc:
+        box[:] = [False, exc]
+
+
+def _unboxed(box: list[Any]) -> Any:
+    """The value in ``box`` (:func:`_boxed`), or its error raised; the box is emptied first,
+    and the error let go of on the way out: no frame keeps it in a cycle."""
     ok, value = box
     box.clear()
     if ok:
-        return value  # type: ignore[no-any-return]
+        return value
     try:
         raise value
     finally:
@@ -537,10 +545,7 @@ async def in_thread_to_its_end(
     box: list[Any] = []
 
     def call() -> None:
-        try:
-            box[:] = [True, fn(*args)]
-        except BaseException as exc:
-            box[:] = [False, exc]
+        _boxed(box, fn, args)
         try:
             _call_soon(token, done.set)
         except Exception as exc:  # the event loop is gone: nobody waits any more
@@ -549,11 +554,4 @@ async def in_thread_to_its_end(
     threading.Thread(target=call, name="kvpipe-close", daemon=True).start()
     if not await shielded(done.wait, deadline, deferred):
         raise TimeoutError(f"{getattr(fn, '__name__', fn)!s} still running at its deadline")
-    ok, value = box
-    box.clear()
-    if ok:
-        return value  # type: ignore[no-any-return]
-    try:
-        raise value
-    finally:
-        value = None
+    return _unboxed(box)  # type: ignore[no-any-return]
