@@ -242,25 +242,7 @@ async def test_a_locate_answered_with_malformed_records_is_a_backend_error(bad: 
                 for r in records
             ]
 
-    async with harness(Malformed()) as h:
-        sched = Scheduler(h.ctx, h.inboxes["scheduler"])
-        now = anyio.current_time()
-        flush = CallState(
-            "f",
-            now + 5,
-            now,
-            "flush",
-            as_tokens(TOKENS),
-            False,
-            start_block=0,
-            residency=kvpipe.Residency.GPU,
-        )
-        await sched.handle(flush)
-        assert flush.error is None
-        state = CallState("l", now + 5, now, "locate", as_tokens(TOKENS), False)
-        await sched.handle(state)
-        assert isinstance(state.error, kvpipe.BackendError), state.value
-        assert "get_residency" in str(state.error)
+    await _flushed_then_located_is_a_get_residency_error(Malformed())
 
 
 @pytest.mark.parametrize("answer", ["none", "number"])
@@ -374,7 +356,13 @@ async def test_a_locate_answer_that_is_not_records_per_block_is_a_backend_error(
                 return [1 for _ in keys]
             return [r[0] if r else r for r in records]  # a record, not a sequence of them
 
-    async with harness(Malformed()) as h:
+    await _flushed_then_located_is_a_get_residency_error(Malformed())
+
+
+async def _flushed_then_located_is_a_get_residency_error(store: kvpipe.MemoryStore) -> None:
+    """Flush TOKENS' blocks into ``store`` (its records kept as they are), then locate them:
+    the locate ends with a ``BackendError`` naming ``get_residency``."""
+    async with harness(store) as h:
         sched = Scheduler(h.ctx, h.inboxes["scheduler"])
         now = anyio.current_time()
         flush = CallState(
