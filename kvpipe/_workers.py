@@ -46,6 +46,7 @@ __all__ = (
     "WorkerThreads",
     "in_thread",
     "in_thread_to_its_end",
+    "unboxed",
     "lower_priority",
 )
 
@@ -501,21 +502,22 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     """
     box: list[Any] = []
     await anyio.to_thread.run_sync(_boxed, box, fn, args)
-    return _unboxed(box)  # type: ignore[no-any-return]
+    return unboxed(box)  # type: ignore[no-any-return]
 
 
 def _boxed(box: list[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     """``box[:] = [True, fn(*args)]``, or ``[False, error]`` when it raised (a thread's
-    outcome, handed back without the frames that raised it: :func:`_unboxed`)."""
+    outcome, handed back without the frames that raised it: :func:`unboxed`)."""
     try:
         box[:] = [True, fn(*args)]
     except BaseException as exc:
         box[:] = [False, exc]
 
 
-def _unboxed(box: list[Any]) -> Any:
-    """The value in ``box`` (:func:`_boxed`), or its error raised; the box is emptied first,
-    and the error let go of on the way out: no frame keeps it in a cycle."""
+def unboxed(box: list[Any]) -> Any:
+    """The value in ``box`` (``[True, value]``, as :func:`_boxed` fills it), or its error
+    (``[False, error]``) raised; the box is emptied first, and the error let go of on the
+    way out: no frame keeps it in a cycle."""
     ok, value = box
     box.clear()
     if ok:
@@ -554,4 +556,4 @@ async def in_thread_to_its_end(
     threading.Thread(target=call, name="kvpipe-close", daemon=True).start()
     if not await shielded(done.wait, deadline, deferred):
         raise TimeoutError(f"{getattr(fn, '__name__', fn)!s} still running at its deadline")
-    return _unboxed(box)  # type: ignore[no-any-return]
+    return unboxed(box)  # type: ignore[no-any-return]

@@ -32,6 +32,7 @@ from .. import (
     StorageBackend,
     WrongEventLoop,
 )
+from .._workers import unboxed
 
 __all__ = ("HOP_SLACK", "LoopThread", "default_store_dir", "store_from_url")
 
@@ -42,6 +43,15 @@ T = TypeVar("T")
 #: Seconds a caller may wait past its own deadline for the loop thread to hand the result
 #: back; past it the call is cancelled and the caller returns "nothing known".
 HOP_SLACK: Final = 1.0
+
+
+# Boxed errors: an error raised in the loop is handed to the calling thread in a box
+# (``[False, error]``, emptied by :func:`~kvpipe._workers.unboxed`), not through the portal's
+# future: anyio's portal task keeps the error it sets there in a local of its frame, which is
+# on the error's traceback, and the future kept it too, held by frames on its traceback in
+# the waiting thread. Those reference cycles kept every frame the error passed, and what
+# they refer to (an adapter, its pipeline and store, the caller's caches), until the cyclic
+# garbage collector ran.
 
 
 class LoopThread:
@@ -140,7 +150,7 @@ class LoopThread:
             if not held.entered.done():  # the task ended unentered: the loop stopped
                 raise self._closed_error()
             try:
-                value = _outcome(held.entered.result())
+                value = unboxed(held.entered.result())
             except BaseException:
                 if self._closed:  # cancelled by the loop stopping, not the caller's error
                     raise self._closed_error() from None
@@ -218,7 +228,7 @@ class LoopThread:
         async def tracked() -> list[Any]:
             try:
                 return [True, await fn(*args)]
-            except Exception as exc:  # boxed, not raised through the portal: see _outcome
+            except Exception as exc:  # boxed: see "Boxed errors" above LoopThread
                 return [False, exc]
             finally:
                 ended.set()
@@ -242,7 +252,7 @@ class LoopThread:
             box = fut.result()
         except concurrent.futures.CancelledError:  # only the loop stopping cancels it
             raise self._closed_error() from None
-        return _outcome(box)  # type: ignore[no-any-return]
+        return unboxed(box)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Close what was entered (bounded by ``close_timeout``), stop the loop and join it
@@ -299,7 +309,7 @@ class _Held:
     def __init__(self, cm: Any) -> None:
         self.cm = cm
         #: ``[True, value]`` once entered, ``[False, error]`` when entering raised: a box
-        #: that :func:`_outcome` empties (see there); never set when entering was cancelled.
+        #: that :func:`~kvpipe._workers.unboxed` empties; never set when entering was cancelled.
         self.entered: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
         self.leave: anyio.Event | None = None
 
@@ -311,7 +321,7 @@ class _Held:
             # A cancellation (the caller stopped waiting, the loop stopping) is not handed
             # over: kept by the future, it would hold this frame, and the context manager.
             raise
-        except BaseException as exc:  # boxed, not raised through the portal: see _outcome
+        except BaseException as exc:  # boxed: see "Boxed errors" above LoopThread
             self.entered.set_result([False, exc])
             if isinstance(exc, Exception):
                 return
@@ -321,27 +331,6 @@ class _Held:
             await self.leave.wait()
         finally:
             await self.cm.__aexit__(None, None, None)
-
-
-def _outcome(box: list[Any]) -> Any:
-    """The value in ``box`` (``[True, value]``), or its error (``[False, error]``) raised;
-    the box is emptied first.
-
-    An error raised in the loop is handed to the calling thread in a box, not through the
-    portal's future: anyio's portal task keeps the error it sets there in a local of its
-    frame, which is on the error's traceback, and the future kept it too, held by frames
-    on its traceback here (this thread's wait). Those reference cycles kept every frame
-    the error passed, and what they refer to (an adapter, its pipeline and store, the
-    caller's caches), until the cyclic garbage collector ran.
-    """
-    ok, value = box
-    box.clear()
-    if ok:
-        return value
-    try:
-        raise value
-    finally:
-        value = None
 
 
 def default_store_dir() -> Path:
