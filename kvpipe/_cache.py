@@ -28,18 +28,27 @@ ByteRows = npt.NDArray[np.uint8]
 _PAGE = 4096
 
 
-def _check_shape(spec: RoleSpec, layer: int, shape: tuple[int, ...], num_blocks: int) -> None:
+def _check_tensor(
+    spec: RoleSpec,
+    layer: int,
+    dtype: str,
+    shape: tuple[int, ...],
+    contiguous: bool,
+    num_blocks: int,
+) -> None:
+    """Refuse a tensor for ``spec``'s ``layer`` of another dtype or shape, or not row-major."""
     want = (num_blocks, *spec.block_shape)
+    if dtype != spec.dtype:
+        raise LayoutError(f"{spec.name}[{layer}]: dtype {dtype}, expected {spec.dtype}")
     if shape != want:
         raise LayoutError(f"{spec.name}[{layer}]: shape {list(shape)}, expected {list(want)}")
+    if not contiguous:
+        raise LayoutError(f"{spec.name}[{layer}]: tensor is not C-contiguous")
 
 
 def _numpy_rows(spec: RoleSpec, layer: int, arr: npt.NDArray[Any], num_blocks: int) -> ByteRows:
-    if arr.dtype != numpy_dtype(spec.dtype):
-        raise LayoutError(f"{spec.name}[{layer}]: dtype {arr.dtype}, expected {spec.dtype}")
-    _check_shape(spec, layer, tuple(arr.shape), num_blocks)
-    if not arr.flags.c_contiguous:
-        raise LayoutError(f"{spec.name}[{layer}]: tensor is not C-contiguous")
+    shape = tuple(arr.shape)
+    _check_tensor(spec, layer, str(arr.dtype), shape, arr.flags.c_contiguous, num_blocks)
     if not arr.flags.writeable:
         raise LayoutError(f"{spec.name}[{layer}]: tensor is read-only")
     rows: ByteRows = arr.reshape(num_blocks, -1).view(np.uint8)
@@ -48,12 +57,8 @@ def _numpy_rows(spec: RoleSpec, layer: int, arr: npt.NDArray[Any], num_blocks: i
 
 def _data_ptr_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
     """Rows aliasing a CPU tensor that exposes ``data_ptr()`` (Paddle, PyTorch)."""
-    if not t.is_contiguous():
-        raise LayoutError(f"{spec.name}[{layer}]: tensor is not contiguous")
-    dtype = dtype_name(t.dtype)
-    if dtype != spec.dtype:
-        raise LayoutError(f"{spec.name}[{layer}]: dtype {dtype}, expected {spec.dtype}")
-    _check_shape(spec, layer, tuple(int(d) for d in t.shape), num_blocks)
+    shape = tuple(int(d) for d in t.shape)
+    _check_tensor(spec, layer, dtype_name(t.dtype), shape, t.is_contiguous(), num_blocks)
     nbytes = num_blocks * spec.block_nbytes
     if nbytes == 0:
         return np.empty((num_blocks, 0), dtype=np.uint8)
@@ -103,11 +108,7 @@ def _device_pointers(
     for (role, layer), info in zip(layout.tensor_order(), infos, strict=True):
         assert info is not None
         spec = layout.role(role)
-        if info.dtype != spec.dtype:
-            raise LayoutError(f"{role}[{layer}]: dtype {info.dtype}, expected {spec.dtype}")
-        _check_shape(spec, layer, info.shape, num_blocks)
-        if not info.contiguous:
-            raise LayoutError(f"{role}[{layer}]: tensor is not contiguous")
+        _check_tensor(spec, layer, info.dtype, info.shape, info.contiguous, num_blocks)
         if info.pointer == 0:
             raise LayoutError(f"{role}[{layer}]: null device pointer")
         pointers.append(info.pointer)
