@@ -67,7 +67,17 @@ def _data_ptr_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteR
     return rows
 
 
-def _generic_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
+def _rows_for(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
+    """Rows aliasing a host tensor: numpy, Paddle, one with ``data_ptr()``, DLPack or an array."""
+    if isinstance(t, np.ndarray):
+        return _numpy_rows(spec, layer, t, num_blocks)
+    if type(t).__module__.startswith("paddle"):
+        if not t.place.is_cpu_place():
+            raise Unsupported(
+                f"{spec.name}[{layer}] is a Paddle tensor on {t.place}; device caches need the "
+                "CUDA device path, which is not available in this build"
+            )
+        return _data_ptr_rows(spec, layer, t, num_blocks)
     device = getattr(t, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise Unsupported(f"{spec.name}[{layer}] lives on {device}; only CPU tensors here")
@@ -80,19 +90,6 @@ def _generic_rows(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRo
             raise LayoutError(f"{spec.name}[{layer}]: cannot import tensor: {exc}") from exc
         return _numpy_rows(spec, layer, arr, num_blocks)
     raise LayoutError(f"{spec.name}[{layer}]: unsupported tensor type {type(t).__name__}")
-
-
-def _rows_for(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
-    if isinstance(t, np.ndarray):
-        return _numpy_rows(spec, layer, t, num_blocks)
-    if type(t).__module__.startswith("paddle"):
-        if not t.place.is_cpu_place():
-            raise Unsupported(
-                f"{spec.name}[{layer}] is a Paddle tensor on {t.place}; device caches need the "
-                "CUDA device path, which is not available in this build"
-            )
-        return _data_ptr_rows(spec, layer, t, num_blocks)
-    return _generic_rows(spec, layer, t, num_blocks)
 
 
 def _device_pointers(
