@@ -89,13 +89,12 @@ def parse_device(device: str) -> int | None:
     Raises:
         LayoutError: Anything else.
     """
-    if device == "cpu":
-        return None
-    if not isinstance(device, str):
-        raise LayoutError(f"unknown device {device!r}; expected 'cpu', 'gpu:N' or 'cuda:N'")
-    kind, _, index = device.partition(":")
-    if kind in ("gpu", "cuda") and (index == "" or index.isdigit()):
-        return int(index or 0)
+    if isinstance(device, str):
+        if device == "cpu":
+            return None
+        kind, _, index = device.partition(":")
+        if kind in ("gpu", "cuda") and (index == "" or index.isdigit()):
+            return int(index or 0)
     raise LayoutError(f"unknown device {device!r}; expected 'cpu', 'gpu:N' or 'cuda:N'")
 
 
