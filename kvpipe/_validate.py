@@ -43,19 +43,22 @@ class CheckedRequest:
     end_block: int
 
 
-def _as_array(value: Any, name: str) -> npt.NDArray[Any]:
-    """``np.asarray(value)``, its refusals (ragged nesting, say) as :class:`RequestError`.
+def _as_ids(value: Any, name: str) -> npt.NDArray[Any]:
+    """``value`` as a 1-D array of integers (an empty one of any dtype), no copy made.
 
     Raises:
-        RequestError: Also for a tensor of a floating dtype that numpy sees as integers
-            (Paddle hands over bfloat16 as uint16 and float8 as int8 bit patterns).
+        RequestError: What numpy refuses (ragged nesting, say), another shape, or another
+            dtype, also a floating one that numpy sees as integers (Paddle hands over bfloat16
+            as uint16 and float8 as int8 bit patterns).
     """
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError) as exc:
         raise RequestError(f"{name} is not an array of ids: {exc}") from exc
+    if arr.ndim != 1:
+        raise RequestError(f"{name} must be 1-D, got shape {arr.shape}")
     source = dtype_name(getattr(value, "dtype", arr.dtype))
-    if arr.size and arr.dtype.kind in "iu" and "float" in source:
+    if len(arr) and (arr.dtype.kind not in "iu" or "float" in source):  # bool is kind "b"
         raise RequestError(f"{name} must be integers, got dtype {source}")
     return arr
 
@@ -66,13 +69,9 @@ def check_tokens(token_ids: Any) -> Tokens:
     Raises:
         RequestError: Anything else.
     """
-    arr = _as_array(token_ids, "token_ids")
-    if arr.ndim != 1:
-        raise RequestError(f"token_ids must be 1-D, got shape {arr.shape}")
+    arr = _as_ids(token_ids, "token_ids")
     if len(arr) == 0:
         raise RequestError("token_ids is empty")
-    if arr.dtype.kind not in "iu":  # bool is kind "b"
-        raise RequestError(f"token_ids must be integers, got dtype {arr.dtype}")
     # Any byte order: a big-endian uint64 is not equal to np.uint64, and would wrap too.
     if arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:
         raise RequestError("token_ids has values above the int64 range")
@@ -150,11 +149,7 @@ def check_request(
     full = len(tokens) // block_size
     occupied = -(-len(tokens) // block_size)
     end = occupied if include_partial else full
-    ids = _as_array(block_ids, "block_ids")
-    if ids.ndim != 1:
-        raise RequestError(f"block_ids must be 1-D, got shape {ids.shape}")
-    if len(ids) and ids.dtype.kind not in "iu":  # bool is kind "b"
-        raise RequestError(f"block_ids must be integers, got dtype {ids.dtype}")
+    ids = _as_ids(block_ids, "block_ids")
     if not end <= len(ids) <= occupied:
         raise RequestError(
             f"{len(tokens)} tokens make {full} full block(s)"
