@@ -94,19 +94,14 @@ def as_tokens(token_ids: Any) -> Tokens:
 
 def chain_digests(tokens: Tokens, block_size: int, include_partial: bool) -> list[bytes]:
     """Chained 16-byte digests of every full block (and the partial tail if asked)."""
-    raw = tokens.tobytes()
-    step = block_size * 8
-    full = len(tokens) // block_size
-    ends = [(i + 1) * step for i in range(full)]
-    if include_partial and len(tokens) % block_size:
-        ends.append(len(raw))
+    raw, step = tokens.tobytes(), block_size * 8
+    end = len(raw) if include_partial else len(raw) - len(raw) % step
     digests: list[bytes] = []
     parent = _ROOT
-    start = 0
-    for end in ends:
-        parent = hashlib.blake2b(parent + raw[start:end], digest_size=16, person=_PERSON).digest()
+    for start in range(0, end, step):
+        block = raw[start : min(start + step, end)]
+        parent = hashlib.blake2b(parent + block, digest_size=16, person=_PERSON).digest()
         digests.append(parent)
-        start = end
     return digests
 
 
