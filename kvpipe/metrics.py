@@ -258,6 +258,15 @@ class PipelineMetrics:
             "timeouts", "Slices whose backend call ran out of time, by kind.", "op", "outcome"
         )
         restarts = counter("restarts", "Actor restarts after a crash.", "actor")
+        open_ = gauge("open", "1 while the pipeline accepts calls.")
+        in_flight = gauge("in_flight_requests", "Calls accepted and not finished.", "kind")
+        depth = gauge("queue_depth", "Items waiting in an actor's inbox.", "actor")
+        plain = {name: gauge(name, doc) for name, doc in _GAUGES.items()}
+        backend = UnknownMetricFamily(
+            p + "backend_statistic",
+            "The store's own statistics() values.",
+            labels=(*_BASE, "statistic"),
+        )
         for t, s in snapshots:
             base = [t.label, t.backend]
             by_op = {(op, o): 0 for op in ("write", "read") for o in _SLICE_OUTCOMES}
@@ -270,19 +279,6 @@ class PipelineMetrics:
                     timeouts.add_metric([*base, op, outcome], n)
             for actor in sorted({*s.queue_depths, *s.restarts}):
                 restarts.add_metric([*base, actor], s.restarts.get(actor, 0))
-        yield from (slices, timeouts, restarts)
-
-        open_ = gauge("open", "1 while the pipeline accepts calls.")
-        in_flight = gauge("in_flight_requests", "Calls accepted and not finished.", "kind")
-        depth = gauge("queue_depth", "Items waiting in an actor's inbox.", "actor")
-        plain = {name: gauge(name, doc) for name, doc in _GAUGES.items()}
-        backend = UnknownMetricFamily(
-            p + "backend_statistic",
-            "The store's own statistics() values.",
-            labels=(*_BASE, "statistic"),
-        )
-        for t, s in snapshots:
-            base = [t.label, t.backend]
             open_.add_metric(base, 1 if s.open else 0)
             for kind in _KINDS:
                 in_flight.add_metric([*base, kind], s.in_flight.get(kind, 0))
@@ -292,6 +288,6 @@ class PipelineMetrics:
                 family.add_metric(base, getattr(s, name))
             for stat, value in sorted(s.backend.items()):
                 backend.add_metric([*base, stat], float(value))
-        yield from (open_, in_flight, depth, *plain.values(), backend)
+        yield from (slices, timeouts, restarts, open_, in_flight, depth, *plain.values(), backend)
         yield from self._slice.collect()
         yield from self._request.collect()
