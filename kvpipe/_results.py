@@ -185,10 +185,7 @@ class BlockLocation:
 
     def held_by(self, node_id: str) -> Residency | None:
         """This block's residency on ``node_id``, or ``None`` when it has no record."""
-        for h in self.holders:
-            if h.node_id == node_id:
-                return h.residency
-        return None
+        return next((h.residency for h in self.holders if h.node_id == node_id), None)
 
 
 @final
