@@ -104,8 +104,7 @@ def _device_pointers(
     pointers = []
     for (role, layer), info in zip(layout.tensor_order(), infos, strict=True):
         assert info is not None
-        spec = layout.role(role)
-        _check_tensor(spec, layer, info.dtype, info.shape, info.contiguous, num_blocks)
+        _check_tensor(layout.role(role), layer, info.dtype, info.shape, info.contiguous, num_blocks)
         if info.pointer == 0:
             raise LayoutError(f"{role}[{layer}]: null device pointer")
         pointers.append(info.pointer)
