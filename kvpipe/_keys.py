@@ -117,12 +117,10 @@ def block_keys(
         block_size: Tokens per block.
         include_partial: Also key the partial last block, if there is one.
     """
-    digests = chain_digests(tokens, block_size, include_partial)
-    full = len(tokens) // block_size
-    prefix = scope.prefix
-    keys = [prefix + d.hex() for d in digests]
-    if len(keys) > full:
-        keys[-1] = f"{keys[-1]}:partial:{len(tokens) - full * block_size}"
+    prefix = scope.prefix  # made once, not per block
+    keys = [prefix + d.hex() for d in chain_digests(tokens, block_size, include_partial)]
+    if len(keys) > len(tokens) // block_size:  # the last is the partial block's
+        keys[-1] += f":partial:{len(tokens) % block_size}"
     return tuple(keys)
 
 
