@@ -262,7 +262,8 @@ class _Call:
         self.lock = threading.Lock()
         self.started = False
         self.abandoned = False
-        self.outcome: tuple[bool, Any] | None = None
+        #: The thread's outcome box (see :func:`unboxed`), once reported to a waiting caller.
+        self.outcome: list[Any] | None = None
 
 
 @final
@@ -367,12 +368,12 @@ class ThreadRunner:
         box: list[Any] = [fn, args]
 
         def report(result: list[Any]) -> None:  # on the event loop's thread
-            ok, value = result
+            outcome = result[:]
             result.clear()  # the thread, however late it returns, holds none of it
             if call.abandoned:
                 self._finish(hold)  # the caller gave up while the thread ran
             else:
-                call.outcome = (ok, value)
+                call.outcome = outcome
                 done.set()
 
         def work() -> None:
@@ -382,15 +383,14 @@ class ThreadRunner:
                 call.started = True
             f, a = box
             box.clear()
+            result: list[Any] = []
             try:
                 # anyio.from_thread works here without a token, as in anyio's own threads.
                 with _as_loop_thread(token):
-                    ok, value = True, f(*a)
+                    _boxed(result, f, a)
             except BaseException as exc:
-                ok, value = False, exc
+                result[:] = [False, exc]
             del f, a
-            result = [ok, value]
-            del value  # handed over in result, which report empties
             try:
                 _call_soon(token, report, result)
             except Exception as exc:  # the event loop is gone: nothing to release
@@ -425,14 +425,7 @@ class ThreadRunner:
         self._finish(hold)
         outcome, call.outcome = call.outcome, None
         assert outcome is not None
-        ok, value = outcome
-        del outcome  # it holds the error: this frame, on its traceback, would be a cycle
-        if ok:
-            return value  # type: ignore[no-any-return]
-        try:
-            raise value
-        finally:
-            value = None
+        return unboxed(outcome)  # type: ignore[no-any-return]
 
     def _finish(self, hold: StagingLease | None) -> None:
         if hold is not None:
