@@ -262,12 +262,6 @@ class Pipeline:
         now = anyio.current_time()
         return now + total, now, r.tokens, r.block_ids, r.start_block, r.end_block, include_partial
 
-    def _blocks(self, tokens: int, include_partial: bool) -> int:
-        """Blocks ``tokens`` tokens fill: the full ones, and the partial one with
-        ``include_partial``."""
-        size = self.layout.block_size
-        return -(-tokens // size) if include_partial else tokens // size
-
     async def lookup(
         self,
         token_ids: Any,
@@ -292,9 +286,7 @@ class Pipeline:
 
         Cancellation: cancelling the caller abandons the query; nothing changes in the store.
         """
-        tokens, partial = check_tokens(token_ids), check_flag(include_partial, "include_partial")
-        start = check_start_block(start_block, self._blocks(len(tokens), partial))
-        return int(await self._call("lookup", tokens, partial, timeout, start_block=start))
+        return int(await self._call("lookup", token_ids, include_partial, timeout, start_block))
 
     async def flush_index(
         self,
@@ -322,10 +314,8 @@ class Pipeline:
         """
         if not isinstance(residency, Residency):
             raise RequestError(f"residency must be a kvpipe.Residency, got {residency!r}")
-        tokens, partial = check_tokens(token_ids), check_flag(include_partial, "include_partial")
-        start = check_start_block(start_block, self._blocks(len(tokens), partial))
         value = await self._call(
-            "flush", tokens, partial, timeout, start_block=start, residency=residency
+            "flush", token_ids, include_partial, timeout, start_block, residency=residency
         )
         return int(value)
 
@@ -347,18 +337,23 @@ class Pipeline:
         Cancellation: cancelling the caller abandons the query (the store call in flight is
             cancelled); nothing changes in the store.
         """
-        tokens, partial = check_tokens(token_ids), check_flag(include_partial, "include_partial")
-        return list(await self._call("locate", tokens, partial, timeout))
+        return list(await self._call("locate", token_ids, include_partial, timeout))
 
     async def _call(
         self,
         op: Literal["lookup", "locate", "flush"],
-        tokens: Tokens,
-        include_partial: bool,
+        token_ids: Any,
+        include_partial: Any,
         timeout: float | None,
+        start_block: Any = 0,
         **params: Any,
     ) -> Any:
-        """Run a key-only call over ``tokens`` and ``include_partial``, both checked."""
+        """Check a key-only call's arguments, then run it (``locate`` starts at block 0)."""
+        tokens = check_tokens(token_ids)
+        include_partial = check_flag(include_partial, "include_partial")
+        size = self.layout.block_size
+        blocks = -(-len(tokens) // size) if include_partial else len(tokens) // size
+        start = check_start_block(start_block, blocks)
         limit = check_timeout(timeout, self.config.lookup_timeout)
         now = anyio.current_time()
         limit_from = "timeout" if timeout is not None else "lookup_timeout"
@@ -371,6 +366,7 @@ class Pipeline:
                 tokens,
                 include_partial,
                 limit_from=limit_from,
+                start_block=start,
                 **params,
             )
         )
