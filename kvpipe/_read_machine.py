@@ -197,37 +197,28 @@ class ReadMachine:
             self.error = self._error
             return
         loaded = self.loaded()
-        if loaded == self.requested:  # an abort that came as the last blocks landed cut nothing
-            self.result = ReadResult(
-                request_id=self.request_id,
-                requested=self.requested,
-                loaded=loaded,
-                complete=True,
-                failed_blocks=(),
-                stop_reason=None,
-                elapsed=now - self.started,
-            )
-            return
-        first_missing = self.start_block + loaded
-        failed = set(self.failed)
-        if self._ending is not None and (
-            self.stop_block is None or first_missing < self.stop_block
-        ):  # the abort, not a stop recorded further on, is what ended loading
-            self.stop_reason, self.stop_detail = self._ending
-            failed.add(first_missing)
-        if self.stop_reason is None:
-            self.stop_reason = "failed_block"
-        if not any(b >= first_missing for b in failed):
-            failed.add(first_missing)
+        complete = loaded == self.requested  # an abort as the last blocks landed cut nothing
+        failed: set[int] = set()
+        if not complete:
+            first_missing = self.start_block + loaded
+            failed.update(self.failed)
+            if self._ending is not None and (
+                self.stop_block is None or first_missing < self.stop_block
+            ):  # the abort, not a stop recorded further on, is what ended loading
+                self.stop_reason, self.stop_detail = self._ending
+                failed.add(first_missing)
+            self.stop_reason = self.stop_reason or "failed_block"
+            if not any(b >= first_missing for b in failed):
+                failed.add(first_missing)
         self.result = ReadResult(
             request_id=self.request_id,
             requested=self.requested,
             loaded=loaded,
-            complete=False,
+            complete=complete,
             failed_blocks=tuple(sorted(b for b in failed if b >= self.start_block)),
-            stop_reason=self.stop_reason,
+            stop_reason=None if complete else self.stop_reason,
             elapsed=now - self.started,
-            error=self.stop_detail,
+            error=None if complete else self.stop_detail,
         )
 
     def where_stopped(self) -> str:

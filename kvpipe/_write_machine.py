@@ -85,10 +85,6 @@ class WriteMachine:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def may_send(self) -> bool:
-        """Whether another slice may still be leased, gathered or sent."""
-        return not self.ended
-
     def is_turn(self, index: int) -> bool:
         """Whether slice ``index`` may go to the store now."""
         return not self.ended and self.turn == index
