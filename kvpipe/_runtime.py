@@ -78,6 +78,7 @@ class Runtime:
     """One pipeline's staging, copy engine, actors and requests in flight.
 
     Attributes:
+        open: Whether requests are accepted.
         slice_blocks: Blocks per slice: ``slice_block_num``, cut to what staging holds.
         engine: The copy engine: a device cache's from :meth:`prepare`, a host cache's from
             :meth:`start`; ``None`` before then and after :meth:`release`.
@@ -136,7 +137,7 @@ class Runtime:
         self._in_flight: set[RequestState] = set()
         self._idle = anyio.Event()
         self._idle.set()
-        self._open = False
+        self.open = False
         self._closed_reason: str | None = None
         self._inboxes: Inboxes | None = None
         self._outboxes: Outboxes | None = None
@@ -156,11 +157,6 @@ class Runtime:
         #: When closing must be over (event-loop clock): set once, by :meth:`aclose`.
         self.close_deadline: float | None = None
 
-    @property
-    def open(self) -> bool:
-        """Whether requests are accepted."""
-        return self._open
-
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def prepare(self) -> None:
@@ -174,8 +170,7 @@ class Runtime:
             raise
         except Exception as exc:
             raise BackendError(self.store.name, "open", repr(exc)) from exc
-        if self._device is None:
-            self._device = await anyio.to_thread.run_sync(probe_device)
+        self._device = await anyio.to_thread.run_sync(probe_device)
         if self._pool is None:
             from .cuda._open import open_device_path
 
@@ -312,7 +307,7 @@ class Runtime:
             self._actors_ended,
             name="kvpipe-supervisor",
         )
-        self._open = True
+        self.open = True
         log.info(
             "pipeline open: %s; namespace=%s rank=%d/%d; store=%s; staging %d slots x %d B; "
             "slices of %d blocks; device path: %s (%s)",
@@ -329,7 +324,7 @@ class Runtime:
         )
 
     def _escalate(self, actor: str, exc: BaseException) -> None:
-        self._open = False
+        self.open = False
         self._closed_reason = f"actor {actor!r} crashed repeatedly: {exc!r}"
         self._stop_all(f"pipeline closed: {self._closed_reason}")
         # The escalated actor is not restarted: nothing receives from its inbox any more.
@@ -343,7 +338,7 @@ class Runtime:
         ``SystemExit`` from a hook or an observer; trio's Ctrl-C): nothing serves requests
         any more. Fail those in flight now, as an escalation does, rather than leave them,
         and the close, waiting for their deadlines."""
-        self._open = False
+        self.open = False
         reason = f"actors stopped by {_leaf(exc)!r}"
         self._closed_reason = self._closed_reason or reason
         self._stop_all(f"pipeline closed: {reason}")
@@ -392,7 +387,7 @@ class Runtime:
             return
         self.check_loop()
         deadline = self._deadline()
-        self._open = False
+        self.open = False
         # Every wait shielded, asyncio's own cancellation included (which anyio's shield lets
         # through: an interrupted close failed no call in flight, and those waited on for their
         # own deadlines); one received meanwhile is raised once closed.
@@ -464,7 +459,7 @@ class Runtime:
         """:meth:`run` with the producer's mark recorded now (device caches) and released
         when the request has ended (copies still in flight hold their own reference)."""
         self.check_loop()
-        engine = self.engine if self._open else None
+        engine = self.engine if self.open else None
         mark: OrderMark | None = engine.mark(stream) if engine is not None else None
         state.after = mark
         call = self.run(state)
@@ -506,7 +501,7 @@ class Runtime:
                 cycle, freed only by the cyclic garbage collector.
         """
         self.check_loop()
-        if not self._open:
+        if not self.open:
             raise PipelineClosed(
                 f"{state.describe()}: pipeline is not open ({self._closed_reason or 'not started'})"
             )
@@ -616,7 +611,7 @@ class Runtime:
             s.kind if not isinstance(s, CallState) else s.op for s in list(self._in_flight)
         )
         return PipelineStatistics(
-            open=self._open,
+            open=self.open,
             device_path=engine[0] if engine is not None else "host",
             device_note=(
                 engine[1]
