@@ -20,48 +20,30 @@ from typing import final
 
 from ._plan import SliceSpec
 from ._results import ReadResult, ReadStopReason
-from ._write_machine import Ending
+from ._write_machine import Ending, RequestMachine
 
 __all__ = ("ReadMachine",)
 
 
 @final
-class ReadMachine:
-    """One read (see the module docstring).
-
-    Args:
-        request_id: The request's id (for the result).
-        start_block: First block asked for.
-        end_block: One past the last block asked for.
-        started: When the call was made.
-    """
+class ReadMachine(RequestMachine[ReadResult]):
+    """One read (see the module docstring); :attr:`ended` once settled."""
 
     __slots__ = (
         "_ending",
         "_error",
         "aborted",
-        "end_block",
-        "error",
         "failed",
         "loaded_per_slice",
         "pending",
-        "request_id",
-        "result",
         "scatters",
-        "slices",
-        "start_block",
-        "started",
         "stop_block",
         "stop_detail",
         "stop_reason",
     )
 
     def __init__(self, request_id: str, start_block: int, end_block: int, started: float) -> None:
-        self.request_id = request_id
-        self.start_block = start_block
-        self.end_block = end_block
-        self.started = started
-        self.slices: tuple[SliceSpec, ...] = ()
+        super().__init__(request_id, start_block, end_block, started)
         self.stop_block: int | None = None
         self.stop_reason: ReadStopReason | None = None
         self.stop_detail: str | None = None
@@ -70,23 +52,10 @@ class ReadMachine:
         self.pending: set[int] = set()
         #: No new scatter may start (deadline, cancellation, crash or closing).
         self.aborted = False
-        self.result: ReadResult | None = None
-        #: The error the caller sees instead of a result, once settled.
-        self.error: BaseException | None = None
         self._error: BaseException | None = None
         self._ending: tuple[Ending, str | None] | None = None
         #: Scatters into the caller's cache running now.
         self.scatters = 0
-
-    @property
-    def requested(self) -> int:
-        """Blocks asked for."""
-        return self.end_block - self.start_block
-
-    @property
-    def ended(self) -> bool:
-        """Whether the read is settled (a result or an error exists)."""
-        return self.result is not None or self.error is not None
 
     # -- decisions ---------------------------------------------------------------------------
 

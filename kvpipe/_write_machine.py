@@ -16,20 +16,22 @@ time only as an input (``now``). It alone knows a write's invariants:
 
 from __future__ import annotations
 
-from typing import Literal, final
+from typing import Generic, Literal, TypeVar, final
 
 from ._plan import SliceSpec
-from ._results import SliceOutcome, StopReason, WriteResult
+from ._results import ReadResult, SliceOutcome, StopReason, WriteResult
 
-__all__ = ("Ending", "WriteMachine")
+__all__ = ("Ending", "RequestMachine", "WriteMachine")
 
 #: Why a request ends from outside its own slices (the pipeline closing is :meth:`fail`).
 Ending = Literal["total_timeout", "cancelled", "actor_crashed"]
 
+_Result = TypeVar("_Result", WriteResult, ReadResult)
 
-@final
-class WriteMachine:
-    """One write (see the module docstring).
+
+class RequestMachine(Generic[_Result]):
+    """What the state machines of a write and of a read share: the blocks asked for, the
+    slices, and the outcome (a result, or an error the caller sees instead).
 
     Args:
         request_id: The request's id (for the result).
@@ -38,39 +40,16 @@ class WriteMachine:
         started: When the call was made (the result's ``elapsed`` counts from it).
     """
 
-    __slots__ = (
-        "cut_off",
-        "end_block",
-        "error",
-        "outcomes",
-        "request_id",
-        "result",
-        "sent_at",
-        "skipped",
-        "slices",
-        "start_block",
-        "started",
-        "turn",
-        "written",
-    )
+    __slots__ = ("end_block", "error", "request_id", "result", "slices", "start_block", "started")
 
     def __init__(self, request_id: str, start_block: int, end_block: int, started: float) -> None:
         self.request_id = request_id
         self.start_block = start_block
         self.end_block = end_block
         self.started = started
-        self.skipped = 0
-        self.written = 0
         self.slices: tuple[SliceSpec, ...] = ()
-        self.outcomes: list[SliceOutcome] = []
-        #: The index of the slice whose turn it is to go to the store.
-        self.turn = 0
-        #: When slice ``turn`` was sent to the store, while its outcome is still to come.
-        self.sent_at: float | None = None
-        #: The outcome :meth:`end` recorded for the slice then in its store call (the total
-        #: deadline cut it off), if any.
-        self.cut_off: SliceOutcome | None = None
-        self.result: WriteResult | None = None
+        self.result: _Result | None = None
+        #: The error the caller sees instead of a result, once settled.
         self.error: BaseException | None = None
 
     @property
@@ -80,8 +59,28 @@ class WriteMachine:
 
     @property
     def ended(self) -> bool:
-        """Whether the write has ended (a result or an error exists)."""
+        """Whether the request has ended (a result or an error exists)."""
         return self.result is not None or self.error is not None
+
+
+@final
+class WriteMachine(RequestMachine[WriteResult]):
+    """One write (see the module docstring)."""
+
+    __slots__ = ("cut_off", "outcomes", "sent_at", "skipped", "turn", "written")
+
+    def __init__(self, request_id: str, start_block: int, end_block: int, started: float) -> None:
+        super().__init__(request_id, start_block, end_block, started)
+        self.skipped = 0
+        self.written = 0
+        self.outcomes: list[SliceOutcome] = []
+        #: The index of the slice whose turn it is to go to the store.
+        self.turn = 0
+        #: When slice ``turn`` was sent to the store, while its outcome is still to come.
+        self.sent_at: float | None = None
+        #: The outcome :meth:`end` recorded for the slice then in its store call (the total
+        #: deadline cut it off), if any.
+        self.cut_off: SliceOutcome | None = None
 
     # -- decisions ---------------------------------------------------------------------------
 
