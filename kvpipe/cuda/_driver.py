@@ -25,6 +25,15 @@ __all__ = ("CudaDriver", "DeviceInfo", "Driver")
 Dim3 = tuple[int, int, int]
 
 
+def checked(call: str, result: Any, success: Any) -> tuple[Any, ...]:
+    """The outputs of a cuda-python ``result`` (``(err, *outputs)`` or a bare ``err``);
+    :class:`DeviceError` naming ``call`` and the error unless ``err`` is ``success``."""
+    err, *outputs = result if isinstance(result, tuple) else (result,)
+    if err != success:
+        raise DeviceError(call, getattr(err, "name", str(err)))
+    return tuple(outputs)
+
+
 @final
 @dataclass(frozen=True, slots=True)
 class DeviceInfo:
@@ -202,12 +211,7 @@ class CudaDriver(Driver):
 
     def _call(self, name: str, *args: Any) -> Any:
         """Call ``cu<name>``, raise on a failed ``CUresult``; its outputs (one unwrapped)."""
-        result = getattr(self._cu, name)(*args)
-        values = result if isinstance(result, tuple) else (result,)
-        err = values[0]
-        if err != self._cu.CUresult.CUDA_SUCCESS:
-            raise DeviceError(name, getattr(err, "name", str(err)))
-        out = values[1:]
+        out = checked(name, getattr(self._cu, name)(*args), self._cu.CUresult.CUDA_SUCCESS)
         if not out:
             return None
         return out[0] if len(out) == 1 else out
@@ -227,7 +231,6 @@ class CudaDriver(Driver):
             return self._info
 
     def _open(self, ordinal: int) -> DeviceInfo:
-        cu = self._cu
         try:
             self._call("cuInit", 0)
         except DeviceError as exc:
@@ -238,25 +241,23 @@ class CudaDriver(Driver):
         if not 0 <= ordinal < count:
             raise Unsupported(f"no CUDA device {ordinal} ({count} present)")
         dev = self._call("cuDeviceGet", ordinal)
-        self._ctx = self._call("cuDevicePrimaryCtxRetain", dev)
-        self._dev = dev
+        ctx = self._call("cuDevicePrimaryCtxRetain", dev)
         try:
-            attr = cu.CUdevice_attribute
-            major = self._call(
-                "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev
-            )
-            minor = self._call(
-                "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev
-            )
-            can_map = self._call(
-                "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY, dev
+            attr = self._cu.CUdevice_attribute
+            major, minor, can_map = (
+                self._call("cuDeviceGetAttribute", a, dev)
+                for a in (
+                    attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                    attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                    attr.CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY,
+                )
             )
             raw = self._call("cuDeviceGetName", 256, dev)
         except BaseException:
             # Nobody closes a driver whose open failed: let go of the context retained here.
-            self._dev = self._ctx = None
             self._cu.cuDevicePrimaryCtxRelease(dev)
             raise
+        self._dev, self._ctx = dev, ctx
         name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
         return DeviceInfo(ordinal, name, (int(major), int(minor)), bool(can_map))
 
@@ -297,11 +298,10 @@ class CudaDriver(Driver):
 
     def event_query(self, event: int) -> bool:
         (err,) = self._cu.cuEventQuery(self._cu.CUevent(event))
-        if err == self._cu.CUresult.CUDA_SUCCESS:
-            return True
         if err == self._cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
-        raise DeviceError("cuEventQuery", err.name)
+        checked("cuEventQuery", err, self._cu.CUresult.CUDA_SUCCESS)
+        return True
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         self._call("cuStreamWaitEvent", self._cu.CUstream(stream), self._cu.CUevent(event), 0)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, final
 
 from .._errors import DeviceError, Unsupported
+from ._driver import checked
 
 __all__ = (
     "OPTIONS",
@@ -76,11 +77,7 @@ def _nvrtc() -> Any:
 
 
 def _check(nvrtc: Any, call: str, result: Any) -> tuple[Any, ...]:
-    values = result if isinstance(result, tuple) else (result,)
-    err = values[0]
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise DeviceError(call, getattr(err, "name", str(err)))
-    return tuple(values[1:])
+    return checked(call, result, nvrtc.nvrtcResult.NVRTC_SUCCESS)
 
 
 def nvrtc_version() -> tuple[int, int]:
