@@ -282,7 +282,7 @@ class CudaEngine(CopyEngine):
         """What the engine holds now, exactly."""
         return EngineAccounting(
             staging_budget=self.staging.budget or 0,
-            staging_requested=self.staging.requested_bytes,
+            staging_requested=self.staging.allocated_bytes,  # equal: kvpipe never rounds
             staging_allocated=self.staging.allocated_bytes,
             pinned_bytes=self._ledger.pinned_bytes,
             pinned_allocations=len(self._ledger.pinned),

@@ -46,7 +46,6 @@ class PinnedBuffer:
         if budget is not None and nbytes > budget:
             raise ValueError(f"pinned allocation of {nbytes} B exceeds its budget of {budget} B")
         self._driver = driver
-        self.requested_bytes = nbytes
         self.budget = budget
         self.host_ptr = driver.host_alloc(nbytes)
         self.allocated_bytes = nbytes

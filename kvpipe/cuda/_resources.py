@@ -9,6 +9,7 @@ concurrent calls never share one).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,22 +281,15 @@ class ScratchPool:
         return scratch
 
     def _create(self) -> Scratch:
-        with self._ledger.driver.current():  # called on the caller's (event loop's) thread
-            return self._create_set()
-
-    def _create_set(self) -> Scratch:
         nbytes = self.max_blocks * PAIR_NBYTES
-        done = self._events.get()
-        try:
+        # Called on the caller's (event loop's) thread; a failure gives back what it took.
+        with self._ledger.driver.current(), contextlib.ExitStack() as undo:
+            done = self._events.get()
+            undo.callback(self._events.put, done)
             host = self._ledger.pinned_alloc(nbytes, mapped=False)
-            try:
-                dev = self._ledger.mem_alloc(nbytes)
-            except BaseException:
-                self._ledger.pinned_free(host)
-                raise
-        except BaseException:
-            self._events.put(done)
-            raise
+            undo.callback(self._ledger.pinned_free, host)
+            dev = self._ledger.mem_alloc(nbytes)
+            undo.pop_all()
         scratch = Scratch(dev, host, done, self.max_blocks)
         self._all.append(scratch)
         return scratch

@@ -244,17 +244,18 @@ async def test_a_failed_launch_is_reported_and_the_engine_recovers(fake: FakeDri
     fake.assert_clean()
 
 
+@pytest.mark.parametrize("call", ["event_create", "host_alloc", "mem_alloc"])
 async def test_a_failure_creating_a_scratch_set_leaks_nothing(
-    fake: FakeDriver, producer: int
+    fake: FakeDriver, producer: int, call: str
 ) -> None:
-    # The set's completion event is created after its pair tables are allocated; when that
-    # fails, the tables must be freed (they were in no set, so close never freed them).
+    # A set is its completion event, then its pinned and device pair tables; when one of
+    # them fails, what was taken must be given back (it is in no set: close never frees it).
     cache = fake_device_cache(fake, _layout(), 2)
     segs = layout_segments(cache.layout)
     async with engine(fake, cache) as (eng, pool):
         held = eng.mark(producer)  # takes the only pooled event: the set's must be created
         lease = await pool.acquire(1)
-        fake.fail_next("event_create", "CUDA_ERROR_OUT_OF_MEMORY")
+        fake.fail_next(call, "CUDA_ERROR_OUT_OF_MEMORY")
         with pytest.raises(kvpipe.DeviceError, match="OUT_OF_MEMORY"):
             await eng.gather(copy_plan(segs, [0], lease.slots), lease)
         acct = eng.accounting()
