@@ -149,6 +149,10 @@ class CudaEngine(CopyEngine):
             stream = current_stream(self._cache.framework, self.info.ordinal)
         elif isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
             raise RequestError(f"stream must be a CUstream handle (an int >= 0), got {stream!r}")
+        return ProducerMark(self._record(stream), self._events.put)
+
+    def _record(self, stream: int) -> int:
+        """A pooled event recorded on ``stream`` now (back in the pool if recording fails)."""
         with self._driver.current():
             event = self._events.get()
             try:
@@ -156,7 +160,7 @@ class CudaEngine(CopyEngine):
             except BaseException:
                 self._events.put(event)
                 raise
-        return ProducerMark(event, self._events.put)
+        return event
 
     async def gather(
         self,
@@ -266,16 +270,14 @@ class CudaEngine(CopyEngine):
                 self._streams = {}
                 self._events.close()
                 self._driver.module_unload(self._module)
-                if staging_in_use:
-                    # Pinned memory lives as long as its context: keep both for the thread.
-                    log.error("staging may still be in use at close; leaving it allocated")
-                    return
-                self._ledger.pinned_free(self.staging)
+                if not staging_in_use:
+                    self._ledger.pinned_free(self.staging)
         except DeviceError as exc:
             log.error("freeing CUDA resources at close failed: %s", str(exc))
-            if staging_in_use:  # the staging's context must outlive the thread all the same
-                log.error("staging may still be in use at close; leaving it allocated")
-                return
+        if staging_in_use:
+            # Pinned memory lives as long as its context: keep both for the thread.
+            log.error("staging may still be in use at close; leaving it allocated")
+            return
         self._driver.close()
 
     def accounting(self) -> EngineAccounting:
@@ -341,7 +343,6 @@ class CudaEngine(CopyEngine):
                             # work, however late it ends, and its caller with it (shielded):
                             # first let that work complete, by start_by, with nothing
                             # queued yet.
-                            assert isinstance(after, ProducerMark)
                             await self._wait(after.event)
                         scratch = await self._scratch.acquire()
                 finally:
@@ -372,14 +373,13 @@ class CudaEngine(CopyEngine):
         plan: CopyPlan,
         lease: StagingLease,
         scratch: Scratch,
-        after: OrderMark | None,
+        after: ProducerMark | None,
     ) -> None:
         stream = self._streams[direction]
         try:
             try:
                 with self._driver.current():
                     if after is not None:
-                        assert isinstance(after, ProducerMark)
                         self._driver.stream_wait_event(stream, after.event)
                     path = self._enqueue(direction, plan, scratch, stream)
             finally:
@@ -506,11 +506,8 @@ class CudaEngine(CopyEngine):
         try:
             with anyio.fail_at(deadline):
                 for stream in self._streams.values():
-                    with self._driver.current():
-                        event = self._events.get()
+                    event = self._record(stream)
                     try:
-                        with self._driver.current():
-                            self._driver.event_record(event, stream)
                         await self._wait(event)
                     finally:
                         self._events.put(event)
