@@ -76,8 +76,9 @@ def _nvrtc() -> Any:
     return nvrtc
 
 
-def _check(nvrtc: Any, call: str, result: Any) -> tuple[Any, ...]:
-    return checked(call, result, nvrtc.nvrtcResult.NVRTC_SUCCESS)
+def _call(nvrtc: Any, name: str, *args: Any) -> tuple[Any, ...]:
+    """The outputs of ``nvrtc.<name>(*args)``; :class:`DeviceError` when it fails."""
+    return checked(name, getattr(nvrtc, name)(*args), nvrtc.nvrtcResult.NVRTC_SUCCESS)
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -88,7 +89,7 @@ def nvrtc_version() -> tuple[int, int]:
     """
     nvrtc = _nvrtc()
     try:
-        major, minor = _check(nvrtc, "nvrtcVersion", nvrtc.nvrtcVersion())
+        major, minor = _call(nvrtc, "nvrtcVersion")
     except DeviceError:
         raise
     except Exception as exc:  # the bindings raise when libnvrtc cannot be found
@@ -100,7 +101,7 @@ def supported_archs() -> tuple[int, ...]:
     """Architectures NVRTC can emit CUBIN for, e.g. ``(75, 80, 86, ..., 120)``."""
     nvrtc = _nvrtc()
     nvrtc_version()
-    (archs,) = _check(nvrtc, "nvrtcGetSupportedArchs", nvrtc.nvrtcGetSupportedArchs())
+    (archs,) = _call(nvrtc, "nvrtcGetSupportedArchs")
     return tuple(int(a) for a in archs)
 
 
@@ -133,11 +134,7 @@ def compile_source(source: bytes, filename: str, arch: str, kind: Kind = "cubin"
     nvrtc_version()
     options = [*OPTIONS, f"--gpu-architecture={arch}"]
     while True:
-        (prog,) = _check(
-            nvrtc,
-            "nvrtcCreateProgram",
-            nvrtc.nvrtcCreateProgram(source, filename.encode(), 0, [], []),
-        )
+        (prog,) = _call(nvrtc, "nvrtcCreateProgram", source, filename.encode(), 0, [], [])
         try:
             opts = [o.encode() for o in options]
             result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
@@ -163,10 +160,9 @@ def _lacks_werror(nvrtc: Any, err: Any, log: str) -> bool:
 
 def _output(nvrtc: Any, prog: Any, what: str) -> bytes:
     """``nvrtcGet<what>`` of ``prog`` (``CUBIN``, ``PTX``, ``ProgramLog``), sized first."""
-    size_call, call = f"nvrtcGet{what}Size", f"nvrtcGet{what}"
-    (size,) = _check(nvrtc, size_call, getattr(nvrtc, size_call)(prog))
+    (size,) = _call(nvrtc, f"nvrtcGet{what}Size", prog)
     buf = bytes(int(size))
-    _check(nvrtc, call, getattr(nvrtc, call)(prog, buf))
+    _call(nvrtc, f"nvrtcGet{what}", prog, buf)
     return buf
 
 
