@@ -415,17 +415,14 @@ class CudaEngine(CopyEngine):
             data = self._scratch.data(scratch)
             for first in range(0, n, self._chunk_blocks):
                 count = min(self._chunk_blocks, n - first)
-                runs = slot_runs(slots[first : first + count])
                 pairs_at = scratch.pairs_dev + first * PAIR_NBYTES
-                if direction == "scatter":
-                    for run in runs:
-                        device, host, nbytes = self._dma(run, data)
+                dmas = [self._dma(run, data) for run in slot_runs(slots[first : first + count])]
+                if direction == "scatter":  # staging -> scratch, then the kernel
+                    for device, host, nbytes in dmas:
                         drv.memcpy_htod_async(device, host, nbytes, stream)
-                    self._launch(kernel, pairs_at, count, data, stream)
-                else:
-                    self._launch(kernel, pairs_at, count, data, stream)
-                    for run in runs:
-                        device, host, nbytes = self._dma(run, data)
+                self._launch(kernel, pairs_at, count, data, stream)
+                if direction == "gather":  # the kernel, then scratch -> staging
+                    for device, host, nbytes in dmas:
                         drv.memcpy_dtoh_async(host, device, nbytes, stream)
         drv.event_record(scratch.done, stream)
         return path
