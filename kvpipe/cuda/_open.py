@@ -69,7 +69,6 @@ def open_cuda_engine(
     opts = options if options is not None else CudaOptions()
     drv = driver if driver is not None else CudaDriver()
     info = drv.open(ordinal)
-    keep_context = False  # a stuck upload's memory lives as long as the context: keep both
     try:
         # Current on this thread while opening, then whatever was current before: this is
         # a worker thread of the event loop library's, which other callers' work shares.
@@ -90,11 +89,7 @@ def open_cuda_engine(
                 capacity * stride, budget=budget, mapped=info.can_map_host_memory
             )
             undo.callback(ledger.pinned_free, staging)
-            try:
-                table = _upload_table(drv, ledger, events, cache, opts.drain_timeout)
-            except _UploadStuck:
-                keep_context = True
-                raise
+            table = _upload_table(drv, ledger, events, cache, opts.drain_timeout)
             undo.callback(ledger.mem_free, table)
             engine = CudaEngine(
                 driver=drv,
@@ -116,9 +111,10 @@ def open_cuda_engine(
                 ),
             )
             undo.pop_all()
+    except _UploadStuck:
+        raise  # a stuck upload's memory lives as long as the context: keep both
     except BaseException:
-        if not keep_context:
-            drv.close()
+        drv.close()
         raise
     return engine
 
@@ -142,7 +138,6 @@ def _upload_table(
     """
     data = segment_table(cache.pointers, layout_segments(cache.layout))
     table = ledger.mem_alloc(len(data))
-    stuck = False
     try:
         with contextlib.ExitStack() as done:  # released in reverse order
             host = ledger.pinned_alloc(len(data), mapped=False)
@@ -167,7 +162,6 @@ def _upload_table(
                     time.sleep(50e-6)
             except DeviceError as exc:
                 # Queued, and not seen completed: the copy may still read and write these.
-                stuck = True
                 done.pop_all()
                 log.error(
                     "the CUDA pointer table's upload was not seen completed (%s); leaving its "
@@ -177,9 +171,10 @@ def _upload_table(
                 if isinstance(exc, _UploadStuck):
                     raise
                 raise _UploadStuck(exc.call, exc.code, "the upload may still run") from exc
+    except _UploadStuck:
+        raise  # the table too may still be written
     except BaseException:
-        if not stuck:
-            ledger.mem_free(table)
+        ledger.mem_free(table)
         raise
     return table
 
