@@ -493,9 +493,8 @@ class CudaEngine(CopyEngine):
             )
             lease.retain()  # never released: the slots are never handed out again
             self._scratch.quarantine(scratch)
-            deferred.raise_if_received()
-            return
-        self._scratch.release(scratch)
+        else:
+            self._scratch.release(scratch)
         deferred.raise_if_received()
 
     async def _drain(self, deadline: float) -> bool:
