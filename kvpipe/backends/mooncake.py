@@ -10,12 +10,13 @@ blindly, and a key that fails to read is not trusted by ``exists`` again until s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, TypeVar, final
 
 import anyio
@@ -98,6 +99,17 @@ def _each_key_once(
         return out
 
     return batch_get_into
+
+
+@contextlib.contextmanager
+def _translated(op: str) -> Iterator[None]:
+    """An exception other than a :class:`BackendError` raised as one for ``op`` (chained)."""
+    try:
+        yield
+    except BackendError:
+        raise
+    except Exception as exc:
+        raise BackendError("mooncake", op, repr(exc)) from exc
 
 
 def _codes(name: str, codes: Sequence[int], n: int) -> list[int]:
@@ -563,10 +575,8 @@ class MooncakeStore(StorageBackend):
                 )
         if not close:
             return
-        try:
+        with _translated("close"):
             rc = client.close()
-        except Exception as exc:
-            raise BackendError(self.name, "close", repr(exc)) from exc
         if rc != 0:
             raise BackendError(self.name, "close", f"returned {rc}")
 
@@ -576,14 +586,9 @@ class MooncakeStore(StorageBackend):
         return self._client
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return await self._gate.run(
-                getattr(fn, "__name__", "call"), self._inflight.track(fn), *args
-            )
-        except BackendError:
-            raise
-        except Exception as exc:
-            raise BackendError(self.name, getattr(fn, "__name__", "call"), repr(exc)) from exc
+        op = getattr(fn, "__name__", "call")
+        with _translated(op):
+            return await self._gate.run(op, self._inflight.track(fn), *args)
 
     async def register_staging(self, buffer: memoryview) -> None:
         """Register memory values move from or into with the transfer engine, counted: once
@@ -665,7 +670,7 @@ class MooncakeStore(StorageBackend):
         keys = [validate_key(k) for k in batch.keys]
         self._take_settled()
         distrusted = frozenset(k for k in keys if k in self._distrust)
-        try:
+        with _translated("put"):
             outcomes = await batch.run_sync(
                 self._inflight.track(_put_from_staging),
                 client,
@@ -675,12 +680,6 @@ class MooncakeStore(StorageBackend):
                 batch.value_nbytes,
                 batch.values,
             )
-        except BackendError:
-            raise
-        except Exception as exc:
-            raise BackendError(self.name, "put", repr(exc)) from exc
-        if len(outcomes) != len(keys):
-            raise BackendError(self.name, "put", f"{len(outcomes)} codes for {len(keys)}")
         out = []
         for key, (code, how) in zip(keys, outcomes, strict=True):
             if code == 0:
@@ -739,9 +738,10 @@ class MooncakeStore(StorageBackend):
 
         fetch.__name__ = get_into.__name__
         try:
-            codes = await batch.run_sync(
-                self._inflight.track(fetch), keys, batch.buffer_addresses(), [size] * len(keys)
-            )
+            with _translated(get_into.__name__):
+                codes = await batch.run_sync(
+                    self._inflight.track(fetch), keys, batch.buffer_addresses(), [size] * len(keys)
+                )
         except anyio.get_cancelled_exc_class():
             with lock:
                 abandoned = True
@@ -752,12 +752,8 @@ class MooncakeStore(StorageBackend):
             elif done is not None:  # it returned just as its caller gave up
                 self._settle(None, keys, done, size)
             raise
-        except Exception as exc:
-            raise BackendError(self.name, get_into.__name__, repr(exc)) from exc
-        if len(codes) != len(keys):
-            raise BackendError(self.name, get_into.__name__, f"{len(codes)} codes for {len(keys)}")
         out = []
-        for key, code in zip(keys, codes, strict=True):
+        for key, code in zip(keys, _codes(get_into.__name__, codes, len(keys)), strict=True):
             if code == batch.value_nbytes:
                 out.append(BlockStatus.OK)
             elif code == NOT_FOUND:
