@@ -18,6 +18,7 @@ import numpy.typing as npt
 from .._errors import ConfigError
 from .._results import ResidencyEntry
 from .._staging import StagingLease, ValueMemory
+from .._workers import INLINE_COPY_BYTES
 from ._base import (
     BlockStatus,
     GetBatch,
@@ -57,10 +58,6 @@ def _copies_into(
         a.flags.writeable = False
         out.append(a)
     return lease, out
-
-
-#: Copies smaller than this run on the event loop; larger ones in a worker thread.
-_INLINE_BYTES = 256 * 1024
 
 
 @final
@@ -120,7 +117,7 @@ class MemoryStore(StorageBackend):
         if batch.may_keep:  # memory of the batch's own: kept as it is, not copied
             copies = [np.frombuffer(v, np.uint8) for v in values]
             await anyio.lowlevel.checkpoint()
-        elif len(values) * batch.value_nbytes <= _INLINE_BYTES:
+        elif len(values) * batch.value_nbytes <= INLINE_COPY_BYTES:
             copies = _copies(values)
             await anyio.lowlevel.checkpoint()
         else:
@@ -171,7 +168,7 @@ class MemoryStore(StorageBackend):
                 for i, value in found.items():
                     np.frombuffer(buffers[i], np.uint8)[:] = value
 
-            if len(found) * batch.value_nbytes <= _INLINE_BYTES:
+            if len(found) * batch.value_nbytes <= INLINE_COPY_BYTES:
                 copy()
                 await anyio.lowlevel.checkpoint()
             else:

@@ -687,12 +687,9 @@ class MooncakeStore(StorageBackend):
                 self._distrust.pop(key, None)
                 if how != "put":
                     self._counters[f"blocks_{how}"] += 1
-            elif how == "other_size":
+            elif how in ("other_size", "not_visible"):
                 out.append(BlockStatus.FAILED)
-                self._counters["put_other_size"] += 1
-            elif how == "not_visible":
-                out.append(BlockStatus.FAILED)
-                self._counters["put_not_visible"] += 1
+                self._counters[f"put_{how}"] += 1
             elif how == "unreadable":
                 out.append(BlockStatus.FAILED)
                 self._counters[_code_name("put_read", code)] += 1
