@@ -169,14 +169,11 @@ def _put_from_staging(
     """
 
     n = len(keys)
-    out: list[tuple[int, str]] = [(0, "put")] * n
     stored = _codes("batch_is_exist", client.batch_is_exist(keys), n)
+    out = [(min(code, 0), "put") for code in stored]  # an error code fails its key with it
     fresh = [i for i in range(n) if stored[i] == 0]
     replace = [i for i in range(n) if stored[i] > 0 and keys[i] in distrusted]
     known = [i for i in range(n) if stored[i] > 0 and keys[i] not in distrusted]
-    for i in range(n):
-        if stored[i] < 0:
-            out[i] = (stored[i], "put")
     if known:
         for i, code in _read_and_compare(client, [keys[i] for i in known], known, size, views):
             if code == NOT_FOUND:
