@@ -73,32 +73,6 @@ def _copied(ptr: int, nbytes: int, key: str) -> bytearray:
     return value
 
 
-def _lengths_match(op: str, n: int, locations: list[int] | None, sizes: list[int] | None) -> bool:
-    """Whether there is one location and one size per key (FastDeploy answers -1 for every
-    key otherwise)."""
-    if locations is None or sizes is None or len(locations) != n or len(sizes) != n:
-        log.warning("KVPipeStorage %s: keys, locations and sizes differ in length", op)
-        return False
-    return True
-
-
-def _buffers(op: str, ptrs: list[int], sizes: list[int]) -> list[int]:
-    """The positions whose pointer and size can name a buffer (both > 0); one WARNING when
-    some cannot (those keys answer -1, as FastDeploy's own ``FileStore`` answers them)."""
-    bad = [i for i, (p, s) in enumerate(zip(ptrs, sizes, strict=True)) if p <= 0 or s <= 0]
-    if bad:
-        log.warning(
-            "KVPipeStorage %s: %d of %d target locations/sizes name no buffer (first: %d/%d); "
-            "-1 for those keys",
-            op,
-            len(bad),
-            len(ptrs),
-            ptrs[bad[0]],
-            sizes[bad[0]],
-        )
-    return [i for i, (p, s) in enumerate(zip(ptrs, sizes, strict=True)) if p > 0 and s > 0]
-
-
 def _by_size(sizes: Sequence[int]) -> list[list[int]]:
     """The positions of ``sizes``, grouped by size (the groups in order of first
     appearance)."""
@@ -354,6 +328,33 @@ class KVPipeStorage:
                 self._remember_keys,
             )
 
+    def _targets(
+        self, op: str, keys: list[str], locations: list[int] | None, sizes: list[int] | None
+    ) -> tuple[list[str], list[int], list[int], list[int]] | None:
+        """A batch call's kvpipe keys, pointers, sizes and the positions whose pointer and
+        size name a buffer (both > 0: the others answer -1, as in FastDeploy's own
+        ``FileStore``; one WARNING); ``None`` without one location and size per key."""
+        n = len(keys)
+        if locations is None or sizes is None or len(locations) != n or len(sizes) != n:
+            log.warning("KVPipeStorage %s: keys, locations and sizes differ in length", op)
+            return None
+        ours = [_key(self._scope, k) for k in keys]
+        ptrs = [_int(p, "target_location") for p in locations]
+        nbytes = [_int(s, "target_size") for s in sizes]
+        bad = [i for i in range(n) if ptrs[i] <= 0 or nbytes[i] <= 0]
+        if bad:
+            log.warning(
+                "KVPipeStorage %s: %d of %d target locations/sizes name no buffer (first: "
+                "%d/%d); -1 for those keys",
+                op,
+                len(bad),
+                n,
+                ptrs[bad[0]],
+                nbytes[bad[0]],
+            )
+        valid = [i for i in range(n) if ptrs[i] > 0 and nbytes[i] > 0]
+        return ours, ptrs, nbytes, valid
+
     def batch_set(
         self,
         keys: list[str],
@@ -375,13 +376,10 @@ class KVPipeStorage:
             TypeError: A key, location or size of the wrong type (nothing is stored).
         """
         n = len(keys)
-        if not _lengths_match("batch_set", n, target_locations, target_sizes) or n == 0:
+        targets = self._targets("batch_set", keys, target_locations, target_sizes)
+        if targets is None:
             return [-1] * n
-        ours = [_key(self._scope, k) for k in keys]
-        assert target_locations is not None and target_sizes is not None
-        ptrs = [_int(p, "target_location") for p in target_locations]
-        sizes = [_int(s, "target_size") for s in target_sizes]
-        valid = _buffers("batch_set", ptrs, sizes)
+        ours, ptrs, sizes, valid = targets
         # In chunks: only a chunk's copies are alive at once, not a copy of the whole batch
         # (a long request's batch is as big as the manager's write buffer).
         deadline = time.monotonic() + self.timeout
@@ -453,14 +451,11 @@ class KVPipeStorage:
             TypeError: A key, location or size of the wrong type (nothing is copied).
         """
         n = len(keys)
-        if not _lengths_match("batch_get", n, target_locations, target_sizes) or n == 0:
+        targets = self._targets("batch_get", keys, target_locations, target_sizes)
+        if targets is None:
             return [-1] * n
-        ours = [_key(self._scope, k) for k in keys]
-        assert target_locations is not None and target_sizes is not None
-        ptrs = [_int(p, "target_location") for p in target_locations]
-        sizes = [_int(s, "target_size") for s in target_sizes]
+        ours, ptrs, sizes, valid = targets
         out = [-1] * n
-        valid = _buffers("batch_get", ptrs, sizes)
         # In chunks under one deadline: only a chunk's values are alive at once, not a copy
         # of the whole batch (a long request's read is as big as the manager's read buffer).
         deadline = time.monotonic() + self.timeout
