@@ -82,6 +82,15 @@ def _namespace(namespace: str, model_version: str) -> str:
     return f"{clean}.{hashlib.blake2b(pair, digest_size=6).hexdigest()}"
 
 
+def _gave_up(what: str, task_id: str, kind: str, message: str, *args: Any) -> int:
+    """0, after one WARNING (repeats bounded per ``what`` and ``kind``) that call ``what``
+    of ``task_id`` failed: ``message % args``."""
+    _repeats.log(
+        logging.WARNING, f"{what}:{kind}", "kvpipe %s %s: " + message, what, task_id, *args
+    )
+    return 0
+
+
 def _env_int(name: str, raw: str) -> int:
     """Environment variable ``name``'s integer value (empty: 0).
 
@@ -451,27 +460,15 @@ class KVPipeAttentionStore:
                     raise  # a wrong setting: raised, as programming errors are
                 # ConfigError on "store": the store refused the staging (down, say), a store
                 # failure like any other
-                _repeats.log(
-                    logging.WARNING,
-                    f"{what}:open:{type(exc).__name__}",
-                    "kvpipe %s %s: opening the pipeline failed: %r",
-                    what,
-                    task_id,
-                    exc,
-                )
-                return 0
+                kind = f"open:{type(exc).__name__}"
+                return _gave_up(what, task_id, kind, "opening the pipeline failed: %r", exc)
         try:
             if opened:  # the call gets what is left of its timeout
                 timeout -= time.monotonic() - begun
                 if timeout <= 0:
-                    _repeats.log(
-                        logging.WARNING,
-                        f"{what}:open:timeout",
-                        "kvpipe %s %s: opening the pipeline took its timeout",
-                        what,
-                        task_id,
+                    return _gave_up(
+                        what, task_id, "open:timeout", "opening the pipeline took its timeout"
                     )
-                    return 0
             if isinstance(start, bool) or not isinstance(start, int) or start < 0:
                 raise RequestError(f"start block index must be an int >= 0, got {start!r}")
             block_ids = [0] * start + list(gpu_block_ids)
@@ -496,15 +493,8 @@ class KVPipeAttentionStore:
         entry = self._take(None)
         if entry is None:
             if self._loop.closed:
-                _repeats.log(
-                    logging.WARNING,
-                    f"{what}:PipelineClosed",
-                    "kvpipe %s %s: %r",
-                    what,
-                    task_id,
-                    PipelineClosed("the store is closed"),
-                )
-                return 0
+                closed = PipelineClosed("the store is closed")
+                return _gave_up(what, task_id, "PipelineClosed", "%r", closed)
             log.debug("kvpipe %s %s: no caches bound yet: %d", what, task_id, unbound)
             return unbound
         try:
@@ -530,15 +520,7 @@ class KVPipeAttentionStore:
         except (RequestError, TypeError, WrongEventLoop):
             raise
         except (KVPipeError, OSError, TimeoutError) as exc:
-            _repeats.log(
-                logging.WARNING,
-                f"{what}:{type(exc).__name__}",
-                "kvpipe %s %s: %r",
-                what,
-                task_id,
-                exc,
-            )
-            return 0
+            return _gave_up(what, task_id, type(exc).__name__, "%r", exc)
 
     def write(
         self,
