@@ -247,7 +247,7 @@ class KVPipeStorage:
             self._loop.enter(_closing(store))
             self._client: ValueClient = self._loop.enter(
                 ValueClient(store, namespace="fastdeploy", close_timeout=close_timeout)
-            )
+            )[0]
         except BaseException:
             self._loop.close()
             raise

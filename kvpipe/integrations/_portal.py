@@ -111,14 +111,7 @@ class LoopThread:
             "anyio.to_thread.run_sync), or use kvpipe's async Pipeline directly"
         )
 
-    def enter(self, cm: Any, *, wait: float | None = None) -> Any:
-        """Enter an async context manager in the loop; it is exited at :meth:`close`.
-        See :meth:`enter_leavable` (this is its value alone)."""
-        return self.enter_leavable(cm, wait=wait)[0]
-
-    def enter_leavable(
-        self, cm: Any, *, wait: float | None = None
-    ) -> tuple[Any, Callable[[], None]]:
+    def enter(self, cm: Any, *, wait: float | None = None) -> tuple[Any, Callable[[], None]]:
         """Enter an async context manager in the loop; it is exited at :meth:`close`, or
         earlier by calling the function returned beside its value: that starts the exit in
         the loop and returns at once (idempotent; :meth:`close` waits for exits started so).

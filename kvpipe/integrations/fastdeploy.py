@@ -396,7 +396,7 @@ class KVPipeAttentionStore:
                     cache = KVCache.from_tensors(layout, ordered)
                 except LayoutError as exc:
                     raise LayoutError(f"FastDeploy caches do not fit {layout.kind}: {exc}") from exc
-                pipe, leave = self._loop.enter_leavable(
+                pipe, leave = self._loop.enter(
                     open_pipeline(
                         cache,
                         self.store,

@@ -302,14 +302,14 @@ def test_a_pipeline_opened_while_close_runs_is_not_kept_after_it(
     paddle = pytest.importorskip("paddle")
     paddle.set_device("cpu")
     store = KVPipeAttentionStore(layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore())
-    enter = store._loop.enter_leavable
+    enter = store._loop.enter
 
     def enter_then_close(*args: Any, **kw: Any) -> Any:
         entered = enter(*args, **kw)
         store.close()  # as another thread's close() would, just then
         return entered
 
-    store._loop.enter_leavable = enter_then_close  # type: ignore[method-assign]
+    store._loop.enter = enter_then_close  # type: ignore[method-assign]
     k, v = _caches(paddle)
     with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
         assert store.write("t", k, v, list(range(BS)), [0], 0) == 0
