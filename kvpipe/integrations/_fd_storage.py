@@ -286,23 +286,14 @@ class KVPipeStorage:
 
         try:
             return self._loop.call(bounded, wait=limit + HOP_SLACK)
-        except ConfigError as exc:
-            if exc.field != "staging_bytes":
-                raise
-            # No memory for the staging of a new value size: the process's, not the caller's.
-            _repeats.log(
-                logging.WARNING, f"{what}:staging", "KVPipeStorage %s failed: %r", what, exc
-            )
-            return None
-        except (TypeError, ValueError, WrongEventLoop):  # the caller's mistake, not the store's
-            raise
         except Exception as exc:
+            # No memory for the staging of a new value size: the process's, not the caller's.
+            staging = isinstance(exc, ConfigError) and exc.field == "staging_bytes"
+            if not staging and isinstance(exc, (TypeError, ValueError, WrongEventLoop)):
+                raise  # the caller's mistake, not the store's
+            kind = "staging" if staging else type(exc).__name__
             _repeats.log(
-                logging.WARNING,
-                f"{what}:{type(exc).__name__}",
-                "KVPipeStorage %s failed: %r",
-                what,
-                exc,
+                logging.WARNING, f"{what}:{kind}", "KVPipeStorage %s failed: %r", what, exc
             )
             return None
 
