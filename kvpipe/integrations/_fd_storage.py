@@ -111,18 +111,17 @@ _STORE_SAYS: Final = {
 
 
 def _place(
-    chunk: list[int],
-    got: list[tuple[BlockStatus, bytearray]],
+    fetched: list[tuple[int, tuple[BlockStatus, bytearray]]],
     keys: list[str],
     ptrs: list[int],
     sizes: list[int],
     out: list[int],
 ) -> tuple[int, tuple[int, str] | None]:
-    """Copy each fetched value that passes its checks into its pointer (``out[i]``: its
-    size); the number of values that failed them (missing ones not counted), and the first
-    of those (its position, and why)."""
+    """Copy each fetched value (position ``i``, the store's answer) that passes its checks
+    into its pointer (``out[i]``: its size); the number of values that failed them (missing
+    ones not counted), and the first of those (its position, and why)."""
     bad, first = 0, None
-    for i, (status, value) in zip(chunk, got, strict=True):
+    for i, (status, value) in fetched:
         if status is BlockStatus.MISSING:
             continue
         checked = _verify(value, keys[i], sizes[i]) if status is BlockStatus.OK else None
@@ -459,9 +458,7 @@ class KVPipeStorage:
             # The sizes fetched before a failure or the deadline are placed all the same.
             fetched = [(i, g) for i, g in zip(chunk, list(got), strict=True) if g is not None]
             del got
-            failed, why = _place(
-                [i for i, _ in fetched], [g for _, g in fetched], keys, ptrs, sizes, out
-            )
+            failed, why = _place(fetched, keys, ptrs, sizes, out)
             bad, first = bad + failed, first or why
             del fetched  # before the next chunk is fetched
             if ok is None:
