@@ -480,9 +480,12 @@ class Actor(abc.ABC, Generic[M]):
         return True
 
     @staticmethod
-    @abc.abstractmethod
     def state_of(msg: M) -> RequestState:
-        """The request a message belongs to."""
+        """The request a message belongs to: a slice job's, or the message itself."""
+        if isinstance(msg, SliceJob):
+            return msg.state
+        assert isinstance(msg, RequestState)
+        return msg
 
     @abc.abstractmethod
     async def handle(self, msg: M) -> None:

@@ -36,7 +36,7 @@ from ._base import (
     task,
 )
 from ._rowsink import RowSink
-from ._state import ReadState, RequestState, describe_error
+from ._state import ReadState, describe_error
 
 __all__ = ("Reader",)
 
@@ -52,10 +52,6 @@ class Reader(Actor[ReadState | SliceJob]):
     """Fetches and verifies read slices (see the module docstring)."""
 
     name = "reader"
-
-    @staticmethod
-    def state_of(msg: ReadState | SliceJob) -> RequestState:
-        return msg if isinstance(msg, ReadState) else msg.state
 
     async def handle(self, msg: ReadState | SliceJob) -> None:
         if isinstance(msg, ReadState):

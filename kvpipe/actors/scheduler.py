@@ -107,10 +107,6 @@ class Scheduler(Actor[RequestState]):
 
     name = "scheduler"
 
-    @staticmethod
-    def state_of(msg: RequestState) -> RequestState:
-        return msg
-
     async def handle(self, msg: RequestState) -> None:
         if msg.done:
             return

@@ -14,7 +14,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from .._plan import SliceSpec
 from ._base import Actor
 from ._channels import SliceJob
-from ._state import ReadState, RequestState, WriteState
+from ._state import ReadState, WriteState
 
 __all__ = ("Slicer",)
 
@@ -23,10 +23,6 @@ class Slicer(Actor[WriteState | ReadState]):
     """Cuts planned requests into staged slice jobs (see the module docstring)."""
 
     name = "slicer"
-
-    @staticmethod
-    def state_of(msg: WriteState | ReadState) -> RequestState:
-        return msg
 
     async def handle(self, msg: WriteState | ReadState) -> None:
         outboxes = self.ctx.outboxes

@@ -21,7 +21,7 @@ from .._plan import copy_plan
 from .._workers import NotStarted
 from ._base import Actor
 from ._channels import SliceJob
-from ._state import ReadState, RequestState, WriteState
+from ._state import ReadState, WriteState
 
 __all__ = ("Swapper",)
 
@@ -30,10 +30,6 @@ class Swapper(Actor[SliceJob]):
     """Gathers write slices and scatters read slices (see the module docstring)."""
 
     name = "swapper"
-
-    @staticmethod
-    def state_of(msg: SliceJob) -> RequestState:
-        return msg.state
 
     async def handle(self, msg: SliceJob) -> None:
         owned = True

@@ -26,7 +26,7 @@ from .._workers import INLINE_COPY_BYTES
 from ..backends._base import BlockStatus, PutBatch
 from ._base import Actor, as_backend_error, check_statuses, leading_ok, task
 from ._channels import SliceJob
-from ._state import RequestState, WriteState, describe_error
+from ._state import WriteState, describe_error
 
 __all__ = ("Writer",)
 
@@ -41,10 +41,6 @@ class Writer(Actor[WriteState | SliceJob]):
     """Writes slices (see the module docstring)."""
 
     name = "writer"
-
-    @staticmethod
-    def state_of(msg: WriteState | SliceJob) -> RequestState:
-        return msg if isinstance(msg, WriteState) else msg.state
 
     async def handle(self, msg: WriteState | SliceJob) -> None:
         if isinstance(msg, WriteState):
