@@ -13,7 +13,7 @@ import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import anyio
 import anyio.abc
@@ -40,8 +40,8 @@ __all__ = (
     "ActorContext",
     "PipelineHooks",
     "SliceJob",
-    "as_backend_error",
     "backend_call",
+    "block_statuses",
     "leading_ok",
     "task",
 )
@@ -272,26 +272,20 @@ async def backend_call(
         raise BackendError(backend.name, op, describe_error(exc)) from exc
 
 
-def as_backend_error(backend: StorageBackend, op: str, exc: Exception) -> BackendError:
-    """``exc`` from a backend's method ``op``, as a :class:`BackendError` (itself if it is
-    one already)."""
-    if isinstance(exc, BackendError):
-        return exc
-    return BackendError(backend.name, op, describe_error(exc))
-
-
 _STATUS_TYPE = frozenset({BlockStatus})
 
 
-def check_statuses(
-    backend: StorageBackend, op: str, statuses: Sequence[Any], n: int
+async def block_statuses(
+    backend: StorageBackend, op: Literal["put_blocks", "get_blocks"], batch: Any, n: int
 ) -> list[BlockStatus]:
-    """Validate a per-block result: ``n`` items, each a :class:`BlockStatus`.
+    """``backend.put_blocks(batch)`` or ``backend.get_blocks(batch)`` (:func:`backend_call`),
+    its answer validated: ``n`` items, each a :class:`BlockStatus`.
 
     Raises:
-        BackendError: Anything else (not even a sequence: ``None``, a count), the call's
-            failure, never a crash of the actor.
+        BackendError: The call failed, or answered anything else (not even a sequence:
+            ``None``, a count): the call's failure, never a crash of the actor.
     """
+    statuses = await backend_call(backend, op, getattr(backend, op), batch)
     try:
         out = list(statuses)
     except TypeError:

@@ -29,9 +29,8 @@ from ..backends._base import BlockStatus, GetBatch
 from ._base import (
     Actor,
     SliceJob,
-    as_backend_error,
     backend_call,
-    check_statuses,
+    block_statuses,
     leading_ok,
     task,
 )
@@ -284,10 +283,9 @@ class Reader(Actor[ReadState | SliceJob]):
         try:
             with state.bound(deadline, job, first):
                 try:
-                    raw = await ctx.backend.get_blocks(batch)
-                    statuses = check_statuses(ctx.backend, "get_blocks", raw, spec.count)
-                except Exception as exc:  # the store's own errors too, translated here
-                    error = describe_error(as_backend_error(ctx.backend, "get_blocks", exc))
+                    statuses = await block_statuses(ctx.backend, "get_blocks", batch, spec.count)
+                except BackendError as exc:  # the store's own errors too, translated
+                    error = describe_error(exc)
         finally:
             # A store thread may still be placing a value (the fetch was cancelled): no
             # value goes into the cache from now on, and the claim lasts until it is out.
@@ -443,8 +441,7 @@ class Reader(Actor[ReadState | SliceJob]):
         batch = ctx.staged_batch(job, GetBatch, lo, hi)
         with state.bound(deadline, ("refetch", spec.index), spec.first_block + lo):
             try:
-                raw = await backend_call(ctx.backend, "get_blocks", ctx.backend.get_blocks, batch)
-                statuses = check_statuses(ctx.backend, "get_blocks", raw, hi - lo)
+                statuses = await block_statuses(ctx.backend, "get_blocks", batch, hi - lo)
             except BackendError as exc:  # the block's first failure is what the read reports
                 _repeats.log(
                     logging.WARNING,

@@ -19,12 +19,13 @@ from collections import deque
 import anyio
 import anyio.abc
 
+from .._errors import BackendError
 from .._plan import SliceSpec
 from .._results import SliceOutcome, SliceStatus
 from .._staging import StagingLease
 from .._workers import INLINE_COPY_BYTES
 from ..backends._base import BlockStatus, PutBatch
-from ._base import Actor, as_backend_error, check_statuses, leading_ok, task
+from ._base import Actor, block_statuses, leading_ok, task
 from ._channels import SliceJob
 from ._state import WriteState, describe_error
 
@@ -158,10 +159,9 @@ class Writer(Actor[WriteState | SliceJob]):
         state.watch(scope, job, spec.first_block)
         try:
             with scope:
-                raw = await ctx.backend.put_blocks(batch)
-                statuses = check_statuses(ctx.backend, "put_blocks", raw, spec.count)
-        except Exception as exc:  # the store's own errors too, translated here
-            error = describe_error(as_backend_error(ctx.backend, "put_blocks", exc))
+                statuses = await block_statuses(ctx.backend, "put_blocks", batch, spec.count)
+        except BackendError as exc:  # the store's own errors too, translated
+            error = describe_error(exc)
         finally:
             state.unwatch(job)
             if state.done:
