@@ -278,6 +278,39 @@ class SlicedState(RequestState):
             return super().outcome()
         return "complete" if result.complete else (result.stop_reason or "incomplete")
 
+    def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
+        self.machine.end(cause, detail, anyio.current_time())
+        self.cancel_scopes()  # now: an aborted read ends only once its scatters have
+        self._sync()
+
+    #: Log levels of a request that stopped short, by reason (others: WARNING).
+    _STOP_LEVELS: ClassVar[dict[str, int]]
+
+    def _sync(self) -> None:
+        """Once the machine has ended: :meth:`_ended`, and log a result that stopped short."""
+        if not self.machine.ended or self.done:
+            return
+        self._ended()
+        result = self.machine.result
+        if result is not None and not result.complete:
+            level = self._STOP_LEVELS.get(result.stop_reason or "", logging.WARNING)
+            if log.isEnabledFor(level):
+                _stopped.log(
+                    level,
+                    f"{self.kind}:{result.stop_reason}",
+                    "%s %s incomplete: %s; stopped at %s: %s (%s)",
+                    self.kind,
+                    self.request_id,
+                    self._how_far(result),
+                    self.machine.where_stopped(),
+                    result.stop_reason,
+                    result.error or "no detail",
+                )
+
+    @abc.abstractmethod
+    def _how_far(self, result: Any) -> str:
+        """How much of a result that stopped short got done, for its log line."""
+
 
 class WriteState(SlicedState):
     """A write (its decisions: :class:`~kvpipe._write_machine.WriteMachine`)."""
@@ -320,10 +353,6 @@ class WriteState(SlicedState):
             turn.set()
         self._sync()
 
-    def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
-        self.machine.end(cause, detail, anyio.current_time())
-        self._sync()
-
     def fail(self, error: BaseException) -> None:
         self.machine.fail(error)
         self._sync()
@@ -336,34 +365,20 @@ class WriteState(SlicedState):
             f"stored{where})"
         )
 
-    def _sync(self) -> None:
-        if not self.machine.ended or self.done:
-            return
+    _STOP_LEVELS: ClassVar[dict[str, int]] = {"cancelled": logging.INFO}
+
+    def _how_far(self, result: WriteResult) -> str:
+        stored = result.skipped + result.written
+        return (
+            f"{stored} of {result.requested} blocks stored ({result.skipped} skipped, "
+            f"{result.written} written)"
+        )
+
+    def _ended(self) -> None:
         turns, self._turns = self._turns, {}
         for turn in turns.values():
             turn.set()
-        self._ended()
-        result = self.machine.result
-        if result is not None and not result.complete:
-            self._log_stopped(result)
-
-    def _log_stopped(self, result: WriteResult) -> None:
-        level = logging.INFO if result.stop_reason == "cancelled" else logging.WARNING
-        if log.isEnabledFor(level):
-            _stopped.log(
-                level,
-                f"write:{result.stop_reason}",
-                "write %s incomplete: %d of %d blocks stored (%d skipped, %d written); stopped "
-                "at %s: %s (%s)",
-                self.request_id,
-                result.skipped + result.written,
-                result.requested,
-                result.skipped,
-                result.written,
-                self.machine.where_stopped(),
-                result.stop_reason,
-                result.error or "no detail",
-            )
+        super()._ended()
 
 
 class ReadState(SlicedState):
@@ -421,11 +436,6 @@ class ReadState(SlicedState):
         self.machine.scatter_end(anyio.current_time())
         self._sync()
 
-    def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
-        self.machine.end(cause, detail, anyio.current_time())
-        self.cancel_scopes()
-        self._sync()
-
     def fail(self, error: BaseException) -> None:
         self.machine.fail(error, anyio.current_time())
         self.cancel_scopes()
@@ -436,34 +446,15 @@ class ReadState(SlicedState):
         where = f", stopping at block {stop}" if stop is not None else ""
         return f"read {self.request_id} ({self.requested} blocks{where})"
 
-    def _sync(self) -> None:
-        if not self.machine.ended or self.done:
-            return
-        self._ended()
-        result = self.machine.result
-        if result is not None and not result.complete:
-            level = _READ_STOP_LEVELS.get(result.stop_reason or "", logging.WARNING)
-            if log.isEnabledFor(level):
-                _stopped.log(
-                    level,
-                    f"read:{result.stop_reason}",
-                    "read %s incomplete: %d of %d blocks loaded; stopped at %s: %s (%s)",
-                    self.request_id,
-                    result.loaded,
-                    result.requested,
-                    self.machine.where_stopped(),
-                    result.stop_reason,
-                    result.error or "no detail",
-                )
+    #: The reader has logged a failed block already.
+    _STOP_LEVELS: ClassVar[dict[str, int]] = {
+        "not_stored": logging.DEBUG,
+        "failed_block": logging.DEBUG,
+        "cancelled": logging.INFO,
+    }
 
-
-#: Log levels of a read that stopped short, by reason (others: WARNING); the reader has
-#: logged a failed block already.
-_READ_STOP_LEVELS: dict[str, int] = {
-    "not_stored": logging.DEBUG,
-    "failed_block": logging.DEBUG,
-    "cancelled": logging.INFO,
-}
+    def _how_far(self, result: ReadResult) -> str:
+        return f"{result.loaded} of {result.requested} blocks loaded"
 
 
 def describe_error(exc: BaseException) -> str:
