@@ -412,6 +412,13 @@ class Actor(abc.ABC, Generic[M]):
             # The caller's side, which ends such a request at the deadline, saw it held then.
             state.end("total_timeout", "deadline passed while queued")
 
+    async def lease(self, state: WriteState | ReadState, spec: SliceSpec) -> StagingLease | None:
+        """Wait for a slice's staging until the request's deadline; ``None`` when that passed,
+        the request ended, or (a read) loading stopped at or before the slice first."""
+        with state.bound(state.deadline, ("lease", spec.index), spec.first_block):
+            return await self.ctx.pool.acquire(spec.count)
+        return None
+
     @staticmethod
     def try_send(outbox: MemoryObjectSendStream[T], msg: T) -> bool | None:
         """Send ``msg`` now if ``outbox`` has room: ``True`` when sent, ``None`` when it is

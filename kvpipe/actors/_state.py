@@ -427,6 +427,13 @@ class ReadState(SlicedState):
         self.machine.resolve(index, loaded, anyio.current_time())
         self._sync()
 
+    def time_out(self, spec: SliceSpec, detail: str | None = None) -> None:
+        """Slice ``spec`` is settled with nothing loaded, out of time: loading stops at it
+        (``total_timeout``) unless it had stopped before."""
+        if not self.stopped_before(spec.first_block):
+            self.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
+        self.resolve(spec.index, 0)
+
     def scatter_begin(self) -> bool:
         """Claim the right to write into the caller's cache; ``False`` once ended."""
         return self.machine.scatter_begin()

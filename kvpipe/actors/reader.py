@@ -23,7 +23,6 @@ from .._hostcopy import check_and_scatter, gather
 from .._lograte import LogLimiter
 from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
-from .._staging import StagingLease
 from .._workers import INLINE_COPY_BYTES, NotStarted
 from ..backends._base import BlockStatus, GetBatch
 from ._base import (
@@ -84,8 +83,9 @@ class Reader(Actor[ReadState | SliceJob]):
                 continue
             lease = self.ctx.pool.try_acquire(spec.count)
             if lease is None:
-                lease = await self._lease(state, spec)
+                lease = await self.lease(state, spec)
                 if lease is None:
+                    state.time_out(spec, "deadline passed waiting for staging")
                     continue
             job = SliceJob(state, spec, lease)
             if tg is not None and self._in_task(spec):
@@ -96,18 +96,6 @@ class Reader(Actor[ReadState | SliceJob]):
                 corrupt += await self._place(job)
         if corrupt:
             await self._delete_corrupt(state.request_id, corrupt)
-
-    async def _lease(self, state: ReadState, spec: SliceSpec) -> StagingLease | None:
-        """Wait for a slice's staging until the deadline, until the request ends, or until
-        loading stops before the slice; then (``None``) the slice is resolved, and loading
-        stops at it unless it had stopped before."""
-        with state.bound(state.deadline, ("lease", spec.index), spec.first_block):
-            return await self.ctx.pool.acquire(spec.count)
-        if not state.stopped_before(spec.first_block):
-            detail = "deadline passed waiting for staging"
-            state.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
-        state.resolve(spec.index, 0)
-        return None
 
     async def _slice(self, msg: SliceJob) -> None:
         """:meth:`_place` one slice, then delete its blocks that failed verification in a
@@ -128,10 +116,8 @@ class Reader(Actor[ReadState | SliceJob]):
                 assert isinstance(state, ReadState)
                 sent = await self.send_until(self.ctx.outboxes.swapper, msg, state, first)
                 owned = sent is not True
-                if owned:
-                    if not state.stopped_before(first):  # else the read ended, or stopped
-                        state.stop_at(first, "total_timeout", [first])  # its deadline
-                    state.resolve(msg.spec.index, 0)
+                if owned:  # its deadline passed, the read ended, or loading stopped before it
+                    state.time_out(msg.spec)
         finally:
             if owned:
                 msg.release()

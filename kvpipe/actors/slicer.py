@@ -40,9 +40,7 @@ class Slicer(Actor[WriteState | ReadState]):
                 if isinstance(msg, WriteState):
                     msg.end("total_timeout", detail)  # no-op when it had already ended
                     return
-                if not msg.stopped_before(spec.first_block):
-                    msg.stop_at(spec.first_block, "total_timeout", [spec.first_block], detail)
-                msg.resolve(spec.index, 0)
+                msg.time_out(spec, detail)
 
     async def _lease_and_send(
         self, msg: WriteState | ReadState, spec: SliceSpec, outbox: MemoryObjectSendStream[SliceJob]

@@ -22,7 +22,6 @@ import anyio.abc
 from .._errors import BackendError
 from .._plan import SliceSpec
 from .._results import SliceOutcome, SliceStatus
-from .._staging import StagingLease
 from .._workers import INLINE_COPY_BYTES
 from ..backends._base import BlockStatus, PutBatch
 from ._base import Actor, block_statuses, leading_ok, task
@@ -79,7 +78,9 @@ class Writer(Actor[WriteState | SliceJob]):
                 await self._put_first(ahead)
                 lease = ctx.pool.try_acquire(spec.count)
             if lease is None and not state.done:
-                lease = await self._lease(state, spec)
+                lease = await self.lease(state, spec)
+                if lease is None:  # a no-op if the write had ended
+                    state.end("total_timeout", "deadline passed waiting for staging")
             if state.done:
                 if lease is not None:
                     lease.release()
@@ -104,14 +105,6 @@ class Writer(Actor[WriteState | SliceJob]):
                     job.release()
         while ahead:
             await self._put_first(ahead)
-
-    async def _lease(self, state: WriteState, spec: SliceSpec) -> StagingLease | None:
-        """Wait for a slice's staging until the deadline, or until the request ends (then
-        ``None``: the request has ended, by the deadline if nothing else ended it first)."""
-        with state.bound(state.deadline, ("lease", spec.index), spec.first_block):
-            return await self.ctx.pool.acquire(spec.count)
-        state.end("total_timeout", "deadline passed waiting for staging")  # no-op if ended
-        return None
 
     async def _gather(self, job: SliceJob, gathered: anyio.Event) -> None:
         """Gather and seal a slice (not once its request has ended), then say so."""
