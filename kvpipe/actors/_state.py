@@ -88,20 +88,9 @@ class RequestState(abc.ABC):
 
     def bound(self, deadline: float, tag: object = None, first_block: int = 0) -> Bound:
         """A cancel scope that ends at ``deadline`` or when the request ends — or, for a
-        read, when loading stops at or before ``first_block``. ``tag`` names it uniquely."""
+        read, when loading stops at or before ``first_block``. ``tag`` names it uniquely;
+        cancelled at once if the request has ended, or (a read) loading has stopped there."""
         return Bound(self, deadline, tag if tag is not None else object(), first_block)
-
-    def watch(self, scope: anyio.CancelScope, tag: object, first_block: int = 0) -> None:
-        """Have the request's end cancel ``scope`` until :meth:`unwatch` (:meth:`bound`
-        without a context manager); cancelled at once if it has ended, or (a read) loading
-        has stopped at or before ``first_block``."""
-        self._scopes[tag] = (first_block, scope)
-        if self._over or self.stopped_before(first_block):
-            scope.cancel()
-
-    def unwatch(self, tag: object) -> None:
-        """Undo :meth:`watch`."""
-        self._scopes.pop(tag, None)
 
     def stopped_before(self, block: int) -> bool:
         """Whether work on ``block`` is of no more use (a read overrides this)."""
@@ -129,10 +118,6 @@ class RequestState(abc.ABC):
     @abc.abstractmethod
     def fail(self, error: BaseException) -> None:
         """End with ``error``, which the caller sees (the pipeline closing)."""
-
-    def crashed(self, actor: str, exc: BaseException) -> None:
-        """The actor holding this request crashed."""
-        self.end("actor_crashed", f"actor {actor!r} crashed: {exc!r}", actor=actor)
 
     def describe(self) -> str:
         """The request's id and how far it got, for logs."""
@@ -164,13 +149,15 @@ class Bound:
     def __init__(self, state: RequestState, deadline: float, key: object, first_block: int) -> None:
         self.scope = anyio.CancelScope(deadline=deadline)
         self._state, self._key = state, key
-        state.watch(self.scope, key, first_block)
+        state._scopes[key] = (first_block, self.scope)
+        if state.done or state.stopped_before(first_block):
+            self.scope.cancel()
 
     def __enter__(self) -> anyio.CancelScope:
         return self.scope.__enter__()
 
     def __exit__(self, *exc_info: Any) -> bool:
-        self._state.unwatch(self._key)
+        self._state._scopes.pop(self._key, None)
         return bool(self.scope.__exit__(*exc_info))
 
 

@@ -251,8 +251,9 @@ class Supervisor:
                     ids,
                     trace,
                 )
+            why = f"actor {child.name!r} crashed: {cause!r}"
             for state in held:
-                state.crashed(child.name, cause)
+                state.end("actor_crashed", why, actor=child.name)
         _forget_frames(exc)
         return escalate or closed
 

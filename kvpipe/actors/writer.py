@@ -147,16 +147,13 @@ class Writer(Actor[WriteState | SliceJob]):
         # The error's description, not the error: a local holding the exception would hold
         # this frame (and the job's staging) in a cycle through its traceback.
         error: str | None = None
-        scope = anyio.CancelScope(deadline=deadline)
         state.machine.sent(spec.index, started)
-        state.watch(scope, job, spec.first_block)
         try:
-            with scope:
+            with state.bound(deadline, job, spec.first_block) as scope:
                 statuses = await block_statuses(ctx.backend, "put_blocks", batch, spec.count)
         except BackendError as exc:  # the store's own errors too, translated
             error = describe_error(exc)
         finally:
-            state.unwatch(job)
             if state.done:
                 # Another task ended the write first. At the total deadline that recorded
                 # this slice's outcome (``total_timeout``, nothing counted); it is counted
