@@ -57,8 +57,7 @@ def _split_crash(exc: BaseException) -> tuple[Exception | None, BaseException | 
         return exc, None
     if not isinstance(exc, BaseExceptionGroup):
         return None, exc
-    errors, rest = exc.split(Exception)
-    return errors, rest
+    return exc.split(Exception)
 
 
 def _cancelled_here() -> bool:
@@ -226,31 +225,23 @@ class Supervisor:
             # Logged before the requests are failed, so the line shows how far each got.
             if restart:
                 self._metrics.restarts[child.name] += 1
-                log.warning(
-                    "actor %s crashed (%r); restarting (%d of %d allowed within %.0f s); "
-                    "failed %d request(s): %s\n%s",
-                    child.name,
-                    cause,
-                    len(crashes),
-                    self._max_restarts,
-                    self._window,
-                    len(held),
-                    ids,
-                    trace,
-                )
+                allowed = f"{len(crashes)} of {self._max_restarts} allowed"
+                how, fate = f"; restarting ({allowed} within {self._window:.0f} s)", "failed"
+            elif cancelled:
+                how, fate = " as it was cancelled at the close deadline; not restarted", "failed"
             else:
-                log.warning(
-                    "actor %s crashed (%r) %s; not restarted; %s %d request(s): %s\n%s",
-                    child.name,
-                    cause,
-                    "as it was cancelled at the close deadline"
-                    if cancelled
-                    else "after the pipeline closed",
-                    "failed" if cancelled else "held (failed by the close)",
-                    len(held),
-                    ids,
-                    trace,
-                )
+                how = " after the pipeline closed; not restarted"
+                fate = "held (failed by the close)"
+            log.warning(
+                "actor %s crashed (%r)%s; %s %d request(s): %s\n%s",
+                child.name,
+                cause,
+                how,
+                fate,
+                len(held),
+                ids,
+                trace,
+            )
             why = f"actor {child.name!r} crashed: {cause!r}"
             for state in held:
                 state.end("actor_crashed", why, actor=child.name)
