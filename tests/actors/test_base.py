@@ -52,10 +52,6 @@ class _Keeper(Actor[SliceJob]):
         super().__init__(None, inbox, 1)  # type: ignore[arg-type]
         self.kept: list[SliceJob] = []
 
-    @staticmethod
-    def state_of(msg: SliceJob) -> Any:
-        return msg.state
-
     async def _dispatch(self, msg: SliceJob) -> None:  # no context: straight to handle
         await self.handle(msg)
 

@@ -25,10 +25,6 @@ class Boom(Actor[RequestState]):
 
     name = "boom"
 
-    @staticmethod
-    def state_of(msg: RequestState) -> RequestState:
-        return msg
-
     async def handle(self, msg: RequestState) -> None:
         if msg.request_id.startswith("crash"):
             raise RuntimeError(msg.request_id)
@@ -105,10 +101,6 @@ class _Gated(Actor[RequestState]):
     'crash' and holds the others for good."""
 
     name = "gated"
-
-    @staticmethod
-    def state_of(msg: RequestState) -> RequestState:
-        return msg
 
     async def handle(self, msg: RequestState) -> None:
         await self.ctx.go.wait()  # type: ignore[attr-defined]
