@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar, final
 
@@ -196,7 +196,7 @@ class FileStore(StorageBackend):
                     raise BackendError(self.name, "open", f"{self.path}: the store is closed")
                 try:
                     await in_thread(self._open_sync)
-                except (OSError, sqlite3.Error) as exc:
+                except _VENDOR_ERRORS as exc:
                     raise BackendError(self.name, "open", f"{self.path}: {exc}") from exc
 
     def _open_sync(self) -> None:
@@ -310,17 +310,18 @@ class FileStore(StorageBackend):
         with self._lock:
             self._counters.update(deltas)
 
-    async def _thread(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+    @contextlib.contextmanager
+    def _translated(self, op: str) -> Iterator[None]:
+        """The OS's or SQLite's error of ``op`` (the catalog locked past its busy timeout,
+        or read-only; an I/O error; the store closing) raised as :class:`BackendError`."""
         try:
-            return await self._gate.run(op, self._inflight.track(fn), *args)
+            yield
         except _VENDOR_ERRORS as exc:
-            raise self._failed(op, exc) from exc
+            raise BackendError(self.name, op, f"{self.path}: {type(exc).__name__}: {exc}") from exc
 
-    def _failed(self, op: str, exc: Exception) -> BackendError:
-        """``op``'s failure ``exc`` (the OS's or SQLite's: the catalog locked past its busy
-        timeout, or read-only; an I/O error; the store closing under the call) as the
-        :class:`BackendError` every store method raises instead."""
-        return BackendError(self.name, op, f"{self.path}: {type(exc).__name__}: {exc}")
+    async def _thread(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        with self._translated(op):
+            return await self._gate.run(op, self._inflight.track(fn), *args)
 
     # -- blocks ------------------------------------------------------------------------------
 
@@ -341,23 +342,22 @@ class FileStore(StorageBackend):
         keys = [validate_key(k) for k in batch.keys]
         abandoned = Abandon()
         try:
-            return await batch.run_sync(
-                self._inflight.track(self._put_sync),
-                root,
-                catalog,
-                keys,
-                batch.values,
-                batch.parent_key,
-                batch.scope.fingerprint,
-                abandoned,
-                batch.checksums,
-                _batch_label("write", batch),
-            )
+            with self._translated("put_blocks"):  # the reservation failed, say: none published
+                return await batch.run_sync(
+                    self._inflight.track(self._put_sync),
+                    root,
+                    catalog,
+                    keys,
+                    batch.values,
+                    batch.parent_key,
+                    batch.scope.fingerprint,
+                    abandoned,
+                    batch.checksums,
+                    _batch_label("write", batch),
+                )
         except anyio.get_cancelled_exc_class():
             abandoned.set()
             raise
-        except _VENDOR_ERRORS as exc:  # the catalog's reservation, say: nothing published
-            raise self._failed("put_blocks", exc) from exc
 
     def _put_sync(
         self,
@@ -547,7 +547,7 @@ class FileStore(StorageBackend):
         """
         root, catalog = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-        try:
+        with self._translated("get_blocks"):
             return await batch.run_sync(
                 self._inflight.track(self._get_sync),
                 root,
@@ -558,8 +558,6 @@ class FileStore(StorageBackend):
                 batch.sink,
                 _batch_label("read", batch),
             )
-        except _VENDOR_ERRORS as exc:
-            raise self._failed("get_blocks", exc) from exc
 
     def _get_sync(
         self,
