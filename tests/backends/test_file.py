@@ -396,7 +396,7 @@ _FAILING: list[tuple[str, list[tuple[Any, str, Any]]]] = [
     ("delete", [(Catalog, "reconcile", _locked)]),
     ("put_blocks", [(Catalog, "reserve", _locked)]),
     ("exists", [(store_mod, "regular_files", _eio), (store_mod.Root, "exists", _eio)]),
-    ("get_blocks", [(store_mod, "read_batch", _eio), (store_mod, "read_one", _eio)]),
+    ("get_blocks", [(store_mod, "read_batch", _eio)]),
 ]
 
 

@@ -95,34 +95,32 @@ def read_batch(
     bufs: Sequence[memoryview],
     fingerprint: str,
     scratch: Scratch,
+    native: bool = True,
 ) -> list[BlockStatus]:
-    """Read and check a batch of block files in one native call; a file the native reader
-    could not handle is read again by :func:`read_one`."""
-    fileio = _native.fileio
-    assert fileio is not None
-    pages = scratch.pages(len(keys))
+    """Read and check a batch of block files: in one native call where ``native``, else
+    (and where a direct read would need a buffer that is not aligned: one mode per call)
+    one by one by :func:`read_one`, as is a file the native reader could not handle."""
     direct = hooks.direct()
-    if direct and not all(is_aligned(b) for b in bufs):  # one mode per call: one by one
+    if not native or (direct and not all(is_aligned(b) for b in bufs)):
         return [
             read_one(hooks, root, k, b, fingerprint, scratch)
             for k, b in zip(keys, bufs, strict=True)
         ]
+    fileio = _native.fileio
+    assert fileio is not None
+    pages = scratch.pages(len(keys))
     views = [read_views(b, p, direct) for b, p in zip(bufs, pages, strict=True)]
     results = fileio.read_files(root.fd, _native.block_paths(keys), views, direct)
     statuses: list[BlockStatus] = []
     for key, buf, page, got in zip(keys, bufs, pages, results, strict=True):
         if got >= 0:
             statuses.append(_judge(hooks, root, key, buf, page, direct, got, fingerprint, None))
-        elif got == fileio.NOT_REGULAR:
-            statuses.append(
-                _quarantine(hooks, root, key, "not a regular file", len(buf), fingerprint)
-            )
-        elif got == -errno.ENOENT:
-            statuses.append(BlockStatus.MISSING)
         elif got in (-errno.EINVAL, -errno.ENOSYS, -errno.EPERM):
             # EINVAL: direct I/O refused (read_one turns it off); ENOSYS/EPERM: no openat2
             # here (read_one walks the path instead).
             statuses.append(read_one(hooks, root, key, buf, fingerprint, scratch))
+        elif (status := _not_read(hooks, root, key, got, len(buf), fingerprint)) is not None:
+            statuses.append(status)
         else:
             hooks.errors.append(f"{key}: {_native.errno_text(-got)}")
             hooks.count(io_errors=1)
@@ -149,11 +147,7 @@ def read_cached(
     (got,) = fileio.read_cached_files(root.fd, _native.block_paths([key]), [views])
     if got >= 0:
         return _judge(hooks, root, key, buf, pages, False, got, fingerprint, payload_ok)
-    if got == fileio.NOT_REGULAR:
-        return _quarantine(hooks, root, key, "not a regular file", len(buf), fingerprint)
-    if got == -errno.ENOENT:
-        return BlockStatus.MISSING
-    return None
+    return _not_read(hooks, root, key, got, len(buf), fingerprint)
 
 
 def read_mapped(
@@ -175,9 +169,7 @@ def read_mapped(
     assert fileio is not None
     fd, size = fileio.open_cached(root.fd, _native.block_paths([key])[0])
     if fd < 0:
-        if fd == fileio.NOT_REGULAR:
-            return _quarantine(hooks, root, key, "not a regular file", nbytes, fingerprint)
-        return BlockStatus.MISSING if fd == -errno.ENOENT else None
+        return _not_read(hooks, root, key, fd, nbytes, fingerprint)
     try:
         if size < HEADER_NBYTES + nbytes:
             return None  # torn or foreign: the read says why
@@ -226,6 +218,17 @@ def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
             err = -1 - n
             raise OSError(err, f"cannot look at block file {key}: {_native.errno_text(err)}")
     return [n >= 0 for n in sizes]
+
+
+def _not_read(
+    hooks: ReadHooks, root: Root, key: str, code: int, nbytes: int, fingerprint: str
+) -> BlockStatus | None:
+    """A native call's failure ``code`` (a negative errno or ``NOT_REGULAR``) on ``key``'s
+    block file as ``CORRUPT`` (quarantined), ``MISSING``, or ``None`` (any other)."""
+    assert _native.fileio is not None
+    if code == _native.fileio.NOT_REGULAR:
+        return _quarantine(hooks, root, key, "not a regular file", nbytes, fingerprint)
+    return BlockStatus.MISSING if code == -errno.ENOENT else None
 
 
 def _judge(

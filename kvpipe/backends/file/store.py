@@ -51,7 +51,6 @@ from ._reads import (
     read_batch,
     read_cached,
     read_mapped,
-    read_one,
     regular_files,
 )
 from ._shares import in_shares
@@ -638,12 +637,8 @@ class FileStore(StorageBackend):
         part: list[int],
     ) -> list[BlockStatus]:
         """Read and check the block files ``part`` into their buffers."""
-        if not self._native:
-            return [
-                read_one(hooks, root, keys[i], buffers[i], fingerprint, self._scratch) for i in part
-            ]
-        bufs = [buffers[i] for i in part]
-        return read_batch(hooks, root, [keys[i] for i in part], bufs, fingerprint, self._scratch)
+        ks, bufs = [keys[i] for i in part], [buffers[i] for i in part]
+        return read_batch(hooks, root, ks, bufs, fingerprint, self._scratch, self._native)
 
     async def exists(self, batch: KeyBatch) -> Sequence[bool]:
         """Whether each block file exists, stopping at the first missing one.
