@@ -486,27 +486,16 @@ class FileStore(StorageBackend):
         def share(part: list[int]) -> list[BlockStatus]:
             done: list[BlockStatus] = []
             try:
-                if not self._native:
-                    for i in part:
-                        done.append(
-                            write_one(
-                                hooks,
-                                root,
-                                keys[i],
-                                values[i],
-                                fingerprint,
-                                direct,
-                                scratch,
-                                sums[i],
-                            )
-                        )
-                    return done
-                vals = [values[i] for i in part]
                 ks = [keys[i] for i in part]
+                vs = [values[i] for i in part]
                 cs = [sums[i] for i in part]
-                nbytes = file_nbytes(len(vals[0]), padded=direct)
+                if not self._native:
+                    for k, v, c in zip(ks, vs, cs, strict=True):
+                        done.append(write_one(hooks, root, k, v, fingerprint, direct, scratch, c))
+                    return done
+                nbytes = file_nbytes(len(vs[0]), padded=direct)
                 spares = [self._spares.take(nbytes) for _ in part]
-                return write_batch(hooks, root, ks, vals, fingerprint, direct, scratch, cs, spares)
+                return write_batch(hooks, root, ks, vs, fingerprint, direct, scratch, cs, spares)
             except Exception as exc:  # statuses, not the error: other shares published theirs
                 return done + unwritten(hooks, [keys[i] for i in part[len(done) :]], exc)
 
