@@ -382,12 +382,9 @@ class Root:
         except OSError as exc:
             raise refused(exc, direct) from exc
 
-    def exists(self, parts: Sequence[str], name: str) -> bool:
-        """Whether ``parts/name`` is a regular file (symbolic links are not)."""
-        return self.size(parts, name) is not None
-
     def size(self, parts: Sequence[str], name: str) -> int | None:
-        """The size of regular file ``parts/name``; ``None`` when there is none."""
+        """The size of regular file ``parts/name``; ``None`` when there is none (symbolic
+        links are not)."""
         try:
             fd = self._open_file(parts, name, os.O_PATH)
         except (UnsafePath, NotADirectoryError):

@@ -202,14 +202,21 @@ def read_mapped(
     return _refuse(hooks, root, key, why, raw, nbytes, fingerprint)
 
 
-def regular_files(root: Root, keys: Sequence[str]) -> list[bool]:
-    """Whether each key's block file is there (a regular file), in one native call, stopping
-    at the first that is not.
+def regular_files(root: Root, keys: Sequence[str], native: bool = True) -> list[bool]:
+    """Whether each key's block file is there (a regular file), in one native call where
+    ``native``, else file by file, stopping at the first that is not.
 
     Raises:
         OSError: A block file could not be looked at (``EMFILE``, ``EACCES``, ``EIO``...):
             it may be there, so it is not answered missing.
     """
+    if not native:
+        found = [False] * len(keys)
+        for i, key in enumerate(keys):
+            if root.size(*block_location(key)) is None:
+                break
+            found[i] = True
+        return found
     fileio = _native.fileio
     assert fileio is not None
     sizes = fileio.file_sizes(root.fd, _native.block_paths(keys), True)

@@ -639,18 +639,7 @@ class FileStore(StorageBackend):
         Cancellation: stops waiting at once; the probe's thread runs on (changes nothing)."""
         root, _ = await self._ready()
         keys = [validate_key(k) for k in batch.keys]
-
-        def probe() -> list[bool]:
-            if self._native:
-                return regular_files(root, keys)
-            out = [False] * len(keys)
-            for i, key in enumerate(keys):
-                if not root.exists(*block_location(key)):
-                    break
-                out[i] = True
-            return out
-
-        return await self._thread("exists", probe)
+        return await self._thread("exists", regular_files, root, keys, self._native)
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove block files and their records.
