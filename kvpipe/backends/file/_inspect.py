@@ -352,32 +352,28 @@ def _inspect_file(
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        return f"unreadable: {exc.strerror}"
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and not still_block(fd, st):
-            raise FileNotFoundError(errno.ENOENT, "renamed since it was opened", path)
-        header, size = _header_of(fd, parts, name)
-        if verify:
-            h = xxhash.xxh3_64()
-            at, left = HEADER_NBYTES, header.payload_nbytes  # not a version-2 file's padding
-            while left and (chunk := os.pread(fd, min(left, 1 << 22), at)):
-                h.update(chunk)
-                at += len(chunk)
-                left -= len(chunk)
-            if h.intdigest() != header.checksum:
-                return "payload checksum mismatch"
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and not still_block(fd, st):
+                raise FileNotFoundError(errno.ENOENT, "renamed since it was opened", path)
+            header, size = _header_of(fd, parts, name)
+            if verify:
+                h = xxhash.xxh3_64()
+                at, left = HEADER_NBYTES, header.payload_nbytes  # not a version-2's padding
+                while left and (chunk := os.pread(fd, min(left, 1 << 22), at)):
+                    h.update(chunk)
+                    at += len(chunk)
+                    left -= len(chunk)
+                if h.intdigest() != header.checksum:
+                    return "payload checksum mismatch"
+        finally:
+            os.close(fd)
     except HeaderError as exc:
         return str(exc)
     except FileNotFoundError:
         raise
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
-    finally:
-        os.close(fd)
     report.blocks += 1
     report.payload_bytes += header.payload_nbytes
     report.disk_bytes += size
