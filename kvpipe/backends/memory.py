@@ -145,11 +145,14 @@ class MemoryStore(StorageBackend):
         """Lend or copy stored values into the batch's buffers (see :class:`StorageBackend`).
 
         Cancellation: buffers may be partly written (a copy in a worker thread runs on).
+
+        Raises:
+            RequestError: A key :func:`validate_key` refuses (before anything is read).
         """
         statuses: list[BlockStatus] = []
         found: dict[int, Bytes] = {}
         for i, key in enumerate(batch.keys):
-            value = self._data.get(key)
+            value = self._data.get(validate_key(key))
             if value is None:
                 statuses.append(BlockStatus.MISSING)
             elif len(value) != batch.value_nbytes:

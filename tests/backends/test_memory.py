@@ -264,3 +264,15 @@ async def test_a_residency_write_with_an_invalid_key_records_none() -> None:
         with pytest.raises(ValueError):
             await store.put_residency([good[0], bad, good[1]])
         assert await store.get_residency(keys) == [(), ()]
+
+
+async def test_a_get_with_an_invalid_key_is_refused_as_the_other_calls_are() -> None:
+    """``get_blocks`` answered ``MISSING`` for a key that ``exists``, ``delete`` and
+    ``get_residency`` (and the file and Mooncake stores' ``get_blocks``) refuse with
+    ``RequestError``: a caller's bad key passed for a miss on this store only."""
+    suite = BackendConformance()
+    store = kvpipe.MemoryStore()
+    async with suite._batches(store) as b:
+        with pytest.raises(kvpipe.RequestError, match="invalid block key"):
+            await b.get(store, ["../x"])
+        assert store.statistics()["gets"] == 0
