@@ -53,6 +53,15 @@ def read_slots(pool: StagingPool, slots: Sequence[int], size: int) -> list[bytea
     return out
 
 
+def _size(n: int) -> int:
+    """``n`` as an int (numpy's too), or 0 (refused as a size) for anything else: a bool, a
+    float (not cut to an int), a string, ``None``."""
+    try:
+        return 0 if isinstance(n, bool) else operator.index(n)
+    except TypeError:
+        return 0
+
+
 class ValueClient:
     """Put, get, probe and delete whole values on ``store`` under caller-named keys.
 
@@ -242,12 +251,13 @@ class ValueClient:
             Cancelled, as the store's ``get_blocks``; a copy already running in a worker
             thread finishes there, its staging leased.
         """
-        if len(keys) != len(nbytes) or any(int(n) < 1 for n in nbytes):
+        sizes = [_size(n) for n in nbytes]
+        if len(keys) != len(sizes) or any(n < 1 for n in sizes):
             raise RequestError("one positive size per key")
         for k in keys:
             validate_key(k)
         out = [(BlockStatus.FAILED, bytearray()) for _ in keys]
-        for size, picked in self._runs([int(n) for n in nbytes]):
+        for size, picked in self._runs(sizes):
             pool = await self._pool(size)
             lease = await pool.acquire(len(picked))
             try:

@@ -246,3 +246,22 @@ def test_a_numpy_integer_slots_is_taken_as_its_int() -> None:
     import numpy as np
 
     assert ValueClient(kvpipe.MemoryStore(), slots=np.int64(4)).slots == 4
+
+
+@pytest.mark.parametrize("size", [2.7, None, "3", True], ids=repr)
+async def test_a_size_that_is_no_int_is_a_request_error(size: Any) -> None:
+    """``get`` took each size as ``int(n)``: 2.7 was cut to 2 (a 3-byte value then read as
+    ``CORRUPT``, a 2-byte one returned for a 2.7-byte ask), "3" was read as 3, ``True`` as 1,
+    and ``None`` raised a bare ``TypeError`` instead of the documented ``RequestError``."""
+    async with kvpipe.MemoryStore() as store, ValueClient(store) as client:
+        await client.put(["k"], [b"xyz"])
+        with pytest.raises(kvpipe.RequestError, match="one positive size per key"):
+            await client.get(["k"], [size])
+
+
+async def test_a_numpy_integer_size_is_taken_as_its_int() -> None:
+    import numpy as np
+
+    async with kvpipe.MemoryStore() as store, ValueClient(store) as client:
+        await client.put(["k"], [b"xyz"])
+        assert await client.get(["k"], [np.int64(3)]) == [(BlockStatus.OK, bytearray(b"xyz"))]
