@@ -320,6 +320,20 @@ def _compare_piece(
 
 
 @final
+class _Registering:
+    """A buffer's vendor registration under way, and how many other callers, counted as
+    registering it too, wait for its outcome."""
+
+    __slots__ = ("done", "registered", "waiting")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        #: Registered, or counted so (its call abandoned after it started may complete).
+        self.registered = False
+        self.waiting = 0
+
+
+@final
 class MooncakeStore(StorageBackend):
     """Blocks in a Mooncake Store.
 
@@ -391,6 +405,8 @@ class MooncakeStore(StorageBackend):
             except ImportError:
                 _load_client()
         self._registered: Counter[tuple[int, int]] = Counter()
+        #: Regions whose vendor registration is under way (a second caller waits for it).
+        self._registering: dict[tuple[int, int], _Registering] = {}
         #: Regions :meth:`aclose` took to unregister and has not (yet) unregistered: failed,
         #: or still to do in its thread past the deadline. Their owners must keep them.
         self._left: set[tuple[int, int]] = set()
@@ -589,17 +605,31 @@ class MooncakeStore(StorageBackend):
 
     async def register_staging(self, buffer: memoryview) -> None:
         """Register memory values move from or into with the transfer engine, counted: once
-        with the vendor however many pipelines register it.
+        with the vendor however many pipelines register it. A call made while another
+        caller's vendor call for the same buffer runs waits for it: it returns once that
+        registered the buffer, and tries anew if it failed.
+
+        Raises:
+            BackendError: The vendor call failed (nothing is registered, nor counted).
 
         Cancellation: a vendor call already started is abandoned and may still complete, so
         the buffer counts as registered (:meth:`unregister_staging` or :meth:`aclose` undoes
-        it); one not started yet never starts, and nothing is registered.
+        it); one not started yet never starts, and nothing is registered. A call cancelled
+        while it waits for another caller's counts as registered unless that one fails.
         """
         client = await self._ready()
         region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
         self._registered[region] += 1  # counted before the call: it may outlive its caller
+        pending = self._registering.get(region)
+        if pending is not None:  # another caller's vendor call for it is still running
+            pending.waiting += 1
+            await pending.done.wait()  # cancelled: counted (uncounted if that call fails)
+            if not pending.registered:  # it failed, and uncounted this call: try anew
+                await self.register_staging(buffer)
+            return
         if self._registered[region] > 1:
             return
+        pending = self._registering[region] = _Registering()
         lock = threading.Lock()
         started = abandoned = False
 
@@ -613,19 +643,28 @@ class MooncakeStore(StorageBackend):
             return rc
 
         try:
-            rc = await self._call(register_buffer, *region)
-        except anyio.get_cancelled_exc_class():
-            with lock:
-                abandoned = True
-                if not started:
+            try:
+                rc = await self._call(register_buffer, *region)
+            except anyio.get_cancelled_exc_class():
+                with lock:
+                    abandoned = True
+                    pending.registered = started  # a call that started may still complete
+                    if not started:
+                        self._uncount(region)
+                raise
+            except BaseException:
+                self._uncount(region)
+                raise
+            if rc != 0:
+                self._uncount(region)
+                raise BackendError(self.name, "register_buffer", f"returned {rc}")
+            pending.registered = True
+        finally:
+            del self._registering[region]
+            if not pending.registered:  # nothing registered for the callers waiting either
+                for _ in range(pending.waiting):
                     self._uncount(region)
-            raise
-        except BaseException:
-            self._uncount(region)
-            raise
-        if rc != 0:
-            self._uncount(region)
-            raise BackendError(self.name, "register_buffer", f"returned {rc}")
+            pending.done.set()
 
     def _uncount(self, region: tuple[int, int]) -> None:
         self._registered[region] -= 1

@@ -155,6 +155,94 @@ async def test_a_registration_cancelled_before_its_call_started_is_not_counted(
         assert not client.started.is_set() and client.registered == set()
 
 
+class FailingSlowRegisterClient(SlowRegisterClient):
+    """register_buffer fails (registering nothing) once ``go`` is set."""
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self.started.set()
+        self.go.wait(10)
+        self.done.set()
+        return -1
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["first call fails", "first call works"])
+async def test_a_second_registration_of_a_buffer_waits_for_the_first_ones_outcome(
+    master: str, monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    """A second register_staging of a buffer whose first registration's vendor call was
+    still running returned success at once, as soon as it was counted: before the buffer
+    was registered, and even when that call then failed (the second owner then believed it
+    registered, its unregister failed, and its staging was kept allocated for good). It
+    waits for the first call and shares its outcome."""
+    client = FailingSlowRegisterClient() if fails else SlowRegisterClient()
+    monkeypatch.setattr(mc, "_load_client", lambda: client)
+    async with kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store:
+        staging = np.zeros(4096, np.uint8)
+        outcomes: dict[str, str] = {}
+
+        async def register(owner: str) -> None:
+            try:
+                await store.register_staging(staging.data)
+            except kvpipe.BackendError:
+                outcomes[owner] = "failed"
+            else:
+                outcomes[owner] = "registered"
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(register, "first")
+            await anyio.to_thread.run_sync(client.started.wait, 10)
+            tg.start_soon(register, "second")
+            try:
+                await checkpoints()
+                assert outcomes == {}, "answered before the vendor call ended"
+            finally:
+                client.go.set()
+        expected = "failed" if fails else "registered"
+        assert outcomes == {"first": expected, "second": expected}
+        if fails:
+            assert not store._registered and client.registered == set()
+        else:
+            await store.unregister_staging(staging.data)
+            assert client.registered == {staging.ctypes.data}  # the first owner's still
+            await store.unregister_staging(staging.data)
+            assert client.registered == set()
+
+
+async def test_a_registration_cancelled_while_it_waits_for_a_failing_one_is_not_counted(
+    master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second register_staging cancelled while the first one's vendor call runs counts as
+    registered, as a cancelled call does, unless that call fails: then nothing is
+    registered, and the owner's unregister at close must not fail (which keeps its staging
+    allocated for good)."""
+    client = FailingSlowRegisterClient()
+    monkeypatch.setattr(mc, "_load_client", lambda: client)
+    async with kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store:
+        staging = np.zeros(4096, np.uint8)
+
+        async def first() -> None:
+            with pytest.raises(kvpipe.BackendError, match="register_buffer"):
+                await store.register_staging(staging.data)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await anyio.to_thread.run_sync(client.started.wait, 10)
+            try:
+                with anyio.CancelScope() as second:
+
+                    async def cancel_it() -> None:
+                        await checkpoints()  # once it waits for the first one's call
+                        second.cancel()
+
+                    tg.start_soon(cancel_it)
+                    await store.register_staging(staging.data)
+                assert second.cancelled_caught
+            finally:
+                client.go.set()
+        assert not store._registered
+        await store.unregister_staging(staging.data)  # the second owner's, at its close
+
+
 class DuplicateGetClient(FakeClient):
     """Answers batch_get_into as the vendor does for a key asked twice in one call: one
     transfer per distinct key, into the last of its buffers, and every one reported filled."""
