@@ -264,13 +264,17 @@ class KVPipeAttentionStore:
         if _env_int("ENABLE_EP_DP_IN_FD", env.get("ENABLE_EP_DP_IN_FD", "1")):
             self.pod_name = f"{self.pod_name}_{splitwise_role}_{dp_id}"
         self.model_version = env.get("AS_MODEL_VERSION", model_version)
-        self.layer_num = int(layer_num)
-        self.block_token_size = int(block_token_size)
-        for name, value, low in (("shard_num", shard_num, 1), ("shard_id", shard_id, 0)):
+        for name, value, low in (
+            ("layer_num", layer_num, 1),
+            ("block_token_size", block_token_size, 1),  # a divisor: 0 raised in query
+            ("shard_num", shard_num, 1),
+            ("shard_id", shard_id, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise ConfigError(name, f"must be an int >= {low}, got {value!r}")
         if shard_id >= shard_num:
             raise ConfigError("shard_id", f"shard {shard_id} is not below shard_num {shard_num}")
+        self.layer_num, self.block_token_size = int(layer_num), int(block_token_size)
         self.shard_id, self.shard_num = int(shard_id), int(shard_num)
         self.splitwise_role = splitwise_role
         self.rope_dim = rope_dim

@@ -1305,3 +1305,33 @@ def test_numpy_shards_are_taken_as_their_ints() -> None:
     with _store(shard_id=np.int64(1), shard_num=np.uint32(2)) as store:
         assert (store.shard_id, store.shard_num) == (1, 2)
         assert type(store.shard_id) is int
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"block_token_size": 0}, "block_token_size"),
+        ({"block_token_size": -4}, "block_token_size"),
+        ({"block_token_size": 4.5}, "block_token_size"),
+        ({"block_token_size": True}, "block_token_size"),
+        ({"layer_num": 0}, "layer_num"),
+        ({"layer_num": 2.5}, "layer_num"),
+    ],
+)
+def test_a_layer_count_or_block_size_that_names_none_is_refused_at_construction(
+    kw: dict[str, object], field: str
+) -> None:
+    """int() took 2.5 layers as 2 and 4.5 tokens a block as 4 without a word, and a
+    block_token_size of 0 was kept: a decode instance's first query divided by it and raised
+    ZeroDivisionError into FastDeploy's thread, outside the handler that sends the task's
+    done signal. Each is a ConfigError naming the field when the adapter is made, as a bad
+    shard is; numpy integers are taken as their ints."""
+    args: dict[str, object] = {"layer_num": LAYERS, "block_token_size": BS, **kw}
+    with pytest.raises(kvpipe.ConfigError) as caught:
+        KVPipeAttentionStore(store=kvpipe.MemoryStore(), splitwise_role="decode", **args)
+    assert caught.value.field == field
+    with KVPipeAttentionStore(
+        layer_num=np.int64(LAYERS), block_token_size=np.uint16(BS), store=kvpipe.MemoryStore()
+    ) as store:
+        assert (store.layer_num, store.block_token_size) == (LAYERS, BS)
+        assert type(store.block_token_size) is int
