@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import numbers
 import os
 import re
@@ -217,9 +218,10 @@ class KVPipeAttentionStore:
     keyword-only: ``store`` (a :class:`kvpipe.StorageBackend`; default: ``KVPIPE_STORE``,
     else a file store under ``~/.cache/kvpipe/fastdeploy``), ``config`` (default
     ``PipelineConfig.from_env()``, so ``AS_WRITE_SLICE_*`` apply), ``pd_via_storage``
-    (default ``FD_PD_TRANSFER_VIA_STORAGE``), ``rope_dim`` (MLA), ``close_timeout``,
-    ``cache_sets`` (default 1: the server's caches; see below), and ``device_driver``
-    (tests only: :func:`kvpipe.open_pipeline`'s stand-in for the CUDA driver).
+    (default ``FD_PD_TRANSFER_VIA_STORAGE``), ``rope_dim`` (MLA), ``close_timeout`` (positive
+    seconds; default ``config.close_timeout``), ``cache_sets`` (default 1: the server's
+    caches; see below), and ``device_driver`` (tests only: :func:`kvpipe.open_pipeline`'s
+    stand-in for the CUDA driver).
 
     One pipeline is opened per distinct set of tensors, and kept for the ``cache_sets`` sets
     used most recently: a call with one more set closes the pipeline of the least recently
@@ -256,6 +258,16 @@ class KVPipeAttentionStore:
     ) -> None:
         if isinstance(cache_sets, bool) or not isinstance(cache_sets, int) or cache_sets < 1:
             raise ConfigError("cache_sets", f"must be an int >= 1, got {cache_sets!r}")
+        # as PipelineConfig.close_timeout; also how long a call given up waits for its copy
+        # to end (LoopThread.call's settle), which 0 or less would skip
+        if close_timeout is not None and (
+            isinstance(close_timeout, bool)
+            or not isinstance(close_timeout, numbers.Real)
+            or not 0 < close_timeout < math.inf
+        ):
+            raise ConfigError(
+                "close_timeout", f"must be a finite number > 0 (or None), got {close_timeout!r}"
+            )
         if unknown:
             log.debug("KVPipeAttentionStore: ignoring unknown keywords %s", sorted(unknown))
         env = os.environ
@@ -307,7 +319,9 @@ class KVPipeAttentionStore:
         self._pipes: OrderedDict[tuple[Any, ...], _Open] = OrderedDict()
         self._pipes_lock = threading.Lock()  # _pipes and the _Open entries
         self._open_lock = threading.Lock()  # held while a pipeline opens
-        self._loop = LoopThread("kvpipe-fastdeploy-as", close_timeout or self.config.close_timeout)
+        if close_timeout is None:
+            close_timeout = self.config.close_timeout
+        self._loop = LoopThread("kvpipe-fastdeploy-as", float(close_timeout))
         try:
             self._loop.enter(store)
         except BaseException:

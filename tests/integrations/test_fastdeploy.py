@@ -1335,3 +1335,18 @@ def test_a_layer_count_or_block_size_that_names_none_is_refused_at_construction(
     ) as store:
         assert (store.layer_num, store.block_token_size) == (LAYERS, BS)
         assert type(store.block_token_size) is int
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, float("nan"), float("inf"), "5", True])
+def test_a_close_timeout_that_is_no_positive_number_is_refused(bad: object) -> None:
+    """close_timeout=0 was taken as not given (``or``): the config's 10 s in its place,
+    silently. A negative one was kept: it is also how long a write or read given up at its
+    deadline waits for its copy into or out of the caches to end, and <= 0 skips that wait,
+    so FastDeploy reused blocks still being copied. As PipelineConfig.close_timeout: a
+    finite number > 0, else a ConfigError naming the field; None takes the config's."""
+    with pytest.raises(kvpipe.ConfigError) as caught:
+        _store(close_timeout=bad)
+    assert caught.value.field == "close_timeout"
+    with _store(close_timeout=2.5) as given, _store() as default:
+        assert given._loop.close_timeout == 2.5
+        assert default._loop.close_timeout == default.config.close_timeout
