@@ -104,6 +104,18 @@ def _env_int(name: str, raw: str) -> int:
         raise ConfigError(name, f"expected an integer, got {raw!r}") from None
 
 
+def _start_index(start: Any) -> int:
+    """A write's or read's start block index as an int: an int or a numpy integer, not a
+    bool, as ``query`` (:func:`kvpipe._validate.check_start_block`) takes it.
+
+    Raises:
+        RequestError: Anything else, or a negative index.
+    """
+    if isinstance(start, bool) or not isinstance(start, int | np.integer) or start < 0:
+        raise RequestError(f"start block index must be an int >= 0, got {start!r}")
+    return int(start)
+
+
 def infer_layout(
     key_cache: Sequence[Any],
     val_cache: Sequence[Any],
@@ -487,8 +499,6 @@ class KVPipeAttentionStore:
                     return _gave_up(
                         what, task_id, "open:timeout", "opening the pipeline took its timeout"
                     )
-            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise RequestError(f"start block index must be an int >= 0, got {start!r}")
             block_ids = [0] * start + list(gpu_block_ids)
             return self._call(what, task_id, timeout, fn, entry.pipe, block_ids, timeout)
         finally:
@@ -562,6 +572,7 @@ class KVPipeAttentionStore:
         (or ``KVPIPE_TOTAL_TIMEOUT``) is set: that takes its place, as in FastDeploy's
         ``AttentionStore.write``. Slices follow the config.
         """
+        start_write_block_idx = _start_index(start_write_block_idx)
 
         async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
             r = await pipe.write(
@@ -615,6 +626,7 @@ class KVPipeAttentionStore:
         index cover none: 0. Unless the calling thread's last ``query`` was of this
         ``task_id`` with tokens that ``token_ids`` begins (FastDeploy's order: the query has
         the request's tokens): the read then takes those, and loads every block matched."""
+        start_read_block_idx = _start_index(start_read_block_idx)
         token_ids = self._asked_tokens(task_id, token_ids)
         gpu_block_ids = self._covered(token_ids, gpu_block_ids, start_read_block_idx)
 
@@ -685,12 +697,11 @@ class KVPipeAttentionStore:
 
     def _covered(self, token_ids: list[int], block_ids: list[int], start: int) -> list[int]:
         """``block_ids`` without those past the full blocks of ``token_ids`` (read
-        from block ``start`` on); all of them on the all-or-nothing side, or when the
-        arguments are wrong (the call then says why)."""
-        if self.all_or_nothing_read or isinstance(start, bool) or not isinstance(start, int):
+        from block ``start`` on); all of them on the all-or-nothing side."""
+        if self.all_or_nothing_read:
             return block_ids
         usable = max(0, len(token_ids) // self.block_token_size - start)
-        if start < 0 or len(block_ids) <= usable:
+        if len(block_ids) <= usable:
             return block_ids
         log.log(
             logging.DEBUG if self._short_tokens_warned else logging.WARNING,

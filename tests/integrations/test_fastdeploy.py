@@ -1350,3 +1350,27 @@ def test_a_close_timeout_that_is_no_positive_number_is_refused(bad: object) -> N
     with _store(close_timeout=2.5) as given, _store() as default:
         assert given._loop.close_timeout == 2.5
         assert default._loop.close_timeout == default.config.close_timeout
+
+
+def test_numpy_start_indices_are_taken_by_write_and_read_as_by_query() -> None:
+    """query took a numpy integer start index (check_start_block) while write and read
+    raised RequestError for the same value: a read in FastDeploy's order (query, then read
+    with the same start) loaded nothing. All three take it as its int; the read's tokens
+    that end short of the blocks asked for are handled as for an int start."""
+    k, v = _gqa(True)
+    tokens = list(range(6 * BS))
+    with _store() as store:
+        assert store.write("w", k, v, tokens[: 2 * BS], [10, 11], np.int64(0)) == 2
+        assert store.write("w", k, v, tokens, [12, 13, 14, 15], np.int32(2)) == 4
+        start = np.int64(2)
+        matched = store.query("q", tokens, start)
+        assert matched == 4
+        dk, dv = _gqa(False)
+        dst = [20, 21, 22, 23]
+        assert store.read("q", dk, dv, tokens[: matched * BS], dst, start) == 4
+        assert _rows(dk + dv, dst) == _rows(k + v, [12, 13, 14, 15])
+        # without the query's tokens: those the read's own cover (blocks 2 and 3)
+        assert store.read("r", dk, dv, tokens[: matched * BS], dst, np.uint8(2)) == 2
+        for bad in (True, 1.0, -1):
+            with pytest.raises(kvpipe.RequestError):
+                store.read("r", dk, dv, tokens, dst, bad)
