@@ -516,16 +516,32 @@ class KVPipeStorage:
         timeout: float = 10.0,
     ) -> int:
         """How many **leading** blocks have every given part (key, value, the scales when
-        given) stored; 0 for empty, ``None`` or mismatched lists, or when the store fails."""
-        if not k_cache_keys or not v_cache_keys:
+        given) stored; 0 for empty, ``None`` or mismatched lists, or when the store fails.
+
+        Never raises for its arguments (a key that is no non-empty str, a timeout that is no
+        number): 0, logged at ERROR (repeats bounded). FastDeploy's read task calls it
+        outside the handler that sends its done signal, so a raise would leave the engine
+        waiting for that signal for good. (A call from inside a running event loop still
+        raises ``WrongEventLoop``.)
+        """
+        try:
+            if not k_cache_keys or not v_cache_keys:
+                return 0
+            parts = [k_cache_keys, v_cache_keys] + [p for p in (k_scale_keys, v_scale_keys) if p]
+            if any(len(p) != len(k_cache_keys) for p in parts):
+                return 0
+            # Block by block, every part of a block before the next block: the leading run
+            # of stored keys, one store call, gives the leading run of complete blocks.
+            flat = [_key(self._scope, k) for block in zip(*parts, strict=True) for k in block]
+            got = self._run("query", self._client.stored_run, flat, timeout=timeout)
+        except (TypeError, ValueError) as exc:  # _run raises only the caller's mistakes so
+            _repeats.log(
+                logging.ERROR,
+                f"query:{type(exc).__name__}",
+                "KVPipeStorage query: bad arguments, answering 0: %s",
+                exc,
+            )
             return 0
-        parts = [k_cache_keys, v_cache_keys] + [p for p in (k_scale_keys, v_scale_keys) if p]
-        if any(len(p) != len(k_cache_keys) for p in parts):
-            return 0
-        # Block by block, every part of a block before the next block: the leading run of
-        # stored keys, one store call, gives the leading run of complete blocks.
-        flat = [_key(self._scope, k) for block in zip(*parts, strict=True) for k in block]
-        got = self._run("query", self._client.stored_run, flat, timeout=timeout)
         if got is None:
             return 0
         return int(got) // len(parts)

@@ -267,3 +267,29 @@ def test_values_that_fail_their_checks_log_one_bounded_warning_naming_key_and_wh
     assert why[how] in line, line
     debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "their checks" in r.msg]
     assert len(debug) == n - 1
+
+
+@pytest.mark.parametrize(
+    ("k", "v", "timeout"),
+    [
+        (["k0", None], ["v0", "v1"], 10.0),  # a key that is no str
+        (["k0", ""], ["v0", "v1"], 10.0),  # an empty key
+        (["k0"], 7, 10.0),  # no list
+        (["k0"], ["v0"], "soon"),  # a timeout that is no number
+    ],
+)
+def test_query_answers_0_for_bad_arguments_never_raising(
+    k: object, v: object, timeout: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FastDeploy's read_storage_task calls query outside the handler that sends the
+    task's done signal (cache_transfer_manager.py): a query that raised (TypeError from a
+    key, ValueError from float(timeout)) left the engine waiting for that signal for good.
+    As KVPipeAttentionStore.query: 0, logged at ERROR; the others are answered as before."""
+    _keep, ptr = _buf(b"q" * 8)
+    with KVPipeStorage(store=kvpipe.MemoryStore()) as fs:
+        assert fs.batch_set(["k0", "v0"], [ptr, ptr], [8, 8]) == [0, 0]
+        with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+            assert fs.query(k, v, timeout=timeout) == 0  # type: ignore[arg-type]
+        assert fs.query(["k0"], ["v0"]) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "bad arguments" in errors[0], errors
