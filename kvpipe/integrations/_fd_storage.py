@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import math
 import numbers
 import operator
 import os
@@ -161,7 +162,8 @@ class KVPipeStorage:
             at another TP size: deployments at different TP sizes keep apart.
         store: A kvpipe store to use instead (it is closed with this object).
         timeout: Seconds a ``batch_set`` / ``batch_get`` / ``exists`` / ``clear`` call may
-            take (its caller waits at most this plus :data:`HOP_SLACK`).
+            take (its caller waits at most this plus :data:`HOP_SLACK`): a finite number > 0,
+            else ``ConfigError``.
         close_timeout: Seconds :meth:`close` may take.
         remember_keys: How many keys :meth:`clear` can remove: the most recently stored or
             seen ones (the oldest are forgotten first, with one WARNING; they stay in the
@@ -195,6 +197,12 @@ class KVPipeStorage:
             or remember_keys < 0
         ):
             raise ConfigError("remember_keys", f"must be an int >= 0, got {remember_keys!r}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < math.inf
+        ):
+            raise ConfigError("timeout", f"must be a finite number > 0, got {timeout!r}")
         if unknown:
             log.debug("KVPipeStorage: ignoring unknown keywords %s", sorted(unknown))
         if file_path is not _UNSET and (file_path is None or file_path == ""):
@@ -209,7 +217,7 @@ class KVPipeStorage:
         self.tp_size = int(tp_size or 1)  # FastDeploy may pass None (or 0): one rank
         #: scopes every key: a value stored at one TP size is never asked for at another
         self._scope = f"{self.namespace}\0tp{self.tp_size}"
-        self.timeout = timeout
+        self.timeout = float(timeout)
         self.file_path: str | None = None
         if store is None:
             if file_path is _UNSET:

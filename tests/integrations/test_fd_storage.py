@@ -293,3 +293,18 @@ def test_query_answers_0_for_bad_arguments_never_raising(
         assert fs.query(["k0"], ["v0"]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "bad arguments" in errors[0], errors
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "30", None, True])
+def test_a_timeout_that_is_no_positive_number_is_refused_at_construction(bad: object) -> None:
+    """timeout was kept as given: 0 or less (or NaN) made every batch_set / batch_get /
+    exists answer as a store that missed its deadline (-1, False, one WARNING each), and
+    "30" or None raised TypeError from every call: a wrong setting that showed only once
+    the server ran, most of it as a failing store. As PipelineConfig's timeouts, it is a
+    finite number > 0, else a ConfigError naming the field when the object is made."""
+    with pytest.raises(kvpipe.ConfigError) as caught:
+        KVPipeStorage(store=kvpipe.MemoryStore(), timeout=bad)  # type: ignore[arg-type]
+    assert caught.value.field == "timeout"
+    _keep, ptr = _buf(b"t" * 8)
+    with KVPipeStorage(store=kvpipe.MemoryStore(), timeout=5) as fs:
+        assert fs.batch_set(["k"], [ptr], [8]) == [0]

@@ -38,13 +38,13 @@ class NeverAnswers(kvpipe.MemoryStore):
 
 
 def test_storage_deadline_still_named_in_its_warning(caplog: pytest.LogCaptureFixture) -> None:
-    """KVPipeStorage's own deadline (here 0 s: it passes at the first wait, no sleeping)
-    is reported as such, with its seconds."""
-    with KVPipeStorage(store=NeverAnswers(), timeout=0.0) as fs, caplog.at_level(logging.WARNING):
+    """KVPipeStorage's own deadline (here 1 ms: a store that never answers) is reported
+    as such, with its seconds."""
+    with KVPipeStorage(store=NeverAnswers(), timeout=1e-3) as fs, caplog.at_level(logging.WARNING):
         assert fs.exists(["k"]) == {"k": False}
     (record,) = [r for r in caplog.records if "KVPipeStorage exists" in r.getMessage()]
     assert "TimeoutError" in record.getMessage()
-    assert "within 0.000 s" in record.getMessage()
+    assert "within 0.001 s" in record.getMessage()
 
 
 class _Held:
