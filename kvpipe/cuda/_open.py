@@ -60,7 +60,8 @@ def open_cuda_engine(
         DeviceError: A driver call or the compile failed (everything acquired is released),
             or the pointer table's upload was not seen completed (within
             ``options.drain_timeout``, or its event failed): what the upload may still use,
-            and the context, are kept; logged.
+            and the context, are kept; logged. Anything else raised while waiting for it
+            (an interrupt) is raised as it is, and keeps them too.
         ValueError: The staging does not fit ``budget``.
     """
     ordinal = parse_device(cache.device)
@@ -69,6 +70,7 @@ def open_cuda_engine(
     opts = options if options is not None else CudaOptions()
     drv = driver if driver is not None else CudaDriver()
     info = drv.open(ordinal)
+    upload = _Upload()
     try:
         # Current on this thread while opening, then whatever was current before: this is
         # a worker thread of the event loop library's, which other callers' work shares.
@@ -89,7 +91,7 @@ def open_cuda_engine(
                 capacity * stride, budget=budget, mapped=info.can_map_host_memory
             )
             undo.callback(ledger.pinned_free, staging)
-            table = _upload_table(drv, ledger, events, cache, opts.drain_timeout)
+            table = _upload_table(drv, ledger, events, cache, opts.drain_timeout, upload)
             undo.callback(ledger.mem_free, table)
             engine = CudaEngine(
                 driver=drv,
@@ -111,20 +113,25 @@ def open_cuda_engine(
                 ),
             )
             undo.pop_all()
-    except _UploadStuck:
-        raise  # a stuck upload's memory lives as long as the context: keep both
     except BaseException:
-        drv.close()
+        if not upload.stuck:  # a stuck upload's memory lives as long as the context: keep both
+            drv.close()
         raise
     return engine
 
 
-class _UploadStuck(DeviceError):
-    """The pointer table's upload did not complete in time; what it uses is kept."""
+class _Upload:
+    """Whether the pointer table's upload is stuck: queued, and not seen completed (what it
+    uses, and the context, are then kept)."""
+
+    __slots__ = ("stuck",)
+
+    def __init__(self) -> None:
+        self.stuck = False
 
 
 def _upload_table(
-    drv: Driver, ledger: Ledger, events: EventPool, cache: KVCache, timeout: float
+    drv: Driver, ledger: Ledger, events: EventPool, cache: KVCache, timeout: float, upload: _Upload
 ) -> int:
     """Copy the pointer table to the device and wait for it (once, at open), ``timeout``
     seconds at most.
@@ -132,9 +139,10 @@ def _upload_table(
     Raises:
         DeviceError: A driver call failed, or the upload had not completed after
             ``timeout`` seconds (a stream that never completes). Once the copy is queued, a
-            failure before it is seen completed (also of recording or querying its event)
-            leaves the memory, stream and event it may still use allocated (logged), never
-            freed under it.
+            failure before it is seen completed (of recording or querying its event, or
+            anything else raised meanwhile: an interrupt, ``MemoryError``) sets
+            ``upload.stuck`` and leaves the memory, stream and event it may still use
+            allocated (logged), never freed under it; it is raised as it is.
     """
     data = segment_table(cache.pointers, layout_segments(cache.layout))
     table = ledger.mem_alloc(len(data))
@@ -153,28 +161,26 @@ def _upload_table(
                 give_up = time.monotonic() + timeout
                 while not drv.event_query(event):
                     if time.monotonic() >= give_up:
-                        raise _UploadStuck(
+                        raise DeviceError(
                             "cuEventQuery",
                             "",
                             f"the pointer table's upload did not complete in {timeout:.3g} s "
                             "(drain_timeout)",
                         )
                     time.sleep(50e-6)
-            except DeviceError as exc:
+            except BaseException as exc:
                 # Queued, and not seen completed: the copy may still read and write these.
+                upload.stuck = True
                 done.pop_all()
                 log.error(
                     "the CUDA pointer table's upload was not seen completed (%s); leaving its "
                     "memory, stream and event allocated",
-                    str(exc),
+                    str(exc) or type(exc).__name__,
                 )
-                if isinstance(exc, _UploadStuck):
-                    raise
-                raise _UploadStuck(exc.call, exc.code, "the upload may still run") from exc
-    except _UploadStuck:
-        raise  # the table too may still be written
+                raise
     except BaseException:
-        ledger.mem_free(table)
+        if not upload.stuck:  # else the table too may still be written
+            ledger.mem_free(table)
         raise
     return table
 

@@ -223,6 +223,35 @@ async def test_an_upload_whose_completion_cannot_be_known_frees_nothing_it_uses(
     fake.run_until_idle()
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, MemoryError])
+def test_an_upload_interrupted_while_polling_frees_nothing_it_uses(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]
+) -> None:
+    """Something other than a driver error is raised while opening polls the queued pointer
+    table's upload (Ctrl-C in a caller opening from its main thread, a MemoryError): it
+    propagates as it is, and what the copy may still read or write (its pinned copy, the
+    table, its stream and event) and their context are kept, as for a driver error. (They
+    were freed, and the stream destroyed, under the queued copy.)"""
+    cache = fake_device_cache(fake, _layout(), 2)
+    query = fake.event_query
+
+    def interrupted(event: int) -> bool:
+        if not query(event):
+            raise error
+        return True
+
+    monkeypatch.setattr(fake, "event_query", interrupted)
+    with pytest.raises(error):
+        engine_opener(fake, cache, capacity=4, max_blocks=4)()
+    assert fake.violations == []  # nothing freed or destroyed under the queued copy
+    live = fake.live()
+    assert (live["pinned_allocations"], live["streams"], live["events"]) == (1, 1, 1)
+    assert live["modules"] == 0 and live["contexts"] == 1
+    assert live["device_allocations"] == 1 + len(cache.pointers)  # the table, the cache's
+    fake.make_current()
+    fake.run_until_idle()
+
+
 async def test_a_failed_launch_is_reported_and_the_engine_recovers(fake: FakeDriver) -> None:
     layout = _layout()
     cache = fake_device_cache(fake, layout, 6)
