@@ -124,9 +124,9 @@ class Ledger:
         return ptr
 
     def mem_free(self, ptr: int) -> None:
-        """Free device memory from :meth:`mem_alloc`."""
-        del self.device[ptr]
+        """Free device memory from :meth:`mem_alloc` (still counted if the driver fails)."""
         self.driver.mem_free(ptr)
+        del self.device[ptr]
 
     def pinned_alloc(self, nbytes: int, *, budget: int | None = None, mapped: bool) -> PinnedBuffer:
         """Pinned host memory of exactly ``nbytes``."""
@@ -135,9 +135,9 @@ class Ledger:
         return buf
 
     def pinned_free(self, buf: PinnedBuffer) -> None:
-        """Free pinned memory from :meth:`pinned_alloc`."""
-        del self.pinned[buf.host_ptr]
+        """Free pinned memory from :meth:`pinned_alloc` (still counted if the driver fails)."""
         buf.free()
+        del self.pinned[buf.host_ptr]
 
     @property
     def device_bytes(self) -> int:
