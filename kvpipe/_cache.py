@@ -72,10 +72,10 @@ def _rows_for(spec: RoleSpec, layer: int, t: Any, num_blocks: int) -> ByteRows:
     if isinstance(t, np.ndarray):
         return _numpy_rows(spec, layer, t, num_blocks)
     if type(t).__module__.startswith("paddle"):
-        if not t.place.is_cpu_place():
+        if not t.place.is_cpu_place():  # a GPU one makes a device cache: not here
             raise Unsupported(
-                f"{spec.name}[{layer}] is a Paddle tensor on {t.place}; device caches need the "
-                "CUDA device path, which is not available in this build"
+                f"{spec.name}[{layer}] is a Paddle tensor on {t.place}; kvpipe reaches CPU "
+                "and CUDA GPU tensors only"
             )
         return _data_ptr_rows(spec, layer, t, num_blocks)
     device = getattr(t, "device", None)

@@ -318,6 +318,40 @@ def test_from_tensors_data_ptr_object_on_device_unsupported() -> None:
         KVCache.from_tensors(layout, [_TorchLike(a, "bfloat16", "xpu") for a in arrays])
 
 
+class _XpuPlace:
+    def is_cpu_place(self) -> bool:
+        return False
+
+    def is_gpu_place(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return "Place(xpu:0)"
+
+
+class _PaddleLikeXpu(_TorchLike):
+    """Enough of a Paddle tensor on a place neither CPU nor GPU (XPU, a custom device)."""
+
+    __module__ = "paddle.base.fake"
+
+    def __init__(self, arr: np.ndarray[Any, Any], dtype: str) -> None:
+        super().__init__(arr, dtype)
+        self.dtype = f"paddle.{dtype}"
+        self.place = _XpuPlace()
+
+
+def test_from_tensors_paddle_on_another_device_is_unsupported_and_says_so() -> None:
+    # Paddle GPU tensors make a device cache (tests/cuda/test_device_cache.py); an XPU or
+    # custom-device tensor is out of reach in any build, which the message must not blame
+    # on a missing CUDA device path.
+    layout = CacheLayout.gqa(num_layers=1, num_kv_heads=2, head_dim=4, block_size=2)
+    arrays = _np_tensors(layout, 3)
+    with pytest.raises(kvpipe.Unsupported) as info:
+        KVCache.from_tensors(layout, [_PaddleLikeXpu(a, "bfloat16") for a in arrays])
+    assert "Place(xpu:0)" in str(info.value)
+    assert "CUDA device path" not in str(info.value)
+
+
 def test_from_tensors_data_ptr_object_wrong_dtype() -> None:
     layout = CacheLayout.gqa(num_layers=1, num_kv_heads=2, head_dim=4, block_size=2)
     arrays = _np_tensors(layout, 3)
