@@ -16,17 +16,58 @@ time only as an input (``now``). It alone knows a write's invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Generic, Literal, TypeVar, final
 
 from ._plan import SliceSpec
-from ._results import ReadResult, SliceOutcome, StopReason, WriteResult
+from ._results import ReadResult, SliceOutcome, SliceStatus, StopReason, WriteResult
+from .backends._base import BlockStatus
 
-__all__ = ("Ending", "RequestMachine", "WriteMachine")
+__all__ = ("Ending", "RequestMachine", "WriteMachine", "leading_ok", "put_outcome")
 
 #: Why a request ends from outside its own slices (the pipeline closing is :meth:`fail`).
 Ending = Literal["total_timeout", "cancelled", "actor_crashed"]
 
 _Result = TypeVar("_Result", WriteResult, ReadResult)
+
+
+def leading_ok(statuses: Sequence[BlockStatus]) -> int:
+    """How many leading statuses are :attr:`~BlockStatus.OK` (stop at the first other)."""
+    n = len(statuses)
+    if statuses.count(BlockStatus.OK) == n:  # the common case, in one C call
+        return n
+    return next(i for i, s in enumerate(statuses) if s is not BlockStatus.OK)
+
+
+def put_outcome(
+    spec: SliceSpec,
+    elapsed: float,
+    statuses: list[BlockStatus] | None,
+    error: str | None,
+    total: bool,
+) -> tuple[SliceOutcome, str | None, int]:
+    """A slice's outcome from its store call: the backend's ``statuses``, else the ``error``
+    it raised, else (neither) it ran out of time — the write's whole time when ``total``.
+
+    Returns:
+        The outcome, its detail, and how many blocks the store reported stored past the first
+        it did not store (they count for nothing).
+    """
+
+    def outcome(written: int, status: SliceStatus) -> SliceOutcome:
+        return SliceOutcome(spec.index, spec.first_block, spec.count, written, elapsed, status)
+
+    if error is not None:
+        return outcome(0, "backend_error"), error, 0
+    if statuses is None:
+        detail = f"slice {spec.index} ran out of time after {elapsed:.3f} s"
+        return outcome(0, "total_timeout" if total else "slice_timeout"), detail, 0
+    written = leading_ok(statuses)
+    if written == spec.count:
+        return outcome(written, "complete"), None, 0
+    strays = sum(s is BlockStatus.OK for s in statuses[written + 1 :])
+    detail = f"block {spec.first_block + written}: {statuses[written].value}"
+    return outcome(written, "incomplete"), detail, strays
 
 
 class RequestMachine(Generic[_Result]):

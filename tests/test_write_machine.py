@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from kvpipe._plan import plan_slices
 from kvpipe._results import SliceOutcome, SliceStatus
-from kvpipe._write_machine import Ending, WriteMachine
+from kvpipe._write_machine import Ending, WriteMachine, leading_ok, put_outcome
+from kvpipe.backends._base import BlockStatus
 
 _FAILURES: tuple[SliceStatus, ...] = ("slice_timeout", "total_timeout", "backend_error")
 
@@ -187,3 +188,47 @@ def test_a_slice_sent_out_of_turn_is_refused() -> None:
     m = _sent_slice_1()
     with pytest.raises(ValueError):
         m.sent(0, 3.0)
+
+
+_OK, _FAILED = BlockStatus.OK, BlockStatus.FAILED
+
+
+@given(st.lists(st.sampled_from(list(BlockStatus)), max_size=8))
+def test_leading_ok_counts_the_ok_statuses_before_the_first_other(
+    statuses: list[BlockStatus],
+) -> None:
+    n = leading_ok(statuses)
+    assert all(s is _OK for s in statuses[:n])
+    assert n == len(statuses) or statuses[n] is not _OK
+
+
+def test_a_put_answered_in_full_is_complete() -> None:
+    spec = plan_slices(4, 8, 4, 16, 128)[0]
+    assert put_outcome(spec, 0.5, [_OK] * 4, None, total=False) == (
+        SliceOutcome(0, 4, 4, 4, 0.5, "complete"),
+        None,
+        0,
+    )
+
+
+def test_a_put_short_of_a_block_counts_the_leading_run_and_the_strays_past_it() -> None:
+    spec = plan_slices(4, 8, 4, 16, 128)[0]
+    statuses = [_OK, BlockStatus.NO_SPACE, _OK, _OK]
+    done, detail, strays = put_outcome(spec, 0.5, statuses, None, total=False)
+    assert done == SliceOutcome(0, 4, 4, 1, 0.5, "incomplete")
+    assert (detail, strays) == ("block 5: no_space", 2)
+
+
+@pytest.mark.parametrize(("total", "status"), [(False, "slice_timeout"), (True, "total_timeout")])
+def test_a_put_without_an_answer_ran_out_of_time(total: bool, status: SliceStatus) -> None:
+    spec = plan_slices(0, 4, 4, 16, 64)[0]
+    done, detail, strays = put_outcome(spec, 1.25, None, None, total)
+    assert done == SliceOutcome(0, 0, 4, 0, 1.25, status)
+    assert (detail, strays) == ("slice 0 ran out of time after 1.250 s", 0)
+
+
+def test_a_put_that_raised_is_a_backend_error() -> None:
+    spec = plan_slices(0, 4, 4, 16, 64)[0]
+    done, detail, strays = put_outcome(spec, 0.5, None, "disk on fire", total=True)
+    assert done == SliceOutcome(0, 0, 4, 0, 0.5, "backend_error")
+    assert (detail, strays) == ("disk on fire", 0)

@@ -42,7 +42,6 @@ __all__ = (
     "SliceJob",
     "backend_call",
     "block_statuses",
-    "leading_ok",
     "task",
 )
 
@@ -309,14 +308,6 @@ async def task(fn: Callable[..., Awaitable[object]], *args: Any) -> None:
         traceback.clear_frames(exc.__traceback__)
         del fn, args
         raise
-
-
-def leading_ok(statuses: list[BlockStatus]) -> int:
-    """How many leading statuses are :attr:`~BlockStatus.OK` (stop at the first other)."""
-    n = len(statuses)
-    if statuses.count(BlockStatus.OK) == n:  # the common case, in one C call
-        return n
-    return next(i for i, s in enumerate(statuses) if s is not BlockStatus.OK)
 
 
 class Actor(abc.ABC, Generic[M]):

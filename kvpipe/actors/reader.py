@@ -24,15 +24,9 @@ from .._lograte import LogLimiter
 from .._plan import SliceSpec, copy_plan, leading_run
 from .._results import ReadStopReason
 from .._workers import INLINE_COPY_BYTES, NotStarted
+from .._write_machine import leading_ok
 from ..backends._base import BlockStatus, GetBatch
-from ._base import (
-    Actor,
-    SliceJob,
-    backend_call,
-    block_statuses,
-    leading_ok,
-    task,
-)
+from ._base import Actor, SliceJob, backend_call, block_statuses, task
 from ._rowsink import RowSink
 from ._state import ReadState, describe_error
 

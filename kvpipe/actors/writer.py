@@ -21,10 +21,11 @@ import anyio.abc
 
 from .._errors import BackendError
 from .._plan import SliceSpec
-from .._results import SliceOutcome, SliceStatus
+from .._results import SliceOutcome
 from .._workers import INLINE_COPY_BYTES
+from .._write_machine import put_outcome
 from ..backends._base import BlockStatus, PutBatch
-from ._base import Actor, block_statuses, leading_ok, task
+from ._base import Actor, block_statuses, task
 from ._channels import SliceJob
 from ._state import WriteState, describe_error
 
@@ -149,7 +150,7 @@ class Writer(Actor[WriteState | SliceJob]):
         error: str | None = None
         state.machine.sent(spec.index, started)
         try:
-            with state.bound(deadline, job, spec.first_block) as scope:
+            with state.bound(deadline, job, spec.first_block):
                 statuses = await block_statuses(ctx.backend, "put_blocks", batch, spec.count)
         except BackendError as exc:  # the store's own errors too, translated
             error = describe_error(exc)
@@ -165,29 +166,12 @@ class Writer(Actor[WriteState | SliceJob]):
         if state.done:
             return
         now = anyio.current_time()
-        elapsed = now - started
-        written = 0
-        detail: str | None = None
-        outcome: SliceStatus
-        if scope.cancelled_caught or (statuses is None and error is None):
-            outcome = "total_timeout" if deadline >= state.deadline else "slice_timeout"
-            detail = f"slice {spec.index} ran out of time after {elapsed:.3f} s"
-        elif error is not None:
-            outcome = "backend_error"
-            detail = error
-        else:
-            assert statuses is not None
-            written = leading_ok(statuses)
-            outcome = "complete" if written == spec.count else "incomplete"
-            if written < spec.count:
-                detail = f"block {spec.first_block + written}: {statuses[written].value}"
-        done = SliceOutcome(spec.index, spec.first_block, spec.count, written, elapsed, outcome)
+        total = deadline >= state.deadline
+        done, detail, strays = put_outcome(spec, now - started, statuses, error, total)
         self._count(state, spec, done, detail)
         state.slice_done(done, detail, now)
-        if statuses is not None and written < spec.count:
-            strays = sum(s is BlockStatus.OK for s in statuses[written + 1 :])
-            if strays:
-                ctx.metrics.counters["blocks_stored_past_a_failure"] += strays
+        if strays:
+            ctx.metrics.counters["blocks_stored_past_a_failure"] += strays
 
     def _count(
         self, state: WriteState, spec: SliceSpec, done: SliceOutcome, detail: str | None
