@@ -15,14 +15,107 @@ verified blocks counts. It alone knows a read's invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import final
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, final
 
-from ._plan import SliceSpec
+from ._plan import SliceSpec, leading_run
 from ._results import ReadResult, ReadStopReason
 from ._write_machine import Ending, RequestMachine
+from .backends._base import BlockStatus
 
-__all__ = ("ReadMachine",)
+__all__ = ("FetchedSlice", "ReadMachine", "ShortSlice", "fetch_failure")
+
+
+def fetch_failure(index: int, error: str | None, total: bool) -> tuple[ReadStopReason, str]:
+    """Why slice ``index``'s fetch brought nothing, and its detail: the ``error`` the store
+    raised, else (none) it ran out of time — the read's whole time when ``total``."""
+    if error is not None:
+        return "backend_error", error
+    return "total_timeout" if total else "slice_timeout", f"slice {index} ran out of time"
+
+
+class ShortSlice(NamedTuple):
+    """Where a fetched slice stops short, and why (:meth:`FetchedSlice.short`)."""
+
+    #: The first block not loaded: loading stops there.
+    block: int
+    #: Why, in words.
+    why: str
+    #: For the log limiter: ``verify``, or the block's status.
+    kind: str
+    #: The block was gone since the probe (evicted meanwhile): no failure, but as one the
+    #: probe found missing (``not_stored``).
+    gone: bool
+    #: The slice's blocks that failed, sorted.
+    failed: list[int]
+
+    @property
+    def detail(self) -> str:
+        """Where and why, for the result."""
+        return f"block {self.block}: {self.why}"
+
+
+@final
+class FetchedSlice:
+    """A fetched slice from block ``first``: the store's ``statuses`` (one per block), the
+    ``checks`` of its leading fetched blocks (``None``: sound), and what follows from them."""
+
+    __slots__ = ("checks", "confirmed", "failed_checks", "first", "statuses")
+
+    def __init__(self, first: int, statuses: list[BlockStatus], checks: list[str | None]) -> None:
+        self.first = first
+        self.statuses = statuses
+        self.checks = checks
+        #: Every block that failed a check, also one that passes when fetched again (damaged
+        #: on its way from the store): what ``blocks_failed_verify`` counts, once per block.
+        self.failed_checks = {i for i, c in enumerate(checks) if c is not None}
+        #: Blocks that failed their check twice: to delete from the store.
+        self.confirmed: set[int] = set()
+
+    @property
+    def fetched(self) -> int:
+        """Leading blocks fetched (and checked)."""
+        return len(self.checks)
+
+    @property
+    def valid(self) -> int:
+        """Leading blocks fetched and sound."""
+        return leading_run(c is None for c in self.checks)
+
+    def refetch_from(self) -> int | None:
+        """The first block fetched that failed its check: it and the rest of those fetched
+        are fetched once more (``None``: none failed)."""
+        bad = self.valid
+        return bad if bad < self.fetched else None
+
+    def refetched(self, lo: int, again: list[BlockStatus], checks: list[str | None]) -> None:
+        """Blocks from ``lo`` were fetched again (``again``), their leading ones checked."""
+        failed_again = {lo + i for i, c in enumerate(checks) if c is not None}
+        self.confirmed = {i for i in failed_again if self.checks[i] is not None}
+        self.failed_checks |= failed_again
+        self.statuses[lo : self.fetched] = again
+        self.checks = self.checks[:lo] + checks
+
+    def corrupt(self, keys: Sequence[str]) -> list[tuple[int, str]]:
+        """The blocks (index, key) that failed their check twice, of the slice's ``keys``."""
+        return [(self.first + i, keys[i]) for i in sorted(self.confirmed)]
+
+    def short(self) -> ShortSlice | None:
+        """Where loading stops in the slice (``None``: every block is sound)."""
+        valid, fetched, statuses = self.valid, self.fetched, self.statuses
+        if valid == len(statuses):
+            return None
+        failed = {i for i, s in enumerate(statuses) if s is not BlockStatus.OK}
+        failed.update(i for i, c in enumerate(self.checks) if c is not None)
+        if valid < fetched:
+            why = self.checks[valid]
+            assert why is not None
+            kind, gone = "verify", False
+        else:
+            why = kind = statuses[valid].value
+            gone = statuses[valid] is BlockStatus.MISSING
+        first = self.first
+        return ShortSlice(first + valid, why, kind, gone, sorted(first + i for i in failed))
 
 
 @final

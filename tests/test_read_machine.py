@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpipe._plan import plan_slices
-from kvpipe._read_machine import ReadMachine
+from kvpipe._read_machine import FetchedSlice, ReadMachine, ShortSlice, fetch_failure
 from kvpipe._results import ReadStopReason
+from kvpipe.backends._base import BlockStatus
 
 _STOPS: tuple[ReadStopReason, ...] = ("failed_block", "slice_timeout", "total_timeout")
 
@@ -229,3 +230,54 @@ def test_misuse_is_refused() -> None:
         m.scatter_end(now=1.0)
     with pytest.raises(ValueError):
         m.resolve(0, 5, now=1.0)
+
+
+_OK, _MISSING, _FAILED = BlockStatus.OK, BlockStatus.MISSING, BlockStatus.FAILED
+
+
+def test_a_fetch_without_an_answer_is_the_stores_error_or_out_of_time() -> None:
+    assert fetch_failure(3, "disk on fire", total=True) == ("backend_error", "disk on fire")
+    assert fetch_failure(3, None, total=False) == ("slice_timeout", "slice 3 ran out of time")
+    assert fetch_failure(3, None, total=True) == ("total_timeout", "slice 3 ran out of time")
+
+
+def test_a_sound_slice_stops_nowhere() -> None:
+    fetch = FetchedSlice(8, [_OK] * 3, [None] * 3)
+    assert fetch.refetch_from() is None and fetch.short() is None and fetch.valid == 3
+    assert fetch.corrupt(["a", "b", "c"]) == [] and not fetch.failed_checks
+
+
+@pytest.mark.parametrize(
+    ("status", "gone"), [(_MISSING, True), (_FAILED, False), (BlockStatus.CORRUPT, False)]
+)
+def test_a_block_the_store_did_not_fetch_stops_the_slice(status: BlockStatus, gone: bool) -> None:
+    fetch = FetchedSlice(8, [_OK, status, _OK, _FAILED], [None])
+    assert fetch.refetch_from() is None
+    short = fetch.short()
+    assert short == ShortSlice(9, status.value, status.value, gone, [9, 11])
+    assert short.detail == f"block 9: {status.value}"
+
+
+def test_a_block_that_fails_its_check_is_fetched_again_from_there() -> None:
+    fetch = FetchedSlice(8, [_OK] * 3 + [_MISSING], [None, "bad trailer", None])
+    assert fetch.refetch_from() == 1 and fetch.failed_checks == {1}
+    assert fetch.short() == ShortSlice(9, "bad trailer", "verify", False, [9, 11])
+
+
+def test_a_block_damaged_in_transit_passes_when_fetched_again() -> None:
+    fetch = FetchedSlice(8, [_OK] * 3 + [_MISSING], [None, "bad trailer", None])
+    fetch.refetched(1, [_OK, _OK], [None, None])
+    assert fetch.valid == 3 and fetch.corrupt(["a", "b", "c", "d"]) == []
+    assert fetch.failed_checks == {1}  # counted all the same
+    assert fetch.short() == ShortSlice(11, "missing", "missing", True, [11])
+
+
+def test_a_block_that_fails_its_check_twice_is_corrupt() -> None:
+    fetch = FetchedSlice(8, [_OK] * 4, [None, "bad key", None, "bad sum"])
+    assert fetch.refetch_from() == 1
+    # block 1 fails both checks; block 2 fails to come back, so block 3 is not checked again
+    fetch.refetched(1, [_OK, _FAILED, _OK], ["bad key"])
+    assert fetch.statuses == [_OK, _OK, _FAILED, _OK] and fetch.fetched == 2
+    assert fetch.corrupt(["a", "b", "c", "d"]) == [(9, "b")]
+    assert fetch.failed_checks == {1, 3}
+    assert fetch.short() == ShortSlice(9, "bad key", "verify", False, [9, 10])

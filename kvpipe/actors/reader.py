@@ -22,7 +22,7 @@ from .._errors import BackendError
 from .._hostcopy import check_and_scatter, gather
 from .._lograte import LogLimiter
 from .._plan import SliceSpec, copy_plan, leading_run
-from .._results import ReadStopReason
+from .._read_machine import FetchedSlice, fetch_failure
 from .._workers import INLINE_COPY_BYTES, NotStarted
 from .._write_machine import leading_ok
 from ..backends._base import BlockStatus, GetBatch
@@ -144,49 +144,29 @@ class Reader(Actor[ReadState | SliceJob]):
                 state.scatter_end()
         if got is None:
             return []
-        statuses, checks, scattered, elapsed, elsewhere = got
-        fetched = len(checks)
-        confirmed: set[int] = set()
-        # Every block that failed a check, also one that passes when fetched again (damaged
-        # on its way from the store): what blocks_failed_verify counts, once per block.
-        failed_checks = {i for i, c in enumerate(checks) if c is not None}
-        bad = leading_run(c is None for c in checks)
-        if bad < fetched:
-            # A block fetched fine failed verification: fetch it (and the rest) once more.
-            again = await self._refetch(job, bad, fetched, deadline)
-            checks2 = None if again is None else await self._check_again(job, bad, again)
-            if again is not None and checks2 is not None:
-                confirmed = {
-                    bad + i
-                    for i, c in enumerate(checks2)
-                    if c is not None and checks[bad + i] is not None
-                }
-                failed_checks.update(bad + i for i, c in enumerate(checks2) if c is not None)
-                statuses[bad:fetched] = again
-                checks = checks[:bad] + checks2
-                fetched = bad + len(checks2)
+        fetch, scattered, elapsed, elsewhere = got
+        lo = fetch.refetch_from()
+        if lo is not None:  # a block fetched fine failed verification: fetch it (and the rest)
+            again = await self._refetch(job, lo, fetch.fetched, deadline)
+            checks = None if again is None else await self._check_again(job, lo, again)
+            if again is not None and checks is not None:
+                fetch.refetched(lo, again, checks)
                 ctx.metrics.counters["blocks_refetched"] += len(again)
-        valid = leading_run(c is None for c in checks)
-        corrupt = [(first + i, batch.keys[i]) for i in sorted(confirmed)]
-        if valid < spec.count:
-            failed = [first + i for i, s in enumerate(statuses) if s is not BlockStatus.OK]
-            failed += [first + i for i, c in enumerate(checks) if c is not None]
-            why = checks[valid] if valid < fetched else statuses[valid].value
-            detail = f"block {first + valid}: {why}"
-            # A block gone since the probe (evicted meanwhile) is no failure: as one the
-            # probe found missing (``not_stored``), DEBUG.
-            gone = valid >= fetched and statuses[valid] is BlockStatus.MISSING
+        valid = fetch.valid
+        corrupt = fetch.corrupt(batch.keys)
+        short = fetch.short()
+        if short is not None:
             _repeats.log(
-                logging.DEBUG if gone else logging.WARNING,
-                f"failed_block:{'verify' if valid < fetched else statuses[valid].value}",
+                logging.DEBUG if short.gone else logging.WARNING,
+                f"failed_block:{short.kind}",
                 "read %s: block %d failed (%s); loading stops there",
                 state.request_id,
-                first + valid,
-                why,
+                short.block,
+                short.why,
             )
-            state.stop_at(first + valid, "failed_block", sorted(set(failed)), detail)
-        if failed_checks:
-            ctx.metrics.counters["blocks_failed_verify"] += len(failed_checks)
+            state.stop_at(short.block, "failed_block", short.failed, short.detail)
+        if fetch.failed_checks:
+            ctx.metrics.counters["blocks_failed_verify"] += len(fetch.failed_checks)
         outcome = "complete" if valid == spec.count else "incomplete"
         ctx.metrics.slices[f"read_{outcome}"] += 1
         ctx.observe("read_slice", elapsed, outcome)
@@ -242,13 +222,13 @@ class Reader(Actor[ReadState | SliceJob]):
 
     async def _get_and_place(
         self, job: SliceJob, batch: GetBatch, deadline: float, claimed: bool
-    ) -> tuple[list[BlockStatus], list[str | None], int, float, bool] | None:
+    ) -> tuple[FetchedSlice, int, float, bool] | None:
         """Fetch a slice and check its leading fetched blocks; for a host cache also put the
         leading sound ones in the cache, under the read's claim on it: held by the caller
         from before the fetch (``claimed``: for the store's sink), else taken here once the
         fetch has returned.
-        Returns ``(statuses, checks of the leading fetched blocks, blocks now in the cache,
-        seconds, whether staging lacks some fetched values)``, or ``None`` when the slice is
+        Returns ``(what was fetched and how it checked, blocks now in the cache, seconds,
+        whether staging lacks some fetched values)``, or ``None`` when the slice is
         settled already (the read stopped before it, or the fetch failed)."""
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, ReadState)
@@ -280,12 +260,7 @@ class Reader(Actor[ReadState | SliceJob]):
             state.resolve(spec.index, 0)
             return None
         if statuses is None:
-            reason: ReadStopReason
-            if error is not None:
-                reason, detail = "backend_error", error
-            else:
-                reason = "total_timeout" if deadline >= state.deadline else "slice_timeout"
-                detail = f"slice {spec.index} ran out of time"
+            reason, detail = fetch_failure(spec.index, error, deadline >= state.deadline)
             ctx.metrics.slices[f"read_{reason}"] += 1
             ctx.observe("read_slice", elapsed, reason)
             self._debug(job, reason, 0, elapsed, detail)
@@ -319,7 +294,8 @@ class Reader(Actor[ReadState | SliceJob]):
         finally:
             if late and claimed:
                 state.scatter_end()
-        return statuses, checks, scattered, elapsed, sink is not None and sink.elsewhere
+        fetch = FetchedSlice(first, statuses, checks)
+        return fetch, scattered, elapsed, sink is not None and sink.elsewhere
 
     @staticmethod
     def _debug(job: SliceJob, outcome: str, valid: int, elapsed: float, detail: str | None) -> None:
