@@ -317,12 +317,11 @@ class WriteState(SlicedState):
         """The result, once settled."""
         return self.machine.result
 
-    async def wait_turn(self, index: int) -> bool:
-        """Wait until slice ``index`` may go to the store; ``False`` if the write ended."""
+    async def wait_turn(self, index: int) -> None:
+        """Wait until slice ``index`` may go to the store, or the write has ended."""
         m = self.machine
         while not m.ended and m.turn != index:
             await self._turns.setdefault(index, anyio.Event()).wait()
-        return not m.ended
 
     def planned(self, skipped: int, slices: tuple[SliceSpec, ...]) -> None:
         """The probe found ``skipped`` leading blocks stored; the rest go as ``slices``."""

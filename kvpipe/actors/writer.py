@@ -130,14 +130,13 @@ class Writer(Actor[WriteState | SliceJob]):
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, WriteState)
         if not state.machine.is_turn(spec.index):
-            with anyio.move_on_at(state.deadline) as waited:
-                if not await state.wait_turn(spec.index):
-                    return
-            if waited.cancelled_caught:
+            with anyio.move_on_at(state.deadline):
+                await state.wait_turn(spec.index)
+            if not state.machine.is_turn(spec.index):
+                # The write ended, or the deadline passed while an earlier slice was in
+                # flight: that slice reports it. (A turn that came as the deadline passed
+                # is this slice's to end, below.)
                 return
-        if state.done:
-            # The deadline passed while an earlier slice was in flight; that slice reports it.
-            return
         started = anyio.current_time()
         if started >= state.deadline:
             state.end("total_timeout", "deadline passed before the slice was sent")

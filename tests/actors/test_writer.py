@@ -4,6 +4,8 @@ gathered and put slice by slice)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import xxhash
 
 import kvpipe
 from kvpipe._keys import as_tokens, key_digest
+from kvpipe._results import SliceOutcome
 from kvpipe.actors import SliceJob, Writer
 from kvpipe.actors import writer as writer_module
 from kvpipe.actors._base import keeps_own_memory
@@ -294,3 +297,33 @@ async def test_a_small_last_slice_is_not_gathered_once_the_put_before_it_fell_sh
         assert len(store.calls_of("put")) == 1
         assert h.ctx.metrics.counters["bytes_gathered"] == 2 * payload
         assert h.ctx.pool.in_use == 0
+
+
+async def test_a_slice_whose_turn_comes_as_the_deadline_passes_ends_the_write() -> None:
+    """The slice before it is done in the very step the write's deadline passes (asyncio
+    then cancels the wait for the turn that has just ended): the slice, not sent, ends the
+    write itself, as one whose turn came just before the deadline does."""
+    store = ScriptedStore()
+    async with harness(store, slice_blocks=4) as h:
+        state = h.write_state(TOKENS, np.arange(12), timeout=0.05)
+        first, second, third = await _gathered_jobs(h, state)
+
+        def slice_0_done() -> None:
+            state.machine.sent(0, state.started)
+            spec = first.spec
+            state.slice_done(
+                SliceOutcome(0, spec.first_block, spec.count, spec.count, 0.0, "complete")
+            )
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(Writer(h.ctx, h.inboxes["writer"]).handle, second)
+                await anyio.wait_all_tasks_blocked()  # waiting for its turn, till the deadline
+                asyncio.get_running_loop().call_at(state.deadline, slice_0_done)
+        finally:
+            first.release()
+            third.release()
+        assert store.calls_of("put") == []
+        r = state.result
+        assert r is not None and (r.written, r.stop_reason) == (4, "total_timeout")
+        assert r.error == "deadline passed before the slice was sent"
