@@ -125,10 +125,13 @@ class CudaEngine(CopyEngine):
         self._scratch = ScratchPool(
             ledger, events, max_blocks, self._chunk_blocks * self._stride, options.max_calls
         )
-        self._calls = 0
+        self._calls = 0  #: calls in flight: waiting to start, or with work queued
+        self._queued = 0  #: calls in flight that queued work on the device
         self._idle = anyio.Event()
         self._idle.set()
         self._closed = False
+        #: Close has decided whether copies still run: no call starts any more.
+        self._sealed = False
         #: Past this (event-loop clock) no wait of this engine goes on: see close_by.
         self._abandon_at: float | None = None
         #: The scopes of calls waiting to start (for the producer, for scratch): close_by
@@ -226,6 +229,9 @@ class CudaEngine(CopyEngine):
                 at close): it is left allocated, and logged.
             deadline: When closing must be over (event-loop clock; default ``drain_timeout``
                 from now): copies still waiting then are abandoned (see :meth:`close_by`).
+                One still waiting to start has queued nothing: it does not keep the memory
+                from being freed, and never starts (:class:`DeviceError`), whichever of it
+                and close the event loop wakes first at the deadline.
 
         Cancellation: shielded, from asyncio's own (``Task.cancel``) too, which is raised
         once closed; bounded by ``deadline``. Memory the device may still use then is leaked
@@ -246,8 +252,12 @@ class CudaEngine(CopyEngine):
         """:meth:`aclose`'s work, each wait through ``deferred`` (asyncio's own cancel)."""
         await shielded(self._idle.wait, deadline, deferred)
         # Whether any still runs, not whether the wait was cut: a close whose deadline
-        # has passed (the pipeline's requests took it all) finds an idle engine too.
-        if self._calls:
+        # has passed (the pipeline's requests took it all) finds an idle engine too. A call
+        # still waiting to start (its wait ends at the same deadline, woken before or after
+        # this) has queued nothing: it is not running, and from here it never starts.
+        self._sealed = True
+        self._scratch.stop()
+        if self._queued:
             log.error("CUDA copies still running at the close deadline; leaking the memory")
             return
         drained = False
@@ -343,7 +353,8 @@ class CudaEngine(CopyEngine):
                             # work, however late it ends, and its caller with it (shielded):
                             # first let that work complete, by start_by, with nothing
                             # queued yet.
-                            await self._wait(after.event)
+                            await self._wait(after.event, starting=True)
+                        # None once close decided (self._sealed).
                         scratch = await self._scratch.acquire()
                 finally:
                     self._starting.discard(scope)
@@ -360,8 +371,13 @@ class CudaEngine(CopyEngine):
                 if after is not None:
                     after.release()
                 raise
-            with anyio.CancelScope(shield=True):
-                await self._execute(direction, plan, lease, scratch, after)
+            # No await since the scratch was taken: close has not decided yet.
+            self._queued += 1
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._execute(direction, plan, lease, scratch, after)
+            finally:
+                self._queued -= 1
         finally:
             self._calls -= 1
             if self._calls == 0:
@@ -443,18 +459,29 @@ class CudaEngine(CopyEngine):
             self._functions[kernel], shape.grid, shape.block, stream, pack_args(args)
         )
 
-    async def _wait(self, event: int) -> None:
+    async def _wait(self, event: int, *, starting: bool = False) -> None:
         """Poll until ``event`` has completed: yielding, then backing off (never sleeping
         past the close deadline, if one is set).
+
+        Args:
+            starting: The wait of a call not started yet: it polls nothing once close
+                decided (close may have freed the event and the context).
 
         Raises:
             DeviceError: The close deadline passed first (see :meth:`close_by`); a wait
                 begun after it still spins first, so that an idle stream's event (which
-                the device completes within microseconds) is seen completed.
+                the device completes within microseconds) is seen completed. Or, a
+                ``starting`` wait: close decided.
         """
         start = time.monotonic()
         delay = POLL_MIN
-        while not self._done(event):
+        while True:
+            if starting and self._sealed:
+                raise DeviceError(
+                    "cuEventQuery", "", "abandoned at the close deadline before it started"
+                )
+            if self._done(event):
+                return
             if time.monotonic() - start < SPIN_SECONDS:
                 await anyio.lowlevel.checkpoint()
                 continue

@@ -256,6 +256,7 @@ class ScratchPool:
         self._sem = anyio.Semaphore(limit)
         self._free: list[Scratch] = []
         self._all: list[Scratch] = []
+        self._stopped = False
         self.in_use = 0
 
     @property
@@ -263,8 +264,9 @@ class ScratchPool:
         """Scratch sets created and not freed."""
         return len(self._all)
 
-    async def acquire(self) -> Scratch:
-        """A scratch set for one call, waiting while ``limit`` are in use.
+    async def acquire(self) -> Scratch | None:
+        """A scratch set for one call, waiting while ``limit`` are in use; ``None`` once
+        :meth:`stop` was called (before or during the wait).
 
         Cancellation: a cancelled wait takes nothing.
 
@@ -272,6 +274,9 @@ class ScratchPool:
             DeviceError: Creating a new set failed.
         """
         await self._sem.acquire()
+        if self._stopped:
+            self._sem.release()
+            return None
         try:
             scratch = self._free.pop() if self._free else self._create()
         except BaseException:
@@ -311,6 +316,11 @@ class ScratchPool:
         handed out again, and freed only at close after the streams drained."""
         self.in_use -= 1
         self._sem.release()
+
+    def stop(self) -> None:
+        """Hand out no set any more (the engine is closing): :meth:`acquire` returns ``None``,
+        and creates nothing, also in a call that was already waiting."""
+        self._stopped = True
 
     def close(self) -> None:
         """Free every set (call only when no work can be using them)."""

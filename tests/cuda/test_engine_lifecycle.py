@@ -682,6 +682,103 @@ class TestVirtualTime:
         after = device_rows(fake, cache)
         assert all((new[3] == old[3]).all() for old, new in zip(before, after, strict=True))
 
+    @pytest.mark.parametrize(
+        ("parked", "first"),
+        [("producer", "close"), ("producer", "call"), ("scratch", "close")],
+    )
+    async def test_a_copy_waiting_to_start_at_the_close_deadline_does_not_make_close_leak(
+        self,
+        fake: FakeDriver,
+        producer: int,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+        parked: str,
+        first: str,
+    ) -> None:
+        """A copy still waiting to start (for the producer's mark, or for scratch) when the
+        close deadline passes has queued nothing; close and the copy wake at that deadline,
+        in the order the event loop picks. Here the order is set: the copy's wait is held
+        (shielded, as if the loop woke it later) until close decided, or until it ended
+        before close decides. Either way close frees everything, and the copy fails
+        (DeviceError) without a driver call after close decided. (If close ran first, it
+        counted the waiting copy as running, logged "still running", and leaked the staging,
+        scratch, table, streams and context of an idle engine; the copy, woken afterwards,
+        polled the producer's event or took a scratch set and queued its copy after close.)
+        """
+        from kvpipe.cuda import _engine
+
+        cache = fake_device_cache(fake, _layout(), 4)
+        segs = layout_segments(cache.layout)
+        eng, pool = await open_engine(fake, cache)
+        model = Gate()
+        fake.host_op(producer, lambda: None, gate=model, label="hung model kernel")
+        mark = eng.mark(producer)
+        lease = await pool.acquire(1)
+        waiting, woken, ended = anyio.Event(), anyio.Event(), anyio.Event()
+
+        async def held(wait: Any, *args: Any, **kwargs: Any) -> Any:
+            waiting.set()
+            with anyio.CancelScope(shield=True):  # neither the deadline nor close cuts it
+                await woken.wait()
+                return await wait(*args, **kwargs)  # as if its wait had just ended
+
+        real_wait, real_acquire = eng._wait, eng._scratch.acquire
+        if parked == "producer":
+
+            async def wait(event: int, **kwargs: Any) -> None:
+                if event != mark.event:
+                    return await real_wait(event, **kwargs)
+                return await held(real_wait, event, **kwargs)  # type: ignore[no-any-return]
+
+            monkeypatch.setattr(eng, "_wait", wait)
+        else:
+            monkeypatch.setattr(eng._scratch, "acquire", functools.partial(held, real_acquire))
+        if first == "call":  # the copy ends before close decides
+            real_shielded = _engine.shielded
+
+            async def shielded(*args: Any, **kwargs: Any) -> bool:
+                done = await real_shielded(*args, **kwargs)
+                if not woken.is_set():  # close's wait for idle ended: let the copy end first
+                    woken.set()
+                    await ended.wait()
+                return done
+
+            monkeypatch.setattr(_engine, "shielded", shielded)
+        start = anyio.current_time()
+        errors: list[BaseException] = []
+
+        async def scatter() -> None:
+            plan = copy_plan(segs, [3], lease.slots)
+            try:
+                if parked == "producer":
+                    await eng.scatter(plan, lease, after=mark, start_by=start + 100)
+                else:
+                    await eng.scatter(plan, lease, after=mark)
+            except kvpipe.DeviceError as exc:
+                errors.append(exc)
+            finally:
+                ended.set()
+
+        launches = len(fake.launches)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(scatter)
+            await waiting.wait()
+            await eng.aclose(deadline=start + 1)
+            assert anyio.current_time() == pytest.approx(start + 1, abs=1e-3)
+            assert "still running" not in caplog.text
+            calls = len(fake.calls)
+            woken.set()
+        assert fake.calls[calls:] == []  # nothing after close, its free included
+        assert len(errors) == 1
+        assert len(fake.launches) == launches
+        model.open()
+        mark.release()
+        lease.release()
+        free_device_cache(fake, cache)
+        live = fake.live()
+        assert (live["pinned_allocations"], live["device_allocations"]) == (0, 0), live
+        assert (live["streams"], live["modules"], live["contexts"]) == (1, 0, 1), live
+
     async def test_close_ends_at_its_deadline_whatever_poll_max(self, fake: FakeDriver) -> None:
         """A stream that never drains: close gives up at its deadline exactly, not at the
         end of a back-off sleep of up to ``poll_max`` begun before it (it used to: with
