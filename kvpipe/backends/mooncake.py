@@ -16,7 +16,7 @@ import math
 import os
 import threading
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, TypeVar, final
 
 import anyio
@@ -125,6 +125,11 @@ def _codes(name: str, codes: Sequence[int], n: int) -> list[int]:
     if len(out) != n:
         raise BackendError("mooncake", name, f"{len(out)} codes for {n}")
     return out
+
+
+def _region(buffer: memoryview) -> tuple[int, int]:
+    """A staging buffer's (address, bytes)."""
+    return int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer)
 
 
 def _put_from_staging(
@@ -320,20 +325,6 @@ def _compare_piece(
 
 
 @final
-class _Registering:
-    """A buffer's vendor registration under way, and how many other callers, counted as
-    registering it too, wait for its outcome."""
-
-    __slots__ = ("done", "registered", "waiting")
-
-    def __init__(self) -> None:
-        self.done = anyio.Event()
-        #: Registered, or counted so (its call abandoned after it started may complete).
-        self.registered = False
-        self.waiting = 0
-
-
-@final
 class MooncakeStore(StorageBackend):
     """Blocks in a Mooncake Store.
 
@@ -404,9 +395,14 @@ class MooncakeStore(StorageBackend):
                 import mooncake.store  # noqa: F401
             except ImportError:
                 _load_client()
+        #: Per staging region (address, bytes): the register_staging calls not undone yet.
         self._registered: Counter[tuple[int, int]] = Counter()
-        #: Regions whose vendor registration is under way (a second caller waits for it).
-        self._registering: dict[tuple[int, int], _Registering] = {}
+        #: Regions registered with the vendor, or that may be (a call given up on after it
+        #: started may complete); one unregister_buffer is still owed for each.
+        self._vendor: set[tuple[int, int]] = set()
+        #: Regions with a vendor (un)registration awaited now; set when it is over. Other
+        #: calls for the region wait for it: those of one region never run at once.
+        self._busy: dict[tuple[int, int], anyio.Event] = {}
         #: Regions :meth:`aclose` took to unregister and has not (yet) unregistered: failed,
         #: or still to do in its thread past the deadline. Their owners must keep them.
         self._left: set[tuple[int, int]] = set()
@@ -542,7 +538,8 @@ class MooncakeStore(StorageBackend):
                 )
                 return
             self._client = None
-            registered, self._registered = list(self._registered), Counter()
+            registered, self._vendor = list(self._vendor), set()
+            self._registered = Counter()
             self._left.update(registered)  # until each is unregistered (by its thread)
             await self._release(client, registered, self._own_client, deferred)
         finally:
@@ -605,9 +602,10 @@ class MooncakeStore(StorageBackend):
 
     async def register_staging(self, buffer: memoryview) -> None:
         """Register memory values move from or into with the transfer engine, counted: once
-        with the vendor however many pipelines register it. A call made while another
-        caller's vendor call for the same buffer runs waits for it: it returns once that
-        registered the buffer, and tries anew if it failed.
+        with the vendor however many pipelines register it. The vendor calls for one buffer
+        run one at a time: a call made while another caller's registration or last
+        unregistration of the buffer runs waits for its outcome, and registers the buffer
+        anew where it is not registered then.
 
         Raises:
             BackendError: The vendor call failed (nothing is registered, nor counted).
@@ -615,21 +613,43 @@ class MooncakeStore(StorageBackend):
         Cancellation: a vendor call already started is abandoned and may still complete, so
         the buffer counts as registered (:meth:`unregister_staging` or :meth:`aclose` undoes
         it); one not started yet never starts, and nothing is registered. A call cancelled
-        while it waits for another caller's counts as registered unless that one fails.
+        while it waits for another caller's counts as registered (where that one failed,
+        unregistering it undoes nothing with the vendor).
         """
         client = await self._ready()
-        region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
-        self._registered[region] += 1  # counted before the call: it may outlive its caller
-        pending = self._registering.get(region)
-        if pending is not None:  # another caller's vendor call for it is still running
-            pending.waiting += 1
-            await pending.done.wait()  # cancelled: counted (uncounted if that call fails)
-            if not pending.registered:  # it failed, and uncounted this call: try anew
-                await self.register_staging(buffer)
-            return
-        if self._registered[region] > 1:
-            return
-        pending = self._registering[region] = _Registering()
+        region = _region(buffer)
+        self._registered[region] += 1
+        try:
+            async with self._turn(region):
+                if region not in self._vendor:
+                    await self._register(client, region)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException:
+            self._uncount(region)
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, region: tuple[int, int]) -> AsyncIterator[None]:
+        """Wait until no vendor call for ``region`` is awaited, then await one's (while the
+        block runs)."""
+        while (busy := self._busy.get(region)) is not None:
+            await busy.wait()
+        done = self._busy[region] = anyio.Event()
+        try:
+            yield
+        finally:
+            del self._busy[region]
+            done.set()
+
+    async def _register(self, client: Any, region: tuple[int, int]) -> None:
+        """The vendor ``register_buffer`` of ``region`` (its turn held). Cancelled once the
+        call started, the region counts as registered (the call may still complete); before,
+        the call never starts, and the caller is no longer counted.
+
+        Raises:
+            BackendError: The vendor call failed.
+        """
         lock = threading.Lock()
         started = abandoned = False
 
@@ -643,28 +663,19 @@ class MooncakeStore(StorageBackend):
             return rc
 
         try:
-            try:
-                rc = await self._call(register_buffer, *region)
-            except anyio.get_cancelled_exc_class():
-                with lock:
-                    abandoned = True
-                    pending.registered = started  # a call that started may still complete
-                    if not started:
-                        self._uncount(region)
-                raise
-            except BaseException:
+            rc = await self._call(register_buffer, *region)
+        except anyio.get_cancelled_exc_class():
+            with lock:
+                abandoned = True
+                began = started
+            if began:  # it may still complete
+                self._vendor.add(region)
+            else:
                 self._uncount(region)
-                raise
-            if rc != 0:
-                self._uncount(region)
-                raise BackendError(self.name, "register_buffer", f"returned {rc}")
-            pending.registered = True
-        finally:
-            del self._registering[region]
-            if not pending.registered:  # nothing registered for the callers waiting either
-                for _ in range(pending.waiting):
-                    self._uncount(region)
-            pending.done.set()
+            raise
+        if rc != 0:
+            raise BackendError(self.name, "register_buffer", f"returned {rc}")
+        self._vendor.add(region)
 
     def _uncount(self, region: tuple[int, int]) -> None:
         self._registered[region] -= 1
@@ -672,24 +683,31 @@ class MooncakeStore(StorageBackend):
             del self._registered[region]
 
     async def unregister_staging(self, buffer: memoryview) -> None:
-        """Undo one :meth:`register_staging` of ``buffer``. Abandoned on cancellation.
+        """Undo one :meth:`register_staging` of ``buffer``: the last one unregisters it with
+        the vendor, once any vendor call for it still awaited is over. Abandoned on
+        cancellation.
 
         Raises:
-            BackendError: The vendor call failed; or :meth:`aclose` took the buffer to
-                unregister and did not (it failed, or is still running past its deadline):
-                it may still be registered, so the caller must not free it.
+            BackendError: The vendor call failed (the next unregistration of the buffer, or
+                :meth:`aclose`, tries again); or :meth:`aclose` took the buffer to unregister
+                and did not (it failed, or is still running past its deadline): it may still
+                be registered, so the caller must not free it.
         """
-        region = (int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer))
+        region = _region(buffer)
         if region in self._left:
             raise BackendError(self.name, "unregister_buffer", "left registered at close")
         if self._registered[region] <= 0:
             return
         self._uncount(region)
-        if region not in self._registered and self._client is not None:
+        async with self._turn(region):
+            if region in self._left:
+                raise BackendError(self.name, "unregister_buffer", "left registered at close")
+            if region in self._registered or region not in self._vendor or self._client is None:
+                return
             rc = await self._call(self._client.unregister_buffer, region[0])
-            if rc != 0:  # still registered: aclose tries again; the caller keeps it
-                self._registered[region] += 1
+            if rc != 0:  # still registered: the caller keeps it
                 raise BackendError(self.name, "unregister_buffer", f"returned {rc}")
+            self._vendor.discard(region)
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
         """Zero-copy put from the batch's staging buffers, in one worker thread (see

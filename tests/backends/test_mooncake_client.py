@@ -208,13 +208,13 @@ async def test_a_second_registration_of_a_buffer_waits_for_the_first_ones_outcom
             assert client.registered == set()
 
 
-async def test_a_registration_cancelled_while_it_waits_for_a_failing_one_is_not_counted(
+async def test_a_registration_cancelled_while_it_waits_for_a_failing_one_unregisters_quietly(
     master: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A second register_staging cancelled while the first one's vendor call runs counts as
-    registered, as a cancelled call does, unless that call fails: then nothing is
-    registered, and the owner's unregister at close must not fail (which keeps its staging
-    allocated for good)."""
+    registered, as a cancelled call does; where that call fails nothing is registered, and
+    the owner's unregister at close must not fail (which keeps its staging allocated for
+    good)."""
     client = FailingSlowRegisterClient()
     monkeypatch.setattr(mc, "_load_client", lambda: client)
     async with kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store:
@@ -239,8 +239,9 @@ async def test_a_registration_cancelled_while_it_waits_for_a_failing_one_is_not_
                 assert second.cancelled_caught
             finally:
                 client.go.set()
-        assert not store._registered
+        assert not store._vendor and client.registered == set()
         await store.unregister_staging(staging.data)  # the second owner's, at its close
+        assert not store._registered
 
 
 class DuplicateGetClient(FakeClient):
@@ -846,3 +847,77 @@ async def test_a_late_setup_s_close_that_answers_an_error_code_is_logged(
             await setup.done.wait()  # set once the thread has closed the client
     assert clients[0].closed == 1
     assert "returned -1" in caplog.text
+
+
+class SlowUnregisterClient(SlowRegisterClient):
+    """register_buffer registers at once; unregister_buffer completes only when ``go`` is set,
+    the first one answering ``first_answer`` (``-1``: still registered)."""
+
+    def __init__(self, first_answer: int) -> None:
+        super().__init__()
+        self.first_answer = first_answer
+        self.unregistering = threading.Event()
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self.registered.add(ptr)
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        self.unregistering.set()
+        self.go.wait(10)
+        answer, self.first_answer = self.first_answer, 0
+        return answer if answer != 0 else super().unregister_buffer(ptr)
+
+
+@pytest.mark.parametrize("answer", [0, -1], ids=["unregister works", "unregister fails"])
+async def test_a_registration_waits_for_an_unregister_of_its_buffer_still_running(
+    master: str, monkeypatch: pytest.MonkeyPatch, answer: int
+) -> None:
+    """A register_staging of a buffer whose last owner's unregister_staging was still running
+    started its own vendor call beside that one: the buffer could end unregistered under the
+    new owner (the unregister taking effect last), or, where that unregister failed, counted
+    twice, so the new owner's unregister answered success with the buffer still registered.
+    It waits for the unregister, and registers anew only where that took effect."""
+    client = SlowUnregisterClient(answer)
+    monkeypatch.setattr(mc, "_load_client", lambda: client)
+    async with kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata") as store:
+        staging = np.zeros(4096, np.uint8)
+        ptr = staging.ctypes.data
+        running: list[str] = []  # vendor calls for the buffer the store awaits now
+        overlaps: list[list[str]] = []
+        call = store._call
+
+        async def tracked(fn: Callable[..., object], *args: object) -> object:
+            mine = args[:1] == (ptr,)
+            if mine:
+                if running:
+                    overlaps.append([*running, fn.__name__])
+                running.append(fn.__name__)
+            try:
+                return await call(fn, *args)
+            finally:
+                if mine:
+                    running.remove(fn.__name__)
+
+        monkeypatch.setattr(store, "_call", tracked)
+        await store.register_staging(staging.data)  # the first owner's
+
+        async def unregister_first() -> None:
+            if answer == 0:
+                await store.unregister_staging(staging.data)
+            else:
+                with pytest.raises(kvpipe.BackendError, match="unregister_buffer"):
+                    await store.unregister_staging(staging.data)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(unregister_first)
+            await anyio.to_thread.run_sync(client.unregistering.wait, 10)
+            tg.start_soon(store.register_staging, staging.data)  # the second owner's
+            try:
+                await checkpoints()
+                assert overlaps == [], "vendor calls for one buffer ran at once"
+            finally:
+                client.go.set()
+        assert client.registered == {ptr}, "the second owner's buffer is not registered"
+        await store.unregister_staging(staging.data)  # the second owner's, at its close
+        assert client.registered == set(), "answered success, still registered"
