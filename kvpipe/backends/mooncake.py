@@ -610,16 +610,17 @@ class MooncakeStore(StorageBackend):
         Raises:
             BackendError: The vendor call failed (nothing is registered, nor counted).
 
-        Cancellation: a vendor call already started is abandoned and may still complete, so
-        the buffer counts as registered (:meth:`unregister_staging` or :meth:`aclose` undoes
-        it); one not started yet never starts, and nothing is registered. A call cancelled
-        while it waits for another caller's counts as registered (where that one failed,
-        unregistering it undoes nothing with the vendor).
+        Cancellation: the call counts as registered wherever it was cancelled (its caller
+        counts it so, and unregisters it): a vendor call already started is abandoned and
+        may still complete (:meth:`unregister_staging` or :meth:`aclose` undoes it); one not
+        started yet never starts, and unregistering the call then undoes nothing with the
+        vendor, as where the call waited for another caller's that failed, or for the store
+        to open.
         """
-        client = await self._ready()
         region = _region(buffer)
-        self._registered[region] += 1
+        self._registered[region] += 1  # an owner, until the call fails
         try:
+            client = await self._ready()
             async with self._turn(region):
                 if region not in self._vendor:
                     await self._register(client, region)
@@ -645,7 +646,7 @@ class MooncakeStore(StorageBackend):
     async def _register(self, client: Any, region: tuple[int, int]) -> None:
         """The vendor ``register_buffer`` of ``region`` (its turn held). Cancelled once the
         call started, the region counts as registered (the call may still complete); before,
-        the call never starts, and the caller is no longer counted.
+        the call never starts.
 
         Raises:
             BackendError: The vendor call failed.
@@ -670,8 +671,6 @@ class MooncakeStore(StorageBackend):
                 began = started
             if began:  # it may still complete
                 self._vendor.add(region)
-            else:
-                self._uncount(region)
             raise
         if rc != 0:
             raise BackendError(self.name, "register_buffer", f"returned {rc}")

@@ -139,7 +139,7 @@ async def test_a_cancelled_register_is_unregistered_or_refused(
             assert client.registered == set(), "reported unregistered, still registered"
 
 
-async def test_a_registration_cancelled_before_its_call_started_is_not_counted(
+async def test_a_registration_cancelled_before_its_call_started_registers_nothing(
     master: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A registration cancelled before the vendor call started registers nothing: closing
@@ -921,3 +921,37 @@ async def test_a_registration_waits_for_an_unregister_of_its_buffer_still_runnin
         assert client.registered == {ptr}, "the second owner's buffer is not registered"
         await store.unregister_staging(staging.data)  # the second owner's, at its close
         assert client.registered == set(), "answered success, still registered"
+
+
+@pytest.mark.parametrize("where", ["before the store opened", "before its vendor call began"])
+async def test_a_cancelled_registration_is_an_owner_until_its_caller_unregisters_it(
+    master: str, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A register_staging cancelled before the store opened, or before its vendor call began,
+    was not counted; yet its caller counts it registered (the call may have completed) and
+    unregisters it at close: that took another owner's count, and the buffer was
+    unregistered under the owner still using it."""
+    from kvpipe.backends._registration import Registrations
+
+    client = SlowRegisterClient()
+    client.go.set()  # registrations complete at once
+    monkeypatch.setattr(mc, "_load_client", lambda: client)
+    store = kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata")
+    if where == "before its vendor call began":
+        await store.open()
+    try:
+        staging = np.zeros(4096, np.uint8)
+        first, second = Registrations(store), Registrations(store)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await first.add(staging.data)
+        assert scope.cancelled_caught and not client.started.is_set()
+        await second.add(staging.data)
+        assert client.registered == {staging.ctypes.data}
+        await first.aclose(anyio.current_time() + 10)
+        assert not first.kept
+        assert client.registered == {staging.ctypes.data}, "unregistered under its owner"
+        await second.aclose(anyio.current_time() + 10)
+        assert not second.kept and client.registered == set()
+    finally:
+        await store.aclose()
