@@ -173,9 +173,11 @@ class KVPipeStorage:
     Return codes are FastDeploy's: ``set`` 0 / -1, ``get`` bytes copied / -1, ``exists`` a
     dict. Storage failures and missed deadlines return those codes with one WARNING per call;
     so does a key whose target location or size is not positive (-1 for that key, the
-    others served). Wrong argument types (a location or size that is no int, ``None``
-    included; a key that is no non-empty str) raise ``TypeError``, alike in ``set``,
-    ``get``, ``batch_set`` and ``batch_get``. Any number of threads may call at once.
+    others served), or lists of different lengths (-1 for every key); repeats of each
+    kind bounded (:mod:`kvpipe._lograte`). Wrong argument types (a location or size that
+    is no int, ``None`` included; a key that is no non-empty str) raise ``TypeError``,
+    alike in ``set``, ``get``, ``batch_set`` and ``batch_get``. Any number of threads may
+    call at once.
     """
 
     def __init__(
@@ -331,17 +333,25 @@ class KVPipeStorage:
     ) -> tuple[list[str], list[int], list[int], list[int]] | None:
         """A batch call's kvpipe keys, pointers, sizes and the positions whose pointer and
         size name a buffer (both > 0: the others answer -1, as in FastDeploy's own
-        ``FileStore``; one WARNING); ``None`` without one location and size per key."""
+        ``FileStore``; one WARNING); ``None`` without one location and size per key.
+        A manager that passes them so does on every call: those lines are bounded."""
         n = len(keys)
         if locations is None or sizes is None or len(locations) != n or len(sizes) != n:
-            log.warning("KVPipeStorage %s: keys, locations and sizes differ in length", op)
+            _repeats.log(
+                logging.WARNING,
+                f"{op}:lengths",
+                "KVPipeStorage %s: keys, locations and sizes differ in length",
+                op,
+            )
             return None
         ours = [_key(self._scope, k) for k in keys]
         ptrs = [_int(p, "target_location") for p in locations]
         nbytes = [_int(s, "target_size") for s in sizes]
         bad = [i for i in range(n) if ptrs[i] <= 0 or nbytes[i] <= 0]
         if bad:
-            log.warning(
+            _repeats.log(
+                logging.WARNING,
+                f"{op}:no_buffer",
                 "KVPipeStorage %s: %d of %d target locations/sizes name no buffer (first: "
                 "%d/%d); -1 for those keys",
                 op,

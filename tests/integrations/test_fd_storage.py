@@ -59,6 +59,34 @@ def test_set_and_get_answer_a_location_that_is_no_buffer_alike(
         assert fs.batch_get(["good", "good"], [loc, ptr], [size, 8]) == [-1, 8]
 
 
+@pytest.mark.parametrize("how", ["no buffer", "lengths differ"])
+def test_arguments_naming_no_buffer_log_a_bounded_number_of_warnings(
+    how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A manager that keeps passing a location or size that names no buffer (or lists of
+    different lengths) logged one WARNING per call, with no bound: a FastDeploy bug of that
+    kind flooded the log at the manager's call rate, unlike every other repeated line of the
+    adapters. The first shows; the others go to DEBUG until the interval passes."""
+    _keep, ptr = _buf(b"z" * 8)
+    n = 30
+    with (
+        KVPipeStorage(store=kvpipe.MemoryStore()) as fs,
+        caplog.at_level(logging.DEBUG, "kvpipe.integrations"),
+    ):
+        for _ in range(n):
+            if how == "no buffer":
+                assert fs.batch_set(["k"], [0], [8]) == [-1]
+                assert fs.batch_get(["k"], [ptr], [0]) == [-1]
+            else:
+                assert fs.batch_set(["k"], [ptr], [8, 8]) == [-1]
+                assert fs.batch_get(["k"], [ptr, ptr], [8]) == [-1]
+    warnings = _warnings(caplog)
+    assert len(warnings) == 2, warnings  # one per operation
+    assert {w.split()[1].rstrip(":") for w in warnings} == {"batch_set", "batch_get"}, warnings
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "KVPipeStorage" in r.msg]
+    assert len(debug) == 2 * (n - 1)
+
+
 def test_clear_after_close_fails_like_a_store_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
