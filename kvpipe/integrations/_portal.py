@@ -60,6 +60,8 @@ class LoopThread:
     Args:
         name: For the thread's name and logs.
         close_timeout: Seconds :meth:`close` waits for the loop's resources to close.
+        holds: The caller's memory that work in the loop reads or writes (its caches), for
+            the ERROR of a :meth:`close` that returns while that work may still run.
 
     Closing: :meth:`close` (idempotent) runs the registered closers in the loop (in reverse
     order, bounded by ``close_timeout``), then stops the loop and joins the thread. It also
@@ -68,11 +70,15 @@ class LoopThread:
     :meth:`enter` racing it had entered is exited.
     """
 
-    def __init__(self, name: str, close_timeout: float = 10.0) -> None:
+    def __init__(self, name: str, close_timeout: float = 10.0, holds: str | None = None) -> None:
         self.name = name
         self.close_timeout = close_timeout
+        self.holds = holds
         self._lock = threading.Lock()
         self._closed = False
+        self._joiner: threading.Thread | None = None  # joins the loop thread, once closing
+        self._ended = False  # the loop thread has ended (under _lock)
+        self._left_running = False  # close returned before it had (under _lock)
         self._closers: list[Callable[[], object]] = []
         self._leaving: set[concurrent.futures.Future[None]] = set()  # exits in progress
         self._stack = contextlib.ExitStack()
@@ -247,13 +253,25 @@ class LoopThread:
             raise self._closed_error() from None
         return unboxed(box)  # type: ignore[no-any-return]
 
-    def close(self) -> None:
+    def close(self, ended_late: Callable[[], None] | None = None) -> bool:
         """Close what was entered (bounded by ``close_timeout``), stop the loop and join it
         (for :data:`HOP_SLACK` at most: a task shielded from cancellation finishes on its own
-        in the loop thread, logged)."""
+        in the loop thread, logged at ERROR, naming :attr:`holds` as possibly still in use;
+        its end is logged too).
+
+        Args:
+            ended_late: Called (in a helper thread) once the loop thread has ended, when
+                this call returned ``False``: what the caller keeps for the loop's work
+                until then may go.
+
+        Returns:
+            Whether the loop thread has ended (a later call: by now). ``False``: work in it
+            did not end when cancelled, and may still use what it was given (:attr:`holds`);
+            a call made while another closes returns ``False`` at once.
+        """
         with self._lock:
             if self._closed:
-                return
+                return self._ended
             self._closed = True
             closers, self._closers = self._closers[::-1], []
         atexit.unregister(self._atexit)
@@ -280,19 +298,47 @@ class LoopThread:
         def join_loop() -> None:
             with contextlib.suppress(Exception):
                 self._stack.close()
+            with self._lock:
+                self._ended = True
+                late = self._left_running
+            if late:
+                log.warning("%s: the loop thread has ended%s", self.name, self._no_longer())
+                if ended_late is not None:
+                    try:
+                        ended_late()
+                    except Exception:
+                        log.exception("%s: error after the loop thread ended", self.name)
 
         # The loop thread ends once its last task has, and a closer shielded from
-        # cancellation (a store's own bounded close) may outlast close_timeout: joined in a
-        # helper thread, so that it never holds the caller more than HOP_SLACK longer.
+        # cancellation (a store's own bounded close, a copy into the caller's caches) may
+        # outlast close_timeout: joined in a helper thread, so that it never holds the
+        # caller more than HOP_SLACK longer.
         joiner = threading.Thread(target=join_loop, name=f"{self.name}-join", daemon=True)
+        self._joiner = joiner
         joiner.start()
         joiner.join(HOP_SLACK)
-        if joiner.is_alive():
+        with self._lock:  # decided with the joiner's end: logged before "has ended", if so
+            if self._ended:
+                return True
+            self._left_running = True
             log.error(
                 "%s: the loop thread still runs a task that ignores cancellation; left to "
-                "finish on its own",
+                "finish on its own%s",
                 self.name,
+                self._in_use(),
             )
+        return False
+
+    def _in_use(self) -> str:
+        if self.holds is None:
+            return ""
+        return (
+            f"; it may still read or write {self.holds}: do not free or reuse them until "
+            "it has ended (logged)"
+        )
+
+    def _no_longer(self) -> str:
+        return "" if self.holds is None else f": nothing uses {self.holds} any more"
 
 
 class _Held:

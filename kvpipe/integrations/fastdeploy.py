@@ -333,7 +333,9 @@ class KVPipeAttentionStore:
         self._open_lock = threading.Lock()  # held while a pipeline opens
         if close_timeout is None:
             close_timeout = self.config.close_timeout
-        self._loop = LoopThread("kvpipe-fastdeploy-as", float(close_timeout))
+        self._loop = LoopThread(
+            "kvpipe-fastdeploy-as", float(close_timeout), holds="FastDeploy's caches"
+        )
         try:
             self._loop.enter(store)
         except BaseException:
@@ -343,8 +345,19 @@ class KVPipeAttentionStore:
     def close(self) -> None:
         """Close the pipelines and the store, stop the loop thread (idempotent). A call made
         after it, or one it cuts off, answers nothing (0 blocks, no record) with one
-        WARNING, as when the store fails."""
-        self._loop.close()
+        WARNING, as when the store fails.
+
+        Returns within ``close_timeout`` plus twice :data:`HOP_SLACK`. Should work in the
+        loop not have ended by then (a copy into or out of the caches, which cancelling
+        does not interrupt; the store's own bounded close), it returns all the same with
+        an ERROR saying that the caches may still be read or written, and must not be
+        freed or reused until the loop thread has ended (logged at WARNING); the pipelines
+        over them, and so the tensors, are kept until then."""
+        if self._loop.close(self._let_go):
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Forget the pipelines, once nothing in the loop uses them."""
         with self._pipes_lock:
             self._pipes.clear()  # nothing keeps the tensors alive
 

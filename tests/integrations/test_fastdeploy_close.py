@@ -381,3 +381,61 @@ def test_close_returns_by_its_timeout_while_the_mooncake_store_drains_a_hung_cal
             fake.release.set()
         assert fake.closed.wait(30)  # the store closed its client once the read returned
         closer.join(30)
+
+
+def test_a_close_that_returns_while_a_copy_into_the_caches_runs_says_so_and_keeps_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read's copy into the caches runs in a worker thread, shielded from cancellation,
+    and outlasts ``close_timeout``: ``close()`` returned by its bound (as it must), having
+    let go of the pipelines over the caches and logged only that "the loop thread still
+    runs a task that ignores cancellation", so FastDeploy went on to free or reuse caches
+    that kvpipe was still writing into. It now says, at ERROR, that the caches may still
+    be read or written and must not be freed or reused, keeps the pipelines over them
+    until the loop thread has ended, and logs when it has."""
+    from kvpipe import _engine
+    from kvpipe.actors import reader
+    from kvpipe.integrations import _portal
+
+    paddle = pytest.importorskip("paddle")
+    paddle.set_device("cpu")
+    monkeypatch.setattr(_portal, "HOP_SLACK", 0.05)  # close's own bound: 0.2 s + 2 x 0.05 s
+    monkeypatch.setattr(_engine, "INLINE_COPY_BYTES", 0)  # every copy in a worker thread
+    monkeypatch.setattr(reader, "INLINE_COPY_BYTES", 0)
+    copying, release = threading.Event(), threading.Event()
+    scatter = reader.check_and_scatter
+
+    def slow_scatter(*args: Any) -> Any:  # a copy into the caches that takes its time
+        copying.set()
+        release.wait(60)
+        return scatter(*args)
+
+    monkeypatch.setattr(reader, "check_and_scatter", slow_scatter)
+    k, v = _caches(paddle)
+    tokens = list(range(2 * BS))
+    store = KVPipeAttentionStore(
+        layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore(), close_timeout=0.2
+    )
+    assert store.write("t", k, v, tokens, [0, 1], 0) == 2
+    outcome, read = _outcome_of(lambda: store.read("r", k, v, tokens, [2, 3], 0, timeout=60.0))
+    reading = threading.Thread(target=read)
+    reading.start()
+    try:
+        assert copying.wait(30)
+        with caplog.at_level(logging.INFO, "kvpipe.integrations"):
+            store.close()  # returns by its bound, the copy into blocks 2 and 3 still running
+            assert not release.is_set()
+            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert any("do not free or reuse" in e and "caches" in e for e in errors), errors
+            assert store._pipes, "the pipeline over caches still in use was let go"
+            caplog.clear()
+            release.set()  # the copy ends, the read with it, then the loop thread
+            reading.join(30)
+            assert outcome == [None]
+            store._loop._joiner.join(30)
+        assert not store._pipes
+        ended = [r.getMessage() for r in caplog.records if "has ended" in r.getMessage()]
+        assert len(ended) == 1 and "caches" in ended[0], ended
+    finally:
+        release.set()
+        reading.join(30)
