@@ -36,9 +36,6 @@ from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
 __all__ = ("KVPipeStorage",)
 
 log = logging.getLogger("kvpipe.integrations.fastdeploy")
-#: FastDeploy calls again for every request whatever failed the last one (a store down or
-#: closed): its lines are bounded (:mod:`kvpipe._lograte`).
-_repeats = LogLimiter(log)
 
 #: Appended to every value: magic, version, payload length, XXH3-64 of payload and of the
 #: caller's key; checked before a byte reaches the caller's buffer.
@@ -207,6 +204,10 @@ class KVPipeStorage:
             raise ConfigError("timeout", f"must be a finite number > 0, got {timeout!r}")
         if unknown:
             log.debug("KVPipeStorage: ignoring unknown keywords %s", sorted(unknown))
+        #: FastDeploy calls again for every request whatever failed the last one (a store
+        #: down or closed): its lines are bounded (:mod:`kvpipe._lograte`), per instance:
+        #: another's never hide this one's.
+        self._repeats = LogLimiter(log)
         if file_path is not _UNSET and (file_path is None or file_path == ""):
             raise ConfigError("file_path", "file_path must be specified for the FileStore backend")
         self.namespace = namespace or ""
@@ -301,7 +302,7 @@ class KVPipeStorage:
             if not staging and isinstance(exc, (TypeError, ValueError, WrongEventLoop)):
                 raise  # the caller's mistake, not the store's
             kind = "staging" if staging else type(exc).__name__
-            _repeats.log(
+            self._repeats.log(
                 logging.WARNING, f"{what}:{kind}", "KVPipeStorage %s failed: %r", what, exc
             )
             return None
@@ -337,7 +338,7 @@ class KVPipeStorage:
         A manager that passes them so does on every call: those lines are bounded."""
         n = len(keys)
         if locations is None or sizes is None or len(locations) != n or len(sizes) != n:
-            _repeats.log(
+            self._repeats.log(
                 logging.WARNING,
                 f"{op}:lengths",
                 "KVPipeStorage %s: keys, locations and sizes differ in length",
@@ -349,7 +350,7 @@ class KVPipeStorage:
         nbytes = [_int(s, "target_size") for s in sizes]
         bad = [i for i in range(n) if ptrs[i] <= 0 or nbytes[i] <= 0]
         if bad:
-            _repeats.log(
+            self._repeats.log(
                 logging.WARNING,
                 f"{op}:no_buffer",
                 "KVPipeStorage %s: %d of %d target locations/sizes name no buffer (first: "
@@ -482,7 +483,7 @@ class KVPipeStorage:
             if ok is None:
                 break
         if first is not None:  # a store that keeps serving them: every call (bounded)
-            _repeats.log(
+            self._repeats.log(
                 logging.WARNING,
                 "batch_get:checks",
                 "KVPipeStorage batch_get: %d of %d values failed their checks (first: key %r: "
@@ -553,7 +554,7 @@ class KVPipeStorage:
             flat = [_key(self._scope, k) for block in zip(*parts, strict=True) for k in block]
             got = self._run("query", self._client.stored_run, flat, timeout=timeout)
         except (TypeError, ValueError) as exc:  # _run raises only the caller's mistakes so
-            _repeats.log(
+            self._repeats.log(
                 logging.ERROR,
                 f"query:{type(exc).__name__}",
                 "KVPipeStorage query: bad arguments, answering 0: %s",

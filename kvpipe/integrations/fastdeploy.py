@@ -60,9 +60,6 @@ from ._portal import HOP_SLACK, LoopThread, default_store_dir, store_from_url
 __all__ = ("HOP_SLACK", "KVPipeAttentionStore", "KVPipeStorage")
 
 log = logging.getLogger("kvpipe.integrations.fastdeploy")
-#: FastDeploy calls again for every request whatever failed the last one (a store down or
-#: closed, a handoff that never arrives): those lines are bounded (:mod:`kvpipe._lograte`).
-_repeats = LogLimiter(log)
 
 _NS_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -81,15 +78,6 @@ def _namespace(namespace: str, model_version: str) -> str:
     clean = re.sub(r"[^A-Za-z0-9._-]", "-", raw).lstrip("._-")[:100] or "ns"
     pair = json.dumps([str(namespace), str(model_version)]).encode()
     return f"{clean}.{hashlib.blake2b(pair, digest_size=6).hexdigest()}"
-
-
-def _gave_up(what: str, task_id: str, kind: str, message: str, *args: Any) -> int:
-    """0, after one WARNING (repeats bounded per ``what`` and ``kind``) that call ``what``
-    of ``task_id`` failed: ``message % args``."""
-    _repeats.log(
-        logging.WARNING, f"{what}:{kind}", "kvpipe %s %s: " + message, what, task_id, *args
-    )
-    return 0
 
 
 def _env_int(name: str, raw: str) -> int:
@@ -310,6 +298,10 @@ class KVPipeAttentionStore:
         #: read includes it and requires every block (decode side)
         self.all_or_nothing_read = pd_via_storage and splitwise_role == "decode"
         self._short_tokens_warned = False  # read: the one WARNING of too few tokens
+        #: FastDeploy calls again for every request whatever failed the last one (a store
+        #: down or closed, a handoff that never arrives): those lines are bounded
+        #: (:mod:`kvpipe._lograte`), per instance: another's never hide this one's.
+        self._repeats = LogLimiter(log)
         #: each calling thread's last query: (task id, token ids), for its read (see read)
         self._asked = threading.local()
         self.config = config or PipelineConfig.from_env(node_id=self.pod_name)
@@ -366,6 +358,14 @@ class KVPipeAttentionStore:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _gave_up(self, what: str, task_id: str, kind: str, message: str, *args: Any) -> int:
+        """0, after one WARNING (repeats bounded per ``what`` and ``kind``) that call
+        ``what`` of ``task_id`` failed: ``message % args``."""
+        self._repeats.log(
+            logging.WARNING, f"{what}:{kind}", "kvpipe %s %s: " + message, what, task_id, *args
+        )
+        return 0
 
     def _take(self, ident: tuple[Any, ...] | None) -> _Open | None:
         """The open pipeline for ``ident`` (``None``: the most recently used), counted as in
@@ -504,12 +504,12 @@ class KVPipeAttentionStore:
                 # ConfigError on "store": the store refused the staging (down, say), a store
                 # failure like any other
                 kind = f"open:{type(exc).__name__}"
-                return _gave_up(what, task_id, kind, "opening the pipeline failed: %r", exc)
+                return self._gave_up(what, task_id, kind, "opening the pipeline failed: %r", exc)
         try:
             if opened:  # the call gets what is left of its timeout
                 timeout -= time.monotonic() - begun
                 if timeout <= 0:
-                    return _gave_up(
+                    return self._gave_up(
                         what, task_id, "open:timeout", "opening the pipeline took its timeout"
                     )
             block_ids = [0] * start + list(gpu_block_ids)
@@ -535,7 +535,7 @@ class KVPipeAttentionStore:
         if entry is None:
             if self._loop.closed:
                 closed = PipelineClosed("the store is closed")
-                return _gave_up(what, task_id, "PipelineClosed", "%r", closed)
+                return self._gave_up(what, task_id, "PipelineClosed", "%r", closed)
             log.debug("kvpipe %s %s: no caches bound yet: %d", what, task_id, unbound)
             return unbound
         try:
@@ -561,7 +561,7 @@ class KVPipeAttentionStore:
         except (RequestError, TypeError, WrongEventLoop):
             raise
         except (KVPipeError, OSError, TimeoutError) as exc:
-            return _gave_up(what, task_id, type(exc).__name__, "%r", exc)
+            return self._gave_up(what, task_id, type(exc).__name__, "%r", exc)
 
     def write(
         self,
@@ -666,7 +666,7 @@ class KVPipeAttentionStore:
                 # The pipeline already warned of any shortfall but a block not stored (a
                 # normal miss to it, a failed handoff here): one WARNING per call either way.
                 level = logging.WARNING if partial.stop_reason == "not_stored" else logging.DEBUG
-                _repeats.log(
+                self._repeats.log(
                     level,
                     f"read:all_or_nothing:{partial.stop_reason}",
                     "kvpipe read %s: all-or-nothing read loaded %d of %d blocks (%s)",
@@ -771,7 +771,7 @@ class KVPipeAttentionStore:
                 unbound = blocks - check_start_block(start_match_block_idx, blocks)
             return self._on_last_pipe("query", task_id, timeout, run, unbound)
         except (RequestError, TypeError) as exc:
-            _repeats.log(  # a manager that keeps asking so: every call (bounded)
+            self._repeats.log(  # a manager that keeps asking so: every call (bounded)
                 logging.ERROR,
                 f"query:{type(exc).__name__}",
                 "kvpipe query %s: bad arguments, answering 0: %s",

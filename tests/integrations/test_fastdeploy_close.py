@@ -98,6 +98,32 @@ def test_attention_store_calls_after_close_log_a_bounded_number_of_warnings(
     assert {w.split()[1] for w in warnings} == {"write", "read", "query"}
 
 
+def test_one_stores_repeated_warnings_do_not_hide_anothers_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two adapters in one process shared one log limiter: the first's failures (here: it
+    was closed) hid the second's first failure of the same kind at DEBUG. Each adapter's
+    repeats are bounded on their own."""
+    paddle = pytest.importorskip("paddle")
+    paddle.set_device("cpu")
+    tokens = list(range(2 * BS))
+    first, second = (
+        KVPipeAttentionStore(
+            namespace=ns, layer_num=LAYERS, block_token_size=BS, store=kvpipe.MemoryStore()
+        )
+        for ns in ("first", "second")
+    )
+    first.close()
+    second.close()
+    with caplog.at_level(logging.DEBUG, "kvpipe.integrations"):
+        for i in range(10):
+            assert first.query(f"a{i}", tokens, 0) == 0
+        assert second.query("b0", tokens, 0) == 0
+        assert first.query("a10", tokens, 0) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [w.split()[2] for w in warnings] == ["a0:", "b0:"], warnings
+
+
 def test_a_call_cut_off_by_close_is_pipeline_closed() -> None:
     """A call still running when the loop stops (its closers done or timed out) came back
     as ``concurrent.futures.CancelledError``, which the adapters do not take for a store

@@ -254,6 +254,39 @@ def test_calls_after_close_log_a_bounded_number_of_warnings(
     assert len(debug) == 2 * (n - 1)
 
 
+class _Down(kvpipe.MemoryStore):  # type: ignore[misc]
+    """A store that fails every lookup, naming itself."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.down = name
+
+    async def exists(self, batch: kvpipe.KeyBatch) -> list[bool]:
+        raise kvpipe.BackendError("memory", "exists", f"{self.down} is down")
+
+
+def test_one_instances_repeated_warnings_do_not_hide_anothers_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two instances in one process shared one log limiter: while one's store was down
+    (a WARNING per interval, the rest at DEBUG), another's store going down logged its
+    first failure of the same kind at DEBUG, and later ones only when they happened to
+    come first after an interval, so the operator saw the first store fail and never the
+    second. Each instance's repeats are bounded on their own."""
+    with (
+        KVPipeStorage(store=_Down("store A")) as a,
+        KVPipeStorage(store=_Down("store B")) as b,
+        caplog.at_level(logging.DEBUG, "kvpipe.integrations"),
+    ):
+        for _ in range(10):
+            assert a.exists(["k"]) == {"k": False}
+        assert b.exists(["k"]) == {"k": False}
+        assert a.exists(["k"]) == {"k": False}
+    warnings = _warnings(caplog)
+    assert len(warnings) == 2, warnings
+    assert "store A is down" in warnings[0] and "store B is down" in warnings[1], warnings
+
+
 @pytest.mark.parametrize("how", ["short", "corrupt", "another key's"])
 def test_values_that_fail_their_checks_log_one_bounded_warning_naming_key_and_why(
     how: str, caplog: pytest.LogCaptureFixture
