@@ -4,6 +4,7 @@ tensors (``attention_store``) or host buffers addressed by pointer (``file`` / `
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import logging
 import os
@@ -11,10 +12,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -545,56 +546,69 @@ def test_a_read_that_gives_up_returns_only_after_its_copy_into_the_caches_ended(
     once, while that copy went on writing into the blocks: FastDeploy recycles the blocks of
     a read that loaded 0 (``request_match_blocks``: ``recycle_gpu_blocks``), so they would
     be overwritten under the request they go to next. The read now returns only once
-    nothing writes into the caches any more."""
-    import kvpipe.actors.reader as reader
-    import kvpipe.integrations.fastdeploy as fd
+    nothing writes into the caches any more.
 
-    timeout, slack = 0.2, 0.05
-    monkeypatch.setattr(fd, "HOP_SLACK", slack)
+    No real deadline is raced: the read's own timeout is far out of reach, the caller's
+    wait for the loop thread runs out (a fake ``concurrent.futures.wait``) exactly once the
+    copy has begun, and the copy is held until the caller either waits for the given-up
+    call to end (the fix) or has returned (the bug: caught while the copy still runs)."""
+    import kvpipe.actors.reader as reader
+    import kvpipe.integrations._portal as portal
+
     monkeypatch.setattr(reader, "INLINE_COPY_BYTES", 0)  # the copy in a copy thread
-    real = reader.check_and_scatter
+    real_scatter, real_wait = reader.check_and_scatter, concurrent.futures.wait
     started, go = threading.Event(), threading.Event()
     running: list[int] = []
 
-    def slow_scatter(*args: Any) -> Any:
+    def held_scatter(*args: Any) -> Any:
         running.append(1)
         started.set()
-        go.wait(30)
+        go.wait(30)  # a liveness bound only: go is set by the caller's wait or the test
         try:
-            return real(*args)
+            return real_scatter(*args)
         finally:
             running.pop()
 
+    def runs_out_once_copying(
+        fs: Any, timeout: Any = None, return_when: str = concurrent.futures.ALL_COMPLETED
+    ) -> Any:
+        if return_when != concurrent.futures.ALL_COMPLETED:  # an open's wait: a real one
+            return real_wait(fs, timeout, return_when)
+        started.wait(30)
+        return real_wait(fs, 0)  # the copy is held: the call has not ended
+
+    class CallerWaits(threading.Event):
+        """The event ``LoopThread.call`` waits on for a given-up call to end: the caller
+        waiting on it lets the held copy go on."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            go.set()
+            return super().wait(timeout)
+
     k, v = _gqa(True)
     tokens = list(range(4 * BS))
-    with _store() as store:
+    # close_timeout: how long a given-up call is waited for (far past the held copy's 30 s)
+    with _store(close_timeout=60.0) as store:
         assert store.write("t1", k, v, tokens, [0, 1, 2, 3], 0) == 4
         dk, dv = _gqa(False)
-        before = _rows(dk + dv, [4, 5, 6, 7])
-        monkeypatch.setattr(reader, "check_and_scatter", slow_scatter)
-        begun = time.monotonic()
-
-        def release() -> None:
-            # the copy goes on until after the caller's wait has run out
-            started.wait(30)
-            time.sleep(max(0.0, begun + timeout + slack + 0.1 - time.monotonic()))
-            go.set()
-
-        releaser = threading.Thread(target=release)
-        releaser.start()
-        try:
-            store.read("t2", dk, dv, tokens, [4, 5, 6, 7], 0, timeout)
-            still_copying = bool(running)
-            after = _rows(dk + dv, [4, 5, 6, 7])
-        finally:
-            go.set()
-            releaser.join(30)
+        with monkeypatch.context() as m:
+            m.setattr(reader, "check_and_scatter", held_scatter)
+            m.setattr(concurrent.futures, "wait", runs_out_once_copying)
+            m.setattr(
+                portal, "threading", SimpleNamespace(**{**vars(threading), "Event": CallerWaits})
+            )
+            try:
+                assert store.read("t2", dk, dv, tokens, [4, 5, 6, 7], 0, 30.0) == 0
+                still_copying = bool(running)
+                after = _rows(dk + dv, [4, 5, 6, 7])
+            finally:
+                go.set()
+        assert started.is_set(), "the read's copy into the caches never began"
         assert not still_copying, "read returned while its copy into the caches still ran"
+        assert after == _rows(k + v, [0, 1, 2, 3])  # the copy ran to its end before
         # nothing changes the caches after the read returned
-        monkeypatch.setattr(reader, "check_and_scatter", real)
         assert store.query("t3", tokens, 0) == 4  # the loop has moved on
         assert _rows(dk + dv, [4, 5, 6, 7]) == after
-        assert started.is_set() and before != _rows(k + v, [0, 1, 2, 3])
 
 
 def test_first_calls_with_a_hanging_store_return_by_their_timeout(
