@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import numpy as np
@@ -48,10 +49,12 @@ class BlockingStore(ScriptedStore):
     def __init__(self) -> None:
         super().__init__()
         self.release = threading.Event()
+        self.entered = threading.Event()
         self.thread_done = threading.Event()
 
     async def put_blocks(self, batch: PutBatch) -> Sequence[BlockStatus]:
         def wedged() -> None:
+            self.entered.set()
             self.release.wait(30)
             self.thread_done.set()
 
@@ -63,8 +66,12 @@ async def test_staging_stays_leased_until_an_abandoned_thread_returns() -> None:
     store = BlockingStore()
     config = kvpipe.PipelineConfig(slice_timeout=0.05, total_timeout=5)
     async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
-        w = await pipe.write(np.arange(BLOCK * 4), np.arange(4))
-        assert (w.written, w.stop_reason) == (0, "slice_timeout")
+        # Until a put's thread ran: on a loaded machine a thread may not start before the
+        # slice's deadline (the call is then not started, and nothing is left behind).
+        with anyio.fail_after(30):  # a hang guard only
+            while not store.entered.is_set():
+                w = await pipe.write(np.arange(BLOCK * 4), np.arange(4))
+                assert (w.written, w.stop_reason) == (0, "slice_timeout")
         # The caller has its answer; the thread still reads the staging buffer.
         assert not store.thread_done.is_set()
         assert pipe.statistics().staging_in_use_bytes > 0
@@ -306,6 +313,17 @@ async def test_close_is_bounded_when_the_store_never_unregisters(
     assert len(_registration.KEPT) == kept + 1
 
 
+async def _read_until_its_thread_is_stuck(
+    pipe: kvpipe.Pipeline, store: StuckInThreadStore, tokens: np.ndarray[Any, Any]
+) -> None:
+    """Read blocks 2-3 (0.1 s each) until a read's get is stuck in its thread: on a loaded
+    machine the thread may not start before the read's deadline (the call is then not
+    started, and nothing is left behind). The write before has no such short deadline."""
+    with anyio.fail_after(30):  # a hang guard only
+        while not store.running.is_set():
+            assert (await pipe.read(tokens, [2, 3], timeout=0.1)).loaded == 0
+
+
 class _UnregisteredStuckStore(StuckInThreadStore):
     """A :class:`StuckInThreadStore` that registers no staging (the default
     ``register_staging`` and ``unregister_staging``, as the memory and file stores)."""
@@ -326,7 +344,7 @@ async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
     from kvpipe.backends import _registration
 
     store = StuckInThreadStore("get") if registers else _UnregisteredStuckStore("get")
-    config = kvpipe.PipelineConfig(close_timeout=0.2, slice_timeout=0.1, staging_bytes=1 << 20)
+    config = kvpipe.PipelineConfig(close_timeout=0.2, staging_bytes=1 << 20)
     kept = len(_registration.KEPT)
     try:
         with caplog.at_level("ERROR", logger="kvpipe"), anyio.fail_after(10):
@@ -334,8 +352,7 @@ async def test_staging_a_call_abandoned_at_close_still_uses_stays_registered(
                 staging = weakref.ref(pipe._runtime._pool.buffer.base)  # type: ignore[union-attr]
                 tokens = np.arange(2 * BLOCK)
                 assert (await pipe.write(tokens, [0, 1])).written == 2
-                assert (await pipe.read(tokens, [2, 3])).loaded == 0
-                assert store.running.is_set()
+                await _read_until_its_thread_is_stuck(pipe, store, tokens)
         assert store.running.is_set()  # still running after close
         assert staging() is not None
         assert True not in store.unregistered
@@ -355,13 +372,13 @@ async def test_statistics_after_close_still_count_a_thread_the_close_abandoned()
     staging, after the block is left: the final snapshot (what an operator or a metrics
     scrape of the closed pipeline sees) says so, and says 0 once the thread has returned."""
     store = StuckInThreadStore("get")
-    config = kvpipe.PipelineConfig(close_timeout=0.2, slice_timeout=0.1, staging_bytes=1 << 20)
+    config = kvpipe.PipelineConfig(close_timeout=0.2, staging_bytes=1 << 20)
     try:
         with anyio.fail_after(10):
             async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
                 tokens = np.arange(2 * BLOCK)
                 assert (await pipe.write(tokens, [0, 1])).written == 2
-                assert (await pipe.read(tokens, [2, 3])).loaded == 0
+                await _read_until_its_thread_is_stuck(pipe, store, tokens)
         assert store.running.is_set()  # still running after close
         after = pipe.statistics()
         assert not after.open
