@@ -7,6 +7,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 
 import kvpipe
@@ -23,8 +24,12 @@ async def test_staging_a_call_abandoned_at_exit_may_use_stays_registered(
     try:
         with anyio.fail_after(10):
             async with ValueClient(store, close_timeout=0.2) as client:
-                with anyio.move_on_after(0.1):
-                    await client.put(["k0"], [b"x" * 64])
+                # the caller gives up once the put is stuck in its thread (not at a set time:
+                # on a loaded machine the thread may not have started by then)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(client.put, ["k0"], [b"x" * 64])
+                    await anyio.to_thread.run_sync(store.running.wait, 10)
+                    tg.cancel_scope.cancel()
                 assert store.running.is_set()
         assert store.running.is_set()  # still running after the exit
         assert store.unregistered == []
@@ -56,9 +61,11 @@ class SlowRegisterStore(kvpipe.MemoryStore):
     def __init__(self) -> None:
         super().__init__()
         self.registered: list[memoryview] = []
+        self.registering = anyio.Event()
 
     async def register_staging(self, buffer: memoryview) -> None:
         self.registered.append(buffer)
+        self.registering.set()
         await anyio.sleep_forever()
 
     async def unregister_staging(self, buffer: memoryview) -> None:
@@ -68,9 +75,14 @@ class SlowRegisterStore(kvpipe.MemoryStore):
 async def test_a_registration_cancelled_midway_is_unregistered_at_exit() -> None:
     store = SlowRegisterStore()
     async with ValueClient(store) as client:
-        with anyio.move_on_after(0.05) as scope:
-            await client.put(["k0"], [b"x" * 64])
-        assert scope.cancelled_caught and len(store.registered) == 1
+        # cancelled once registering began (not at a set time, which a loaded machine's
+        # scheduling delay could reach first)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.put, ["k0"], [b"x" * 64])
+            with anyio.fail_after(30):  # a hang guard only
+                await store.registering.wait()
+            tg.cancel_scope.cancel()
+        assert len(store.registered) == 1
     assert store.registered == []
 
 
