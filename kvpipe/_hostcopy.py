@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from ._blockformat import PLACED, check_blocks, gather_seal_blocks, place_if_sound, seal_blocks
 from ._blockformat import native as _native
-from ._plan import CopyPlan, CopySegment, copy_plan, leading_run
+from ._plan import CopyPlan, CopySegment, copy_plan, leading
 
 __all__ = (
     "PLACE_EACH_FROM_NBYTES",
@@ -257,7 +257,7 @@ def check_and_scatter(
     )
     checks: list[str | None] = [None] * done
     checks += rest
-    k = done + leading_run(c is None for c in rest)
+    k = done + leading(rest, None)
     if k > done:
         blocks = cache_blocks[done:k]
         if staged is None:

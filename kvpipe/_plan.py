@@ -24,6 +24,7 @@ __all__ = (
     "block_runs",
     "copy_plan",
     "layout_segments",
+    "leading",
     "leading_run",
     "plan_slices",
 )
@@ -77,6 +78,15 @@ def plan_slices(
 def leading_run(flags: Iterable[bool]) -> int:
     """How many leading items are true (stop at the first false)."""
     return sum(1 for _ in itertools.takewhile(bool, flags))
+
+
+def leading(items: Sequence[object], value: object) -> int:
+    """How many leading ``items`` are ``value`` (stop at the first other): one C call in the
+    common case, where all are (a clean slice's statuses or checks)."""
+    n = len(items)
+    if items.count(value) == n:
+        return n
+    return next(i for i, item in enumerate(items) if item != value)
 
 
 @final

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple, final
 
-from ._plan import SliceSpec, leading_run
+from ._plan import SliceSpec, leading
 from ._results import ReadResult, ReadStopReason
 from ._write_machine import Ending, RequestMachine
 from .backends._base import BlockStatus
@@ -60,15 +60,21 @@ class FetchedSlice:
     """A fetched slice from block ``first``: the store's ``statuses`` (one per block), the
     ``checks`` of its leading fetched blocks (``None``: sound), and what follows from them."""
 
-    __slots__ = ("checks", "confirmed", "failed_checks", "first", "statuses")
+    __slots__ = ("checks", "confirmed", "failed_checks", "first", "statuses", "valid")
 
     def __init__(self, first: int, statuses: list[BlockStatus], checks: list[str | None]) -> None:
         self.first = first
         self.statuses = statuses
         self.checks = checks
+        #: Leading blocks fetched and sound.
+        self.valid = leading(checks, None)
         #: Every block that failed a check, also one that passes when fetched again (damaged
         #: on its way from the store): what ``blocks_failed_verify`` counts, once per block.
-        self.failed_checks = {i for i, c in enumerate(checks) if c is not None}
+        self.failed_checks = (
+            {i for i, c in enumerate(checks) if c is not None}
+            if self.valid < len(checks)
+            else set()
+        )
         #: Blocks that failed their check twice: to delete from the store.
         self.confirmed: set[int] = set()
 
@@ -76,11 +82,6 @@ class FetchedSlice:
     def fetched(self) -> int:
         """Leading blocks fetched (and checked)."""
         return len(self.checks)
-
-    @property
-    def valid(self) -> int:
-        """Leading blocks fetched and sound."""
-        return leading_run(c is None for c in self.checks)
 
     def refetch_from(self) -> int | None:
         """The first block fetched that failed its check: it and the rest of those fetched
@@ -95,6 +96,7 @@ class FetchedSlice:
         self.failed_checks |= failed_again
         self.statuses[lo : self.fetched] = again
         self.checks = self.checks[:lo] + checks
+        self.valid = leading(self.checks, None)
 
     def corrupt(self, keys: Sequence[str]) -> list[tuple[int, str]]:
         """The blocks (index, key) that failed their check twice, of the slice's ``keys``."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Generic, Literal, TypeVar, final
 
-from ._plan import SliceSpec
+from ._plan import SliceSpec, leading
 from ._results import ReadResult, SliceOutcome, SliceStatus, StopReason, WriteResult
 from .backends._base import BlockStatus
 
@@ -33,10 +33,7 @@ _Result = TypeVar("_Result", WriteResult, ReadResult)
 
 def leading_ok(statuses: Sequence[BlockStatus]) -> int:
     """How many leading statuses are :attr:`~BlockStatus.OK` (stop at the first other)."""
-    n = len(statuses)
-    if statuses.count(BlockStatus.OK) == n:  # the common case, in one C call
-        return n
-    return next(i for i, s in enumerate(statuses) if s is not BlockStatus.OK)
+    return leading(statuses, BlockStatus.OK)
 
 
 def put_outcome(

@@ -21,7 +21,7 @@ from .._blockformat import check_blocks
 from .._errors import BackendError
 from .._hostcopy import check_and_scatter, gather
 from .._lograte import LogLimiter
-from .._plan import SliceSpec, copy_plan, leading_run
+from .._plan import SliceSpec, copy_plan, leading, leading_run
 from .._read_machine import FetchedSlice, fetch_failure
 from .._workers import INLINE_COPY_BYTES, NotStarted
 from .._write_machine import leading_ok
@@ -276,7 +276,7 @@ class Reader(Actor[ReadState | SliceJob]):
             if fetched and claimed:
                 if sink is None or not any(sink.seen):  # none handed over: verify, scatter at once
                     checks = await self._verify_and_scatter(job, fetched)
-                    scattered = leading_run(c is None for c in checks)
+                    scattered = leading(checks, None)
                 else:  # those the store's threads did not check and place: in one call
                     await self._place_unseen(job, sink, fetched)
                     checks = sink.checks[:fetched]
