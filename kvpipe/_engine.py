@@ -13,6 +13,7 @@ from typing import Any, TypeVar, final
 import anyio
 
 from ._cache import KVCache
+from ._clock import current_time
 from ._errors import RequestError
 from ._hostcopy import gather, scatter
 from ._plan import CopyPlan
@@ -42,7 +43,7 @@ async def run_copy(
     """
     if nbytes <= INLINE_COPY_BYTES:
         await anyio.lowlevel.checkpoint()
-        if start_by is not None and anyio.current_time() >= start_by:
+        if start_by is not None and current_time() >= start_by:
             raise NotStarted(f"not started by {start_by:.3f}")
         return fn(*args)
     return await runner.run(fn, *args, hold=hold, lane=lane, start_by=start_by)

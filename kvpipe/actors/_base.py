@@ -20,6 +20,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._cache import KVCache
+from .._clock import current_time
 from .._config import PipelineConfig
 from .._engine import CopyEngine, run_copy
 from .._errors import BackendError
@@ -398,7 +399,7 @@ class Actor(abc.ABC, Generic[M]):
         self._held[state] -= 1
         if self._held[state] <= 0:
             del self._held[state]
-        if not state.holders and not state.done and anyio.current_time() >= state.deadline:
+        if not state.holders and not state.done and current_time() >= state.deadline:
             # Its last holder lets go past its deadline: its messages only wait in inboxes.
             # The caller's side, which ends such a request at the deadline, saw it held then.
             state.end("total_timeout", "deadline passed while queued")

@@ -21,6 +21,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from .._clock import current_time
 from .._engine import OrderMark
 from .._errors import ActorCrashed, BackendError, KVPipeError, OperationTimeout, PipelineClosed
 from .._keys import Tokens
@@ -266,7 +267,7 @@ class SlicedState(RequestState):
         return "complete" if result.complete else (result.stop_reason or "incomplete")
 
     def end(self, cause: Ending, detail: str, *, actor: str = "") -> None:
-        self.machine.end(cause, detail, anyio.current_time())
+        self.machine.end(cause, detail, current_time())
         self.cancel_scopes()  # now: an aborted read ends only once its scatters have
         self._sync()
 
@@ -325,7 +326,7 @@ class WriteState(SlicedState):
 
     def planned(self, skipped: int, slices: tuple[SliceSpec, ...]) -> None:
         """The probe found ``skipped`` leading blocks stored; the rest go as ``slices``."""
-        self.machine.planned(skipped, slices, anyio.current_time())
+        self.machine.planned(skipped, slices, current_time())
         self._sync()
 
     def slice_done(
@@ -333,7 +334,7 @@ class WriteState(SlicedState):
     ) -> None:
         """Record a slice's outcome (at ``now``, default the current time); the first
         incomplete slice ends the write."""
-        self.machine.slice_done(outcome, detail, anyio.current_time() if now is None else now)
+        self.machine.slice_done(outcome, detail, current_time() if now is None else now)
         turn = self._turns.pop(self.machine.turn, None)
         if turn is not None:
             turn.set()
@@ -389,7 +390,7 @@ class ReadState(SlicedState):
 
     def plan(self, slices: tuple[SliceSpec, ...]) -> None:
         """Set the slices; each must later be resolved exactly once (none: the read ends)."""
-        self.machine.plan(slices, anyio.current_time())
+        self.machine.plan(slices, current_time())
         self._sync()
 
     def stopped_before(self, block: int) -> bool:
@@ -410,7 +411,7 @@ class ReadState(SlicedState):
 
     def resolve(self, index: int, loaded: int) -> None:
         """Slice ``index`` is settled with ``loaded`` leading blocks in the cache."""
-        self.machine.resolve(index, loaded, anyio.current_time())
+        self.machine.resolve(index, loaded, current_time())
         self._sync()
 
     def time_out(self, spec: SliceSpec, detail: str | None = None) -> None:
@@ -426,11 +427,11 @@ class ReadState(SlicedState):
 
     def scatter_end(self) -> None:
         """A scatter claimed by :meth:`scatter_begin` has finished."""
-        self.machine.scatter_end(anyio.current_time())
+        self.machine.scatter_end(current_time())
         self._sync()
 
     def fail(self, error: BaseException) -> None:
-        self.machine.fail(error, anyio.current_time())
+        self.machine.fail(error, current_time())
         self.cancel_scopes()
         self._sync()
 

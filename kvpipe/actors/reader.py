@@ -18,6 +18,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._blockformat import check_blocks
+from .._clock import current_time
 from .._errors import BackendError
 from .._hostcopy import check_and_scatter, gather
 from .._lograte import LogLimiter
@@ -126,7 +127,7 @@ class Reader(Actor[ReadState | SliceJob]):
         if state.stopped_before(first):
             state.resolve(spec.index, 0)
             return []
-        deadline = min(anyio.current_time() + ctx.config.slice_timeout, state.deadline)
+        deadline = min(current_time() + ctx.config.slice_timeout, state.deadline)
         batch = ctx.staged_batch(job, GetBatch)
         # Host caches: a store that takes the batch's sink places values while it runs, so
         # the claim on the cache is held from before its fetch until all is in place. A
@@ -233,7 +234,7 @@ class Reader(Actor[ReadState | SliceJob]):
         ctx, spec, state = self.ctx, job.spec, job.state
         assert isinstance(state, ReadState)
         first = spec.first_block
-        started = anyio.current_time()
+        started = current_time()
         sink = RowSink(self.ctx, job) if claimed and ctx.backend.uses_sink else None
         batch.sink = sink
         statuses: list[BlockStatus] | None = None
@@ -253,7 +254,7 @@ class Reader(Actor[ReadState | SliceJob]):
             if sink is not None and not sink.close():
                 with anyio.CancelScope(shield=True):
                     await ctx.runner.run(sink.wait_idle)
-        elapsed = anyio.current_time() - started
+        elapsed = current_time() - started
         if statuses is not None:
             job.lent = batch.lent() or None
         if state.stopped_before(first):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import anyio
 
+from .._clock import current_time
 from .._hostcopy import scatter_values
 from .._plan import copy_plan
 from .._workers import NotStarted
@@ -59,7 +60,7 @@ class Swapper(Actor[SliceJob]):
         assert isinstance(state, ReadState)
         first = spec.first_block
         valid = state.machine.loadable(first, job.valid)  # nothing past where loading stopped
-        late = anyio.current_time() >= state.deadline
+        late = current_time() >= state.deadline
         if valid and late and not state.stopped_before(first):
             self._not_started(state, job)  # its job waited for the swapper until too late
             return

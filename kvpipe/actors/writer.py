@@ -19,6 +19,7 @@ from collections import deque
 import anyio
 import anyio.abc
 
+from .._clock import current_time
 from .._errors import BackendError
 from .._plan import SliceSpec
 from .._results import SliceOutcome
@@ -137,7 +138,7 @@ class Writer(Actor[WriteState | SliceJob]):
                 # flight: that slice reports it. (A turn that came as the deadline passed
                 # is this slice's to end, below.)
                 return
-        started = anyio.current_time()
+        started = current_time()
         if started >= state.deadline:
             state.end("total_timeout", "deadline passed before the slice was sent")
             return
@@ -164,7 +165,7 @@ class Writer(Actor[WriteState | SliceJob]):
                     self._count(state, spec, cut_off, "the write's deadline passed during the put")
         if state.done:
             return
-        now = anyio.current_time()
+        now = current_time()
         total = deadline >= state.deadline
         done, detail, strays = put_outcome(spec, now - started, statuses, error, total)
         self._count(state, spec, done, detail)
