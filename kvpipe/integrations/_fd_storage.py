@@ -384,6 +384,7 @@ class KVPipeStorage:
         Raises:
             TypeError: A key, location or size of the wrong type (nothing is stored).
         """
+        self._loop.check_caller()  # a misuse even where nothing would reach the loop
         n = len(keys)
         targets = self._targets("batch_set", keys, target_locations, target_sizes)
         if targets is None:
@@ -459,6 +460,7 @@ class KVPipeStorage:
         Raises:
             TypeError: A key, location or size of the wrong type (nothing is copied).
         """
+        self._loop.check_caller()
         n = len(keys)
         targets = self._targets("batch_get", keys, target_locations, target_sizes)
         if targets is None:
@@ -519,6 +521,7 @@ class KVPipeStorage:
 
     def exists(self, keys: list[str]) -> dict[str, bool]:
         """``{key: stored}`` for every key (all ``False`` when the store cannot answer)."""
+        self._loop.check_caller()
         ours = [_key(self._scope, k) for k in keys]
         got = self._run("exists", self._client.exists, ours) if ours else []
         if got is None:
@@ -543,6 +546,7 @@ class KVPipeStorage:
         waiting for that signal for good. (A call from inside a running event loop still
         raises ``WrongEventLoop``.)
         """
+        self._loop.check_caller()
         try:
             if not k_cache_keys or not v_cache_keys:
                 return 0
@@ -569,6 +573,7 @@ class KVPipeStorage:
         """Remove every entry this instance stored or found stored (nothing else: never a
         foreign file beside them). True on success; False, with one WARNING, when the store
         failed, the deadline passed or :meth:`close` had begun (as any call after it)."""
+        self._loop.check_caller()
         with self._own_lock:
             keys = list(self._own)
 

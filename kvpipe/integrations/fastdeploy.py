@@ -585,6 +585,7 @@ class KVPipeAttentionStore:
         (or ``KVPIPE_TOTAL_TIMEOUT``) is set: that takes its place, as in FastDeploy's
         ``AttentionStore.write``. Slices follow the config.
         """
+        self._loop.check_caller()  # before the arguments: a misuse whatever they are
         start_write_block_idx = _start_index(start_write_block_idx)
 
         async def run(pipe: Pipeline, block_ids: list[int], timeout: float) -> int:
@@ -639,6 +640,7 @@ class KVPipeAttentionStore:
         index cover none: 0. Unless the calling thread's last ``query`` was of this
         ``task_id`` with tokens that ``token_ids`` begins (FastDeploy's order: the query has
         the request's tokens): the read then takes those, and loads every block matched."""
+        self._loop.check_caller()
         start_read_block_idx = _start_index(start_read_block_idx)
         token_ids = self._asked_tokens(task_id, token_ids)
         gpu_block_ids = self._covered(token_ids, gpu_block_ids, start_read_block_idx)
@@ -751,6 +753,7 @@ class KVPipeAttentionStore:
         ``WrongEventLoop``.)
         """
 
+        self._loop.check_caller()  # raised, never answered 0 for the arguments below
         self._asked.last = (task_id, token_ids)
 
         async def run(pipe: Pipeline) -> int:

@@ -784,6 +784,60 @@ def test_storage_called_inside_a_running_loop_raises(fs: KVPipeStorage) -> None:
     assert fs.batch_set(["k"], [addr], [64]) == [0]  # from a plain thread it works
 
 
+def test_storage_calls_answered_without_the_loop_raise_inside_a_running_loop(
+    fs: KVPipeStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The docs: calling either class from inside a running event loop raises
+    ``kvpipe.WrongEventLoop``. The calls that answer without a hop onto the loop thread
+    answered as from a thread instead: ``clear`` with nothing to remove True, ``exists([])``
+    {}, ``query`` of no keys 0, and ``batch_set`` / ``batch_get`` whose targets name no
+    buffer or whose lists differ in length -1 with a WARNING, as a store that failed; only
+    the same calls with work to do raised."""
+    _keep, addr = _buf(b"x" * 64)
+
+    async def inside() -> None:
+        for call in (
+            lambda: fs.clear(),
+            lambda: fs.exists([]),
+            lambda: fs.query([], []),
+            lambda: fs.batch_set(["k"], [0], [64]),
+            lambda: fs.batch_get(["k"], [addr], []),
+        ):
+            with pytest.raises(kvpipe.WrongEventLoop, match="running event loop"):
+                call()
+
+    with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+        anyio.run(inside)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert fs.clear() is True  # from a plain thread it works
+
+
+def test_attention_store_calls_with_bad_arguments_raise_wrong_event_loop_inside_a_loop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A call from inside a running event loop is that misuse whatever its arguments (the
+    docs, and query's docstring: "still raises WrongEventLoop"). A decode instance's query
+    whose start index is past its tokens answered 0 with an ERROR, and a write or read
+    with a negative start index raised RequestError, before the event loop was looked
+    at."""
+    k, v = _gqa(False)
+    tokens = list(range(2 * BS))
+    with _store(splitwise_role="decode") as store:
+
+        async def inside() -> None:
+            for call in (
+                lambda: store.query("t", tokens, 5),
+                lambda: store.write("t", k, v, tokens, [0], -1),
+                lambda: store.read("t", k, v, tokens, [0], -1),
+            ):
+                with pytest.raises(kvpipe.WrongEventLoop, match="running event loop"):
+                    call()
+
+        with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+            anyio.run(inside)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_storage_with_no_memory_for_staging_fails_like_a_store(
     fs: KVPipeStorage, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
