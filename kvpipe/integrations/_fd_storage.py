@@ -548,6 +548,9 @@ class KVPipeStorage:
         """
         self._loop.check_caller()
         try:
+            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+                # not float()'s text, nor None as the instance's timeout: as the docs say
+                raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
             if not k_cache_keys or not v_cache_keys:
                 return 0
             parts = [k_cache_keys, v_cache_keys] + [p for p in (k_scale_keys, v_scale_keys) if p]

@@ -337,6 +337,9 @@ def test_values_that_fail_their_checks_log_one_bounded_warning_naming_key_and_wh
         (["k0", ""], ["v0", "v1"], 10.0),  # an empty key
         (["k0"], 7, 10.0),  # no list
         (["k0"], ["v0"], "soon"),  # a timeout that is no number
+        (["k0"], ["v0"], "10"),  # nor is a number's text (float() took it)
+        (["k0"], ["v0"], None),  # nor None (taken as the instance's timeout)
+        (["k0"], ["v0"], True),  # nor a bool (taken as 1 s)
     ],
 )
 def test_query_answers_0_for_bad_arguments_never_raising(
