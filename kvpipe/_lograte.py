@@ -7,6 +7,10 @@ WARNING each would bury everything else in the log and cost the event loop the f
 The metrics (:meth:`kvpipe.Pipeline.statistics`) count every one; the log shows that it
 happens, an example, and how often. Kinds are a fixed vocabulary (a stop reason, an
 operation), so the table stays small.
+
+Limits are per owner: each pipeline has its :class:`LogLimiters` (the actors' and its own
+lines), each adapter its limiter. In a process with several pipelines over several stores
+one store's flood must not hide another's first line of the same kind.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ("INTERVAL", "LogLimiter", "reset_all")
+__all__ = ("INTERVAL", "LogLimiter", "LogLimiters", "reset_all")
 
 #: Seconds between two lines of one kind at their own level.
 INTERVAL: Final = 10.0
@@ -81,6 +85,36 @@ class LogLimiter:
         """Forget every kind: the next line of each is shown."""
         with self._lock:
             self._kinds.clear()
+
+
+class LogLimiters:
+    """One owner's limiters (a pipeline's), one per logger, made when first used: what
+    another owner logs never holds back this one's lines. They refer to nothing but their
+    loggers, so they keep no owner alive.
+
+    Args:
+        interval: Seconds between two lines of one kind at their own level.
+        clock: Seconds, monotonic (injected by tests), for the limiters made from now on.
+    """
+
+    __slots__ = ("_by_logger", "_lock", "clock", "interval")
+
+    def __init__(
+        self, interval: float = INTERVAL, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._lock = threading.Lock()  # some lines are logged from worker threads
+        self._by_logger: dict[str, LogLimiter] = {}
+
+    def of(self, logger: logging.Logger) -> LogLimiter:
+        """This owner's limiter of ``logger``'s lines."""
+        with self._lock:
+            limiter = self._by_logger.get(logger.name)
+            if limiter is None:
+                limiter = LogLimiter(logger, self.interval, self.clock)
+                self._by_logger[logger.name] = limiter
+            return limiter
 
 
 class _Shown:

@@ -26,7 +26,7 @@ from ._config import PipelineConfig
 from ._engine import CopyEngine, HostEngine, OrderMark
 from ._errors import BackendError, ConfigError, KVPipeError, PipelineClosed, WrongEventLoop
 from ._keys import Scope
-from ._lograte import LogLimiter
+from ._lograte import LogLimiters
 from ._plan import layout_segments
 from ._results import PipelineStatistics
 from ._shield import DeferredCancel, shielded
@@ -59,9 +59,6 @@ if TYPE_CHECKING:
 __all__ = ("Runtime",)
 
 log = logging.getLogger("kvpipe.pipeline")
-#: A store whose calls ignore cancellation has every request ended by the deadline guard:
-#: its line is bounded (:mod:`kvpipe._lograte`); ``deadline_guard_expired`` counts each.
-_guard_fired = LogLimiter(log)
 _State = TypeVar("_State", bound=RequestState)
 _Marked = TypeVar("_Marked", WriteState, ReadState)
 _STAGES = ("scheduler", "slicer", "swapper", "writer", "reader")
@@ -149,6 +146,12 @@ class Runtime:
         self._engine_seen: tuple[str, str] | None = None
         self.metrics = Metrics()
         self.observers = Observers(self.metrics.counters)
+        #: This pipeline's bounds on repeated log lines (:mod:`kvpipe._lograte`), its
+        #: actors' and its requests' too: its own, so that another pipeline's flood (another
+        #: store's) never hides this one's first line of a kind. A store whose calls ignore
+        #: cancellation has every request ended by the deadline guard: that line too is
+        #: bounded; ``deadline_guard_expired`` counts each.
+        self.limits = LogLimiters()
         self._supervisor: Supervisor | None = None
         #: The scope the actors run in, shielded from the opening task's cancellation.
         self._actors_scope: anyio.CancelScope | None = None
@@ -278,6 +281,7 @@ class Runtime:
             keep_values=self.store.keeps_values and isinstance(engine, HostEngine),
             metrics=self.metrics,
             observers=self.observers,
+            limits=self.limits,
         )
         self._ctx = ctx
         self._engine_seen = (engine.name, engine.note)
@@ -505,6 +509,7 @@ class Runtime:
             raise PipelineClosed(
                 f"{state.describe()}: pipeline is not open ({self._closed_reason or 'not started'})"
             )
+        state.limits = self.limits
         self._in_flight.add(state)
         self._idle = anyio.Event() if len(self._in_flight) == 1 else self._idle
         cancelled = False
@@ -535,7 +540,7 @@ class Runtime:
                 # not the guard's to count, log or end; it is only waited for.
                 if not state.ending:
                     self.metrics.counters["deadline_guard_expired"] += 1
-                    _guard_fired.log(
+                    self.limits.of(log).log(
                         logging.WARNING,
                         f"deadline_guard:{state.kind}",
                         "request %s: no outcome by its deadline; ending it as timed out",

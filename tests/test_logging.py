@@ -414,12 +414,11 @@ async def test_a_store_that_is_down_logs_a_bounded_number_of_warnings(
     # thousands a second under load: the first of each kind shows, the rest go to DEBUG
     # until the interval has passed, then one line counts them.
     now = [1000.0]
-    for limiter in list(_lograte._LIMITERS):
-        monkeypatch.setattr(limiter, "clock", lambda: now[0])
     store = _DownStore()
     n = 40
     caplog.set_level(logging.DEBUG, logger="kvpipe")
     async with kvpipe.open_pipeline(_cache(), store, config=CONFIG) as pipe:
+        monkeypatch.setattr(pipe._runtime.limits, "clock", lambda: now[0])  # the pipeline's
         assert (await pipe.write(np.arange(16 * BS), np.arange(16))).complete
         caplog.clear()
         store.down = True
@@ -467,6 +466,82 @@ async def test_a_file_store_that_keeps_failing_logs_a_bounded_number_of_warnings
     assert "eio0" in loud[0][1] and str(tmp_path / "store") in loud[0][1]
     quiet = [r for r in caplog.records if r.levelno == logging.DEBUG]
     assert sum(r.name == "kvpipe.file_store" for r in quiet) == n - 1
+
+
+class _NamedDownStore(_DownStore):
+    """A :class:`_DownStore` whose errors name it (one tier of several in a process)."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+
+    def _check(self, op: str) -> None:
+        if self.down:
+            raise kvpipe.BackendError(self.label, op, "connection refused")
+
+
+async def test_one_stores_flood_does_not_hide_another_stores_first_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two pipelines over two stores in one process (a memory tier and another) shared the
+    actors' and the requests' log limiters: while the first store failed every request, the
+    second store's first failure of the same kind went to DEBUG until the interval passed,
+    so the log never said the second store was failing. Each pipeline's repeats are bounded
+    on their own."""
+    tokens = np.arange(16 * BS)
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    first, second = _NamedDownStore("tier-a"), _NamedDownStore("tier-b")
+    async with (
+        kvpipe.open_pipeline(_cache(), first, config=CONFIG) as a,
+        kvpipe.open_pipeline(_cache(), second, config=CONFIG) as b,
+    ):
+        for pipe in (a, b):
+            assert (await pipe.write(tokens, np.arange(16))).complete
+        first.down = second.down = True
+        caplog.clear()
+        for i in range(5):
+            await a.write(tokens + 1 + i, np.arange(16), request_id=f"a-w{i}")
+            await a.read(tokens, np.arange(16, 32), request_id=f"a-r{i}")
+        flood = {(r.name, r.getMessage().split()[0]) for r in _at_least(caplog, logging.WARNING)}
+        assert len(_at_least(caplog, logging.WARNING)) == len(flood)  # bounded: once each
+        caplog.clear()
+        w = await b.write(tokens + 100, np.arange(16), request_id="b-w0")
+        r = await b.read(tokens, np.arange(16, 32), request_id="b-r0")
+        assert (w.stop_reason, r.stop_reason) == ("backend_error", "backend_error")
+    loud = [r for r in _at_least(caplog, logging.WARNING) if r.name != "kvpipe.pipeline"]
+    shown = {(r.name, r.getMessage().split()[0]) for r in loud}
+    assert shown == flood, [r.getMessage() for r in loud]  # each kind of line, for b too
+    assert all("tier-b" in r.getMessage() for r in loud), [r.getMessage() for r in loud]
+
+
+async def test_two_file_stores_each_show_their_first_failed_write(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two file stores on two disks, each under its own pipeline, both failing every write:
+    the second disk's first failed write showed the file store's line but not the
+    request's (hidden by the first disk's at DEBUG)."""
+
+    def broken(*args: Any, **kwargs: Any) -> bool:
+        raise OSError(errno.EIO, "injected I/O error")
+
+    monkeypatch.setattr(Root, "write_atomic", broken)
+    caplog.set_level(logging.DEBUG, logger="kvpipe")
+    async with (
+        kvpipe.FileStore(tmp_path / "disk0") as disk0,
+        kvpipe.FileStore(tmp_path / "disk1") as disk1,
+        kvpipe.open_pipeline(_cache(), disk0, config=FILE_CONFIG) as a,
+        kvpipe.open_pipeline(_cache(), disk1, config=FILE_CONFIG) as b,
+    ):
+        for i in range(5):
+            w = await a.write(np.arange(8 * BS) + i, np.arange(8), request_id=f"a{i}")
+            assert w.stop_reason == "incomplete_slice"
+        caplog.clear()
+        w = await b.write(np.arange(8 * BS), np.arange(8), request_id="b0")
+        assert w.stop_reason == "incomplete_slice"
+    loud = [(r.name, r.getMessage()) for r in _at_least(caplog, logging.WARNING)]
+    assert [name for name, _ in loud] == ["kvpipe.file_store", "kvpipe.requests"], loud
+    assert all("b0" in m for _, m in loud), loud
+    assert str(tmp_path / "disk1") in loud[0][1], loud
 
 
 class _KeepsServingCorrupt(ScriptedStore):

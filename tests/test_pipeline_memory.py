@@ -15,6 +15,7 @@ import pytest
 
 import kvpipe
 from kvpipe import _engine as engine_module
+from kvpipe import _lograte
 from kvpipe.actors import _base as base_module
 from kvpipe.actors import writer as writer_module
 from tests.fakes import Act, CrashHooks, ScriptedStore
@@ -307,10 +308,12 @@ async def test_a_probe_the_store_failed_leaves_no_cycle(no_cyclic_gc: None) -> N
     """The store's ``exists`` raises during a read's probe: the read stops with
     ``backend_error``. The error translated for it must not be held by the frame that
     translated it (that frame is on its traceback), or the actors' context, and through it
-    the store, stay in a reference cycle."""
+    the store, stay in a reference cycle. The pipeline's log limiters (its own, made by
+    the failure's lines) go with it."""
     store = _FailingProbes()
     cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
     config = kvpipe.PipelineConfig(staging_bytes=STAGING)
+    limiters = len(_lograte._LIMITERS)
     async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
         refs = (weakref.ref(pipe._runtime._ctx), weakref.ref(store))
         assert (await pipe.write(TOKENS, np.arange(8))).complete
@@ -322,6 +325,7 @@ async def test_a_probe_the_store_failed_leaves_no_cycle(no_cyclic_gc: None) -> N
     actors, store_ref = refs
     assert actors() is None, "the actors' context is held in a reference cycle"
     assert store_ref() is None, "the store is held in a reference cycle"
+    assert len(_lograte._LIMITERS) == limiters, "the pipeline's log limiters outlive it"
 
 
 async def test_a_kept_log_record_of_a_failed_probe_keeps_no_pipeline(

@@ -27,7 +27,7 @@ from .._errors import BackendError
 from .._hostcopy import gather_sealed, seal_slots
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
-from .._lograte import LogLimiter
+from .._lograte import LogLimiters
 from .._plan import CopySegment, SliceSpec, copy_plan
 from .._staging import StagingLease, StagingPool
 from .._workers import INLINE_COPY_BYTES, Lane, NotStarted, ThreadRunner
@@ -49,7 +49,6 @@ __all__ = (
 M = TypeVar("M")
 T = TypeVar("T")
 log = logging.getLogger("kvpipe.actors")
-_value_memory_failed = LogLimiter(log)
 
 
 class PipelineHooks:
@@ -100,6 +99,9 @@ class ActorContext:
     keep_values: bool = False
     metrics: Metrics = field(default_factory=Metrics)
     observers: Observers | None = None
+    #: The pipeline's bounds on repeated log lines (:mod:`kvpipe._lograte`): its own, so a
+    #: flood of another pipeline's (another store's) never hides this one's first line.
+    limits: LogLimiters = field(default_factory=LogLimiters)
 
     def __post_init__(self) -> None:
         if self.observers is None:
@@ -162,6 +164,7 @@ class ActorContext:
             # would wait behind the page faults of copies running in other threads.
             rows, slot_nbytes = self.cache.row_groups(self.segments), self.pool.slot_nbytes
             new_values, store = self.backend.value_memory, self.backend.name
+            limits = self.limits
 
             def gather_into_new() -> StagingLease | None:
                 try:
@@ -169,7 +172,7 @@ class ActorContext:
                 except MemoryError:  # gathered into staging, then: the store copies it
                     return None
                 except Exception as exc:  # a store's failure, not the actor's: as above
-                    _value_memory_failed.log(
+                    limits.of(log).log(
                         logging.WARNING,
                         store,
                         "%s.value_memory raised %r; gathering into staging instead",

@@ -25,7 +25,7 @@ from .._clock import current_time
 from .._engine import OrderMark
 from .._errors import ActorCrashed, BackendError, KVPipeError, OperationTimeout, PipelineClosed
 from .._keys import Tokens
-from .._lograte import LogLimiter
+from .._lograte import LogLimiters
 from .._plan import SliceSpec
 from .._read_machine import ReadMachine
 from .._results import ReadResult, ReadStopReason, SliceOutcome, WriteResult
@@ -43,9 +43,9 @@ __all__ = (
 )
 
 log = logging.getLogger("kvpipe.requests")
-#: A steady failure (a store down) ends every request alike: one line per kind of ending per
-#: interval at its level, the others at DEBUG (the metrics count every one).
-_stopped = LogLimiter(log)
+#: The log limits of a request no pipeline runs (tests drive the actors directly): a
+#: pipeline's :meth:`~kvpipe._runtime.Runtime.run` hands each request the pipeline's own.
+_UNOWNED = LogLimiters()
 IntArray = npt.NDArray[np.int64]
 
 
@@ -58,6 +58,11 @@ class RequestState(abc.ABC):
         self.request_id = request_id
         self.deadline = deadline
         self.started = started
+        #: Where its ending is logged, bounded: a steady failure (a store down) ends every
+        #: request alike, so one line per kind of ending per interval shows at its level,
+        #: the others at DEBUG (the metrics count every one). The pipeline's own: another
+        #: pipeline's flood (another store's) never hides this one's first line.
+        self.limits: LogLimiters = _UNOWNED
         self._done = anyio.Event()
         self._over = False  # the event's state, read on every slice
         self._scopes: dict[object, tuple[int, anyio.CancelScope]] = {}
@@ -283,7 +288,7 @@ class SlicedState(RequestState):
         if result is not None and not result.complete:
             level = self._STOP_LEVELS.get(result.stop_reason or "", logging.WARNING)
             if log.isEnabledFor(level):
-                _stopped.log(
+                self.limits.of(log).log(
                     level,
                     f"{self.kind}:{result.stop_reason}",
                     "%s %s incomplete: %s; stopped at %s: %s (%s)",

@@ -21,7 +21,6 @@ from .._blockformat import check_blocks
 from .._clock import current_time
 from .._errors import BackendError
 from .._hostcopy import check_and_scatter, gather
-from .._lograte import LogLimiter
 from .._plan import SliceSpec, copy_plan, leading, leading_run
 from .._read_machine import FetchedSlice, fetch_failure
 from .._workers import INLINE_COPY_BYTES, NotStarted
@@ -34,9 +33,10 @@ from ._state import ReadState, describe_error
 __all__ = ("Reader",)
 
 log = logging.getLogger("kvpipe.reader")
-#: A store that keeps serving corrupt blocks fails every read alike: its failed-block,
-#: refetch and deletion lines are bounded (:mod:`kvpipe._lograte`); the metrics count all.
-_repeats = LogLimiter(log)
+# A store that keeps serving corrupt blocks fails every read alike: its failed-block,
+# refetch and deletion lines are bounded per pipeline (``ActorContext.limits``); the
+# metrics count all.
+
 #: Blocks a deletion's log line names (the rest are counted).
 _NAMED_BLOCKS = 4
 
@@ -157,7 +157,7 @@ class Reader(Actor[ReadState | SliceJob]):
         corrupt = fetch.corrupt(batch.keys)
         short = fetch.short()
         if short is not None:
-            _repeats.log(
+            self.ctx.limits.of(log).log(
                 logging.DEBUG if short.gone else logging.WARNING,
                 f"failed_block:{short.kind}",
                 "read %s: block %d failed (%s); loading stops there",
@@ -400,7 +400,7 @@ class Reader(Actor[ReadState | SliceJob]):
             try:
                 statuses = await block_statuses(ctx.backend, "get_blocks", batch, hi - lo)
             except BackendError as exc:  # the block's first failure is what the read reports
-                _repeats.log(
+                self.ctx.limits.of(log).log(
                     logging.WARNING,
                     "refetch:failed",
                     "read %s: fetching block %d again, after it failed verification, failed: %s",
@@ -429,7 +429,7 @@ class Reader(Actor[ReadState | SliceJob]):
             try:
                 await backend_call(ctx.backend, "delete", ctx.backend.delete, keys)
                 ctx.metrics.counters["corrupt_blocks_deleted"] += len(keys)
-                _repeats.log(
+                self.ctx.limits.of(log).log(
                     logging.WARNING,
                     "delete:done",
                     "read %s: deleted %d block(s) that failed verification twice from the %s "
@@ -440,7 +440,7 @@ class Reader(Actor[ReadState | SliceJob]):
                     named,
                 )
             except BackendError as exc:
-                _repeats.log(
+                self.ctx.limits.of(log).log(
                     logging.WARNING,
                     "delete:failed",
                     "read %s: could not delete %d corrupt block(s) (%s): %s",
@@ -450,7 +450,7 @@ class Reader(Actor[ReadState | SliceJob]):
                     str(exc),
                 )
         if bound.cancelled_caught:
-            _repeats.log(
+            self.ctx.limits.of(log).log(
                 logging.WARNING,
                 "delete:timeout",
                 "read %s: could not delete %d corrupt block(s) (%s) within %g s (slice_timeout)",

@@ -18,7 +18,6 @@ import anyio
 
 from .._errors import BackendError, OperationTimeout
 from .._keys import Tokens, block_keys
-from .._lograte import LogLimiter
 from .._plan import SliceSpec, leading_run, plan_slices
 from .._results import BlockLocation, Holder, ReadStopReason, Residency, ResidencyEntry
 from ..backends._base import KeyBatch
@@ -28,8 +27,8 @@ from ._state import CallState, ReadState, RequestState, WriteState, describe_err
 __all__ = ("Scheduler", "probe_leading")
 
 log = logging.getLogger("kvpipe.scheduler")
-#: A store that is down fails every write's probe: bounded (:mod:`kvpipe._lograte`).
-_probe_failed = LogLimiter(log)
+# A store that is down fails every write's probe: its lines are bounded per pipeline
+# (``ActorContext.limits``).
 
 #: Sequences longer than this have their keys hashed in a worker thread.
 _THREAD_KEYS_TOKENS = 32768
@@ -142,7 +141,7 @@ class Scheduler(Actor[RequestState]):
         def failed(exc: BackendError | OperationTimeout) -> None:
             # Deduplication is an optimisation: without it the blocks are rewritten.
             ctx.metrics.counters["probe_errors"] += 1
-            _probe_failed.log(
+            ctx.limits.of(log).log(
                 logging.WARNING,
                 "dedup_probe",
                 "write %s: dedup probe failed, writing the blocks not found stored before: %s",
