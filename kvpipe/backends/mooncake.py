@@ -17,7 +17,7 @@ import os
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import Any, Final, TypeVar, final
+from typing import Any, Final, NamedTuple, TypeVar, final
 
 import anyio
 import numpy as np
@@ -35,9 +35,6 @@ from ._mooncake_setup import Setup
 __all__ = ("MooncakeStore",)
 
 log = logging.getLogger("kvpipe.mooncake")
-#: A master that is down (or going down) fails every call alike: the per-call lines are
-#: bounded (:mod:`kvpipe._lograte`), kinds by call and exception type.
-_repeats = LogLimiter(log)
 T = TypeVar("T")
 
 NO_SPACE: Final = -200
@@ -132,7 +129,18 @@ def _region(buffer: memoryview) -> tuple[int, int]:
     return int(np.frombuffer(buffer, np.uint8).ctypes.data), len(buffer)
 
 
+class _Lines(NamedTuple):
+    """Where a store's worker-thread calls log: a master that is down (or going down) fails
+    every call alike, so the lines are bounded (:mod:`kvpipe._lograte`), kinds by call and
+    exception type, per store (another store's never hide this one's), and name its master.
+    """
+
+    repeats: LogLimiter
+    master: str
+
+
 def _put_from_staging(
+    lines: _Lines,
     client: Any,
     distrusted: frozenset[str],
     keys: list[str],
@@ -180,7 +188,8 @@ def _put_from_staging(
     replace = [i for i in range(n) if stored[i] > 0 and keys[i] in distrusted]
     known = [i for i in range(n) if stored[i] > 0 and keys[i] not in distrusted]
     if known:
-        for i, code in _read_and_compare(client, [keys[i] for i in known], known, size, views):
+        stored_keys = [keys[i] for i in known]
+        for i, code in _read_and_compare(lines, client, stored_keys, known, size, views):
             if code == NOT_FOUND:
                 fresh.append(i)
             elif code == 0:
@@ -211,10 +220,11 @@ def _put_from_staging(
         except Exception as exc:
             if not published:
                 raise
-            _repeats.log(
+            lines.repeats.log(
                 logging.ERROR,
                 f"published:{name}:{type(exc).__name__}",
-                "mooncake: %s raised after values were published: %s",
+                "mooncake %s: %s raised after values were published: %s",
+                lines.master,
                 name,
                 repr(exc),
             )
@@ -222,11 +232,11 @@ def _put_from_staging(
         for i, code in zip(picked, codes, strict=True):
             out[i] = (code, how)
             published = published or code == 0
-    _check_visible(client, keys, out)
+    _check_visible(lines, client, keys, out)
     return out
 
 
-def _check_visible(client: Any, keys: list[str], out: list[tuple[int, str]]) -> None:
+def _check_visible(lines: _Lines, client: Any, keys: list[str], out: list[tuple[int, str]]) -> None:
     """Fail (``"not_visible"``) each key ``batch_put_from`` answered 0 for that
     ``batch_is_exist`` does not find now. The vendor answers 0 for a key whose put another
     writer has begun and not ended (its "already exists" counts as success), though it can
@@ -240,10 +250,11 @@ def _check_visible(client: Any, keys: list[str], out: list[tuple[int, str]]) -> 
     try:
         found = _codes("batch_is_exist", client.batch_is_exist([keys[i] for i in put]), len(put))
     except Exception as exc:
-        _repeats.log(
+        lines.repeats.log(
             logging.ERROR,
             f"check_visible:{type(exc).__name__}",
-            "mooncake: batch_is_exist after a put raised: %s",
+            "mooncake %s: batch_is_exist after a put raised: %s",
+            lines.master,
             repr(exc),
         )
         return
@@ -253,7 +264,12 @@ def _check_visible(client: Any, keys: list[str], out: list[tuple[int, str]]) -> 
 
 
 def _read_and_compare(
-    client: Any, keys: list[str], at: list[int], size: int, views: list[memoryview]
+    lines: _Lines,
+    client: Any,
+    keys: list[str],
+    at: list[int],
+    size: int,
+    views: list[memoryview],
 ) -> list[tuple[int, int]]:
     """Read stored ``keys`` (at positions ``at`` of ``views``) into scratch memory registered
     for the call, at most :data:`SCRATCH_MAX` bytes (one key) at a time, and compare them
@@ -267,7 +283,8 @@ def _read_and_compare(
     step = max(1, SCRATCH_MAX // size)
     out: list[tuple[int, int]] = []
     for lo in range(0, len(keys), step):
-        out += _compare_piece(client, keys[lo : lo + step], at[lo : lo + step], size, views)
+        piece = keys[lo : lo + step], at[lo : lo + step]
+        out += _compare_piece(lines, client, *piece, size, views)
     return out
 
 
@@ -279,7 +296,12 @@ def _code_name(what: str, code: int) -> str:
 
 
 def _compare_piece(
-    client: Any, keys: list[str], at: list[int], size: int, views: list[memoryview]
+    lines: _Lines,
+    client: Any,
+    keys: list[str],
+    at: list[int],
+    size: int,
+    views: list[memoryview],
 ) -> list[tuple[int, int]]:
     """:func:`_read_and_compare` of one piece, in one scratch buffer."""
     scratch = np.empty((len(keys), size), np.uint8)
@@ -303,10 +325,11 @@ def _compare_piece(
             answer = repr(exc)
         if answer != 0:  # still registered: never freed under the transfer engine
             _KEPT.append(scratch)
-            _repeats.log(
+            lines.repeats.log(
                 logging.ERROR,
                 "scratch_unregister",
-                "mooncake: unregister_buffer of put scratch returned %s; kept",
+                "mooncake %s: unregister_buffer of put scratch returned %s; kept",
+                lines.master,
                 answer,
             )
     out = []
@@ -418,6 +441,8 @@ class MooncakeStore(StorageBackend):
         self._setup: Setup | None = None
         self._setup_threads = WorkerThreads()
         self._counters: Counter[str] = Counter()
+        #: Its worker threads' log lines: bounded per store, naming its master.
+        self._lines = _Lines(LogLimiter(log), master)
         self._inflight = InFlight(lambda: BackendError(self.name, "call", "the store is closing"))
         self._index = ResidencyIndex(self.name, self._call)
 
@@ -726,6 +751,7 @@ class MooncakeStore(StorageBackend):
         with _translated("put"):
             outcomes = await batch.run_sync(
                 self._inflight.track(_put_from_staging),
+                self._lines,
                 client,
                 distrusted,
                 keys,

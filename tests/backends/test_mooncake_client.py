@@ -16,7 +16,7 @@ import kvpipe
 from kvpipe._keys import Scope, as_tokens
 from kvpipe._staging import StagingPool
 from kvpipe._workers import ThreadRunner
-from kvpipe.backends import BlockStatus, GetBatch, KeyBatch
+from kvpipe.backends import BlockStatus, GetBatch, KeyBatch, PutBatch
 from kvpipe.backends import mooncake as mc
 from kvpipe.backends._values import VALUES_FINGERPRINT, ValueClient
 from tests.helpers import checkpoints, until
@@ -443,7 +443,8 @@ def test_a_put_compares_stored_values_in_bounded_scratch(monkeypatch: pytest.Mon
     client = StoredValuesClient(values)
     mine = [bytes([i if i != 5 else 99]) * size for i in range(8)]
     views = [memoryview(v) for v in mine]
-    got = mc._read_and_compare(client, [f"k{i}" for i in range(8)], list(range(8)), size, views)
+    lines = mc._Lines(mc.LogLimiter(mc.log), "10.0.0.1:50051")
+    got = mc._read_and_compare(lines, client, [f"k{i}" for i in range(8)], [*range(8)], size, views)
     assert got == [(i, mc._DIFFERENT if i == 5 else 0) for i in range(8)]
     assert client.registered == [3 * size, 3 * size, 2 * size]
 
@@ -658,7 +659,8 @@ def test_put_scratch_whose_unregister_raised_is_never_freed(
     client = RaisingScratchUnregisterClient({"k0": b"\x00" * size, "k1": b"\x01" * size})
     views = [memoryview(b"\x00" * size), memoryview(b"\x07" * size)]
     with caplog.at_level("ERROR", logger="kvpipe.mooncake"):
-        got = mc._read_and_compare(client, ["k0", "k1"], [0, 1], size, views)
+        lines = mc._Lines(mc.LogLimiter(mc.log), "10.0.0.1:50051")
+        got = mc._read_and_compare(lines, client, ["k0", "k1"], [0, 1], size, views)
     assert got == [(0, 0), (1, mc._DIFFERENT)]
     assert [int(a.ctypes.data) for a in kept] == client.addresses
     assert "region busy" in caplog.text
@@ -776,15 +778,65 @@ def test_a_master_going_down_on_every_put_logs_a_bounded_number_of_errors(
     views = [memoryview(value), memoryview(value)]
     addresses = [int(value.ctypes.data)] * 2
     n = 20
+    lines = mc._Lines(mc.LogLimiter(mc.log), "10.0.0.1:50051")  # one store's
     with caplog.at_level("DEBUG", logger="kvpipe.mooncake"):
         for _ in range(n):
             got = mc._put_from_staging(
-                client, frozenset(), ["fresh", "stored"], addresses, 64, views
+                lines, client, frozenset(), ["fresh", "stored"], addresses, 64, views
             )
             assert got[0] == (0, "put")
     loud = [r.getMessage() for r in caplog.records if r.levelno >= 30]
     assert len(loud) == 1 and "master unreachable" in loud[0], loud
     assert sum("master unreachable" in r.getMessage() for r in caplog.records) == n
+
+
+async def test_one_masters_errors_do_not_hide_another_masters_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two stores over two masters in one process, both going down on every put: the
+    stores shared one log limiter, so the first's repeated ERRORs hid the second's first at
+    DEBUG, and a line did not say which store it was about. Each store's lines are bounded
+    on their own and name its master."""
+    stores = [
+        kvpipe.MooncakeStore(master, "http://127.0.0.1:1/metadata", client=client)
+        for master, client in (
+            ("10.0.0.1:50051", MasterGoingDownClient("visible")),
+            ("10.0.0.2:50051", MasterGoingDownClient("visible")),
+        )
+    ]
+    pool = StagingPool(64, 2)
+    lease = pool.try_acquire(2)
+    assert lease is not None
+
+    async def put(store: kvpipe.MooncakeStore, runner: ThreadRunner) -> None:
+        batch = PutBatch(
+            Scope("ns", VALUES_FINGERPRINT),
+            "r",
+            ["fresh", "stored"],
+            0,
+            as_tokens(np.zeros(0, np.int64)),
+            lease=lease,
+            value_nbytes=64,
+            runner=runner,
+            limiter=None,
+        )
+        assert (await store.put_blocks(batch))[0] is BlockStatus.OK
+
+    try:
+        async with ThreadRunner() as runner:
+            with caplog.at_level("DEBUG", logger="kvpipe.mooncake"):
+                for _ in range(5):
+                    await put(stores[0], runner)
+                await put(stores[1], runner)
+                await put(stores[0], runner)
+    finally:
+        lease.release()
+        for store in stores:
+            await store.aclose()
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert len(loud) == 2, loud  # each store's first
+    assert "10.0.0.1:50051" in loud[0] and "10.0.0.2:50051" in loud[1], loud
+    assert all("master unreachable" in m for m in loud), loud
 
 
 @pytest.mark.parametrize("own", [True, False])
