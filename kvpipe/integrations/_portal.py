@@ -79,6 +79,7 @@ class LoopThread:
         self._joiner: threading.Thread | None = None  # joins the loop thread, once closing
         self._ended = False  # the loop thread has ended (under _lock)
         self._left_running = False  # close returned before it had (under _lock)
+        self._stopping = False  # close stopped the loop: what it cuts off ends cancelled
         self._closers: list[Callable[[], object]] = []
         self._leaving: set[concurrent.futures.Future[None]] = set()  # exits in progress
         self._stack = contextlib.ExitStack()
@@ -169,10 +170,7 @@ class LoopThread:
             if not closing:
                 self._closers.append(leave)
         if closing:  # close() took its closers before this one: exit it here
-            try:
-                leave()
-            except Exception:
-                log.exception("%s: error while closing", self.name)
+            self._run_closer(leave)
             raise self._closed_error()
 
         def leave_soon() -> None:
@@ -279,10 +277,7 @@ class LoopThread:
         def close_all() -> None:
             # then wait for the exits started early (leave_soon) too
             for closer in closers + [f.result for f in list(self._leaving)]:
-                try:
-                    closer()
-                except Exception:
-                    log.exception("%s: error while closing", self.name)
+                self._run_closer(closer)
 
         # In a helper thread, so that a stuck closer cannot hold the caller past close_timeout.
         helper = threading.Thread(target=close_all, name=f"{self.name}-close", daemon=True)
@@ -290,6 +285,7 @@ class LoopThread:
         helper.join(self.close_timeout + HOP_SLACK)
         if helper.is_alive():
             log.error("%s: close did not finish within %.1f s", self.name, self.close_timeout)
+        self._stopping = True
         try:
             self.portal.call(self.portal.stop, True)
         except Exception:
@@ -328,6 +324,23 @@ class LoopThread:
                 self._in_use(),
             )
         return False
+
+    def _run_closer(self, closer: Callable[[], object]) -> None:
+        """Run ``closer`` (an exit, waited for), logging what it raised at ERROR. An exit
+        that the loop's stop cut off ends cancelled (``concurrent.futures.CancelledError``,
+        raised when it ends, maybe long after :meth:`close` returned): that is no error in
+        closing (what it shields from cancellation ran to its end; an error it raised comes
+        as itself): DEBUG. Close itself logs at ERROR a closer that outlasted
+        ``close_timeout``, and returning while the loop thread still runs."""
+        try:
+            closer()
+        except concurrent.futures.CancelledError:
+            if not self._stopping:  # nothing else cancels an exit: say so, loudly
+                log.exception("%s: error while closing", self.name)
+            else:
+                log.debug("%s: an exit was cut off by the loop stopping", self.name)
+        except Exception:
+            log.exception("%s: error while closing", self.name)
 
     def _in_use(self) -> str:
         if self.holds is None:

@@ -10,6 +10,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -409,16 +410,21 @@ def test_close_returns_by_its_timeout_while_the_mooncake_store_drains_a_hung_cal
         closer.join(30)
 
 
-def test_a_close_that_returns_while_a_copy_into_the_caches_runs_says_so_and_keeps_them(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A read's copy into the caches runs in a worker thread, shielded from cancellation,
-    and outlasts ``close_timeout``: ``close()`` returned by its bound (as it must), having
-    let go of the pipelines over the caches and logged only that "the loop thread still
-    runs a task that ignores cancellation", so FastDeploy went on to free or reuse caches
-    that kvpipe was still writing into. It now says, at ERROR, that the caches may still
-    be read or written and must not be freed or reused, keeps the pipelines over them
-    until the loop thread has ended, and logs when it has."""
+@dataclass
+class _LateCopy:
+    """An adapter whose read's copy into the caches outlasts ``close_timeout``."""
+
+    store: KVPipeAttentionStore
+    release: threading.Event  # lets the copy end
+    reading: threading.Thread  # the read's caller
+    outcome: list[BaseException | None]  # what the read raised (None: it returned)
+
+
+@contextlib.contextmanager
+def _copy_outlasting_close(monkeypatch: pytest.MonkeyPatch) -> Iterator[_LateCopy]:
+    """A read's copy into the caches held (in its worker thread, shielded from
+    cancellation) until ``release`` is set, running once entered; ``close_timeout`` 0.2 s,
+    :data:`HOP_SLACK` 0.05 s."""
     from kvpipe import _engine
     from kvpipe.actors import reader
     from kvpipe.integrations import _portal
@@ -448,20 +454,204 @@ def test_a_close_that_returns_while_a_copy_into_the_caches_runs_says_so_and_keep
     reading.start()
     try:
         assert copying.wait(30)
+        yield _LateCopy(store, release, reading, outcome)
+    finally:
+        release.set()
+        reading.join(30)
+
+
+def test_a_close_that_returns_while_a_copy_into_the_caches_runs_says_so_and_keeps_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read's copy into the caches runs in a worker thread, shielded from cancellation,
+    and outlasts ``close_timeout``: ``close()`` returned by its bound (as it must), having
+    let go of the pipelines over the caches and logged only that "the loop thread still
+    runs a task that ignores cancellation", so FastDeploy went on to free or reuse caches
+    that kvpipe was still writing into. It now says, at ERROR, that the caches may still
+    be read or written and must not be freed or reused, keeps the pipelines over them
+    until the loop thread has ended, and logs when it has."""
+    with _copy_outlasting_close(monkeypatch) as late:
+        store = late.store
         with caplog.at_level(logging.INFO, "kvpipe.integrations"):
             store.close()  # returns by its bound, the copy into blocks 2 and 3 still running
-            assert not release.is_set()
+            assert not late.release.is_set()
             errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
             assert any("do not free or reuse" in e and "caches" in e for e in errors), errors
             assert store._pipes, "the pipeline over caches still in use was let go"
             caplog.clear()
-            release.set()  # the copy ends, the read with it, then the loop thread
-            reading.join(30)
-            assert outcome == [None]
+            late.release.set()  # the copy ends, the read with it, then the loop thread
+            late.reading.join(30)
+            assert late.outcome == [None]
+            assert store._loop._joiner is not None
             store._loop._joiner.join(30)
         assert not store._pipes
         ended = [r.getMessage() for r in caplog.records if "has ended" in r.getMessage()]
         assert len(ended) == 1 and "caches" in ended[0], ended
+
+
+def test_a_late_end_of_the_loop_logs_no_close_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``close()`` returned by its bound, a copy into the caches still running; when it
+    ended, and the loop thread with it, each closer the loop's stop had cut off (the
+    pipeline's exit, the store's) logged "error while closing" at ERROR with a
+    ``concurrent.futures.CancelledError`` traceback: the portal's own cancelling, not an
+    error in closing, and at 3 a.m. it reads as one. The late end logs what it means to:
+    that nothing uses the caches any more."""
+    with _copy_outlasting_close(monkeypatch) as late:
+        loop = late.store._loop
+        with caplog.at_level(logging.DEBUG, "kvpipe.integrations"):
+            assert loop.close() is False  # the copy into blocks 2 and 3 still running
+            # close's helper: it still runs the closers that the loop's stop cut off
+            helpers = [t for t in threading.enumerate() if t.name == f"{loop.name}-close"]
+            assert helpers
+            caplog.clear()
+            late.release.set()  # the copy ends, the read with it, then the loop thread
+            late.reading.join(30)
+            assert loop._joiner is not None
+            loop._joiner.join(30)
+            for helper in helpers:
+                helper.join(30)  # every closer's outcome logged
+        ours = [r for r in caplog.records if r.name == "kvpipe.integrations"]
+        loud = [(r.levelname, r.getMessage()) for r in ours if r.levelno >= logging.WARNING]
+        assert loud == [
+            (
+                "WARNING",
+                f"{loop.name}: the loop thread has ended: nothing uses "
+                "FastDeploy's caches any more",
+            )
+        ], loud
+
+
+class _ExitsLate:
+    """An async context manager whose exit runs, shielded from cancellation (as a store's
+    own bounded close, a copy into the caller's caches), until :attr:`release` is set; it
+    then raises :attr:`error` when given, else passes a checkpoint (where the loop's stop
+    cancels it). Its entering waits for :attr:`may_enter` when given."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.release = threading.Event()
+        self.may_enter: anyio.Event | None = None
+        self.exiting: anyio.Event | None = None
+
+    async def __aenter__(self) -> _ExitsLate:
+        self.exiting = anyio.Event()
+        if self.may_enter is not None:
+            await self.may_enter.wait()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self.exiting is not None
+        self.exiting.set()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.release.wait, 60)
+        if self.error is not None:
+            raise self.error
+        await anyio.lowlevel.checkpoint()
+
+
+def _close_helpers(loop: LoopThread) -> list[threading.Thread]:
+    """The threads in which ``loop``'s close runs its closers."""
+    return [t for t in threading.enumerate() if t.name == f"{loop.name}-close"]
+
+
+def _loud(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, type[BaseException] | None]]:
+    """The LoopThread's records at WARNING or above: level, message, the error logged."""
+    return [
+        (r.levelname, r.getMessage(), r.exc_info[0] if r.exc_info else None)
+        for r in caplog.records
+        if r.name == "kvpipe.integrations" and r.levelno >= logging.WARNING
+    ]
+
+
+@pytest.mark.parametrize("error", [None, kvpipe.BackendError("memory", "close", "injected")])
+def test_an_exit_ending_after_close_returned_logs_only_its_own_error(
+    error: Exception | None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An exit that ignores cancellation outlasts ``close_timeout``; ``close()`` returns by
+    its bound. When the exit ends, the loop thread with it, an exit that ended cancelled
+    (by the loop's stop) logged "error while closing" at ERROR with a
+    ``concurrent.futures.CancelledError``; an exit that raised its own error is still
+    logged so, with that error."""
+    from kvpipe.integrations import _portal
+
+    monkeypatch.setattr(_portal, "HOP_SLACK", 0.05)
+    loop = LoopThread("test-late-exit", close_timeout=0.1)
+    cm = _ExitsLate(error)
+    try:
+        loop.enter(cm, wait=30.0)
+        with caplog.at_level(logging.DEBUG, "kvpipe.integrations"):
+            assert loop.close() is False
+            helpers = _close_helpers(loop)
+            caplog.clear()
+            cm.release.set()  # the exit ends, then the loop thread
+            assert loop._joiner is not None
+            loop._joiner.join(30)
+            for helper in helpers:
+                helper.join(30)  # every closer's outcome logged
     finally:
-        release.set()
-        reading.join(30)
+        cm.release.set()
+    ended = ("WARNING", "test-late-exit: the loop thread has ended", None)
+    expected = [ended]
+    if error is not None:
+        expected.append(("ERROR", "test-late-exit: error while closing", kvpipe.BackendError))
+    assert sorted(_loud(caplog), key=str) == sorted(expected, key=str)
+
+
+def test_an_enter_racing_close_logs_no_close_error_for_its_exit_cut_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ``enter`` that finished after ``close()`` took its closers exits what it entered
+    itself; that exit ignores cancellation and outlasts ``close_timeout``, so the loop's
+    stop cuts it off. It then logged "error while closing" at ERROR with a
+    ``concurrent.futures.CancelledError``, as did the closer that close's stop cut off:
+    the portal's cancelling, not an error in closing. ``enter`` raises ``PipelineClosed``,
+    and the only ERRORs are close's own."""
+    from kvpipe.integrations import _portal
+
+    monkeypatch.setattr(_portal, "HOP_SLACK", 0.05)
+    loop = LoopThread("test-enter-race-late", close_timeout=0.5)
+    late = _ExitsLate()
+
+    async def make_event() -> anyio.Event:
+        return anyio.Event()
+
+    late.may_enter = loop.call(make_event, wait=10.0)
+    first = _Recorded()
+
+    async def let_late_enter_and_exit_then_hang() -> None:
+        assert late.may_enter is not None
+        late.may_enter.set()  # close() already holds its closers: this one is first's
+        assert late.exiting is not None
+        await late.exiting.wait()
+        await anyio.sleep_forever()  # until the loop's stop cancels it
+
+    first.on_exit = let_late_enter_and_exit_then_hang
+    loop.enter(first)
+    outcome, enter_late = _outcome_of(lambda: loop.enter(late, wait=30.0))
+    thread = threading.Thread(target=enter_late)
+    thread.start()
+    try:
+        assert first.started.wait(30)
+        with caplog.at_level(logging.DEBUG, "kvpipe.integrations"):
+            assert loop.close() is False  # late's exit still runs
+            helpers = _close_helpers(loop)
+            late.release.set()  # late's exit ends, cancelled, then the loop thread
+            thread.join(30)
+            assert loop._joiner is not None
+            loop._joiner.join(30)
+            for helper in helpers:
+                helper.join(30)
+    finally:
+        late.release.set()
+        thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], kvpipe.PipelineClosed), outcome
+    errors = [m for level, m, _ in _loud(caplog) if level == "ERROR"]
+    assert errors == [
+        "test-enter-race-late: close did not finish within 0.5 s",
+        "test-enter-race-late: the loop thread still runs a task that ignores cancellation; "
+        "left to finish on its own",
+    ], errors
