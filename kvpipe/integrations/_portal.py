@@ -180,7 +180,7 @@ class LoopThread:
                     return  # close() exits it, or it is leaving already
                 self._closers.remove(leave)
                 self._leaving.add(task)
-            task.add_done_callback(self._leaving.discard)
+            task.add_done_callback(self._left)
             with contextlib.suppress(RuntimeError):  # the loop stopped: exited by then
                 self.portal.start_task_soon(held.leave.set)
 
@@ -275,9 +275,10 @@ class LoopThread:
         atexit.unregister(self._atexit)
 
         def close_all() -> None:
-            # then wait for the exits started early (leave_soon) too
-            for closer in closers + [f.result for f in list(self._leaving)]:
+            for closer in closers:
                 self._run_closer(closer)
+            # then wait for the exits started early (leave_soon) too: _left logs how they end
+            concurrent.futures.wait(list(self._leaving))
 
         # In a helper thread, so that a stuck closer cannot hold the caller past close_timeout.
         helper = threading.Thread(target=close_all, name=f"{self.name}-close", daemon=True)
@@ -324,6 +325,12 @@ class LoopThread:
                 self._in_use(),
             )
         return False
+
+    def _left(self, task: concurrent.futures.Future[None]) -> None:
+        """An exit started early (``leave_soon``) has ended: logged as a closer's outcome,
+        which nothing else reads."""
+        self._leaving.discard(task)
+        self._run_closer(task.result)
 
     def _run_closer(self, closer: Callable[[], object]) -> None:
         """Run ``closer`` (an exit, waited for), logging what it raised at ERROR. An exit

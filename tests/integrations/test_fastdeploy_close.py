@@ -655,3 +655,59 @@ def test_an_enter_racing_close_logs_no_close_error_for_its_exit_cut_off(
         "test-enter-race-late: the loop thread still runs a task that ignores cancellation; "
         "left to finish on its own",
     ], errors
+
+
+class _FailsToExit:
+    """An async context manager whose exit raises (as a pipeline's does when an actor's
+    error surfaces at its close), once :attr:`may_end` is set."""
+
+    def __init__(self) -> None:
+        self.exiting = threading.Event()
+        self.may_end: anyio.Event | None = None
+
+    async def __aenter__(self) -> _FailsToExit:
+        self.may_end = anyio.Event()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self.may_end is not None
+        self.exiting.set()
+        await self.may_end.wait()
+        raise kvpipe.BackendError("memory", "close", "injected")
+
+
+@pytest.mark.parametrize("at_close", [False, True], ids=["before-close", "at-close"])
+def test_an_exit_started_early_that_raised_is_logged_once(
+    at_close: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exit started early (the function ``enter`` returns beside its value; the adapter
+    retires the pipeline over replaced caches so) that raised: nobody read its outcome
+    once it had ended, so the error vanished, where ``close()`` logs an exit's error at
+    ERROR. It is logged at ERROR, once, whether it ended before ``close()`` or during it."""
+    loop = LoopThread("test-leave-soon-error")
+    cm = _FailsToExit()
+    other = _Recorded()  # exited by close(), before it waits for the exit started early
+
+    async def let_it_end() -> None:
+        assert cm.may_end is not None
+        cm.may_end.set()
+
+    async def noop() -> None:
+        pass
+
+    with caplog.at_level(logging.DEBUG, "kvpipe.integrations"):
+        try:
+            _, leave_soon = loop.enter(cm, wait=30.0)
+            loop.enter(other, wait=30.0)
+            leave_soon()
+            assert cm.exiting.wait(30)
+            if at_close:
+                other.on_exit = let_it_end
+            else:
+                loop.call(let_it_end, wait=30.0)
+                loop.call(noop, wait=30.0)  # after the exit's step: it has ended
+                assert not loop._leaving
+        finally:
+            assert loop.close() is True
+    errors = [(m, error) for level, m, error in _loud(caplog) if level == "ERROR"]
+    assert errors == [("test-leave-soon-error: error while closing", kvpipe.BackendError)]
