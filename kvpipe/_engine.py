@@ -33,9 +33,11 @@ async def run_copy(
     *args: Any,
     hold: StagingLease,
     start_by: float | None = None,
+    uses: object | None = None,
 ) -> T:
     """``fn(*args)``, host work on ``nbytes`` of staging: inline after one checkpoint when
-    small, else in a copy worker thread of ``lane`` (holding ``hold`` until it returns).
+    small, else in a copy worker thread of ``lane`` (holding ``hold``, and ``uses``, the
+    cache it copies out of or into, until it returns: :meth:`ThreadRunner.run`).
 
     Raises:
         NotStarted: ``start_by`` (event-loop time) passed before the work started, inline
@@ -46,7 +48,7 @@ async def run_copy(
         if start_by is not None and current_time() >= start_by:
             raise NotStarted(f"not started by {start_by:.3f}")
         return fn(*args)
-    return await runner.run(fn, *args, hold=hold, lane=lane, start_by=start_by)
+    return await runner.run(fn, *args, hold=hold, lane=lane, start_by=start_by, uses=uses)
 
 
 class OrderMark(abc.ABC):
@@ -188,6 +190,7 @@ class HostEngine(CopyEngine):
             lease.pool.buffer,
             hold=lease,
             start_by=start_by,
+            uses=self.cache,
         )
 
     async def scatter(
@@ -203,5 +206,5 @@ class HostEngine(CopyEngine):
         buffer = lease.pool.buffer
         await run_copy(
             self.runner, self.limiter, plan.nbytes, scatter, plan, buffer, rows, hold=lease,
-            start_by=start_by,
+            start_by=start_by, uses=self.cache,
         )  # fmt: skip

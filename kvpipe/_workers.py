@@ -256,14 +256,18 @@ class _Call:
     while the thread ran, the thread itself (through the event loop). A call whose caller
     gave up before the thread started never starts."""
 
-    __slots__ = ("abandoned", "lock", "outcome", "started")
+    __slots__ = ("abandoned", "left_at_close", "lock", "outcome", "started", "uses")
 
-    def __init__(self) -> None:
+    def __init__(self, uses: object | None) -> None:
         self.lock = threading.Lock()
         self.started = False
         self.abandoned = False
         #: The thread's outcome box (see :func:`unboxed`), once reported to a waiting caller.
         self.outcome: list[Any] | None = None
+        #: The caller's memory the call reads or writes (a pipeline's cache), until it ends.
+        self.uses = uses
+        #: A close returned while it ran (set under ``lock``): its end is logged.
+        self.left_at_close = False
 
 
 @final
@@ -271,7 +275,8 @@ class ThreadRunner:
     """Runs blocking functions in worker threads, holding staging until they return.
 
     A caller waiting in :meth:`run` may be cancelled (a slice timeout); the thread cannot be,
-    so the runner keeps its own reference on the lease and returns it when the thread ends.
+    so the runner keeps its own reference on the lease and returns it when the thread ends,
+    and on what of the caller's the call uses (``uses``: a pipeline's cache) likewise.
     Use as an async context manager; leaving it waits (bounded) for running threads.
     """
 
@@ -279,6 +284,8 @@ class ThreadRunner:
         self._threads = WorkerThreads(nice)
         self._open = False
         self._running = 0
+        #: Calls given ``uses`` that have not finished (event-loop thread only).
+        self._using: set[_Call] = set()
         self._idle = anyio.Event()
         self._idle.set()
         self._close_timeout = close_timeout
@@ -324,10 +331,28 @@ class ThreadRunner:
         if not idle and self._running:
             log.error(
                 "%d worker thread(s) still running at the close deadline; abandoning them "
-                "(their staging slots stay leased)",
+                "(their staging slots stay leased)%s",
                 self._running,
+                self._left_using(),
             )
         deferred.raise_if_received()
+
+    def _left_using(self) -> str:
+        """What of the caller's the calls left running at close still use, for the close's
+        ERROR (empty when none does); each such call logs its end (:meth:`run`)."""
+        used: dict[int, object] = {}
+        for call in self._using:
+            with call.lock:  # the thread clears ``uses`` as it ends
+                if call.uses is not None:
+                    call.left_at_close = True
+                    used[id(call.uses)] = call.uses
+        if not used:
+            return ""
+        return (
+            f"; they may still read or write {', '.join(map(repr, used.values()))}: do not "
+            "free or reuse its memory until they have ended (logged; kvpipe keeps it "
+            "referenced until then)"
+        )
 
     async def run(
         self,
@@ -336,6 +361,7 @@ class ThreadRunner:
         hold: StagingLease | None = None,
         lane: Lane | None = None,
         start_by: float | None = None,
+        uses: object | None = None,
     ) -> T:
         """Call ``fn(*args)`` in one of the runner's worker threads and return its result;
         with ``lane``, once fewer of the lane's calls run than it allows.
@@ -345,6 +371,9 @@ class ThreadRunner:
                 waiting in its lane then never starts (:class:`NotStarted`); one started
                 runs to its end. For work that must not be cut off once begun (a copy into
                 the caller's cache) but is of no more use after a deadline.
+            uses: The caller's memory that ``fn`` reads or writes (a pipeline's cache): kept
+                referenced until the thread returns; a close that abandons the call names it
+                at ERROR, and the call's end is then logged at WARNING.
 
         Cancellation: cancelling the caller stops the wait at once. A call still waiting in
         its lane never starts (``hold`` is let go at once); a running one runs on, and
@@ -361,7 +390,9 @@ class ThreadRunner:
         self._running += 1
         if self._running == 1:
             self._idle = anyio.Event()
-        call = _Call()
+        call = _Call(uses)
+        if uses is not None:
+            self._using.add(call)
         token = anyio.lowlevel.current_token()
         done = anyio.Event()
         # The thread takes the call out of this box: no argument (staging view) outlives it.
@@ -371,7 +402,7 @@ class ThreadRunner:
             outcome = result[:]
             result.clear()  # the thread, however late it returns, holds none of it
             if call.abandoned:
-                self._finish(hold)  # the caller gave up while the thread ran
+                self._finish(hold, call)  # the caller gave up while the thread ran
             else:
                 call.outcome = outcome
                 done.set()
@@ -391,6 +422,16 @@ class ThreadRunner:
             except BaseException as exc:
                 result[:] = [False, exc]
             del f, a
+            if call.uses is not None:
+                with call.lock:
+                    used, call.uses = call.uses, None
+                    late = call.left_at_close
+                if late:
+                    log.warning(  # named, not passed: a record would keep it
+                        "a copy abandoned at close has ended: kvpipe no longer reads or writes %s",
+                        repr(used),
+                    )
+                del used  # let go of it now, whether the event loop is still there or not
             try:
                 _call_soon(token, report, result)
             except Exception as exc:  # the event loop is gone: nothing to release
@@ -417,19 +458,21 @@ class ThreadRunner:
                 call.abandoned = True
             if not started:
                 box.clear()  # queued in its lane: its arguments go now, not when it is taken
-                self._finish(hold)  # it never ran, and now never will
+                call.uses = None
+                self._finish(hold, call)  # it never ran, and now never will
             elif done.is_set():  # its report came first (the wait after start_by was cut)
                 call.outcome = None
-                self._finish(hold)
+                self._finish(hold, call)
             raise  # else its report finishes the call when it returns
-        self._finish(hold)
+        self._finish(hold, call)
         outcome, call.outcome = call.outcome, None
         assert outcome is not None
         return unboxed(outcome)  # type: ignore[no-any-return]
 
-    def _finish(self, hold: StagingLease | None) -> None:
+    def _finish(self, hold: StagingLease | None, call: _Call) -> None:
         if hold is not None:
             hold.release()
+        self._using.discard(call)
         self._running -= 1
         if self._running == 0:
             self._idle.set()

@@ -105,6 +105,12 @@ class Pipeline:
         """Stop accepting requests, let in-flight ones finish (each by its deadline, at most
         ``close_timeout``), stop the actors and return all staging.
 
+        The cache is written no more once the pipeline's block has exited (a copy into it is
+        waited for). A write's copy out of it still running in a worker thread at the close
+        deadline is abandoned: the exit logs at ERROR that the cache may still be read and
+        keeps it referenced until that copy ends (logged at WARNING); its memory must not
+        be freed until then.
+
         Raises:
             WrongEventLoop: Called from another thread or event loop than the one that
                 opened the pipeline (nothing is closed: hand the call to that loop).
@@ -447,6 +453,8 @@ async def open_pipeline(
         then the actors stop and staging is returned; for a device cache the engine then
         waits for its streams and frees its device and pinned memory (pinned staging is left
         allocated, and logged, if a worker thread abandoned at close may still use it).
+        A copy out of ``cache`` abandoned so is named at ERROR, and ``cache`` kept
+        referenced until it ends (see :meth:`Pipeline.aclose`).
     """
     pipe = Pipeline(
         cache,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import logging
 import threading
 import weakref
 from collections.abc import Sequence
@@ -488,3 +490,90 @@ async def test_require_all_that_is_not_a_bool_loads_nothing(flag: object) -> Non
         assert pipe.statistics().in_flight == {}
     for a, b in zip(before, dst.byte_rows, strict=True):
         assert np.array_equal(a, b)
+
+
+class _HostTensor:
+    """A host tensor reached through ``data_ptr()``, as a Paddle or PyTorch CPU tensor is:
+    the cache's byte rows alias its memory without referring to it (its own array here),
+    so the memory lives only as long as something keeps the tensor."""
+
+    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+        self.array = array
+        self.shape = array.shape
+        self.dtype = array.dtype
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def is_contiguous(self) -> bool:
+        return bool(self.array.flags.c_contiguous)
+
+
+async def test_a_close_that_abandons_a_gather_out_of_the_cache_says_so_and_keeps_the_cache(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write's gather out of the cache runs in a copy thread, not shielded (a copy out of
+    the cache writes nothing into it), and is stuck past ``close_timeout``. Close returned by
+    its bound, the thread still reading the caller's cache, having logged only that worker
+    threads were abandoned with their staging slots; and nothing kvpipe kept referred to
+    the cache's tensors, so a caller that let go of them (a framework's tensors, whose
+    memory the byte rows do not keep) had their freed memory read by that thread. Close now
+    names the cache at ERROR (not to be freed or reused), keeps it referenced until the
+    thread has ended, and logs that end at WARNING. The abandoned gather's blocks are never
+    put."""
+    from kvpipe import _engine
+    from kvpipe.actors import _base
+
+    go_on, entered = threading.Event(), threading.Event()
+    gather_sealed = _base.gather_sealed
+
+    def stuck(*args: Any) -> Any:  # a gather out of the cache that takes its time
+        entered.set()
+        go_on.wait(30)
+        return gather_sealed(*args)
+
+    monkeypatch.setattr(_base, "INLINE_COPY_BYTES", 0)  # every copy in a worker thread
+    monkeypatch.setattr(_engine, "INLINE_COPY_BYTES", 0)
+    monkeypatch.setattr(_base, "gather_sealed", stuck)
+    layout = _cache().layout
+    tensors = [
+        _HostTensor(np.zeros((64, *spec.block_shape), dtype=np.dtype(spec.dtype)))
+        for _layer in range(layout.num_layers)
+        for spec in layout.role_specs
+    ]
+    tensor = weakref.ref(tensors[0])
+    cache = kvpipe.KVCache.from_tensors(layout, tensors)
+    described = repr(cache)
+    del tensors
+    store = kvpipe.MemoryStore()
+    config = kvpipe.PipelineConfig(total_timeout=100, slice_timeout=100, close_timeout=0.2)
+    try:
+        with caplog.at_level(logging.INFO, "kvpipe"), anyio.fail_after(30):  # a hang guard
+            async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+
+                async def write(p: kvpipe.Pipeline) -> None:
+                    with pytest.raises(kvpipe.PipelineClosed):
+                        await p.write(np.arange(4 * BLOCK), np.arange(4))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(write, pipe)
+                    assert await anyio.to_thread.run_sync(entered.wait, 30)
+                    await pipe.aclose()
+            # Closed, by its bound: the gather still reads the cache.
+            assert not go_on.is_set() and pipe.statistics().threads_running == 1
+            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert any("do not free or reuse" in e and described in e for e in errors), errors
+            del pipe, cache
+            gc.collect()
+            assert tensor() is not None, "nothing keeps the tensors the gather still reads"
+            caplog.clear()
+            go_on.set()
+            while tensor() is not None:  # until the thread has returned and let go of them
+                await anyio.sleep(0.01)
+                gc.collect()
+        ended = [r for r in caplog.records if "has ended" in r.getMessage()]
+        assert [r.levelname for r in ended] == ["WARNING"], ended
+        assert described in ended[0].getMessage()
+        assert store.keys() == []  # the abandoned gather's blocks were never put
+    finally:
+        go_on.set()

@@ -184,7 +184,7 @@ class ActorContext:
                 gather_sealed(rows, buffer, slots, blocks, payload, digests, checksum)
                 return data
 
-            job.data = await self.run_copy(nbytes, gather_into_new, hold=job.lease)
+            job.data = await self.run_copy(nbytes, gather_into_new, hold=job.lease, on_cache=True)
         if job.data is None and self.host_copies:
             staging, rows = job.lease, self.cache.row_groups(self.segments)
             args = (rows, staging.pool.buffer, staging.slots, blocks, payload, digests, checksum)
@@ -192,7 +192,9 @@ class ActorContext:
                 # Small: on the event loop without a checkpoint (the put that follows yields).
                 job.checksums = gather_sealed(*args)
             else:
-                job.checksums = await self.run_copy(nbytes, gather_sealed, *args, hold=staging)
+                job.checksums = await self.run_copy(
+                    nbytes, gather_sealed, *args, hold=staging, on_cache=True
+                )
         self.metrics.counters["bytes_gathered"] += nbytes
 
     def observe(self, kind: ObservationKind, seconds: float, outcome: str) -> None:
@@ -208,10 +210,21 @@ class ActorContext:
         *args: Any,
         hold: StagingLease,
         start_by: float | None = None,
+        on_cache: bool = False,
     ) -> T:
-        """:func:`kvpipe._engine.run_copy` in the pipeline's copy threads."""
+        """:func:`kvpipe._engine.run_copy` in the pipeline's copy threads; ``on_cache``: it
+        reads or writes the caller's cache (kept referenced, and named by a close that
+        abandons it, until it returns)."""
+        uses = self.cache if on_cache else None
         return await run_copy(
-            self.runner, self.copy_limiter, nbytes, fn, *args, hold=hold, start_by=start_by
+            self.runner,
+            self.copy_limiter,
+            nbytes,
+            fn,
+            *args,
+            hold=hold,
+            start_by=start_by,
+            uses=uses,
         )
 
     def digests_of(self, state: WriteState | ReadState, spec: SliceSpec) -> list[bytes]:

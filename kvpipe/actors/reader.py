@@ -203,6 +203,7 @@ class Reader(Actor[ReadState | SliceJob]):
                     staging,
                     hold=job.lease,
                     start_by=state.deadline,
+                    on_cache=True,
                 )
         except NotStarted:
             self._stop_late(state, job, count, elapsed)
@@ -253,7 +254,7 @@ class Reader(Actor[ReadState | SliceJob]):
             # Waited for in kvpipe's own threads: the event loop library's may all be busy.
             if sink is not None and not sink.close():
                 with anyio.CancelScope(shield=True):
-                    await ctx.runner.run(sink.wait_idle)
+                    await ctx.runner.run(sink.wait_idle, uses=ctx.cache)
         elapsed = current_time() - started
         if statuses is not None:
             job.lent = batch.lent() or None
@@ -357,7 +358,9 @@ class Reader(Actor[ReadState | SliceJob]):
         if nbytes <= INLINE_COPY_BYTES:  # inline (0 bytes: the reader's threshold decides)
             return await ctx.run_copy(0, work, hold=job.lease, start_by=state.deadline)
         with anyio.CancelScope(shield=True):
-            checks = await ctx.run_copy(nbytes, work, hold=job.lease, start_by=state.deadline)
+            checks = await ctx.run_copy(
+                nbytes, work, hold=job.lease, start_by=state.deadline, on_cache=True
+            )
         return checks
 
     async def _place_unseen(self, job: SliceJob, sink: RowSink, fetched: int) -> None:
@@ -370,7 +373,13 @@ class Reader(Actor[ReadState | SliceJob]):
         nbytes, deadline = len(unseen) * self.ctx.payload_nbytes, job.state.deadline
         with anyio.CancelScope(shield=True):
             await self.ctx.run_copy(
-                nbytes, sink.place_unseen, unseen, sources, hold=job.lease, start_by=deadline
+                nbytes,
+                sink.place_unseen,
+                unseen,
+                sources,
+                hold=job.lease,
+                start_by=deadline,
+                on_cache=True,
             )
 
     async def _check_again(

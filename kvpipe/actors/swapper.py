@@ -83,6 +83,7 @@ class Swapper(Actor[SliceJob]):
                             ctx.cache.row_groups(ctx.segments),
                             hold=job.lease,
                             start_by=state.deadline,
+                            on_cache=True,
                         )
                     else:
                         await ctx.engine.scatter(

@@ -263,7 +263,7 @@ class TestVirtualTime:
             await _store_all(h)
 
             async def busy_until(  # type: ignore[no-untyped-def]
-                ctx, nbytes, fn, *args, hold, start_by=None
+                ctx, nbytes, fn, *args, hold, start_by=None, on_cache=False
             ):
                 """No copy thread comes free before ``start_by``."""
                 assert start_by is not None
