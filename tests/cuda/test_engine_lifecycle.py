@@ -192,6 +192,11 @@ async def test_an_upload_that_never_completes_fails_the_open_and_frees_nothing_i
             await anyio.to_thread.run_sync(opener, abandon_on_cancel=True)
     finally:
         stuck = False  # (unbounded, the open's thread polls until the stream completes)
+    _assert_upload_kept(fake, cache)
+
+
+def _assert_upload_kept(fake: Any, cache: Any) -> None:
+    """Nothing the queued table upload uses was freed or destroyed under it; then let it end."""
     assert fake.violations == []  # nothing freed or destroyed under the queued copy
     live = fake.live()
     assert (live["pinned_allocations"], live["streams"], live["events"]) == (1, 1, 1)
@@ -243,13 +248,7 @@ def test_an_upload_interrupted_while_polling_frees_nothing_it_uses(
     monkeypatch.setattr(fake, "event_query", interrupted)
     with pytest.raises(error):
         engine_opener(fake, cache, capacity=4, max_blocks=4)()
-    assert fake.violations == []  # nothing freed or destroyed under the queued copy
-    live = fake.live()
-    assert (live["pinned_allocations"], live["streams"], live["events"]) == (1, 1, 1)
-    assert live["modules"] == 0 and live["contexts"] == 1
-    assert live["device_allocations"] == 1 + len(cache.pointers)  # the table, the cache's
-    fake.make_current()
-    fake.run_until_idle()
+    _assert_upload_kept(fake, cache)
 
 
 async def test_a_failed_launch_is_reported_and_the_engine_recovers(fake: FakeDriver) -> None:
