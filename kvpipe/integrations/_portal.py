@@ -51,7 +51,7 @@ HOP_SLACK: Final = 1.0
 # on the error's traceback, and the future kept it too, held by frames on its traceback in
 # the waiting thread. Those reference cycles kept every frame the error passed, and what
 # they refer to (an adapter, its pipeline and store, the caller's caches), until the cyclic
-# garbage collector ran.
+# garbage collector ran. So with an exit's error (``_Held.run`` returns it boxed).
 
 
 class LoopThread:
@@ -81,7 +81,7 @@ class LoopThread:
         self._left_running = False  # close returned before it had (under _lock)
         self._stopping = False  # close stopped the loop: what it cuts off ends cancelled
         self._closers: list[Callable[[], object]] = []
-        self._leaving: set[concurrent.futures.Future[None]] = set()  # exits in progress
+        self._leaving: set[concurrent.futures.Future[list[Any]]] = set()  # exits in progress
         self._stack = contextlib.ExitStack()
         options: dict[str, Any] = {}
         with contextlib.suppress(ImportError):
@@ -163,7 +163,7 @@ class LoopThread:
             assert held.leave is not None  # set before entering
             with contextlib.suppress(RuntimeError):  # the loop stopped: exited by then
                 self.portal.call(held.leave.set)
-            task.result()
+            unboxed(task.result())
 
         with self._lock:
             closing = self._closed
@@ -326,11 +326,11 @@ class LoopThread:
             )
         return False
 
-    def _left(self, task: concurrent.futures.Future[None]) -> None:
+    def _left(self, task: concurrent.futures.Future[list[Any]]) -> None:
         """An exit started early (``leave_soon``) has ended: logged as a closer's outcome,
         which nothing else reads."""
         self._leaving.discard(task)
-        self._run_closer(task.result)
+        self._run_closer(lambda: unboxed(task.result()))
 
     def _run_closer(self, closer: Callable[[], object]) -> None:
         """Run ``closer`` (an exit, waited for), logging what it raised at ERROR. An exit
@@ -372,7 +372,9 @@ class _Held:
         self.entered: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
         self.leave: anyio.Event | None = None
 
-    async def run(self) -> None:
+    async def run(self) -> list[Any]:
+        """Enter, hold, exit: the exit's outcome, boxed (``[True, None]`` or ``[False, error]``;
+        see "Boxed errors" above LoopThread); ``[True, None]`` when entering raised."""
         self.leave = anyio.Event()
         try:
             value = await self.cm.__aenter__()
@@ -383,13 +385,22 @@ class _Held:
         except BaseException as exc:  # boxed: see "Boxed errors" above LoopThread
             self.entered.set_result([False, exc])
             if isinstance(exc, Exception):
-                return
+                return [True, None]  # nothing to exit
             raise  # KeyboardInterrupt, SystemExit: handed over, and not kept from the loop
         self.entered.set_result([True, value])
         try:
             await self.leave.wait()
-        finally:
+        except BaseException:  # cancelled (the loop stopping): exited all the same
+            try:
+                await self.cm.__aexit__(None, None, None)
+            except Exception as exc:  # comes as itself, in place of the cancellation
+                return [False, exc]
+            raise
+        try:
             await self.cm.__aexit__(None, None, None)
+        except Exception as exc:
+            return [False, exc]
+        return [True, None]
 
 
 def default_store_dir() -> Path:

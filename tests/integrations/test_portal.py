@@ -134,3 +134,49 @@ def test_a_base_exception_raised_while_entering_comes_back_as_raised() -> None:
         assert not loop.closed
     finally:
         loop.close()
+
+
+class _FailsToExit:
+    """An async context manager whose exit raises (a pipeline's close re-raising an actor's
+    error); it refers to what a pipeline does (the store, the caller's caches)."""
+
+    def __init__(self) -> None:
+        self.held = _Held()
+
+    async def __aenter__(self) -> _FailsToExit:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        raise kvpipe.BackendError("memory", "close", "injected")
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["leave-soon", "at-close"])
+def test_an_exit_that_raised_leaves_no_cycle(
+    early: bool, no_cyclic_gc: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exit that raised, started early (the function ``enter`` returns beside its value,
+    which retires a pipeline over replaced caches) or run by ``close()``: anyio's portal
+    task keeps the error it sets on the exit's future in a frame on the error's own
+    traceback, and the closer that read it held the future in its frame there too; those
+    cycles kept the context manager (a pipeline, its store, FastDeploy's caches) and the
+    loop thread alive after ``close()`` until the cyclic collector ran."""
+    from kvpipe.integrations import _portal
+
+    # no handler keeps the "error while closing" record, and with it the error
+    monkeypatch.setattr(_portal.log, "propagate", False)
+    monkeypatch.setattr(_portal.log, "handlers", [logging.NullHandler()])
+    loop = LoopThread("test-exit-cycle")
+    try:
+        cm = _FailsToExit()
+        ref = weakref.ref(cm.held)
+        _, leave_soon = loop.enter(cm, wait=30.0)
+        del cm, _
+        if early:
+            leave_soon()  # its outcome is read once it ends, close() or not
+        del leave_soon
+    finally:
+        assert loop.close() is True
+    lt = weakref.ref(loop)
+    del loop
+    assert ref() is None, "the exited context manager is held in a reference cycle"
+    assert lt() is None, "the loop thread is held in a reference cycle"
