@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import urllib.parse
 import weakref
 from collections.abc import Awaitable, Callable
@@ -127,7 +128,8 @@ class LoopThread:
             cm: The async context manager.
             wait: Seconds the caller waits for it to be entered (``None``: no limit). Past
                 them entering is cancelled in the loop (its cleanup goes on there) and
-                :class:`TimeoutError` raised in the caller.
+                :class:`TimeoutError` raised in the caller. Entered as :meth:`close` began,
+                it is exited, waited for until then (plus :data:`HOP_SLACK`) at most.
 
         Raises:
             TimeoutError: Not entered within ``wait``.
@@ -136,6 +138,7 @@ class LoopThread:
             Exception: Whatever entering raised.
         """
         self.check_caller()
+        deadline = None if wait is None else time.monotonic() + max(0.0, wait)
         held = _Held(cm)
         task = self._start(held.run)
         try:
@@ -169,22 +172,33 @@ class LoopThread:
             closing = self._closed
             if not closing:
                 self._closers.append(leave)
+            else:
+                self._leaving.add(task)
         if closing:  # close() took its closers before this one: exit it here
-            self._run_closer(leave)
+            self._start_leaving(held, task)
+            # waited for, but not past the caller's deadline plus HOP_SLACK: it goes on in
+            # the loop, close() waits for it, and _left logs how it ends
+            timeout = None if deadline is None else deadline + HOP_SLACK - time.monotonic()
+            concurrent.futures.wait((task,), None if timeout is None else max(0.0, timeout))
             raise self._closed_error()
 
         def leave_soon() -> None:
-            assert held.leave is not None
             with self._lock:
                 if self._closed or leave not in self._closers:
                     return  # close() exits it, or it is leaving already
                 self._closers.remove(leave)
                 self._leaving.add(task)
-            task.add_done_callback(self._left)
-            with contextlib.suppress(RuntimeError):  # the loop stopped: exited by then
-                self.portal.start_task_soon(held.leave.set)
+            self._start_leaving(held, task)
 
         return value, leave_soon
+
+    def _start_leaving(self, held: _Held, task: concurrent.futures.Future[list[Any]]) -> None:
+        """Start the exit of what ``held`` entered (its ``task``, in :attr:`_leaving`) and
+        return: :meth:`_left` logs how it ends."""
+        assert held.leave is not None
+        task.add_done_callback(self._left)
+        with contextlib.suppress(RuntimeError):  # the loop stopped: exited by then
+            self.portal.start_task_soon(held.leave.set)
 
     def _closed_error(self) -> PipelineClosed:
         return PipelineClosed(f"{self.name} is closed")

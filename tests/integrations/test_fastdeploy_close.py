@@ -711,3 +711,64 @@ def test_an_exit_started_early_that_raised_is_logged_once(
             assert loop.close() is True
     errors = [(m, error) for level, m, error in _loud(caplog) if level == "ERROR"]
     assert errors == [("test-leave-soon-error: error while closing", kvpipe.BackendError)]
+
+
+class _EntersOnCloseExitsLate:
+    """An async context manager entered once :attr:`may_enter` is set (from a thread);
+    its exit, shielded from cancellation (a store's unregister that hangs), runs until
+    :attr:`release` is set."""
+
+    def __init__(self) -> None:
+        self.entering = threading.Event()
+        self.may_enter = threading.Event()
+        self.exiting = threading.Event()
+        self.release = threading.Event()
+
+    async def __aenter__(self) -> _EntersOnCloseExitsLate:
+        self.entering.set()
+        await anyio.to_thread.run_sync(self.may_enter.wait, 60)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.exiting.set()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.release.wait, 60)
+
+
+def test_an_enter_racing_close_returns_by_its_wait_while_its_exit_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ``enter`` that finished after ``close()`` took its closers exits what it entered
+    itself, and waited for that exit without a bound: with an exit that takes its time (a
+    store's unregister that hangs) its caller (FastDeploy's thread opening a pipeline)
+    waited past its ``wait`` plus :data:`HOP_SLACK`, the most the loop thread may hold a
+    caller. It raises ``PipelineClosed`` by then; the exit goes on in the loop, its
+    outcome logged when it ends."""
+    from kvpipe.integrations import _portal
+
+    monkeypatch.setattr(_portal, "HOP_SLACK", 0.05)
+    loop = LoopThread("test-enter-race-slow-exit", close_timeout=30.0)
+    late = _EntersOnCloseExitsLate()
+    first = _Recorded()
+
+    async def let_late_enter() -> None:  # close() already holds its closers: this is first's
+        late.may_enter.set()
+        await anyio.to_thread.run_sync(late.exiting.wait, 60)
+
+    first.on_exit = let_late_enter
+    loop.enter(first)
+    outcome, enter_late = _outcome_of(lambda: loop.enter(late, wait=1.0))
+    entering = threading.Thread(target=enter_late)
+    closing = threading.Thread(target=loop.close)
+    try:
+        entering.start()
+        assert late.entering.wait(30)
+        closing.start()
+        assert late.exiting.wait(30)  # entered, and exiting: until released
+        entering.join(1.0 + 10.0)  # its wait, and 10 s for a busy machine
+        assert not entering.is_alive(), "enter still waits for the exit of what it entered"
+        assert len(outcome) == 1 and isinstance(outcome[0], kvpipe.PipelineClosed), outcome
+    finally:
+        late.release.set()
+        entering.join(30)
+        closing.join(60)
