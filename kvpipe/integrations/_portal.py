@@ -239,8 +239,10 @@ class LoopThread:
         async def tracked() -> list[Any]:
             try:
                 return [True, await fn(*args)]
-            except Exception as exc:  # boxed: see "Boxed errors" above LoopThread
-                return [False, exc]
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:  # boxed: see "Boxed errors" above LoopThread
+                return [False, exc]  # SystemExit too: the caller's, never the loop's end
             finally:
                 ended.set()
 
@@ -397,10 +399,10 @@ class _Held:
             # over: kept by the future, it would hold this frame, and the context manager.
             raise
         except BaseException as exc:  # boxed: see "Boxed errors" above LoopThread
+            # KeyboardInterrupt, SystemExit too: handed over to the caller, who raises it;
+            # let through into the loop, it ended the loop thread under every other user
             self.entered.set_result([False, exc])
-            if isinstance(exc, Exception):
-                return [True, None]  # nothing to exit
-            raise  # KeyboardInterrupt, SystemExit: handed over, and not kept from the loop
+            return [True, None]  # nothing to exit
         self.entered.set_result([True, value])
         try:
             await self.leave.wait()

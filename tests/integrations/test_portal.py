@@ -180,3 +180,53 @@ def test_an_exit_that_raised_leaves_no_cycle(
     del loop
     assert ref() is None, "the exited context manager is held in a reference cycle"
     assert lt() is None, "the loop thread is held in a reference cycle"
+
+
+async def _aborts() -> None:
+    raise _Abort("call aborted")
+
+
+async def _answers() -> int:
+    return 42
+
+
+class _Exits:
+    """An async context manager that records its exit."""
+
+    def __init__(self) -> None:
+        self.exited = False
+
+    async def __aenter__(self) -> _Exits:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.exited = True
+
+
+@pytest.mark.parametrize("how", ["enter", "call"])
+def test_a_base_exception_raised_in_the_loop_leaves_it_running(
+    how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``BaseException`` other than a cancellation (``SystemExit`` from a vendor library
+    a store's open or a call ran) was handed to the caller and also let through into the
+    loop, where it ended the portal's task group: the loop thread died, every later call
+    and enter raised ``PipelineClosed("... is closed")`` though ``closed`` was False, what
+    had been entered was exited by the loop's death, and ``close()`` logged "error while
+    closing" (a ``CancelledError``) and "stopping the loop failed" at ERROR. The error is
+    the caller's alone; the loop goes on."""
+    loop = LoopThread("test-base-exception")
+    held = _Exits()
+    try:
+        loop.enter(held, wait=30.0)
+        with pytest.raises(_Abort):
+            if how == "enter":
+                loop.enter(_AbortsEntering(), wait=30.0)
+            else:
+                loop.call(_aborts, wait=30.0)
+        assert loop.call(_answers, wait=30.0) == 42
+        assert not held.exited
+    finally:
+        with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+            assert loop.close() is True
+    assert held.exited
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
