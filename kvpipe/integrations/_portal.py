@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import urllib.parse
 import weakref
 from collections.abc import Awaitable, Callable
@@ -354,16 +355,21 @@ class LoopThread:
         raised when it ends, maybe long after :meth:`close` returned): that is no error in
         closing (what it shields from cancellation ran to its end; an error it raised comes
         as itself): DEBUG. Close itself logs at ERROR a closer that outlasted
-        ``close_timeout``, and returning while the loop thread still runs."""
+        ``close_timeout``, and returning while the loop thread still runs.
+
+        The error is logged as its text, its traceback included: a record that a handler
+        keeps (a ``MemoryHandler``, pytest's capture) must not hold the error, its
+        traceback's frames and what they refer to (the exited pipeline, the caller's
+        caches, this loop thread)."""
         try:
             closer()
-        except concurrent.futures.CancelledError:
+        except concurrent.futures.CancelledError as exc:
             if not self._stopping:  # nothing else cancels an exit: say so, loudly
-                log.exception("%s: error while closing", self.name)
+                log.error("%s: error while closing\n%s", self.name, _text(exc))
             else:
                 log.debug("%s: an exit was cut off by the loop stopping", self.name)
-        except Exception:
-            log.exception("%s: error while closing", self.name)
+        except Exception as exc:
+            log.error("%s: error while closing\n%s", self.name, _text(exc))
 
     def _in_use(self) -> str:
         if self.holds is None:
@@ -375,6 +381,11 @@ class LoopThread:
 
     def _no_longer(self) -> str:
         return "" if self.holds is None else f": nothing uses {self.holds} any more"
+
+
+def _text(exc: BaseException) -> str:
+    """``exc`` with its traceback, as ``logging`` shows an exception."""
+    return "".join(traceback.format_exception(exc)).rstrip("\n")
 
 
 class _Held:

@@ -556,13 +556,18 @@ def _close_helpers(loop: LoopThread) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"{loop.name}-close"]
 
 
-def _loud(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, type[BaseException] | None]]:
-    """The LoopThread's records at WARNING or above: level, message, the error logged."""
-    return [
-        (r.levelname, r.getMessage(), r.exc_info[0] if r.exc_info else None)
-        for r in caplog.records
-        if r.name == "kvpipe.integrations" and r.levelno >= logging.WARNING
-    ]
+def _loud(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, str | None]]:
+    """The LoopThread's records at WARNING or above: level, message (its first line), and
+    the error its traceback ends with, if any (a closer's error is logged as its text)."""
+    loud: list[tuple[str, str, str | None]] = []
+    for r in caplog.records:
+        if r.name == "kvpipe.integrations" and r.levelno >= logging.WARNING:
+            first, *rest = r.getMessage().splitlines()
+            loud.append((r.levelname, first, rest[-1].split(":")[0] if rest else None))
+    return loud
+
+
+BACKEND_ERROR = f"{kvpipe.BackendError.__module__}.{kvpipe.BackendError.__qualname__}"
 
 
 @pytest.mark.parametrize("error", [None, kvpipe.BackendError("memory", "close", "injected")])
@@ -597,7 +602,7 @@ def test_an_exit_ending_after_close_returned_logs_only_its_own_error(
     ended = ("WARNING", "test-late-exit: the loop thread has ended", None)
     expected = [ended]
     if error is not None:
-        expected.append(("ERROR", "test-late-exit: error while closing", kvpipe.BackendError))
+        expected.append(("ERROR", "test-late-exit: error while closing", BACKEND_ERROR))
     assert sorted(_loud(caplog), key=str) == sorted(expected, key=str)
 
 
@@ -710,7 +715,7 @@ def test_an_exit_started_early_that_raised_is_logged_once(
         finally:
             assert loop.close() is True
     errors = [(m, error) for level, m, error in _loud(caplog) if level == "ERROR"]
-    assert errors == [("test-leave-soon-error: error while closing", kvpipe.BackendError)]
+    assert errors == [("test-leave-soon-error: error while closing", BACKEND_ERROR)]
 
 
 class _EntersOnCloseExitsLate:

@@ -230,3 +230,33 @@ def test_a_base_exception_raised_in_the_loop_leaves_it_running(
             assert loop.close() is True
     assert held.exited
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["leave-soon", "at-close"])
+def test_a_kept_record_of_an_exit_that_raised_keeps_nothing_alive(
+    early: bool, no_cyclic_gc: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The "error while closing" record of an exit that raised held the error itself
+    (``exc_info``), so a handler that keeps records (pytest's capture, a
+    ``MemoryHandler``) kept its traceback's frames, and through them the context manager
+    (a pipeline, its store, FastDeploy's caches) and the loop thread. The record holds
+    the error's text, its traceback included."""
+    loop = LoopThread("test-exit-record")
+    with caplog.at_level(logging.ERROR, "kvpipe.integrations"):
+        try:
+            cm = _FailsToExit()
+            ref = weakref.ref(cm.held)
+            _, leave_soon = loop.enter(cm, wait=30.0)
+            del cm, _
+            if early:
+                leave_soon()
+            del leave_soon
+        finally:
+            assert loop.close() is True
+    (record,) = [r for r in caplog.records if "error while closing" in r.getMessage()]
+    assert "BackendError: memory.close: injected" in caplog.text
+    assert "__aexit__" in caplog.text  # where it was raised
+    lt = weakref.ref(loop)
+    del loop, record
+    assert ref() is None, "a kept log record holds the exited context manager"
+    assert lt() is None, "a kept log record holds the loop thread"
