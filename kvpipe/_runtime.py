@@ -376,8 +376,10 @@ class Runtime:
     async def aclose(self) -> None:
         """Close by one deadline, ``close_timeout`` from now: stop accepting requests, let
         in-flight ones finish until then, fail the rest, let the actors leave their loops
-        (cancelled if still running half of ``UNWIND_GRACE`` past the deadline, then given
-        until ``UNWIND_GRACE`` past it to unwind and let go of their staging), then drain
+        (cancelled if still running half of ``UNWIND_GRACE`` past the deadline, their waits
+        for worker threads abandoned with them, shielded waits for copies into the cache
+        included; then given until ``UNWIND_GRACE`` past it to unwind and let go of their
+        staging), then drain
         their inboxes. What still runs at the deadline is abandoned and logged, its memory
         kept (staging is unregistered and freed by :meth:`release`, once the worker threads
         are done). Shielded, from asyncio's own cancellation too (``Task.cancel``): one
@@ -424,10 +426,16 @@ class Runtime:
                         supervisor.holding() or working or "none holds a request",
                     )
                 elif working:
+                    # Their waits for worker threads, shielded ones included, ended with them.
+                    running = self._runner.running if self._runner is not None else 0
                     log.warning(
-                        "actors still working %.1f s past the close deadline were cancelled: %s",
+                        "actors still working %.1f s past the close deadline were cancelled: %s%s",
                         UNWIND_GRACE / 2,
                         working,
+                        f"; their waits for the {running} worker thread call(s) still running "
+                        "were abandoned"
+                        if running
+                        else "",
                     )
         for recv in self._inboxes.by_name().values() if self._inboxes else ():
             self._drain(recv)
@@ -438,9 +446,14 @@ class Runtime:
     def cancel_actors(self) -> None:
         """Cancel the actors if they still run (a no-op once they stopped): at the close
         deadline, and should :meth:`aclose` fail, so the task group that runs them is never
-        left waiting on them (they are shielded from its cancellation)."""
+        left waiting on them (they are shielded from its cancellation). Their waits for
+        worker threads end too, the shielded ones for copies into the cache included
+        (:meth:`ThreadRunner.abandon_waits`): a copy still running is abandoned to its
+        thread, which keeps the cache referenced (named at ERROR when the runner is left)."""
         if self._actors_scope is not None:
             self._actors_scope.cancel()
+        if self._runner is not None:
+            self._runner.abandon_waits()
 
     @staticmethod
     def _drain(recv: MemoryObjectReceiveStream[Any]) -> None:

@@ -40,6 +40,7 @@ T = TypeVar("T")
 
 __all__ = (
     "INLINE_COPY_BYTES",
+    "Abandoned",
     "Lane",
     "NotStarted",
     "ThreadRunner",
@@ -250,6 +251,12 @@ class NotStarted(Exception):
     """A call given ``start_by`` was still waiting in its lane then: it never runs."""
 
 
+class Abandoned(Exception):
+    """A close stopped the caller's wait for a call (:meth:`ThreadRunner.abandon_waits`),
+    shielded or not: one running runs on in its thread (holding its staging and what it
+    uses until it returns); one not started never starts."""
+
+
 @final
 class _Call:
     """Who finishes a worker-thread call: its caller, or, when the caller stopped waiting
@@ -286,6 +293,10 @@ class ThreadRunner:
         self._running = 0
         #: Calls given ``uses`` that have not finished (event-loop thread only).
         self._using: set[_Call] = set()
+        #: The events the callers wait on (set by a call's report), and whether a close
+        #: abandoned those waits (setting them: the call's outcome is then still ``None``).
+        self._waits: set[anyio.Event] = set()
+        self._abandoning = False
         self._idle = anyio.Event()
         self._idle.set()
         self._close_timeout = close_timeout
@@ -313,8 +324,19 @@ class ThreadRunner:
 
     def close_by(self, deadline: float) -> None:
         """Wait for running threads at exit until ``deadline`` (event-loop clock) rather than
-        ``close_timeout`` from then: the pipeline's one close deadline."""
+        ``close_timeout`` from then: the pipeline's one close deadline (and its grace)."""
         self._deadline = deadline
+
+    def abandon_waits(self) -> None:
+        """Stop every caller's wait for its call, now and from now on, shielded waits
+        included (a copy into the caller's cache): each raises :class:`Abandoned`, after the
+        caller's own cancellation if it is visible there. A call running runs on in its
+        thread, holding its staging and what it uses until it returns (a close that leaves
+        it running names that at ERROR); one not started never starts. For a close whose
+        bound has come: nothing waits for a thread past it."""
+        self._abandoning = True
+        for done in self._waits:
+            done.set()
 
     async def __aexit__(self, *exc_info: Any) -> None:
         """Wait (until the close deadline) for running threads, then :meth:`shutdown`.
@@ -377,11 +399,14 @@ class ThreadRunner:
 
         Cancellation: cancelling the caller stops the wait at once. A call still waiting in
         its lane never starts (``hold`` is let go at once); a running one runs on, and
-        ``hold`` stays leased until it returns. Exceptions from ``fn`` propagate.
+        ``hold`` stays leased until it returns. Exceptions from ``fn`` propagate. A caller
+        shielded from cancellation is still stopped by :meth:`abandon_waits` (a close's
+        bound), likewise.
 
         Raises:
             RuntimeError: The runner is not running.
             NotStarted: ``start_by`` passed before the call started.
+            Abandoned: :meth:`abandon_waits` stopped the wait (or came before it).
         """
         if not self._open:
             raise RuntimeError("ThreadRunner is not running")
@@ -439,9 +464,12 @@ class ThreadRunner:
 
         try:
             await anyio.lowlevel.checkpoint_if_cancelled()
+            if self._abandoning:
+                raise Abandoned("not started: the close abandoned the worker threads' calls")
             # Past already: an idle thread would take it before the wait below could look.
             if start_by is not None and anyio.current_time() >= start_by:
                 raise NotStarted(f"not started by {start_by:.3f}")
+            self._waits.add(done)
             self._threads.submit(work, lane)
             if start_by is not None:
                 with anyio.move_on_at(start_by):
@@ -452,6 +480,9 @@ class ThreadRunner:
                     if late:
                         raise NotStarted(f"not started by {start_by:.3f}")
             await done.wait()
+            if call.outcome is None:  # set by abandon_waits, not by the call's report
+                await anyio.lowlevel.checkpoint_if_cancelled()  # a caller not shielded
+                raise Abandoned("the close stopped waiting for a worker thread's call")
         except BaseException:
             with call.lock:
                 started = call.started
@@ -460,10 +491,12 @@ class ThreadRunner:
                 box.clear()  # queued in its lane: its arguments go now, not when it is taken
                 call.uses = None
                 self._finish(hold, call)  # it never ran, and now never will
-            elif done.is_set():  # its report came first (the wait after start_by was cut)
+            elif call.outcome is not None:  # its report came first (the wait was cut after)
                 call.outcome = None
                 self._finish(hold, call)
             raise  # else its report finishes the call when it returns
+        finally:
+            self._waits.discard(done)
         self._finish(hold, call)
         outcome, call.outcome = call.outcome, None
         assert outcome is not None

@@ -105,11 +105,14 @@ class Pipeline:
         """Stop accepting requests, let in-flight ones finish (each by its deadline, at most
         ``close_timeout``), stop the actors and return all staging.
 
-        The cache is written no more once the pipeline's block has exited (a copy into it is
-        waited for). A write's copy out of it still running in a worker thread at the close
-        deadline is abandoned: the exit logs at ERROR that the cache may still be read and
-        keeps it referenced until that copy ends (logged at WARNING); its memory must not
-        be freed until then.
+        Bounded by ``close_timeout`` plus a 1 s grace, hung copies included. A copy between
+        the cache and staging still running in a worker thread then (a write's gather at
+        the close deadline; a read's copy into the cache, which the read otherwise waits
+        for, half the grace past it: that read fails with :class:`PipelineClosed`) is
+        abandoned to its thread: the exit logs at ERROR that the cache may still be read or
+        written and keeps it referenced until that copy ends (logged at WARNING); its
+        memory must not be freed until then. Without that ERROR, nothing of kvpipe's reads
+        or writes the cache once the pipeline's block has exited.
 
         Raises:
             WrongEventLoop: Called from another thread or event loop than the one that
@@ -229,7 +232,10 @@ class Pipeline:
             left)`` (one that runs out stops loading at that slice); fetches in flight are
             cancelled at the deadline or when the caller is cancelled; the call returns only
             after any copy into the cache has finished, so nothing writes into
-            ``block_ids`` after it returns.
+            ``block_ids`` after it returns. The one exception is the pipeline's close: a
+            copy still running half the close's grace past its deadline is abandoned to its
+            thread (the call raises :class:`PipelineClosed`; the close names the cache at
+            ERROR, see :meth:`aclose`).
         """
         check_flag(require_all, "require_all")
         checked = self._checked(token_ids, block_ids, start_block, include_partial, timeout)
@@ -453,8 +459,9 @@ async def open_pipeline(
         then the actors stop and staging is returned; for a device cache the engine then
         waits for its streams and frees its device and pinned memory (pinned staging is left
         allocated, and logged, if a worker thread abandoned at close may still use it).
-        A copy out of ``cache`` abandoned so is named at ERROR, and ``cache`` kept
-        referenced until it ends (see :meth:`Pipeline.aclose`).
+        All of it is bounded by ``close_timeout`` plus a 1 s grace: a copy out of or into
+        ``cache`` still running in a worker thread then is abandoned, named at ERROR, and
+        ``cache`` kept referenced until it ends (see :meth:`Pipeline.aclose`).
     """
     pipe = Pipeline(
         cache,

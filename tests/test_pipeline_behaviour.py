@@ -15,7 +15,7 @@ import pytest
 
 import kvpipe
 from kvpipe.backends import BlockStatus, PutBatch
-from tests.fakes import ScriptedStore, StuckInThreadStore
+from tests.fakes import Act, ScriptedStore, StuckInThreadStore
 from tests.helpers import fill_random
 
 BLOCK = 16
@@ -575,5 +575,101 @@ async def test_a_close_that_abandons_a_gather_out_of_the_cache_says_so_and_keeps
         assert [r.levelname for r in ended] == ["WARNING"], ended
         assert described in ended[0].getMessage()
         assert store.keys() == []  # the abandoned gather's blocks were never put
+    finally:
+        go_on.set()
+
+
+def _host_tensor_cache() -> tuple[kvpipe.KVCache, weakref.ref[_HostTensor]]:
+    """A cache over :class:`_HostTensor` s that nothing but the cache refers to, and a weak
+    reference to its first tensor."""
+    layout = _cache().layout
+    tensors = [
+        _HostTensor(np.zeros((64, *spec.block_shape), dtype=np.dtype(spec.dtype)))
+        for _layer in range(layout.num_layers)
+        for spec in layout.role_specs
+    ]
+    return kvpipe.KVCache.from_tensors(layout, tensors), weakref.ref(tensors[0])
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("copy", ["reader", "swapper"])
+async def test_a_close_that_abandons_a_read_copy_into_the_cache_is_bounded_and_says_so(
+    copy: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read's copy into the cache runs in a copy thread, shielded (a copy into the
+    caller's blocks is never cut off by the request): the reader's verify-and-scatter, or
+    the swapper's scatter of a slice whose block was fetched again. Stuck past
+    ``close_timeout``, it held the close: the actor could not stop, so the close logged
+    "actors did not stop ... abandoned: reader" (nothing was abandoned) and then waited for
+    the copy, unbounded, at the exit's task group. The wait now stops by the close deadline
+    plus its grace: the copy is abandoned to its thread, the close returns by its bound,
+    names the cache at ERROR, keeps it referenced until the copy ends, and logs that end at
+    WARNING."""
+    from kvpipe import _engine
+    from kvpipe._runtime import UNWIND_GRACE
+    from kvpipe.actors import reader
+
+    module: Any = reader if copy == "reader" else _engine
+    name = "check_and_scatter" if copy == "reader" else "scatter"
+    go_on, entered, copied = threading.Event(), threading.Event(), threading.Event()
+    real = getattr(module, name)
+
+    def stuck(*args: Any) -> Any:  # a copy into the cache that takes its time
+        entered.set()
+        go_on.wait(10)
+        try:
+            return real(*args)
+        finally:
+            copied.set()
+
+    monkeypatch.setattr(reader, "INLINE_COPY_BYTES", 0)  # every copy in a worker thread
+    monkeypatch.setattr(_engine, "INLINE_COPY_BYTES", 0)
+    memory = kvpipe.MemoryStore()
+    tokens = np.arange(4 * BLOCK)
+    async with kvpipe.open_pipeline(_cache(), memory) as pipe:
+        assert (await pipe.write(tokens, np.arange(4))).complete
+    # The swapper scatters a slice whose block 1 failed its check and was fetched again.
+    store = memory if copy == "reader" else ScriptedStore(gets={0: Act(corrupt=[1])}, inner=memory)
+    cache, tensor = _host_tensor_cache()
+    described = repr(cache)
+    close_timeout = 0.2
+    config = kvpipe.PipelineConfig(
+        total_timeout=100, slice_timeout=100, close_timeout=close_timeout
+    )
+    monkeypatch.setattr(module, name, stuck)
+    try:
+        with caplog.at_level(logging.INFO, "kvpipe"), anyio.fail_after(30):  # a hang guard
+            async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
+
+                async def read(p: kvpipe.Pipeline) -> None:
+                    with pytest.raises(kvpipe.PipelineClosed):
+                        await p.read(tokens, np.arange(4))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(read, pipe)
+                    assert await anyio.to_thread.run_sync(entered.wait, 30)
+                    started = anyio.current_time()
+                    await pipe.aclose()
+            took = anyio.current_time() - started
+            # Closed with the copy still running, by its bound (a generous one).
+            assert not copied.is_set(), f"the close waited for the copy ({took:.2f} s)"
+            assert took < close_timeout + UNWIND_GRACE + 2, took
+            assert pipe.statistics().threads_running == 1
+            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert any("do not free or reuse" in e and described in e for e in errors), errors
+            assert not any("did not stop" in e or "crashed" in e for e in errors), errors
+            warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert any(f"were cancelled: {copy}" in w and "were abandoned" in w for w in warnings)
+            del pipe, cache
+            gc.collect()
+            assert tensor() is not None, "nothing keeps the tensors the copy still writes"
+            caplog.clear()
+            go_on.set()
+            while tensor() is not None:  # until the thread has returned and let go of them
+                await anyio.sleep(0.01)
+                gc.collect()
+        ended = [r for r in caplog.records if "has ended" in r.getMessage()]
+        assert [r.levelname for r in ended] == ["WARNING"], ended
+        assert described in ended[0].getMessage()
     finally:
         go_on.set()

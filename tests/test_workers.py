@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -22,7 +23,14 @@ from trio.testing import MockClock
 
 from kvpipe import _workers as workers_module
 from kvpipe._staging import StagingLease, StagingPool
-from kvpipe._workers import Lane, NotStarted, ThreadRunner, WorkerThreads, lower_priority
+from kvpipe._workers import (
+    Abandoned,
+    Lane,
+    NotStarted,
+    ThreadRunner,
+    WorkerThreads,
+    lower_priority,
+)
 from tests.helpers import checkpoints, record_thread_starts, until
 
 
@@ -628,3 +636,64 @@ async def test_anyio_from_thread_needs_no_token_in_a_worker_thread() -> None:
     async with ThreadRunner() as runner:
         assert await runner.run(blocking) == (threading.get_ident(), 2)
         assert await runner.run(blocking) == (threading.get_ident(), 2)  # a reused thread
+
+
+async def test_abandoned_waits_end_shielded_ones_too_and_the_thread_keeps_what_it_uses() -> None:
+    """At a close's bound every wait for a call ends, a shielded one (a copy into the cache)
+    too: the running call's caller gets :class:`Abandoned`, its thread runs on holding its
+    staging and what it uses; a call queued in its lane, and any made later, never runs."""
+    lane = Lane(1)
+    pool = StagingPool(16, 2)
+    running, queued = await pool.acquire(1), await pool.acquire(1)
+    gate, started = threading.Event(), threading.Event()
+    ran: list[str] = []
+    outcomes: dict[str, str] = {}
+
+    def stuck() -> None:
+        started.set()
+        gate.wait(30)
+
+    class Cache:
+        pass
+
+    async def shielded(
+        name: str, fn: Callable[[], object], hold: StagingLease, uses: object
+    ) -> None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await runner.run(fn, lane=lane, hold=hold, uses=uses)
+        except Abandoned:
+            outcomes[name] = "abandoned"
+
+    cache = Cache()
+    kept = weakref.ref(cache)
+    try:
+        async with ThreadRunner() as runner, anyio.create_task_group() as tg:
+            tg.start_soon(shielded, "running", stuck, running, cache)
+            await anyio.to_thread.run_sync(started.wait, 30)
+            tg.start_soon(shielded, "queued", partial(ran.append, "queued"), queued, cache)
+            await until(lambda: lane.waiting == 1)
+            running.release()
+            queued.release()
+            await checkpoints()
+            assert outcomes == {}
+            runner.abandon_waits()
+            await until(lambda: len(outcomes) == 2)
+            assert outcomes == {"running": "abandoned", "queued": "abandoned"}
+            with anyio.CancelScope(shield=True), pytest.raises(Abandoned):
+                await runner.run(ran.append, "later")  # never starts
+            assert pool.in_use == 1  # the running call's slots: its thread still uses them
+            assert runner.running == 1
+            runner.close_by(anyio.current_time())
+        assert not gate.is_set()
+        del cache
+        assert kept() is not None  # the running call's thread still uses it
+        gate.set()
+        for _ in range(3000):  # until its thread has returned (30 s at most)
+            if not runner.running:
+                break
+            await anyio.sleep(0.01)
+        assert (runner.running, pool.in_use, kept()) == (0, 0, None)
+        assert ran == []
+    finally:
+        gate.set()

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._cache import KVCache
@@ -30,7 +31,7 @@ from .._layout import CacheLayout
 from .._lograte import LogLimiters
 from .._plan import CopySegment, SliceSpec, copy_plan
 from .._staging import StagingLease, StagingPool
-from .._workers import INLINE_COPY_BYTES, Lane, NotStarted, ThreadRunner
+from .._workers import INLINE_COPY_BYTES, Abandoned, Lane, NotStarted, ThreadRunner
 from ..backends._base import BlockStatus, GetBatch, KeyBatch, PutBatch, StorageBackend
 from ._channels import Outboxes, SliceJob
 from ._observe import Metrics, ObservationKind, Observers
@@ -43,6 +44,7 @@ __all__ = (
     "SliceJob",
     "backend_call",
     "block_statuses",
+    "shielded_copy",
     "task",
 )
 
@@ -311,6 +313,30 @@ async def block_statuses(
     if len(out) != n or not set(map(type, out)) <= _STATUS_TYPE:
         raise BackendError(backend.name, op, f"returned {len(out)} statuses for {n} blocks")
     return out
+
+
+async def shielded_copy(call: Awaitable[T]) -> T:
+    """Await ``call``, a copy into the caller's cache (or one that must not be left half
+    done), shielded from cancellation: the request's end never cuts it off.
+
+    Its wait is bounded by the close, not by the request: at the close deadline plus half
+    the grace the close cancels the actors and abandons every wait for a worker thread
+    (:meth:`~kvpipe._workers.ThreadRunner.abandon_waits`). The copy then runs on in its
+    thread (the runner keeps the cache referenced, and the close names it at ERROR, until
+    it returns), and the actors' cancellation is raised here: the actor unwinds as it
+    does from any wait cancelled at close.
+
+    Raises:
+        Abandoned: The wait was abandoned while the caller was not cancelled (never at a
+            close, which cancels the actors first).
+    """
+    try:
+        with anyio.CancelScope(shield=True):
+            return await call
+    except Abandoned:
+        pass  # out of the handler: the cancellation below is not chained to it
+    await anyio.lowlevel.checkpoint()  # the actors' cancellation, raised outside the shield
+    raise Abandoned("a copy's wait was abandoned, its caller not cancelled")
 
 
 async def task(fn: Callable[..., Awaitable[object]], *args: Any) -> None:

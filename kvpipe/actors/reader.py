@@ -26,7 +26,7 @@ from .._read_machine import FetchedSlice, fetch_failure
 from .._workers import INLINE_COPY_BYTES, NotStarted
 from .._write_machine import leading_ok
 from ..backends._base import BlockStatus, GetBatch
-from ._base import Actor, SliceJob, backend_call, block_statuses, task
+from ._base import Actor, SliceJob, backend_call, block_statuses, shielded_copy, task
 from ._rowsink import RowSink
 from ._state import ReadState, describe_error
 
@@ -194,8 +194,8 @@ class Reader(Actor[ReadState | SliceJob]):
         plan = copy_plan(ctx.segments, blocks, job.lease.slots[:count])
         rows, staging = ctx.cache.row_groups(ctx.segments), job.lease.pool.buffer
         try:
-            with anyio.CancelScope(shield=True):
-                await ctx.run_copy(
+            await shielded_copy(
+                ctx.run_copy(
                     plan.nbytes,
                     gather,
                     plan,
@@ -205,6 +205,7 @@ class Reader(Actor[ReadState | SliceJob]):
                     start_by=state.deadline,
                     on_cache=True,
                 )
+            )
         except NotStarted:
             self._stop_late(state, job, count, elapsed)
             return False
@@ -253,8 +254,7 @@ class Reader(Actor[ReadState | SliceJob]):
             # value goes into the cache from now on, and the claim lasts until it is out.
             # Waited for in kvpipe's own threads: the event loop library's may all be busy.
             if sink is not None and not sink.close():
-                with anyio.CancelScope(shield=True):
-                    await ctx.runner.run(sink.wait_idle, uses=ctx.cache)
+                await shielded_copy(ctx.runner.run(sink.wait_idle, uses=ctx.cache))
         elapsed = current_time() - started
         if statuses is not None:
             job.lent = batch.lent() or None
@@ -357,11 +357,9 @@ class Reader(Actor[ReadState | SliceJob]):
         nbytes = fetched * payload
         if nbytes <= INLINE_COPY_BYTES:  # inline (0 bytes: the reader's threshold decides)
             return await ctx.run_copy(0, work, hold=job.lease, start_by=state.deadline)
-        with anyio.CancelScope(shield=True):
-            checks = await ctx.run_copy(
-                nbytes, work, hold=job.lease, start_by=state.deadline, on_cache=True
-            )
-        return checks
+        return await shielded_copy(
+            ctx.run_copy(nbytes, work, hold=job.lease, start_by=state.deadline, on_cache=True)
+        )
 
     async def _place_unseen(self, job: SliceJob, sink: RowSink, fetched: int) -> None:
         """:meth:`RowSink.place_unseen` of the leading ``fetched`` blocks the store did not
@@ -371,8 +369,8 @@ class Reader(Actor[ReadState | SliceJob]):
             return
         sources = [job.sources(i, i + 1)[0] for i in unseen]
         nbytes, deadline = len(unseen) * self.ctx.payload_nbytes, job.state.deadline
-        with anyio.CancelScope(shield=True):
-            await self.ctx.run_copy(
+        await shielded_copy(
+            self.ctx.run_copy(
                 nbytes,
                 sink.place_unseen,
                 unseen,
@@ -381,6 +379,7 @@ class Reader(Actor[ReadState | SliceJob]):
                 start_by=deadline,
                 on_cache=True,
             )
+        )
 
     async def _check_again(
         self, job: SliceJob, lo: int, again: list[BlockStatus]

@@ -14,13 +14,11 @@ the read stops there as ``total_timeout``.
 
 from __future__ import annotations
 
-import anyio
-
 from .._clock import current_time
 from .._hostcopy import scatter_values
 from .._plan import copy_plan
 from .._workers import NotStarted
-from ._base import Actor
+from ._base import Actor, shielded_copy
 from ._channels import SliceJob
 from ._state import ReadState, WriteState
 
@@ -71,24 +69,24 @@ class Swapper(Actor[SliceJob]):
             blocks = state.block_ids[first : first + valid]
             plan = copy_plan(ctx.segments, blocks, job.lease.slots[:valid])
             try:
-                with anyio.CancelScope(shield=True):
-                    if job.lent:  # some values lent by the store: copied from where they lie
-                        sources = job.sources(0, valid)
-                        await ctx.run_copy(
-                            plan.nbytes,
-                            scatter_values,
-                            ctx.segments,
-                            sources,
-                            blocks,
-                            ctx.cache.row_groups(ctx.segments),
-                            hold=job.lease,
-                            start_by=state.deadline,
-                            on_cache=True,
-                        )
-                    else:
-                        await ctx.engine.scatter(
-                            plan, job.lease, after=state.after, start_by=state.deadline
-                        )
+                if job.lent:  # some values lent by the store: copied from where they lie
+                    sources = job.sources(0, valid)
+                    copy = ctx.run_copy(
+                        plan.nbytes,
+                        scatter_values,
+                        ctx.segments,
+                        sources,
+                        blocks,
+                        ctx.cache.row_groups(ctx.segments),
+                        hold=job.lease,
+                        start_by=state.deadline,
+                        on_cache=True,
+                    )
+                else:
+                    copy = ctx.engine.scatter(
+                        plan, job.lease, after=state.after, start_by=state.deadline
+                    )
+                await shielded_copy(copy)
             except NotStarted:  # a copy thread, device scratch or the model's stream was busy
                 self._not_started(state, job)
                 return
