@@ -352,7 +352,7 @@ class ThreadRunner:
         self.shutdown()
         if not idle and self._running:
             log.error(
-                "%d worker thread(s) still running at the close deadline; abandoning them "
+                "%d worker thread(s) still running past the close deadline; abandoning them "
                 "(their staging slots stay leased)%s",
                 self._running,
                 self._left_using(),

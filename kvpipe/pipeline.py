@@ -28,7 +28,7 @@ from ._results import (
     Residency,
     WriteResult,
 )
-from ._runtime import Runtime
+from ._runtime import UNWIND_GRACE, Runtime
 from ._validate import (
     check_flag,
     check_request,
@@ -106,10 +106,10 @@ class Pipeline:
         ``close_timeout``), stop the actors and return all staging.
 
         Bounded by ``close_timeout`` plus a 1 s grace, hung copies included. A copy between
-        the cache and staging still running in a worker thread then (a write's gather at
-        the close deadline; a read's copy into the cache, which the read otherwise waits
-        for, half the grace past it: that read fails with :class:`PipelineClosed`) is
-        abandoned to its thread: the exit logs at ERROR that the cache may still be read or
+        the cache and staging still running in a worker thread half the grace past the
+        close deadline (a write's gather; a read's copy into the cache, which the read
+        otherwise waits for: that read fails with :class:`PipelineClosed`) is abandoned to
+        its thread: the exit logs at ERROR that the cache may still be read or
         written and keeps it referenced until that copy ends (logged at WARNING); its
         memory must not be freed until then. Without that ERROR, nothing of kvpipe's reads
         or writes the cache once the pipeline's block has exited.
@@ -491,7 +491,11 @@ async def open_pipeline(
                     # the shielded actors must still end, and the threads by its deadline
                     runtime.cancel_actors()
                     if runtime.close_deadline is not None:
-                        runner.close_by(runtime.close_deadline)
+                        # Until the actors' waits for them end too, half the grace past it:
+                        # a thread that ends just past the deadline is not abandoned (nor
+                        # its staging kept) for nothing; the rest of the grace is left for
+                        # unregistering the staging (Runtime.release).
+                        runner.close_by(runtime.close_deadline + UNWIND_GRACE / 2)
     except BaseExceptionGroup as group:
         # Unwrap the task group's group: a group only when several things failed at once.
         if len(group.exceptions) != 1:

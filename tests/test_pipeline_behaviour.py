@@ -673,3 +673,77 @@ async def test_a_close_that_abandons_a_read_copy_into_the_cache_is_bounded_and_s
         assert described in ended[0].getMessage()
     finally:
         go_on.set()
+
+
+class _RecordingUnregisterStore(kvpipe.MemoryStore):
+    """A store that registers staging (as Mooncake's does) and records its unregistering."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unregistered = 0
+
+    async def unregister_staging(self, buffer: memoryview) -> None:
+        self.unregistered += 1
+        await super().unregister_staging(buffer)
+
+
+async def test_a_copy_that_ends_just_past_the_close_deadline_is_not_abandoned(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write's gather out of the cache, in its copy thread, ends just after the close
+    deadline. The runner waited for worker threads only until the deadline, which had
+    passed by the time it was left (after the actors' close): it abandoned the thread at
+    once, logged at ERROR that it may still read the cache, and the staging was kept
+    registered with the store and allocated for good, for a thread that ended a moment
+    later. The runner now waits for them, within the close's bound, until half the grace
+    past the deadline (when the actors' waits are abandoned too): the thread ends, nothing
+    is abandoned, and the staging is unregistered and freed."""
+    from kvpipe import _engine
+    from kvpipe._workers import ThreadRunner
+    from kvpipe.actors import _base
+    from kvpipe.backends import _registration
+
+    go_on, entered = threading.Event(), threading.Event()
+    gather_sealed = _base.gather_sealed
+
+    def stuck(*args: Any) -> Any:  # a gather out of the cache, until the runner is left
+        entered.set()
+        go_on.wait(30)
+        return gather_sealed(*args)
+
+    leave = ThreadRunner.__aexit__
+
+    async def left(self: ThreadRunner, *exc_info: Any) -> None:
+        go_on.set()  # the thread ends now: after the close deadline, while the runner waits
+        await leave(self, *exc_info)
+
+    monkeypatch.setattr(_base, "INLINE_COPY_BYTES", 0)  # every copy in a worker thread
+    monkeypatch.setattr(_engine, "INLINE_COPY_BYTES", 0)
+    monkeypatch.setattr(_base, "gather_sealed", stuck)
+    monkeypatch.setattr(ThreadRunner, "__aexit__", left)
+    store = _RecordingUnregisterStore()
+    config = kvpipe.PipelineConfig(
+        total_timeout=100, slice_timeout=100, close_timeout=0.2, staging_bytes=1 << 20
+    )
+    kept = len(_registration.KEPT)
+    try:
+        with caplog.at_level(logging.INFO, "kvpipe"), anyio.fail_after(30):  # a hang guard
+            async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
+
+                async def write(p: kvpipe.Pipeline) -> None:
+                    with pytest.raises(kvpipe.PipelineClosed):
+                        await p.write(np.arange(4 * BLOCK), np.arange(4))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(write, pipe)
+                    assert await anyio.to_thread.run_sync(entered.wait, 30)
+                    await pipe.aclose()
+                    deadline = pipe._runtime.close_deadline
+                    assert deadline is not None and anyio.current_time() >= deadline
+        assert go_on.is_set()
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == []
+        assert pipe.statistics().threads_running == 0
+        assert (store.unregistered, len(_registration.KEPT)) == (1, kept)
+    finally:
+        go_on.set()
