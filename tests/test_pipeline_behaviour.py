@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import kvpipe
+import kvpipe._runtime
+import kvpipe.pipeline
 from kvpipe.backends import BlockStatus, PutBatch
 from tests.fakes import Act, ScriptedStore, StuckInThreadStore
 from tests.helpers import fill_random
@@ -721,6 +723,9 @@ async def test_a_copy_that_ends_just_past_the_close_deadline_is_not_abandoned(
     monkeypatch.setattr(_engine, "INLINE_COPY_BYTES", 0)
     monkeypatch.setattr(_base, "gather_sealed", stuck)
     monkeypatch.setattr(ThreadRunner, "__aexit__", left)
+    # A wide grace: the thread has seconds, not half a second, to end on a loaded machine.
+    monkeypatch.setattr(kvpipe.pipeline, "UNWIND_GRACE", 10.0)
+    monkeypatch.setattr(kvpipe._runtime, "UNWIND_GRACE", 10.0)
     store = _RecordingUnregisterStore()
     config = kvpipe.PipelineConfig(
         total_timeout=100, slice_timeout=100, close_timeout=0.2, staging_bytes=1 << 20
