@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import anyio
 import pytest
+import trio.testing
 
 import kvpipe
 from kvpipe.integrations._fd_storage import _TRAILER
@@ -135,16 +136,21 @@ class _FailsOneSize(kvpipe.MemoryStore):  # type: ignore[misc]
 
 @pytest.mark.parametrize("how", ["raises", "hangs"])
 def test_a_failing_size_group_keeps_what_the_other_sizes_stored(
-    how: str, caplog: pytest.LogCaptureFixture
+    how: str, caplog: pytest.LogCaptureFixture, virtual_loop: trio.testing.MockClock
 ) -> None:
     """kvpipe stores one batch_set's values a value size at a time. When a later size's
     put failed (the store raised, or the deadline passed in it), the earlier size's values
     stayed stored, yet every key answered -1 and none was remembered: FastDeploy was told
-    nothing was stored, and clear() could never remove those entries."""
+    nothing was stored, and clear() could never remove those entries.
+
+    In virtual time (``virtual_loop``): with a real 0.5 s timeout, the earlier size's put
+    had to finish within it, which a loaded machine need not allow (its keys then answered
+    -1 on a correct adapter). Now the deadline, 30 s, passes in no real time and only in
+    the hanging put."""
     _keep, ptr = _buf(b"b" * BIG)
     store = _FailsOneSize(how)
     store.armed = True
-    with KVPipeStorage(store=store, timeout=0.5) as fs:
+    with KVPipeStorage(store=store, timeout=30.0) as fs:
         with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
             assert fs.batch_set(["k", "v", "ks"], [ptr] * 3, [BIG, BIG, SMALL]) == [0, 0, -1]
         assert len(_warnings(caplog)) == 1, _warnings(caplog)
@@ -154,13 +160,14 @@ def test_a_failing_size_group_keeps_what_the_other_sizes_stored(
 
 @pytest.mark.parametrize("how", ["raises", "hangs"])
 def test_a_failing_size_group_keeps_what_the_other_sizes_fetched(
-    how: str, caplog: pytest.LogCaptureFixture
+    how: str, caplog: pytest.LogCaptureFixture, virtual_loop: trio.testing.MockClock
 ) -> None:
     """batch_get likewise: the values of one size, fetched and sound, were dropped (-1, the
-    caller's buffer untouched) because another size's fetch failed after them."""
+    caller's buffer untouched) because another size's fetch failed after them. In virtual
+    time, as the test above."""
     src, ptr = _buf(bytes(range(BIG)))
     store = _FailsOneSize(how)
-    with KVPipeStorage(store=store, timeout=0.5) as fs:
+    with KVPipeStorage(store=store, timeout=30.0) as fs:
         assert fs.batch_set(["k", "v", "ks"], [ptr] * 3, [BIG, BIG, SMALL]) == [0, 0, 0]
         store.armed = True
         dst, dp = _buf(bytes(3 * BIG))
