@@ -128,9 +128,11 @@ class LoopThread:
         Args:
             cm: The async context manager.
             wait: Seconds the caller waits for it to be entered (``None``: no limit). Past
-                them entering is cancelled in the loop (its cleanup goes on there) and
-                :class:`TimeoutError` raised in the caller. Entered as :meth:`close` began,
-                it is exited, waited for until then (plus :data:`HOP_SLACK`) at most.
+                them entering is cancelled in the loop (its cleanup goes on there, and
+                :meth:`close` waits for it; what was entered just then is exited, an error
+                of that exit logged) and :class:`TimeoutError` raised in the caller.
+                Entered as :meth:`close` began, it is exited, waited for until then (plus
+                :data:`HOP_SLACK`) at most.
 
         Raises:
             TimeoutError: Not entered within ``wait``.
@@ -160,7 +162,14 @@ class LoopThread:
                     raise self._closed_error() from None
                 raise
         except BaseException:
-            task.cancel()  # entering is cancelled, or what was entered just now is exited
+            # Entering is cancelled, or what was entered just now is exited, in the task's
+            # own scope (not by cancelling its future, which would drop an exit's error):
+            # waited for by close(), and _left logs how it ends.
+            with self._lock:
+                self._leaving.add(task)
+            task.add_done_callback(self._left)
+            with contextlib.suppress(RuntimeError):  # the loop stopped: it ended cancelled
+                self.portal.start_task_soon(held.give_up)
             raise
 
         def leave() -> None:
@@ -390,7 +399,7 @@ def _text(exc: BaseException) -> str:
 
 class _Held:
     """Runs an async context manager in one loop task: entered, then held until
-    :attr:`leave` is set (or the task is cancelled), then exited."""
+    :attr:`leave` is set (or the caller gives up, or the task is cancelled), then exited."""
 
     def __init__(self, cm: Any) -> None:
         self.cm = cm
@@ -398,15 +407,36 @@ class _Held:
         #: that :func:`~kvpipe._workers.unboxed` empties; never set when entering was cancelled.
         self.entered: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
         self.leave: anyio.Event | None = None
+        self._scope: anyio.CancelScope | None = None  # run's, while it runs
+        self._given_up = False
+
+    def give_up(self) -> None:
+        """(In the loop.) The caller stopped waiting for entering: cancel it, or exit what
+        was entered, and let :meth:`run` return the exit's outcome all the same."""
+        self._given_up = True
+        if self._scope is not None:
+            self._scope.cancel()
 
     async def run(self) -> list[Any]:
         """Enter, hold, exit: the exit's outcome, boxed (``[True, None]`` or ``[False, error]``;
-        see "Boxed errors" above LoopThread); ``[True, None]`` when entering raised."""
+        see "Boxed errors" above LoopThread); ``[True, None]`` when entering raised, or was
+        cancelled by :meth:`give_up`."""
         self.leave = anyio.Event()
+        try:
+            with anyio.CancelScope() as self._scope:
+                if self._given_up:
+                    self._scope.cancel()
+                return await self._hold()
+        finally:
+            self._scope = None
+        return [True, None]  # given up while entering (or exited, what was entered)
+
+    async def _hold(self) -> list[Any]:
+        assert self.leave is not None
         try:
             value = await self.cm.__aenter__()
         except anyio.get_cancelled_exc_class():
-            # A cancellation (the caller stopped waiting, the loop stopping) is not handed
+            # A cancellation (the caller gave up waiting, the loop stopping) is not handed
             # over: kept by the future, it would hold this frame, and the context manager.
             raise
         except BaseException as exc:  # boxed: see "Boxed errors" above LoopThread
@@ -417,7 +447,7 @@ class _Held:
         self.entered.set_result([True, value])
         try:
             await self.leave.wait()
-        except BaseException:  # cancelled (the loop stopping): exited all the same
+        except BaseException:  # cancelled (given up, the loop stopping): exited all the same
             try:
                 await self.cm.__aexit__(None, None, None)
             except Exception as exc:  # comes as itself, in place of the cancellation

@@ -3,8 +3,11 @@ hopped onto the loop thread."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import weakref
+from typing import Any
 
 import anyio
 import pytest
@@ -260,3 +263,53 @@ def test_a_kept_record_of_an_exit_that_raised_keeps_nothing_alive(
     del loop, record
     assert ref() is None, "a kept log record holds the exited context manager"
     assert lt() is None, "a kept log record holds the loop thread"
+
+
+class _EntersLateFailsToExit:
+    """An async context manager whose entering ends once ``gate`` is set (a pipeline whose
+    open finishes just as its caller stops waiting) and whose exit raises."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.exited = threading.Event()
+
+    async def __aenter__(self) -> _EntersLateFailsToExit:
+        await anyio.to_thread.run_sync(self.gate.wait)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.exited.set()
+        raise kvpipe.BackendError("memory", "close", "injected")
+
+
+def test_an_exit_that_raised_after_entering_timed_out_is_logged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entering that ended just as ``enter``'s ``wait`` ran out: the caller cancelled the
+    task's future, so what had been entered was exited on the cancellation path, and the
+    error that exit raised was returned to a future already cancelled, which drops it:
+    lost, not a line in the log. It is logged, as any exit's error."""
+    from kvpipe.integrations import _portal
+
+    cm = _EntersLateFailsToExit()
+    real_wait = concurrent.futures.wait
+    caller = threading.get_ident()
+
+    def wait_out(fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETED") -> Any:
+        done, not_done = real_wait(fs, timeout, return_when)
+        if threading.get_ident() == caller and not done and not cm.gate.is_set():
+            # the wait ran out; entering ends just then, before the caller gives up
+            cm.gate.set()
+            real_wait([next(iter(fs))], 30.0)  # held.entered, waited first
+        return done, not_done
+
+    monkeypatch.setattr(_portal.concurrent.futures, "wait", wait_out)
+    loop = LoopThread("test-exit-after-timeout")
+    with caplog.at_level(logging.ERROR, "kvpipe.integrations"):
+        try:
+            with pytest.raises(TimeoutError):
+                loop.enter(cm, wait=0.0)
+            assert cm.exited.wait(30.0), "what was entered is exited"
+        finally:
+            assert loop.close() is True
+    assert "BackendError: memory.close: injected" in caplog.text
