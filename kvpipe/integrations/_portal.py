@@ -315,8 +315,8 @@ class LoopThread:
         self._stopping = True
         try:
             self.portal.call(self.portal.stop, True)
-        except Exception:
-            log.exception("%s: stopping the loop failed", self.name)
+        except Exception as exc:  # its text: see _run_closer
+            log.error("%s: stopping the loop failed\n%s", self.name, _text(exc))
 
         def join_loop() -> None:
             with contextlib.suppress(Exception):
@@ -329,8 +329,10 @@ class LoopThread:
                 if ended_late is not None:
                     try:
                         ended_late()
-                    except Exception:
-                        log.exception("%s: error after the loop thread ended", self.name)
+                    except Exception as exc:  # its text: see _run_closer
+                        log.error(
+                            "%s: error after the loop thread ended\n%s", self.name, _text(exc)
+                        )
 
         # The loop thread ends once its last task has, and a closer shielded from
         # cancellation (a store's own bounded close, a copy into the caller's caches) may

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -786,3 +787,49 @@ def test_an_enter_racing_close_returns_by_its_wait_while_its_exit_runs(
         late.release.set()
         entering.join(30)
         closing.join(60)
+
+
+class _Payload:
+    """Something the owner of a loop thread refers to (its pipelines, the caller's caches)."""
+
+
+class _LetsGoBadly:
+    """An owner whose ``ended_late`` callback raises."""
+
+    def __init__(self) -> None:
+        self.payload = _Payload()
+
+    def let_go(self) -> None:
+        raise RuntimeError("injected: letting go failed")
+
+
+def test_a_kept_record_of_an_error_after_the_loop_ended_keeps_nothing_alive(
+    no_cyclic_gc: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``close(ended_late)`` returned before the loop thread ended; once it had, the
+    callback raised: the "error after the loop thread ended" record held the error itself
+    (``exc_info``), so a handler that keeps records (pytest's capture, a ``MemoryHandler``)
+    kept its traceback's frames, and through them the callback's owner (an adapter, its
+    pipelines, FastDeploy's caches). The record holds the error's text, traceback included."""
+    from kvpipe.integrations import _portal
+
+    monkeypatch.setattr(_portal, "HOP_SLACK", 0.05)
+    loop = LoopThread("test-let-go-record", close_timeout=0.1)
+    cm = _ExitsLate()
+    owner = _LetsGoBadly()
+    ref = weakref.ref(owner.payload)
+    try:
+        loop.enter(cm, wait=30.0)
+        with caplog.at_level(logging.ERROR, "kvpipe.integrations"):
+            assert loop.close(owner.let_go) is False
+            cm.release.set()  # the exit ends, then the loop thread
+            assert loop._joiner is not None
+            loop._joiner.join(30)
+            assert not loop._joiner.is_alive()
+    finally:
+        cm.release.set()
+    (record,) = [r for r in caplog.records if "error after the loop thread ended" in r.getMessage()]
+    assert "RuntimeError: injected: letting go failed" in caplog.text
+    assert "let_go" in caplog.text  # where it was raised
+    del owner, record
+    assert ref() is None, "a kept log record holds the owner of the loop thread"

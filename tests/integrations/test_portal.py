@@ -313,3 +313,37 @@ def test_an_exit_that_raised_after_entering_timed_out_is_logged(
         finally:
             assert loop.close() is True
     assert "BackendError: memory.close: injected" in caplog.text
+
+
+class _Owner:
+    """What closes a loop thread (an adapter): it refers to what its pipelines do."""
+
+    def __init__(self, loop: LoopThread) -> None:
+        self.loop = loop
+        self.held = _Held()
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def test_a_kept_record_of_a_failed_loop_stop_keeps_nothing_alive(
+    no_cyclic_gc: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stopping the loop failed at ``close()`` (its thread had already ended under its
+    users: anyio's "This portal is not running"): the "stopping the loop failed" record held
+    the error itself (``exc_info``), so a handler that keeps records (pytest's capture, a
+    ``MemoryHandler``) kept its traceback's frames, and through them ``close()``'s callers
+    (an adapter, its store, what its own caller held) after close. The record holds the
+    error's text, its traceback included."""
+    loop = LoopThread("test-stop-record")
+    owner = _Owner(loop)
+    ref = weakref.ref(owner.held)
+    loop.portal.call(loop.portal.stop, True)  # the loop thread ends under its users
+    with caplog.at_level(logging.ERROR, "kvpipe.integrations"):
+        owner.close()
+    (record,) = [r for r in caplog.records if "stopping the loop failed" in r.getMessage()]
+    assert "RuntimeError: This portal is not running" in caplog.text
+    lt = weakref.ref(loop)
+    del owner, loop, record
+    assert ref() is None, "a kept log record holds close()'s caller"
+    assert lt() is None, "a kept log record holds the loop thread"
