@@ -34,6 +34,10 @@ LAYOUT = kvpipe.CacheLayout.gqa(
 TOKENS = np.arange(16 * 8)
 
 
+class _Held:
+    """Something an observer refers to."""
+
+
 def _resident() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -372,3 +376,44 @@ async def test_an_observer_that_refers_to_its_pipeline_keeps_it_in_no_cycle(
         del pipe, observer
     assert seen
     assert ref() is None, "the pipeline is held in a cycle through its observer"
+
+
+async def test_a_kept_log_record_of_an_observer_error_keeps_no_pipeline(
+    no_cyclic_gc: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An observer that raised: its first error is logged at WARNING. The record held the
+    exception itself (``exc_info``), so a handler that keeps records (pytest's capture, a
+    MemoryHandler) kept its traceback's frames, and through their callers the pipeline,
+    its actors' context, its staging and the store after close (and, through ``%r``, the
+    observer and what it refers to); the record now holds the error's text, traceback
+    included, and the observer's ``repr``."""
+    store = kvpipe.MemoryStore()
+    cache = kvpipe.create_kv_cache(LAYOUT, num_blocks=16)
+    config = kvpipe.PipelineConfig(staging_bytes=STAGING)
+
+    held = _Held()  # what the observer refers to (a metrics registry, say)
+
+    def broken(kind: str, seconds: float, outcome: str, held: object = held) -> None:
+        raise RuntimeError("injected observer bug")
+
+    with caplog.at_level("WARNING", logger="kvpipe"):
+        async with kvpipe.open_pipeline(cache, store, config=config, observer=broken) as pipe:
+            refs = (
+                weakref.ref(pipe),
+                weakref.ref(pipe._runtime._ctx),
+                weakref.ref(pipe._runtime._pool.buffer.base),  # type: ignore[union-attr]
+                weakref.ref(store),
+                weakref.ref(held),
+            )
+            assert (await pipe.write(TOKENS, np.arange(8))).complete
+            del pipe
+        await store.aclose()
+        del store, broken, held
+    assert "RuntimeError: injected observer bug" in caplog.text
+    assert "in broken" in caplog.text  # where it was raised
+    pipe_ref, actors, staging, store_ref, observer_ref = refs
+    assert observer_ref() is None, "a kept log record holds the observer"
+    assert pipe_ref() is None, "a kept log record holds the pipeline"
+    assert actors() is None, "a kept log record holds the actors' context"
+    assert staging() is None, "a kept log record holds the staging"
+    assert store_ref() is None, "a kept log record holds the store"

@@ -6,6 +6,7 @@ whole call. With no observer attached a report costs one attribute test.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol, final
@@ -76,14 +77,16 @@ class Observers:
         for observer in self.active:
             try:
                 observer(kind, seconds, outcome)
-            except Exception:
+            except Exception as exc:
                 self._counters["observer_errors"] += 1
                 if self._counters["observer_errors"] == 1:
+                    # As text: a log record holding the error (or the observer) would keep
+                    # its traceback's frames and their callers (the pipeline, its store).
                     log.warning(
-                        "observer %r raised (further errors are only counted, in "
-                        "statistics().counters['observer_errors'])",
-                        observer,
-                        exc_info=True,
+                        "observer %s raised (further errors are only counted, in "
+                        "statistics().counters['observer_errors'])\n%s",
+                        repr(observer),
+                        "".join(traceback.format_exception(exc)).rstrip(),
                     )
 
 
