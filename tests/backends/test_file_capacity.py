@@ -3,6 +3,8 @@ to fit is refused, and every later block of its batch with it."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -437,3 +439,37 @@ async def test_a_put_that_cannot_look_at_its_file_keeps_its_record(
     async with FileStore(root, capacity_bytes=STORED, stale_temp_after=1e-6) as store:
         _check_accounting(store, root, STORED)
         assert await _stored(b, store, a) == [True]
+
+
+async def test_a_kept_record_of_a_failed_temp_sweep_keeps_no_store_or_staging(
+    tmp_path: Path,
+    no_cyclic_gc: None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A put refused for room sweeps stale temporary files; when the tree cannot be walked
+    its WARNING held the ``OSError`` itself as an argument, so a handler that keeps records
+    (pytest's capture, a MemoryHandler) kept its traceback's frames, and through them and
+    their callers the store and the put's batch, with the staging it leases from, after
+    close. The record holds the error's text."""
+    from kvpipe.backends.file import store as store_module
+
+    def unwalkable(root: Root, stale_after: float) -> int:
+        raise PermissionError(13, "injected: cannot walk", str(root.path))
+
+    monkeypatch.setattr(store_module, "remove_stale_temps", unwalkable)
+    with caplog.at_level("WARNING", logger="kvpipe"):
+        async with batches() as bb:
+            a, _ = bb.keys(1, seed=40)
+            async with FileStore(tmp_path / "store", capacity_bytes=STORED - 1) as store:
+                assert await put_chain(bb, store, a, make_values(1, 40)) == [NO_SPACE]
+            refs = (weakref.ref(store), weakref.ref(bb.pool))
+            del store, bb
+    assert "cannot look for stale temporary files" in caplog.text
+    assert "injected: cannot walk" in caplog.text
+    store_ref, pool_ref = refs
+    for thread in threading.enumerate():
+        if thread.name == "kvpipe-close":
+            thread.join(30)  # the store's closing thread lets go of it as it ends
+    assert store_ref() is None, "a kept log record holds the closed store"
+    assert pool_ref() is None, "a kept log record holds the staging"

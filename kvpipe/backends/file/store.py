@@ -454,7 +454,9 @@ class FileStore(StorageBackend):
         try:
             removed = remove_stale_temps(root, self.stale_temp_after)
         except OSError as exc:
-            log.warning("file store %s: cannot look for stale temporary files: %s", root.path, exc)
+            log.warning(
+                "file store %s: cannot look for stale temporary files: %s", root.path, str(exc)
+            )
             return
         if removed:
             self._count(temp_files_removed=removed)
