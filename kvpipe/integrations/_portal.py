@@ -379,7 +379,7 @@ class LoopThread:
                 log.error("%s: error while closing\n%s", self.name, _text(exc))
             else:
                 log.debug("%s: an exit was cut off by the loop stopping", self.name)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: an exit's error, no end of closing
             log.error("%s: error while closing\n%s", self.name, _text(exc))
 
     def _in_use(self) -> str:
@@ -452,12 +452,16 @@ class _Held:
         except BaseException:  # cancelled (given up, the loop stopping): exited all the same
             try:
                 await self.cm.__aexit__(None, None, None)
-            except Exception as exc:  # comes as itself, in place of the cancellation
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:  # comes as itself, in place of the cancellation
                 return [False, exc]
             raise
         try:
             await self.cm.__aexit__(None, None, None)
-        except Exception as exc:
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:  # SystemExit too: let through, it ended the loop thread
             return [False, exc]
         return [True, None]
 

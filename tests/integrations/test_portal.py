@@ -347,3 +347,43 @@ def test_a_kept_record_of_a_failed_loop_stop_keeps_nothing_alive(
     del owner, loop, record
     assert ref() is None, "a kept log record holds close()'s caller"
     assert lt() is None, "a kept log record holds the loop thread"
+
+
+class _AbortsExiting:
+    async def __aenter__(self) -> _AbortsExiting:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        raise _Abort("exit aborted")
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["leave-soon", "at-close"])
+def test_a_base_exception_raised_by_an_exit_leaves_the_loop_running(
+    early: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exit that raised a ``BaseException`` other than a cancellation (``SystemExit``
+    from a vendor library a store's close ran) was let through into the loop, where it
+    ended the portal's task group: the loop thread died under every other user (their
+    pipelines exited by its death, later calls raising ``PipelineClosed`` though
+    ``closed`` was False), the error itself went nowhere (raised in the exit's done
+    callback, or ending close's helper thread before the closers after it ran), and
+    ``close()`` logged "stopping the loop failed". It is logged as that exit's error, and
+    the loop goes on."""
+    loop = LoopThread("test-exit-base-exception")
+    held = _Exits()
+    try:
+        loop.enter(held, wait=30.0)
+        _, leave_soon = loop.enter(_AbortsExiting(), wait=30.0)
+        if early:
+            leave_soon()
+            assert loop.call(_answers, wait=30.0) == 42  # after the exit's step
+            assert loop.call(_answers, wait=30.0) == 42
+            assert not held.exited
+    finally:
+        with caplog.at_level(logging.WARNING, "kvpipe.integrations"):
+            assert loop.close() is True
+    assert held.exited
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1, loud
+    assert loud[0].startswith("test-exit-base-exception: error while closing")
+    assert "_Abort: exit aborted" in loud[0]
