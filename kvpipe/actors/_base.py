@@ -23,7 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._cache import KVCache
 from .._clock import current_time
 from .._config import PipelineConfig
-from .._engine import CopyEngine, run_copy
+from .._engine import AbandonedAtClose, CopyEngine, run_copy
 from .._errors import BackendError
 from .._hostcopy import gather_sealed, seal_slots
 from .._keys import Scope, key_digest
@@ -123,7 +123,10 @@ class ActorContext:
         Returns:
             Whether it did. ``False``: the request ended first, or its deadline passed (a
             gather still waiting for a copy thread, say), which ends it: the caller learns
-            by the deadline, not by the deadline guard's slack later.
+            by the deadline, not by the deadline guard's slack later. Or the engine
+            abandoned a device gather at the close deadline
+            (:class:`~kvpipe._engine.AbandonedAtClose`): no crash, and the request is left
+            to the close, which fails it (``PipelineClosed``) at that deadline.
 
         Cancellation: not shielded. A gather cut off leaves its thread running with its own
         hold on the staging, and the job is dropped, so no half-gathered slot is ever put.
@@ -134,6 +137,8 @@ class ActorContext:
                 await self._gather_and_seal(job)
             except NotStarted:  # a device gather: the model's stream was busy till then
                 pass
+            except AbandonedAtClose:  # a device gather, at the close deadline
+                return False  # the close fails the write: no timeout, no crash
             else:
                 return True
         state.end("total_timeout", "deadline passed waiting to gather")  # no-op if ended

@@ -9,12 +9,16 @@ Copies are the copy engine's, ordered after the producer's mark ``state.after``.
 shielded from cancellation, so when a read ends nothing is still writing into its cache; one
 that has not started by the read's deadline (its job waited in the inbox, or the copy waited
 for a copy thread, device scratch, or the model's work on the read's stream) never starts:
-the read stops there as ``total_timeout``.
+the read stops there as ``total_timeout``. A device copy whose wait the close deadline ended
+(:class:`~kvpipe._engine.AbandonedAtClose`) is no crash: its request is left to the close,
+which fails it (``PipelineClosed``) at that deadline. Any other copy failure
+(:class:`~kvpipe.DeviceError`) is the swapper's crash: the request ends ``actor_crashed``.
 """
 
 from __future__ import annotations
 
 from .._clock import current_time
+from .._engine import AbandonedAtClose
 from .._hostcopy import scatter_values
 from .._plan import copy_plan
 from .._workers import NotStarted
@@ -90,6 +94,8 @@ class Swapper(Actor[SliceJob]):
             except NotStarted:  # a copy thread, device scratch or the model's stream was busy
                 self._not_started(state, job)
                 return
+            except AbandonedAtClose:  # still waiting at the close deadline: no crash
+                return  # the close fails the read, as every request it cuts off
             state.resolve(spec.index, valid)
         finally:
             state.scatter_end()

@@ -30,7 +30,7 @@ import anyio.lowlevel
 
 from .._cache import KVCache
 from .._device_tensors import current_stream
-from .._engine import CopyEngine, OrderMark
+from .._engine import AbandonedAtClose, CopyEngine, OrderMark
 from .._errors import DeviceError, RequestError
 from .._plan import CopyPlan, layout_segments
 from .._shield import DeferredCancel, shielded
@@ -189,6 +189,8 @@ class CudaEngine(CopyEngine):
         Raises:
             DeviceError: The driver failed; if the device may still be writing, the
                 lease's slots and the scratch are retired, never reused.
+            AbandonedAtClose: (a :class:`DeviceError`) Still waiting at the close
+                deadline (see :meth:`close_by`).
         """
         await self._copy("gather", plan, lease, after, start_by)
 
@@ -214,8 +216,9 @@ class CudaEngine(CopyEngine):
 
     def close_by(self, deadline: float) -> None:
         """Every wait of this engine ends by ``deadline``: one still pending then raises
-        :class:`DeviceError`; its staging slots and scratch are retired (never reused or freed).
-        A call not started by then (waiting for scratch or the producer) queues nothing."""
+        :class:`~kvpipe._engine.AbandonedAtClose` (a :class:`DeviceError`); its staging
+        slots and scratch are retired (never reused or freed). A call not started by then
+        (waiting for scratch or the producer) queues nothing."""
         if self._abandon_at is None or deadline < self._abandon_at:
             self._abandon_at = deadline
         for scope in self._starting:  # calls not started yet: they queue nothing after it
@@ -230,8 +233,8 @@ class CudaEngine(CopyEngine):
             deadline: When closing must be over (event-loop clock; default ``drain_timeout``
                 from now): copies still waiting then are abandoned (see :meth:`close_by`).
                 One still waiting to start has queued nothing: it does not keep the memory
-                from being freed, and never starts (:class:`DeviceError`), whichever of it
-                and close the event loop wakes first at the deadline.
+                from being freed, and never starts (:class:`~kvpipe._engine.AbandonedAtClose`),
+                whichever of it and close the event loop wakes first at the deadline.
 
         Cancellation: shielded, from asyncio's own (``Task.cancel``) too, which is raised
         once closed; bounded by ``deadline``. Memory the device may still use then is leaked
@@ -364,7 +367,7 @@ class CudaEngine(CopyEngine):
                             f"not started by {start_by:.3f}: the producer's work or a CUDA "
                             "scratch set still pending"
                         )
-                    raise DeviceError(
+                    raise AbandonedAtClose(
                         "cuEventQuery", "", "abandoned at the close deadline before it started"
                     )
             except BaseException:
@@ -402,8 +405,9 @@ class CudaEngine(CopyEngine):
                 if after is not None:
                     after.release()
             await self._wait(scratch.done)
-        except BaseException:
-            await self._recover(stream, scratch, lease)
+        except BaseException as exc:
+            left = direction if isinstance(exc, AbandonedAtClose) else None
+            await self._recover(stream, scratch, lease, left)
             raise
         self._scratch.release(scratch)
         self.paths[path] += 1
@@ -468,7 +472,7 @@ class CudaEngine(CopyEngine):
                 decided (close may have freed the event and the context).
 
         Raises:
-            DeviceError: The close deadline passed first (see :meth:`close_by`); a wait
+            AbandonedAtClose: The close deadline passed first (see :meth:`close_by`); a wait
                 begun after it still spins first, so that an idle stream's event (which
                 the device completes within microseconds) is seen completed. Or, a
                 ``starting`` wait: close decided.
@@ -477,7 +481,7 @@ class CudaEngine(CopyEngine):
         delay = POLL_MIN
         while True:
             if starting and self._sealed:
-                raise DeviceError(
+                raise AbandonedAtClose(
                     "cuEventQuery", "", "abandoned at the close deadline before it started"
                 )
             if self._done(event):
@@ -486,7 +490,7 @@ class CudaEngine(CopyEngine):
                 await anyio.lowlevel.checkpoint()
                 continue
             if self._abandon_at is not None and anyio.current_time() >= self._abandon_at:
-                raise DeviceError("cuEventQuery", "", "abandoned at the close deadline")
+                raise AbandonedAtClose("cuEventQuery", "", "abandoned at the close deadline")
             sleep = delay
             if self._abandon_at is not None:  # wake at the close deadline, not past it
                 sleep = max(0.0, min(sleep, self._abandon_at - anyio.current_time()))
@@ -498,12 +502,23 @@ class CudaEngine(CopyEngine):
         with self._driver.current():
             return self._driver.event_query(event)
 
-    async def _recover(self, stream: int, scratch: Scratch, lease: StagingLease) -> None:
+    async def _recover(
+        self,
+        stream: int,
+        scratch: Scratch,
+        lease: StagingLease,
+        left: Direction | None = None,
+    ) -> None:
         """Wait for the stream after a failure before reusing anything; if even that fails,
         retire the scratch and the lease's slots.
 
         The wait goes on through asyncio's own cancellation (``Task.cancel``), which is
         raised once the scratch is given back or retired: the device may still write both.
+
+        Args:
+            left: Not a failure: the close deadline ended the wait for this copy, a gather
+                or a scatter, which may still run on the device. Logged as such (what it
+                may still read or write), not as a failed copy.
         """
         deferred = DeferredCancel()
         try:
@@ -513,11 +528,22 @@ class CudaEngine(CopyEngine):
             if not await shielded(lambda: self._wait(scratch.done), drain_by, deferred):
                 raise TimeoutError(f"not drained in {self.options.drain_timeout} s")
         except (DeviceError, TimeoutError) as exc:
-            log.error(
-                "CUDA stream did not drain after a failed copy (%s); retiring staging slots %s",
-                str(exc),
-                lease.slots,
-            )
+            if left is None:
+                log.error(
+                    "CUDA stream did not drain after a failed copy (%s); retiring staging slots %s",
+                    str(exc),
+                    lease.slots,
+                )
+            else:
+                log.error(
+                    "a CUDA %s still running at the close deadline was abandoned; retiring "
+                    "staging slots %s; it may still %s %r: do not free or reuse its memory "
+                    "until the device is done",
+                    left,
+                    lease.slots,
+                    "read" if left == "gather" else "write into",
+                    self._cache,
+                )
             lease.retain()  # never released: the slots are never handed out again
             self._scratch.quarantine(scratch)
         else:

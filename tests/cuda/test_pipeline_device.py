@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -18,12 +20,14 @@ import numpy as np
 import pytest
 
 import kvpipe
+from kvpipe import _runtime
 from kvpipe._keys import as_tokens, block_keys
 from kvpipe.actors import SliceJob, Swapper
 from kvpipe.backends import BlockStatus, GetBatch
 from kvpipe.backends.file._native import block_paths
 from kvpipe.benchmarks._file_baselines import drop_cached
 from kvpipe.cuda import probe_device
+from kvpipe.cuda._engine import CudaEngine
 from tests.cuda.devcache import (
     ODD_LAYOUTS,
     Rows,
@@ -487,6 +491,27 @@ async def test_a_copy_failure_fails_the_slice_and_the_pipeline_goes_on(
     free_device_cache(fake, cache)
 
 
+async def test_a_scatter_failure_fails_the_read_and_the_pipeline_goes_on(
+    fake: FakeDriver, producer: int
+) -> None:
+    """A read's scatter that the driver fails is the swapper's crash: the read ends
+    ``actor_crashed`` with the error, the swapper is restarted, and the next read loads."""
+    layout = LAYOUTS["gqa"]()
+    cache = fake_device_cache(fake, layout, 4)
+    tokens = np.arange(2 * layout.block_size)
+    async with kvpipe.open_pipeline(cache, kvpipe.MemoryStore(), device_driver=fake) as pipe:
+        assert (await pipe.write(tokens, [0, 1], stream=producer)).complete
+        fake.fail_next("launch", "CUDA_ERROR_LAUNCH_FAILED")
+        first = await pipe.read(tokens, [2, 3], stream=producer)
+        assert first.loaded == 0 and first.stop_reason == "actor_crashed"
+        assert "CUDA_ERROR_LAUNCH_FAILED" in (first.error or "")
+        [crash] = pipe.crashes()
+        assert crash.actor == "swapper" and crash.restarted
+        again = await pipe.read(tokens, [2, 3], stream=producer)
+        assert again.complete and again.loaded == 2
+    free_device_cache(fake, cache)
+
+
 async def test_opening_failure_leaves_nothing(fake: FakeDriver) -> None:
     cache = fake_device_cache(fake, LAYOUTS["gqa"](), 2)
     fake.fail_next("module_load", "CUDA_ERROR_NO_BINARY_FOR_GPU")
@@ -707,6 +732,154 @@ class TestVirtualTime:
             fake.run_until_idle()
             assert fake.launches == []  # no gather queued, then or later
             assert await pipe.lookup(tokens) == 0
+        free_device_cache(fake, cache)
+
+    @pytest.mark.parametrize("kind", ["write", "read"])
+    @pytest.mark.parametrize("held", ["producer", "copy"])
+    @pytest.mark.parametrize("first", ["close", "copy"])
+    async def test_a_device_copy_abandoned_at_the_close_deadline_fails_its_request_as_closed(
+        self,
+        fake: FakeDriver,
+        producer: int,
+        caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch,
+        kind: str,
+        held: str,
+        first: str,
+    ) -> None:
+        """A write's gather or a read's scatter is still waiting at the close deadline: for
+        the model's stream (``producer``: it has queued nothing) or for its own copy, queued
+        on the engine's stream, which the device never finishes (``copy``). The engine ends
+        the wait at the deadline (``DeviceError``, "abandoned at the close deadline"), which
+        no actor caught: the swapper crashed, logged with its traceback and counted in
+        ``crashes()``; and where the copy's wait woke before the close's at that deadline
+        (``first="copy"``; the event loop picks), before the close failed the requests, the
+        swapper was restarted as after any crash and the request ended ``actor_crashed``
+        instead of failing with ``PipelineClosed``, as a request whose host copy a close
+        abandons does. And a copy left running on the device was logged as "did not drain
+        after a failed copy", naming no cache. Now the request fails with ``PipelineClosed``
+        either way, no actor crashes, and a copy left running on the device is logged at
+        ERROR as abandoned at the close deadline, naming the cache it may still use."""
+        layout = LAYOUTS["gqa"]()
+        cache = fake_device_cache(fake, layout, 6)
+        fill_device(fake, cache, seed=6)
+        tokens = np.arange(2 * layout.block_size)
+        store = kvpipe.MemoryStore()
+        if kind == "read":
+            async with kvpipe.open_pipeline(
+                cache, store, config=_config(slice=2), device_driver=fake
+            ) as pipe:
+                assert (await pipe.write(tokens, [0, 1], stream=producer)).complete
+        cfg = _config(slice=2, close_timeout=5, deadline_slack=60)
+        gate = Gate()
+        outcome: list[object] = []
+        with caplog.at_level(logging.INFO, "kvpipe"):
+            async with kvpipe.open_pipeline(cache, store, config=cfg, device_driver=fake) as pipe:
+                engine = pipe._runtime.engine
+                assert isinstance(engine, CudaEngine)
+                if held == "producer":
+                    stream = producer  # the model's work, which never ends
+                else:  # a copy of kvpipe's own queued behind work that never ends
+                    stream = engine._streams["gather" if kind == "write" else "scatter"]
+                fake.host_op(stream, lambda: None, gate=gate, label="never done")
+                if first == "copy":  # the close's wait wakes after the copy's has ended
+                    real_shielded, held_back = _runtime.shielded, []
+
+                    async def shielded(*args: Any, **kwargs: Any) -> bool:
+                        done = await real_shielded(*args, **kwargs)
+                        if not held_back:  # the first: the close's for the requests in flight
+                            held_back.append(True)
+                            for _ in range(1000):
+                                if engine._calls == 0:
+                                    break
+                                await anyio.lowlevel.checkpoint()
+                            for _ in range(20):  # the swapper handles what the copy raised
+                                await anyio.lowlevel.checkpoint()
+                        return done
+
+                    monkeypatch.setattr(_runtime, "shielded", shielded)
+
+                async def call() -> None:
+                    try:
+                        if kind == "write":
+                            await pipe.write(tokens, [0, 1], stream=producer, timeout=1000)
+                        else:
+                            await pipe.read(tokens, [3, 4], stream=producer, timeout=1000)
+                    except kvpipe.KVPipeError as exc:
+                        outcome.append(exc)
+                    else:
+                        outcome.append("returned")
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    await anyio.sleep(1)  # the copy waits (polling) by now
+                    assert engine._calls == 1
+                    start = anyio.current_time()
+                    await pipe.aclose()
+                    assert anyio.current_time() - start < 5 + 1.01  # by its bound
+        gate.open()
+        fake.run_until_idle()
+        assert len(outcome) == 1 and isinstance(outcome[0], kvpipe.PipelineClosed), outcome
+        assert pipe.crashes() == ()
+        crashed = [r.getMessage() for r in caplog.records if "crashed" in r.getMessage()]
+        assert crashed == []
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        if held == "copy":  # the close says what it left running on the device, and where
+            copy = "gather" if kind == "write" else "scatter"
+            left = f"a CUDA {copy} still running at the close deadline was abandoned"
+            assert any(left in e and repr(cache) in e for e in errors), errors
+            assert not any("failed copy" in e for e in errors), errors
+        else:  # nothing was queued: nothing is left running, and everything is freed
+            assert errors == []
+            live = fake.live()
+            assert (live["pinned_allocations"], live["modules"]) == (0, 0), live
+        free_device_cache(fake, cache)
+
+    @pytest.mark.parametrize("kind", ["write", "read"])
+    async def test_a_device_failure_while_closing_is_still_the_swapper_s_crash(
+        self, fake: FakeDriver, producer: int, kind: str
+    ) -> None:
+        """A copy that the driver fails (a launch error) while the close waits for its
+        request, before the close deadline, is a device failure, not a copy the close
+        abandoned: the swapper crashes with it and the request ends ``actor_crashed``
+        carrying the error (``docs/cuda.md``), as outside a close."""
+        layout = LAYOUTS["gqa"]()
+        cache = fake_device_cache(fake, layout, 6)
+        fill_device(fake, cache, seed=7)
+        tokens = np.arange(2 * layout.block_size)
+        store = kvpipe.MemoryStore()
+        if kind == "read":
+            async with kvpipe.open_pipeline(
+                cache, store, config=_config(slice=2), device_driver=fake
+            ) as pipe:
+                assert (await pipe.write(tokens, [0, 1], stream=producer)).complete
+        cfg = _config(slice=2, close_timeout=50, deadline_slack=60)
+        gate = Gate()
+        results: list[kvpipe.WriteResult | kvpipe.ReadResult] = []
+        async with kvpipe.open_pipeline(cache, store, config=cfg, device_driver=fake) as pipe:
+            engine = pipe._runtime.engine
+            assert isinstance(engine, CudaEngine)
+            fake.host_op(producer, lambda: None, gate=gate, label="the model, still running")
+
+            async def call() -> None:
+                if kind == "write":
+                    results.append(await pipe.write(tokens, [0, 1], stream=producer, timeout=100))
+                else:
+                    results.append(await pipe.read(tokens, [3, 4], stream=producer, timeout=100))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                await anyio.sleep(1)  # the copy waits for the model by now
+                assert engine._calls == 1
+                tg.start_soon(pipe.aclose)
+                await anyio.sleep(1)  # closing, its deadline 49 s away
+                fake.fail_next("launch", "CUDA_ERROR_LAUNCH_FAILED")
+                gate.open()
+        [got] = results
+        assert got.stop_reason == "actor_crashed"
+        assert "CUDA_ERROR_LAUNCH_FAILED" in (got.error or "")
+        [crash] = pipe.crashes()
+        assert crash.actor == "swapper" and "CUDA_ERROR_LAUNCH_FAILED" in crash.error
         free_device_cache(fake, cache)
 
     async def test_a_fetch_that_hangs_ends_the_read_at_its_slice_deadline(
