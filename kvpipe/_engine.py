@@ -14,13 +14,13 @@ import anyio
 
 from ._cache import KVCache
 from ._clock import current_time
-from ._errors import DeviceError, RequestError
+from ._errors import RequestError
 from ._hostcopy import gather, scatter
 from ._plan import CopyPlan
 from ._staging import StagingLease
 from ._workers import INLINE_COPY_BYTES, Lane, NotStarted, ThreadRunner
 
-__all__ = ("AbandonedAtClose", "CopyEngine", "HostEngine", "OrderMark", "run_copy")
+__all__ = ("CopyEngine", "HostEngine", "OrderMark", "run_copy")
 
 T = TypeVar("T")
 
@@ -49,14 +49,6 @@ async def run_copy(
             raise NotStarted(f"not started by {start_by:.3f}")
         return fn(*args)
     return await runner.run(fn, *args, hold=hold, lane=lane, start_by=start_by, uses=uses)
-
-
-class AbandonedAtClose(DeviceError):
-    """A device copy's wait ended at the close deadline (:meth:`CopyEngine.close_by`), not
-    by a failure: the copy never started, or still runs on the device, which may still
-    write its staging slots (then retired) or, a scatter, the caller's cache. No actor
-    crashes on it: its request is left to the close, which fails it (``PipelineClosed``) at
-    that deadline, as every request it cuts off; the engine logs a copy it leaves running."""
 
 
 class OrderMark(abc.ABC):
@@ -146,7 +138,7 @@ class CopyEngine(abc.ABC):
     def close_by(self, deadline: float) -> None:  # noqa: B027
         """Closing has begun: every wait of this engine (copies too) must end by
         ``deadline`` (event-loop clock); a copy still waiting then raises
-        :class:`AbandonedAtClose`. Default: nothing waits."""
+        :class:`~kvpipe._errors.AbandonedAtClose`. Default: nothing waits."""
 
     async def aclose(  # noqa: B027
         self, *, staging_in_use: bool = False, deadline: float | None = None

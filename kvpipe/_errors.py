@@ -138,5 +138,15 @@ class DeviceError(KVPipeError):
         self.code = code
 
 
+class AbandonedAtClose(DeviceError):
+    """A device copy's wait ended at the close deadline
+    (:meth:`~kvpipe._engine.CopyEngine.close_by`), not by a failure: the copy never started,
+    or still runs on the device, which may still write its staging slots (then retired) or,
+    a scatter, the caller's cache. No actor crashes on it: its request is left to the close,
+    which fails it (``PipelineClosed``) at that deadline, as every request it cuts off; the
+    engine logs a copy it leaves running. Internal (not exported): a caller of the engine
+    sees a :class:`DeviceError`."""
+
+
 class Unsupported(KVPipeError):
     """The requested feature is not available here (no driver, no package, no device)."""

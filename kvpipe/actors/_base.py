@@ -23,8 +23,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._cache import KVCache
 from .._clock import current_time
 from .._config import PipelineConfig
-from .._engine import AbandonedAtClose, CopyEngine, run_copy
-from .._errors import BackendError
+from .._engine import CopyEngine, run_copy
+from .._errors import AbandonedAtClose, BackendError
 from .._hostcopy import gather_sealed, seal_slots
 from .._keys import Scope, key_digest
 from .._layout import CacheLayout
@@ -125,7 +125,7 @@ class ActorContext:
             gather still waiting for a copy thread, say), which ends it: the caller learns
             by the deadline, not by the deadline guard's slack later. Or the engine
             abandoned a device gather at the close deadline
-            (:class:`~kvpipe._engine.AbandonedAtClose`): no crash, and the request is left
+            (:class:`~kvpipe._errors.AbandonedAtClose`): no crash, and the request is left
             to the close, which fails it (``PipelineClosed``) at that deadline.
 
         Cancellation: not shielded. A gather cut off leaves its thread running with its own

@@ -10,7 +10,7 @@ shielded from cancellation, so when a read ends nothing is still writing into it
 that has not started by the read's deadline (its job waited in the inbox, or the copy waited
 for a copy thread, device scratch, or the model's work on the read's stream) never starts:
 the read stops there as ``total_timeout``. A device copy whose wait the close deadline ended
-(:class:`~kvpipe._engine.AbandonedAtClose`) is no crash: its request is left to the close,
+(:class:`~kvpipe._errors.AbandonedAtClose`) is no crash: its request is left to the close,
 which fails it (``PipelineClosed``) at that deadline. Any other copy failure
 (:class:`~kvpipe.DeviceError`) is the swapper's crash: the request ends ``actor_crashed``.
 """
@@ -18,7 +18,7 @@ which fails it (``PipelineClosed``) at that deadline. Any other copy failure
 from __future__ import annotations
 
 from .._clock import current_time
-from .._engine import AbandonedAtClose
+from .._errors import AbandonedAtClose
 from .._hostcopy import scatter_values
 from .._plan import copy_plan
 from .._workers import NotStarted

@@ -30,8 +30,8 @@ import anyio.lowlevel
 
 from .._cache import KVCache
 from .._device_tensors import current_stream
-from .._engine import AbandonedAtClose, CopyEngine, OrderMark
-from .._errors import DeviceError, RequestError
+from .._engine import CopyEngine, OrderMark
+from .._errors import AbandonedAtClose, DeviceError, RequestError
 from .._plan import CopyPlan, layout_segments
 from .._shield import DeferredCancel, shielded
 from .._staging import StagingLease, stride_for
@@ -216,7 +216,7 @@ class CudaEngine(CopyEngine):
 
     def close_by(self, deadline: float) -> None:
         """Every wait of this engine ends by ``deadline``: one still pending then raises
-        :class:`~kvpipe._engine.AbandonedAtClose` (a :class:`DeviceError`); its staging
+        :class:`~kvpipe._errors.AbandonedAtClose` (a :class:`DeviceError`); its staging
         slots and scratch are retired (never reused or freed). A call not started by then
         (waiting for scratch or the producer) queues nothing."""
         if self._abandon_at is None or deadline < self._abandon_at:
@@ -233,7 +233,7 @@ class CudaEngine(CopyEngine):
             deadline: When closing must be over (event-loop clock; default ``drain_timeout``
                 from now): copies still waiting then are abandoned (see :meth:`close_by`).
                 One still waiting to start has queued nothing: it does not keep the memory
-                from being freed, and never starts (:class:`~kvpipe._engine.AbandonedAtClose`),
+                from being freed, and never starts (:class:`~kvpipe._errors.AbandonedAtClose`),
                 whichever of it and close the event loop wakes first at the deadline.
 
         Cancellation: shielded, from asyncio's own (``Task.cancel``) too, which is raised
