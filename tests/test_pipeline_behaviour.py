@@ -6,7 +6,7 @@ import gc
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -566,16 +566,7 @@ async def test_a_close_that_abandons_a_gather_out_of_the_cache_says_so_and_keeps
             errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
             assert any("do not free or reuse" in e and described in e for e in errors), errors
             del pipe, cache
-            gc.collect()
-            assert tensor() is not None, "nothing keeps the tensors the gather still reads"
-            caplog.clear()
-            go_on.set()
-            while tensor() is not None:  # until the thread has returned and let go of them
-                await anyio.sleep(0.01)
-                gc.collect()
-        ended = [r for r in caplog.records if "has ended" in r.getMessage()]
-        assert [r.levelname for r in ended] == ["WARNING"], ended
-        assert described in ended[0].getMessage()
+            await _kept_until_the_copy_ends(caplog, tensor, go_on, described)
         assert store.keys() == []  # the abandoned gather's blocks were never put
     finally:
         go_on.set()
@@ -663,18 +654,30 @@ async def test_a_close_that_abandons_a_read_copy_into_the_cache_is_bounded_and_s
             warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
             assert any(f"were cancelled: {copy}" in w and "were abandoned" in w for w in warnings)
             del pipe, cache
-            gc.collect()
-            assert tensor() is not None, "nothing keeps the tensors the copy still writes"
-            caplog.clear()
-            go_on.set()
-            while tensor() is not None:  # until the thread has returned and let go of them
-                await anyio.sleep(0.01)
-                gc.collect()
-        ended = [r for r in caplog.records if "has ended" in r.getMessage()]
-        assert [r.levelname for r in ended] == ["WARNING"], ended
-        assert described in ended[0].getMessage()
+            await _kept_until_the_copy_ends(caplog, tensor, go_on, described)
     finally:
         go_on.set()
+
+
+async def _kept_until_the_copy_ends(
+    caplog: pytest.LogCaptureFixture,
+    tensor: Callable[[], object],
+    go_on: threading.Event,
+    described: str,
+) -> None:
+    """The caller has let go of the pipeline and the cache: kvpipe still keeps the cache's
+    tensors (``tensor``: a weakref) while the abandoned copy runs; once it is let go on, they
+    are freed and its end is logged once, at WARNING, naming the cache (``described``)."""
+    gc.collect()
+    assert tensor() is not None, "nothing keeps the tensors the copy still uses"
+    caplog.clear()
+    go_on.set()
+    while tensor() is not None:  # until the thread has returned and let go of them
+        await anyio.sleep(0.01)
+        gc.collect()
+    ended = [r for r in caplog.records if "has ended" in r.getMessage()]
+    assert [r.levelname for r in ended] == ["WARNING"], ended
+    assert described in ended[0].getMessage()
 
 
 class _RecordingUnregisterStore(kvpipe.MemoryStore):
