@@ -760,16 +760,7 @@ class TestVirtualTime:
         after a failed copy", naming no cache. Now the request fails with ``PipelineClosed``
         either way, no actor crashes, and a copy left running on the device is logged at
         ERROR as abandoned at the close deadline, naming the cache it may still use."""
-        layout = LAYOUTS["gqa"]()
-        cache = fake_device_cache(fake, layout, 6)
-        fill_device(fake, cache, seed=6)
-        tokens = np.arange(2 * layout.block_size)
-        store = kvpipe.MemoryStore()
-        if kind == "read":
-            async with kvpipe.open_pipeline(
-                cache, store, config=_config(slice=2), device_driver=fake
-            ) as pipe:
-                assert (await pipe.write(tokens, [0, 1], stream=producer)).complete
+        cache, tokens, store = await _two_blocks(fake, producer, kind, seed=6)
         cfg = _config(slice=2, close_timeout=5, deadline_slack=60)
         gate = Gate()
         outcome: list[object] = []
@@ -843,16 +834,7 @@ class TestVirtualTime:
         request, before the close deadline, is a device failure, not a copy the close
         abandoned: the swapper crashes with it and the request ends ``actor_crashed``
         carrying the error (``docs/cuda.md``), as outside a close."""
-        layout = LAYOUTS["gqa"]()
-        cache = fake_device_cache(fake, layout, 6)
-        fill_device(fake, cache, seed=7)
-        tokens = np.arange(2 * layout.block_size)
-        store = kvpipe.MemoryStore()
-        if kind == "read":
-            async with kvpipe.open_pipeline(
-                cache, store, config=_config(slice=2), device_driver=fake
-            ) as pipe:
-                assert (await pipe.write(tokens, [0, 1], stream=producer)).complete
+        cache, tokens, store = await _two_blocks(fake, producer, kind, seed=7)
         cfg = _config(slice=2, close_timeout=50, deadline_slack=60)
         gate = Gate()
         results: list[kvpipe.WriteResult | kvpipe.ReadResult] = []
@@ -1049,3 +1031,21 @@ async def test_a_device_cache_round_trips_through_the_file_store(
     _assert_loaded_up_to(4, rows, before, device_rows(fake, dst))
     free_device_cache(fake, src)
     free_device_cache(fake, dst)
+
+
+async def _two_blocks(
+    fake: FakeDriver, producer: int, kind: str, seed: int
+) -> tuple[Any, Any, kvpipe.MemoryStore]:
+    """A 6-block GQA device cache filled from ``seed``, two blocks' tokens and a memory store,
+    which holds those two blocks already when ``kind`` is ``"read"``."""
+    layout = LAYOUTS["gqa"]()
+    cache = fake_device_cache(fake, layout, 6)
+    fill_device(fake, cache, seed=seed)
+    tokens = np.arange(2 * layout.block_size)
+    store = kvpipe.MemoryStore()
+    if kind == "read":
+        async with kvpipe.open_pipeline(
+            cache, store, config=_config(slice=2), device_driver=fake
+        ) as pipe:
+            assert (await pipe.write(tokens, [0, 1], stream=producer)).complete
+    return cache, tokens, store
