@@ -10,7 +10,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,21 @@ async def test_statistics_after_close_still_name_the_device_path(fake: FakeDrive
     free_device_cache(fake, src)
 
 
+async def _polled(fake: FakeDriver, polls: int, done: Callable[[], bool]) -> None:
+    """Return once the driver has answered ``polls`` event queries in all, or ``done()``.
+
+    With the model's op gated, the request's copy is then waiting for it (polling the
+    model's mark), or, queued without that wait, has been run by the driver's progress (a
+    violation the double raises): a count of polls, not a time, so a loaded machine cannot
+    end the wait before the request got there. (A 60 s guard against a hang, not a timing.)
+    """
+    with anyio.fail_after(60):
+        while True:
+            if fake.calls.count("event_query") >= polls or done():
+                return
+            await anyio.sleep(0.001)
+
+
 def _blocks_of(cache: kvpipe.KVCache, block: int) -> list[tuple[int, int]]:
     out = []
     for (role, _l), ptr in zip(cache.layout.tensor_order(), cache.pointers, strict=True):
@@ -119,8 +134,9 @@ async def test_write_stores_what_the_model_wrote_before_the_call(
                 assert (await pipe.write(tokens, [0, 1], stream=producer)).complete
                 done.set()
 
+            polls = fake.calls.count("event_query")
             tg.start_soon(write)
-            await anyio.sleep(0.05)
+            await _polled(fake, polls + 3, done.is_set)  # the write is at its gather
             assert not done.is_set()
             gate.open()
     other = fake_device_cache(fake, layout, 4)
@@ -155,9 +171,16 @@ async def test_read_does_not_overwrite_blocks_the_model_still_reads(
         label="model reads block 2",
     )
     async with kvpipe.open_pipeline(dst, store, config=_config(), device_driver=fake) as pipe:
+        done = anyio.Event()
+
+        async def read() -> None:
+            await pipe.read(tokens, [2], stream=producer)
+            done.set()
+
         async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(pipe.read, tokens, [2], stream=producer))
-            await anyio.sleep(0.05)
+            polls = fake.calls.count("event_query")
+            tg.start_soon(read)
+            await _polled(fake, polls + 3, done.is_set)  # the read is at its scatter
             gate.open()
     assert seen == [old]
     assert [fake.read_device(a, n) for a, n in ranges] == [
@@ -885,7 +908,9 @@ class TestVirtualTime:
             got = await pipe.read(tokens, ids, stream=producer)
             took = anyio.current_time() - start
             assert (got.loaded, got.stop_reason) == (3, "slice_timeout")
-            assert 4 <= took < 4.1
+            # Virtual seconds, but floats: the deadline (the clock when slice 1 began, plus
+            # 4) less ``start`` can come out one rounding under 4 (3.9999999999999996).
+            assert 4 - 1e-9 <= took < 4.1
             _assert_loaded_up_to(3, rows, before, device_rows(fake, dst))
             again = await pipe.read(tokens, ids, stream=producer)  # the third get: no script
             assert again.complete and again.loaded == 6
