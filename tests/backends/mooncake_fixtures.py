@@ -31,6 +31,18 @@ def make_client(server: LocalMooncake, segment: int = 512 << 20) -> Any:
     return client
 
 
+def remove_every_key(client: Any) -> None:
+    """Empty the master of every object, those read lately included (blocking).
+
+    A read gives its objects a lease (the master's ``default_kv_lease_ttl``, 10 s), and the
+    vendor's ``remove_all()`` skips leased objects: keys a test read just before stayed
+    stored, so the next test of the module (or a repeat of the same one) began with its own
+    keys stored already. ``force=True`` skips the lease check.
+    """
+    removed = client.remove_all(True)
+    assert removed >= 0, f"mooncake remove_all returned {removed}"
+
+
 @pytest.fixture(scope="module")
 def mooncake_client(mooncake: LocalMooncake) -> Iterator[Any]:
     """One client per module (``setup`` is quick, ``close`` takes ~2 s)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,6 +22,7 @@ from tests.backends.mooncake_fixtures import (  # noqa: F401
     make_client,
     mooncake,
     mooncake_client,
+    remove_every_key,
 )
 from tests.cuda.devcache import device_rows, fake_device_cache, fill_device, free_device_cache
 from tests.cuda.fake_driver import FakeDriver
@@ -38,7 +38,7 @@ class TestMooncakeConformance(BackendConformance):
         mooncake: LocalMooncake,  # noqa: F811
         mooncake_client: Any,  # noqa: F811
     ) -> AsyncIterator[StorageBackend]:
-        mooncake_client.remove_all()
+        remove_every_key(mooncake_client)
         async with kvpipe.MooncakeStore(
             mooncake.master_address,
             mooncake.metadata_url,
@@ -86,7 +86,7 @@ async def test_a_re_put_of_the_stored_bytes_leaves_the_value_alone(
     """The vendor's upsert of a stored key hides it while it runs and may remove it when it
     fails, so a put of the bytes a key already holds (every re-put of a content-derived key)
     writes nothing; only a different value is written over the stored one."""
-    mooncake_client.remove_all()
+    remove_every_key(mooncake_client)
     client = Recording(mooncake_client)
     keys, values = ["mc-same-a", "mc-same-b"], [b"\x01" * 4096, b"\x02" * 4096]
     async with _values(mooncake, client) as (store, vc):
@@ -110,7 +110,7 @@ async def test_a_key_that_failed_to_read_is_replaced_by_a_put_of_any_size(
     """A put of a stored key with a value of another size is refused (the vendor's upsert
     could drop the stored value), but not for a key this store distrusts: it failed to read,
     is not trusted by ``exists``, and a put must be able to store it anew."""
-    mooncake_client.remove_all()
+    remove_every_key(mooncake_client)
     async with _values(mooncake, mooncake_client) as (_, vc):
         assert await vc.put(["odd"], [b"\x01" * 8192]) == [BlockStatus.OK]
         assert await vc.put(["odd"], [b"\x02" * 4096]) == [BlockStatus.FAILED]
@@ -123,35 +123,39 @@ async def test_a_key_that_failed_to_read_is_replaced_by_a_put_of_any_size(
 
 
 class RacingWriter:
-    """A vendor client whose ``batch_put_from`` first lets another node (``other``, a client
-    of its own) begin a put of ``raced`` (a large value, so it is still in flight) and waits
-    until the master holds that put's object unfinished (a read answers ``-703``, not ready).
+    """A vendor client whose ``batch_put_from`` of ``raced`` first has another node
+    (``other``, a client of its own) begin a put of it that stays unfinished until the test
+    ends it (:meth:`end`): ``batch_put_session_start``, the first step of the vendor's put
+    (the master reserves the object) without its transfer and last step. The master holds
+    the object as while another node's put is midway: a read answers ``-703`` (not ready).
+    (A real put of a large value raced here before, and ended first on a loaded machine.)
     """
 
-    def __init__(self, client: Any, other: Any, raced: str, value: np.ndarray) -> None:
+    def __init__(self, client: Any, other: Any, raced: str, size: int) -> None:
         self.client = client
         self.other = other
         self.raced = raced
-        self.value = value
-        self.writer: threading.Thread | None = None
+        self.size = size
+        self.begun = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
 
     def batch_put_from(self, keys: list[str], *args: Any) -> Any:
-        if self.raced in keys and self.writer is None:
-            ptr, size = self.value.ctypes.data, self.value.nbytes
-            self.writer = threading.Thread(
-                target=self.other.batch_put_from, args=([self.raced], [ptr], [size])
-            )
-            self.writer.start()
+        if self.raced in keys and not self.begun:
+            started = self.other.batch_put_session_start([self.raced], [self.size])
+            assert list(started) == [0], started
+            self.begun = True
             probe = np.zeros(1, np.uint8)
-            while self.writer.is_alive():
-                got = self.client.batch_get_into([self.raced], [probe.ctypes.data], [1])
-                if got == [-703]:  # REPLICA_IS_NOT_READY: begun, not ended
-                    break
-                time.sleep(0.0005)
+            got = self.client.batch_get_into([self.raced], [probe.ctypes.data], [1])
+            assert got == [-703], got  # REPLICA_IS_NOT_READY: begun, not ended
         return self.client.batch_put_from(keys, *args)
+
+    def end(self) -> None:
+        """The other node's put ends (blocking)."""
+        if self.begun:
+            ended = self.other.batch_put_session_end([self.raced])
+            assert list(ended) == [0], ended
 
 
 async def test_a_key_another_node_is_still_putting_is_not_reported_stored(
@@ -161,25 +165,24 @@ async def test_a_key_another_node_is_still_putting_is_not_reported_stored(
     """Two nodes write the same prefix at once (content-derived keys). The vendor's put of a
     key whose put by another node has begun but not ended answers 0 (its "already exists"
     counts as success), though the key can be neither found nor read until that put ends,
-    and never if it fails. Such a block is not reported ``OK``; the others of the batch are."""
-    mooncake_client.remove_all()
+    and never if it fails. Such a block is not reported ``OK``; the others of the batch are;
+    and the other node's put, once ended, stores the key."""
+    remove_every_key(mooncake_client)
     other = await anyio.to_thread.run_sync(make_client, mooncake, 0)
-    value = np.full(256 << 20, 9, np.uint8)  # in flight for ~0.5 s
-    assert other.register_buffer(value.ctypes.data, value.nbytes) == 0
-    client = RacingWriter(mooncake_client, other, "raced", value)
+    client = RacingWriter(mooncake_client, other, "raced", 4096)
     try:
         async with _values(mooncake, client) as (store, vc):
             got = await vc.put(["alone", "raced"], [b"\x01" * 4096, b"\x02" * 4096])
-            in_flight = client.writer is not None and client.writer.is_alive()
+            assert client.begun, "the store put no batch with the raced key"
             found = mooncake_client.batch_is_exist(["alone", "raced"])
-            assert in_flight, "the other node's put ended before this one: no race to test"
             assert found == [1, 0], found
             assert got == [BlockStatus.OK, BlockStatus.FAILED], got
             assert store.statistics()["put_not_visible"] == 1
     finally:
-        if client.writer is not None:
-            await anyio.to_thread.run_sync(client.writer.join)
-        await anyio.to_thread.run_sync(other.close)
+        try:
+            await anyio.to_thread.run_sync(client.end)
+        finally:
+            await anyio.to_thread.run_sync(other.close)
     assert mooncake_client.batch_is_exist(["raced"]) == [1]  # the other node's, once ended
 
 
@@ -215,7 +218,7 @@ async def test_a_read_given_up_on_whose_call_then_reads_the_blocks_leaves_them_t
     Its keys are not trusted by ``exists`` while its vendor call runs on; once that call has
     read them, they are trusted again (they stayed distrusted until this store put them
     anew, so a node that only reads lost those prefix hits for good)."""
-    mooncake_client.remove_all()
+    remove_every_key(mooncake_client)
     client = HeldReads(mooncake_client)
     keys, values = ["held-a", "held-b"], [b"\x01" * 4096, b"\x02" * 4096]
     async with _values(mooncake, client) as (store, vc):
@@ -267,7 +270,7 @@ async def test_node_registry_repairs_itself_at_the_next_flush(
     and puts its node back, so such a loss lasts until that node's next flush, no longer."""
     from kvpipe.backends._mooncake_index import NODES_KEY
 
-    mooncake_client.remove_all()
+    remove_every_key(mooncake_client)
     now = 1.0
     async with kvpipe.MooncakeStore(
         mooncake.master_address, mooncake.metadata_url, client=mooncake_client
@@ -305,7 +308,7 @@ async def test_a_key_asked_twice_in_one_locate_reads_its_records(
     """The vendor's ``get_batch`` of a name asked twice fills only its last answer; the
     others hold whatever its transfer buffer held before (here: not JSON, a BackendError;
     a stale record of the same length would be returned as current)."""
-    mooncake_client.remove_all()
+    remove_every_key(mooncake_client)
     async with kvpipe.MooncakeStore(
         mooncake.master_address, mooncake.metadata_url, client=mooncake_client
     ) as store:
@@ -323,7 +326,7 @@ async def test_a_record_given_twice_in_one_flush_keeps_the_last(
 ) -> None:
     """``put_residency`` replaces a node's record for a key, in order, as the other stores
     do; the vendor's ``upsert_batch`` of a name given twice keeps the first value."""
-    mooncake_client.remove_all()
+    remove_every_key(mooncake_client)
     async with kvpipe.MooncakeStore(
         mooncake.master_address, mooncake.metadata_url, client=mooncake_client
     ) as store:
@@ -372,7 +375,7 @@ async def test_a_record_being_rewritten_is_still_located(
     name unreadable until it ends: a ``locate`` meanwhile found no record of the block (and
     stopped there), though the node held it before the flush and after. Every moment of a
     flush shows the record, the old or the new one."""
-    mooncake_client.remove_all()  # leased names stay: a key no other test uses
+    remove_every_key(mooncake_client)
     held = HeldRecordWrites(mooncake_client)
     old = kvpipe.ResidencyEntry("blk-rewritten", "node-a", kvpipe.Residency.GPU, 1.0)
     new = kvpipe.ResidencyEntry("blk-rewritten", "node-a", kvpipe.Residency.EVICTED, 2.0)
@@ -407,7 +410,7 @@ async def test_two_nodes_flushing_one_block_at_once_keep_both_records(
     """Each node's record of a block has names of its own, never a list the nodes share: a
     node flushing a block while another node's flush of it is midway loses neither record
     (a read-modify-write of one shared record would drop one of them)."""
-    mooncake_client.remove_all()  # leased names stay: a key no other test uses
+    remove_every_key(mooncake_client)
     held = HeldRecordWrites(mooncake_client)
     a = kvpipe.ResidencyEntry("blk-both", "node-a", kvpipe.Residency.GPU, 1.0)
     b = kvpipe.ResidencyEntry("blk-both", "node-b", kvpipe.Residency.CPU, 1.0)
@@ -583,7 +586,7 @@ async def test_a_device_cache_round_trips_through_mooncake(
     registers the engine's pinned staging and moves values from and into it, the partial
     last block included; both pipelines unregister it at close."""
 
-    mooncake_client.remove_all()
+    remove_every_key(mooncake_client)
     fake = FakeDriver()
     fake.open(0)
     fake.make_current()
