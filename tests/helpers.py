@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
 import sysconfig
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -84,13 +86,17 @@ LAYOUTS = {
 }
 
 
-async def until(pred: Callable[[], bool], limit: int = 10_000) -> None:
-    """Yield to other tasks until ``pred()`` holds (no sleeping; bounded)."""
-    for _ in range(limit):
+async def until(pred: Callable[[], bool], limit: int = 10_000, wall: float = 10.0) -> None:
+    """Yield to other tasks until ``pred()`` holds (no sleeping, so virtual time stands
+    still); gives up after ``limit`` yields and ``wall`` real seconds both: a condition that
+    waits on a worker thread gets its time on a loaded machine too."""
+    started = time.monotonic()
+    for i in itertools.count():
         if pred():
             return
+        if i >= limit and time.monotonic() - started > wall:
+            raise AssertionError("condition never became true")
         await anyio.lowlevel.checkpoint()
-    raise AssertionError("condition never became true")
 
 
 async def checkpoints(n: int = 20) -> None:

@@ -304,7 +304,7 @@ class Catalog:
                     "writes are refused until the store is reopened with room",
                     self.path,
                     mode,
-                    cause,
+                    str(cause),  # text: a kept record would hold the error's frames
                 )
             return
         self.read_only = None
