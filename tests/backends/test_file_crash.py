@@ -82,16 +82,43 @@ async def wait_for_temp_file(root: Path, worker: Worker) -> None:
         await anyio.sleep(0.0005)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` has stopped (a SIGSTOP has taken effect)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+    return all(state in "tT" for state in states)
+
+
+async def stop_mid_write(root: Path, worker: Worker) -> None:
+    """Freeze the worker (SIGSTOP) at a moment it has a temporary block file on disk. A
+    file seen on disk may be renamed before the stop takes effect (a loaded machine runs the
+    worker on meanwhile): then it is let go on (SIGCONT) and caught at its next one."""
+    pid, mine = worker.process.pid, f".{worker.process.pid}."
+    while True:
+        await wait_for_temp_file(root, worker)
+        os.kill(pid, signal.SIGSTOP)
+        while not _stopped(pid):  # noqa: ASYNC110 (polling /proc: no event to wait on)
+            await anyio.sleep(0.0005)
+        if any(mine in path for path in temp_files(root)):
+            return
+        os.kill(pid, signal.SIGCONT)
+
+
 async def kill_during_writes(root: Path, k: int, delay: float | None) -> Run:
-    """Start a writer, wait for its first write, then SIGKILL it after ``delay`` s (or as
-    soon as it has a temporary file on disk, for ``None``), and reap it."""
+    """Start a writer, wait for its first write, then SIGKILL it after ``delay`` s (or, for
+    ``None``, frozen while it has a temporary file on disk: :func:`stop_mid_write`), and
+    reap it."""
     run = Run(delay)
     args = ("crash", str(root), "--seed", str(SEED), "--first", str(k * FIRST_OF_RUN))
     async with start_worker(*args, "--blocks", str(BLOCKS), "--max-seconds", "20") as worker:
         first = await worker.readline()
         assert first.startswith("start "), f"worker said {first!r}; stderr:\n{worker.errors}"
         if delay is None:
-            await wait_for_temp_file(root, worker)
+            await stop_mid_write(root, worker)
         else:
             await anyio.sleep(delay)
         assert worker.process.returncode is None, f"worker exited; stderr:\n{worker.errors}"
