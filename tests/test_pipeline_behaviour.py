@@ -552,15 +552,7 @@ async def test_a_close_that_abandons_a_gather_out_of_the_cache_says_so_and_keeps
     try:
         with caplog.at_level(logging.INFO, "kvpipe"), anyio.fail_after(30):  # a hang guard
             async with kvpipe.open_pipeline(cache, store, config=config) as pipe:
-
-                async def write(p: kvpipe.Pipeline) -> None:
-                    with pytest.raises(kvpipe.PipelineClosed):
-                        await p.write(np.arange(4 * BLOCK), np.arange(4))
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(write, pipe)
-                    assert await anyio.to_thread.run_sync(entered.wait, 30)
-                    await pipe.aclose()
+                await _close_while_writing(pipe, entered)
             # Closed, by its bound: the gather still reads the cache.
             assert not go_on.is_set() and pipe.statistics().threads_running == 1
             errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -659,6 +651,20 @@ async def test_a_close_that_abandons_a_read_copy_into_the_cache_is_bounded_and_s
         go_on.set()
 
 
+async def _close_while_writing(pipe: kvpipe.Pipeline, entered: threading.Event) -> None:
+    """Start a 4-block write, wait until its gather has begun in its thread (``entered``),
+    then close the pipeline; the write fails with :class:`kvpipe.PipelineClosed`."""
+
+    async def write() -> None:
+        with pytest.raises(kvpipe.PipelineClosed):
+            await pipe.write(np.arange(4 * BLOCK), np.arange(4))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(write)
+        assert await anyio.to_thread.run_sync(entered.wait, 30)
+        await pipe.aclose()
+
+
 async def _kept_until_the_copy_ends(
     caplog: pytest.LogCaptureFixture,
     tensor: Callable[[], object],
@@ -737,17 +743,9 @@ async def test_a_copy_that_ends_just_past_the_close_deadline_is_not_abandoned(
     try:
         with caplog.at_level(logging.INFO, "kvpipe"), anyio.fail_after(30):  # a hang guard
             async with kvpipe.open_pipeline(_cache(), store, config=config) as pipe:
-
-                async def write(p: kvpipe.Pipeline) -> None:
-                    with pytest.raises(kvpipe.PipelineClosed):
-                        await p.write(np.arange(4 * BLOCK), np.arange(4))
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(write, pipe)
-                    assert await anyio.to_thread.run_sync(entered.wait, 30)
-                    await pipe.aclose()
-                    deadline = pipe._runtime.close_deadline
-                    assert deadline is not None and anyio.current_time() >= deadline
+                await _close_while_writing(pipe, entered)
+                deadline = pipe._runtime.close_deadline
+                assert deadline is not None and anyio.current_time() >= deadline
         assert go_on.is_set()
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert errors == []

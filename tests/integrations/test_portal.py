@@ -153,6 +153,19 @@ class _FailsToExit:
         raise kvpipe.BackendError("memory", "close", "injected")
 
 
+def _entered_failing_to_exit(loop: LoopThread, early: bool) -> weakref.ref[object]:
+    """Enter a :class:`_FailsToExit` in ``loop`` and keep no reference to it (its exit
+    started now when ``early``: its outcome is read once it ends, close() or not, else left
+    to ``close()``); returns a weak reference to what it holds."""
+    cm = _FailsToExit()
+    ref: weakref.ref[object] = weakref.ref(cm.held)
+    _, leave_soon = loop.enter(cm, wait=30.0)
+    del cm, _
+    if early:
+        leave_soon()
+    return ref
+
+
 @pytest.mark.parametrize("early", [True, False], ids=["leave-soon", "at-close"])
 def test_an_exit_that_raised_leaves_no_cycle(
     early: bool, no_cyclic_gc: None, monkeypatch: pytest.MonkeyPatch
@@ -170,13 +183,7 @@ def test_an_exit_that_raised_leaves_no_cycle(
     monkeypatch.setattr(_portal.log, "handlers", [logging.NullHandler()])
     loop = LoopThread("test-exit-cycle")
     try:
-        cm = _FailsToExit()
-        ref = weakref.ref(cm.held)
-        _, leave_soon = loop.enter(cm, wait=30.0)
-        del cm, _
-        if early:
-            leave_soon()  # its outcome is read once it ends, close() or not
-        del leave_soon
+        ref = _entered_failing_to_exit(loop, early)
     finally:
         assert loop.close() is True
     lt = weakref.ref(loop)
@@ -247,13 +254,7 @@ def test_a_kept_record_of_an_exit_that_raised_keeps_nothing_alive(
     loop = LoopThread("test-exit-record")
     with caplog.at_level(logging.ERROR, "kvpipe.integrations"):
         try:
-            cm = _FailsToExit()
-            ref = weakref.ref(cm.held)
-            _, leave_soon = loop.enter(cm, wait=30.0)
-            del cm, _
-            if early:
-                leave_soon()
-            del leave_soon
+            ref = _entered_failing_to_exit(loop, early)
         finally:
             assert loop.close() is True
     (record,) = [r for r in caplog.records if "error while closing" in r.getMessage()]
